@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Installs shoestring's build dependencies from Debian's packages.
+# Idempotent: only packages that are missing are installed.
+set -euo pipefail
+
+PKGS=(
+  build-essential cmake ninja-build ccache pkg-config
+  libtorch-dev libgloo-dev          # tensors, autograd, kernels; c10d's Gloo headers
+  python3-torch                     # reference vectors for tests (scripts/gen_*.py)
+  libtomlplusplus-dev               # config
+  libcli11-dev                      # command line
+  nlohmann-json3-dev                # JSON (safetensors header, metrics)
+  libstb-dev                        # image read/write/resize
+  libfmt-dev libspdlog-dev          # logs
+  libgtest-dev libgmock-dev libbenchmark-dev
+)
+
+missing=()
+# npm fetches the Twemoji dataset tarball; a machine may already have it from nodejs.
+if ! command -v npm >/dev/null 2>&1; then PKGS+=(npm); fi
+for p in "${PKGS[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "setup: all dependencies present"
+  exit 0
+fi
+
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+echo "setup: installing ${missing[*]}"
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -qq
+$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"

@@ -1,0 +1,2 @@
+#include <iostream>
+int main() { std::cout << "shoestring\n"; return 0; }

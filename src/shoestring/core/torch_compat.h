@@ -1,0 +1,12 @@
+// The one place where differences between libtorch versions are guarded.
+// Supported: libtorch >= 1.13 (Debian 12 ships 1.13.1), CPU or CUDA.
+#pragma once
+#include <torch/version.h>
+
+#define SHOESTRING_TORCH_AT_LEAST(major, minor) \
+  (TORCH_VERSION_MAJOR > (major) ||             \
+   (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
+
+// Native float8 dtypes (at::kFloat8_e4m3fn, at::kFloat8_e5m2) exist from 2.1.
+// Before that, F8 tensors are carried as raw bytes (uint8).
+#define SHOESTRING_HAS_FLOAT8 SHOESTRING_TORCH_AT_LEAST(2, 1)
