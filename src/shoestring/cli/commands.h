@@ -1,0 +1,19 @@
+// Subcommands of the `shoestring` executable, one file each under cli/.
+// Each register_* adds its subcommand (options + callback) to the app;
+// callbacks throw shoestring::Error on bad input, which main() prints.
+#pragma once
+
+namespace CLI {
+class App;
+}
+
+namespace shoestring::cli {
+
+/// `shoestring train CONFIG [--set k=v]... [--max-steps N] [--output-dir DIR] [--resume RUN_DIR]`
+void register_train(CLI::App& app);
+/// `shoestring sample CHECKPOINT --prompt TEXT... [--steps N] [--cfg X] [--seed S] --out FILE.png`
+void register_sample(CLI::App& app);
+/// `shoestring inspect FILE.safetensors [--json]`
+void register_inspect(CLI::App& app);
+
+}  // namespace shoestring::cli
