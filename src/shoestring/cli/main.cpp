@@ -1,2 +1,31 @@
-#include <iostream>
-int main() { std::cout << "shoestring\n"; return 0; }
+// The `shoestring` command line: train, sample, inspect.
+#include <CLI/CLI.hpp>
+#include <spdlog/spdlog.h>
+
+#include "shoestring/cli/commands.h"
+#include "shoestring/core/error.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"shoestring: train diffusion image models on small-memory hardware"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", "shoestring 0.1.0");
+  shoestring::cli::register_train(app);
+  shoestring::cli::register_sample(app);
+  shoestring::cli::register_inspect(app);
+  spdlog::set_pattern("[%H:%M:%S] %^%l%$ %v");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  } catch (const shoestring::Error& e) {
+    fmt::print(stderr, "error: {}\n", e.what());
+    return 1;
+  } catch (const c10::Error& e) {
+    fmt::print(stderr, "error (libtorch): {}\n", e.what_without_backtrace());
+    return 1;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "error: {}\n", e.what());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The main job (README): install dependencies, build, fetch the Twemoji set,
+# train the emoji example, and write sample grids.
+# Extra arguments go to `shoestring train`, e.g. --max-steps 200 or --set seed=1.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+"$root/scripts/setup.sh"
+"$root/scripts/build.sh" shoestring
+"$root/scripts/fetch_twemoji.sh"
+out="${SHOESTRING_RUN_DIR:-$root/runs/emoji-$(date +%Y%m%d-%H%M%S)}"
+"$root/build/shoestring" train "$root/examples/emoji.toml" --output-dir "$out" "$@"
+"$root/build/shoestring" sample "$out/model.safetensors" \
+  --prompt "grinning face" --prompt "red heart" --prompt "sun" --prompt "green apple" \
+  --count 6 --out "$out/final_samples.png"
+echo "run folder: $out"
+echo "sample grids: $out/samples/ and $out/final_samples.png"

@@ -1,0 +1,73 @@
+// `shoestring sample CHECKPOINT --prompt TEXT [--prompt TEXT]... [--steps N] [--cfg X] [--seed S] --out FILE.png`
+#include <CLI/CLI.hpp>
+#include <spdlog/spdlog.h>
+#include <torch/torch.h>
+
+#include "shoestring/cli/commands.h"
+#include "shoestring/core/error.h"
+#include "shoestring/data/tokenizer.h"
+#include "shoestring/io/safetensors.h"
+#include "shoestring/train/checkpoint_io.h"
+#include "shoestring/train/diffusion_model.h"
+#include "shoestring/train/sampling.h"
+
+namespace shoestring::cli {
+
+namespace {
+nlohmann::json metadata_json(const SafetensorsFile& file, const std::string& key) {
+  auto it = file.metadata().find(key);
+  if (it == file.metadata().end()) {
+    fail("{}: not a shoestring model checkpoint (metadata '{}' is missing)", file.path(), key);
+  }
+  try {
+    return nlohmann::json::parse(it->second);
+  } catch (const nlohmann::json::exception& e) {
+    fail("{}: metadata '{}' is not valid JSON: {}", file.path(), key, e.what());
+  }
+}
+}  // namespace
+
+void register_sample(CLI::App& app) {
+  struct Args {
+    std::string checkpoint;
+    std::vector<std::string> prompts;
+    int64_t steps = 30;
+    double cfg = 4.0;
+    int64_t seed = 0;
+    int64_t count = 4;
+    std::string out;
+  };
+  auto args = std::make_shared<Args>();
+  CLI::App* cmd = app.add_subcommand("sample", "generate images from a trained checkpoint");
+  cmd->add_option("checkpoint", args->checkpoint, "model .safetensors written by shoestring train")
+      ->required();
+  cmd->add_option("--prompt", args->prompts, "prompt (repeatable; one grid row each)")->required();
+  cmd->add_option("--steps", args->steps, "Euler steps")->check(CLI::Range(1, 1000));
+  cmd->add_option("--cfg", args->cfg, "classifier-free guidance scale (1 = off)")->check(CLI::Range(0.0, 100.0));
+  cmd->add_option("--seed", args->seed, "first seed; columns use seed, seed+1, ...")->check(CLI::NonNegativeNumber);
+  cmd->add_option("--count", args->count, "images per prompt (grid columns)")->check(CLI::Range(1, 64));
+  cmd->add_option("--out", args->out, "output PNG")->required();
+  cmd->callback([args] {
+    auto file = SafetensorsFile::open(args->checkpoint);
+    auto options = DiffusionModelOptions::from_json(metadata_json(file, "model_config"));
+    auto tokenizer = WordTokenizer::from_json(metadata_json(file, "tokenizer"));
+    DiffusionModel model(options);
+    std::map<std::string, at::Tensor> tensors;
+    for (const auto& info : file.tensors()) tensors[info.name] = file.get(info.name);
+    // Keep the checkpoint's storage dtype (bf16 runs sample in bf16).
+    if (!tensors.empty() && tensors.begin()->second.scalar_type() == torch::kBFloat16) {
+      model->to(torch::kBFloat16);
+    }
+    load_module(*model, tensors, file.path());
+    SampleRequest req;
+    req.prompts = args->prompts;
+    for (int64_t i = 0; i < args->count; ++i) req.seeds.push_back(static_cast<uint64_t>(args->seed + i));
+    req.steps = args->steps;
+    req.cfg = args->cfg;
+    at::Tensor images = generate_images(model, tokenizer, req);
+    save_sample_grid(args->out, images, req);
+    spdlog::info("wrote {} ({} prompts x {} seeds)", args->out, req.prompts.size(), req.seeds.size());
+  });
+}
+
+}  // namespace shoestring::cli

@@ -1,0 +1,51 @@
+// `shoestring train CONFIG [--set key=value]... [--max-steps N] [--output-dir DIR] [--resume RUN_DIR]`
+#include <filesystem>
+
+#include <CLI/CLI.hpp>
+
+#include "shoestring/cli/commands.h"
+#include "shoestring/core/error.h"
+#include "shoestring/train/config.h"
+#include "shoestring/train/trainer.h"
+
+namespace shoestring::cli {
+namespace fs = std::filesystem;
+
+void register_train(CLI::App& app) {
+  struct Args {
+    std::string config;
+    std::vector<std::string> sets;
+    int64_t max_steps = 0;
+    std::string output_dir;
+    std::string resume;
+  };
+  auto args = std::make_shared<Args>();
+  CLI::App* cmd = app.add_subcommand("train", "train a model (or resume a run)");
+  cmd->add_option("config", args->config,
+                  "run config (TOML); optional with --resume, which reads RUN_DIR/config.toml");
+  cmd->add_option("--set", args->sets, "override a config key: --set learning_rate=2e-4 (repeatable)");
+  cmd->add_option("--max-steps", args->max_steps, "override max_train_steps (cumulative across resumes)")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--output-dir", args->output_dir, "override output_dir (the run folder)");
+  cmd->add_option("--resume", args->resume, "continue the run in RUN_DIR from its latest checkpoint");
+  cmd->callback([args] {
+    std::vector<std::string> sets = args->sets;
+    if (args->max_steps > 0) sets.push_back(fmt::format("max_train_steps={}", args->max_steps));
+    TrainRunOptions options;
+    std::string config_path = args->config;
+    if (!args->resume.empty()) {
+      if (!fs::is_directory(args->resume)) fail("--resume '{}': not a run folder", args->resume);
+      if (config_path.empty()) config_path = (fs::path(args->resume) / "config.toml").string();
+      options.resume_dir = args->resume;
+      if (!args->output_dir.empty()) fail("--output-dir cannot be combined with --resume (the run continues in RUN_DIR)");
+    } else if (config_path.empty()) {
+      fail("train: a CONFIG file is required (or --resume RUN_DIR)");
+    }
+    if (!fs::exists(config_path)) fail("config file '{}' does not exist", config_path);
+    if (!args->output_dir.empty()) sets.push_back("output_dir=\"" + args->output_dir + "\"");
+    TrainConfig config = load_config(config_path, sets);
+    train(config, options);
+  });
+}
+
+}  // namespace shoestring::cli

@@ -1,0 +1,170 @@
+#include "shoestring/optim/optimizer.h"
+
+#include <sstream>
+
+#include <torch/torch.h>
+
+#include "shoestring/core/error.h"
+#include "shoestring/core/memory_ledger.h"
+#include "shoestring/core/stochastic_rounding.h"
+
+namespace shoestring {
+
+Optimizer::Optimizer(std::vector<OptimParam> params, OptimizerOptions options)
+    : params_(std::move(params)), options_(options), state_(params_.size()) {}
+
+void Optimizer::step(double lr, double grad_scale) {
+  torch::NoGradGuard no_grad;
+  ++step_count_;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const at::Tensor& g = params_[i].param.grad();
+    if (!g.defined()) continue;
+    if (grad_scale != 1.0) {
+      update(i, g.to(torch::kFloat32).mul_(grad_scale), lr, step_count_);
+    } else {
+      update(i, g, lr, step_count_);
+    }
+  }
+}
+
+void Optimizer::write_param(size_t index, const at::Tensor& value, int64_t step) {
+  at::Tensor& p = params_[index].param;
+  if (p.scalar_type() == torch::kFloat32) {
+    if (!value.is_same(p)) p.copy_(value);
+    return;
+  }
+  if (options_.stochastic_rounding &&
+      (p.scalar_type() == torch::kBFloat16 || p.scalar_type() == torch::kFloat16)) {
+    RoundingKey key{options_.seed, static_cast<uint64_t>(step), static_cast<uint64_t>(index)};
+    at::Tensor src = value.contiguous();
+    if (p.is_contiguous()) {
+      stochastic_round_into(src, p, key);
+    } else {
+      p.copy_(stochastic_round(src, p.scalar_type(), key));
+    }
+    return;
+  }
+  p.copy_(value);  // round-to-nearest
+}
+
+at::Tensor& Optimizer::state(size_t index, const std::string& name) { return state_[index][name]; }
+
+bool Optimizer::has_state(size_t index, const std::string& name) const {
+  auto it = state_[index].find(name);
+  return it != state_[index].end() && it->second.defined();
+}
+
+std::vector<std::pair<std::string, at::Tensor>> Optimizer::state_tensors() const {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    for (const auto& [name, t] : state_[i]) {
+      if (t.defined()) out.emplace_back(params_[i].name + "." + name, t);
+    }
+  }
+  return out;
+}
+
+void Optimizer::load_state_tensors(const std::map<std::string, at::Tensor>& tensors) {
+  torch::NoGradGuard no_grad;
+  ScopedMemoryCategory category(MemoryCategory::optimizer_state);
+  std::map<std::string, std::pair<size_t, std::string>> expected;
+  for (size_t i = 0; i < params_.size(); ++i) state_[i].clear();
+  for (const auto& [key, t] : tensors) {
+    // Keys are "<param name>.<state name>"; parameter names contain dots, so
+    // match against the known parameter names rather than splitting.
+    bool found = false;
+    for (size_t i = 0; i < params_.size() && !found; ++i) {
+      const std::string& pn = params_[i].name;
+      if (key.size() > pn.size() + 1 && key.compare(0, pn.size(), pn) == 0 && key[pn.size()] == '.') {
+        std::string sname = key.substr(pn.size() + 1);
+        if (sname.find('.') != std::string::npos) continue;  // belongs to a longer parameter name
+        state_[i][sname] = t.clone();
+        found = true;
+      }
+    }
+    if (!found) fail("optimizer state: tensor '{}' matches no trainable parameter", key);
+  }
+}
+
+int64_t Optimizer::state_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& m : state_) {
+    for (const auto& [name, t] : m) {
+      if (t.defined()) bytes += t.numel() * t.element_size();
+    }
+  }
+  return bytes;
+}
+
+AdamW::AdamW(std::vector<OptimParam> params, AdamWOptions adam, OptimizerOptions options)
+    : Optimizer(std::move(params), options), adam_(adam) {}
+
+void AdamW::update(size_t index, const at::Tensor& grad_in, double lr, int64_t step) {
+  at::Tensor& live = params_[index].param;
+  const double wd = params_[index].weight_decay;
+  if (!has_state(index, "exp_avg")) {
+    ScopedMemoryCategory category(MemoryCategory::optimizer_state);
+    state(index, "exp_avg") = torch::zeros(live.sizes(), live.options().dtype(torch::kFloat32));
+    state(index, "exp_avg_sq") = torch::zeros(live.sizes(), live.options().dtype(torch::kFloat32));
+  }
+  at::Tensor& m = state(index, "exp_avg");
+  at::Tensor& v = state(index, "exp_avg_sq");
+  at::Tensor grad = grad_in.scalar_type() == torch::kFloat32 ? grad_in : grad_in.to(torch::kFloat32);
+  // fp32 weights are updated in place; low-precision ones through an fp32 copy.
+  at::Tensor p = live.scalar_type() == torch::kFloat32 ? live : live.to(torch::kFloat32);
+
+  // Same operation order as torch.optim.AdamW (_single_tensor_adamw, 1.13).
+  p.mul_(1.0 - lr * wd);
+  m.mul_(adam_.beta1).add_(grad, 1.0 - adam_.beta1);
+  v.mul_(adam_.beta2).addcmul_(grad, grad, 1.0 - adam_.beta2);
+  const double bias_correction1 = 1.0 - std::pow(adam_.beta1, static_cast<double>(step));
+  const double bias_correction2 = 1.0 - std::pow(adam_.beta2, static_cast<double>(step));
+  const double step_size = lr / bias_correction1;
+  at::Tensor denom = (v.sqrt() / std::sqrt(bias_correction2)).add_(adam_.eps);
+  p.addcdiv_(m, denom, -step_size);
+  write_param(index, p, step);
+}
+
+namespace {
+double parse_double(const std::string& key, const std::string& value) {
+  try {
+    size_t used = 0;
+    double d = std::stod(value, &used);
+    if (used != value.size()) throw std::invalid_argument(value);
+    return d;
+  } catch (const std::exception&) {
+    fail("optimizer_args: '{}={}' is not a number", key, value);
+  }
+}
+}  // namespace
+
+AdamWOptions parse_adamw_args(const std::vector<std::string>& args) {
+  AdamWOptions o;
+  for (const auto& a : args) {
+    auto eq = a.find('=');
+    if (eq == std::string::npos) fail("optimizer_args: \"{}\" must look like key=value", a);
+    std::string key = a.substr(0, eq), value = a.substr(eq + 1);
+    if (key == "weight_decay") {
+      o.weight_decay = parse_double(key, value);
+    } else if (key == "eps") {
+      o.eps = parse_double(key, value);
+    } else if (key == "betas") {
+      auto comma = value.find(',');
+      if (comma == std::string::npos) fail("optimizer_args: betas=\"{}\" must be two numbers, b1,b2", value);
+      o.beta1 = parse_double(key, value.substr(0, comma));
+      o.beta2 = parse_double(key, value.substr(comma + 1));
+    } else {
+      fail("optimizer_args: unknown argument '{}' for AdamW (valid: weight_decay, betas, eps)", key);
+    }
+  }
+  if (o.beta1 < 0 || o.beta1 >= 1 || o.beta2 < 0 || o.beta2 >= 1) {
+    fail("optimizer_args: betas must be in [0, 1) (got {},{})", o.beta1, o.beta2);
+  }
+  if (o.eps <= 0) fail("optimizer_args: eps must be > 0 (got {})", o.eps);
+  if (o.weight_decay < 0) fail("optimizer_args: weight_decay must be >= 0 (got {})", o.weight_decay);
+  return o;
+}
+
+bool default_no_decay(const std::string& name, const at::Tensor& param) { return param.dim() < 2; }
+
+}  // namespace shoestring

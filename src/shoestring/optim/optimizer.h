@@ -1,0 +1,108 @@
+// Optimizer interface shared by every optimizer in optim/.
+//
+// Parameters are updated one at a time (never a temporary the size of the
+// whole model). A parameter's storage dtype decides how an update lands:
+//  - fp32: the update is applied in place (fp32 master weights);
+//  - bf16 / fp16 with stochastic_rounding: the new value is computed in fp32
+//    and stochastically rounded back (unbiased; see core/stochastic_rounding.h),
+//    keyed by (seed, step, parameter id) so a resumed run rounds identically;
+//  - bf16 / fp16 without it: round-to-nearest (kept for comparison only:
+//    updates below half an ulp are lost).
+// Weight decay is decoupled (Loshchilov & Hutter 2019) and applied in fp32
+// inside the same rounding, so it is never silently lost.
+#pragma once
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+namespace shoestring {
+
+/// One trainable parameter as the optimizer sees it.
+struct OptimParam {
+  std::string name;    ///< dotted module path, e.g. "unet.down.0.res.0.conv1.weight"
+  at::Tensor param;    ///< the live parameter (fp32, bf16 or fp16)
+  double weight_decay; ///< decoupled weight decay for this parameter (0 for norms and biases)
+};
+
+/// Options common to all optimizers.
+struct OptimizerOptions {
+  bool stochastic_rounding = true;  ///< SR for low-precision weights (else round-to-nearest)
+  uint64_t seed = 0;                ///< rounding seed (combined with step and parameter index)
+};
+
+/// Base class. Subclasses implement update() for one parameter.
+class Optimizer {
+ public:
+  Optimizer(std::vector<OptimParam> params, OptimizerOptions options);
+  virtual ~Optimizer() = default;
+
+  /// Applies one optimizer step to every parameter whose gradient is defined.
+  /// lr: learning rate for this step. grad_scale: multiplier applied to every
+  /// gradient first (global-norm clipping; 1 = none). Increments step_count().
+  void step(double lr, double grad_scale = 1.0);
+
+  /// Updates parameter `index` from `grad` (any float dtype, same shape) at
+  /// optimizer step `step` (1-based, as torch.optim counts). Used by step().
+  virtual void update(size_t index, const at::Tensor& grad, double lr, int64_t step) = 0;
+
+  /// Optimizer state as named tensors ("<param name>.<state name>") for the
+  /// training-state checkpoint, plus the step counter.
+  virtual std::vector<std::pair<std::string, at::Tensor>> state_tensors() const;
+  /// Restores state saved by state_tensors(). Throws shoestring::Error naming
+  /// the tensor when one is missing or has the wrong shape or dtype.
+  virtual void load_state_tensors(const std::map<std::string, at::Tensor>& tensors);
+
+  int64_t step_count() const { return step_count_; }
+  void set_step_count(int64_t s) { step_count_ = s; }
+  const std::vector<OptimParam>& params() const { return params_; }
+  /// Bytes of optimizer state currently held.
+  int64_t state_bytes() const;
+
+ protected:
+  /// Writes `value` (fp32, same shape) into params_[index].param, rounding as
+  /// documented above.
+  void write_param(size_t index, const at::Tensor& value, int64_t step);
+  /// State tensor `name` of parameter `index`, created by `init` on first use.
+  at::Tensor& state(size_t index, const std::string& name);
+  bool has_state(size_t index, const std::string& name) const;
+
+  std::vector<OptimParam> params_;
+  OptimizerOptions options_;
+  int64_t step_count_ = 0;
+  std::vector<std::map<std::string, at::Tensor>> state_;
+};
+
+/// AdamW with decoupled weight decay (Loshchilov & Hutter 2019,
+/// arXiv 1711.05101), matching torch.optim.AdamW (amsgrad=False):
+///   p <- p (1 - lr wd); m <- b1 m + (1-b1) g; v <- b2 v + (1-b2) g^2;
+///   p <- p - lr/(1-b1^t) * m / (sqrt(v)/sqrt(1-b2^t) + eps).
+/// State: exp_avg, exp_avg_sq in fp32 (8 bytes/parameter).
+struct AdamWOptions {
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 1e-2;
+};
+
+class AdamW : public Optimizer {
+ public:
+  AdamW(std::vector<OptimParam> params, AdamWOptions adam, OptimizerOptions options);
+  void update(size_t index, const at::Tensor& grad, double lr, int64_t step) override;
+
+ private:
+  AdamWOptions adam_;
+};
+
+/// Parses kohya-style optimizer_args ("weight_decay=0.01", "betas=0.9,0.999",
+/// "eps=1e-8") for `optimizer_type`. Throws shoestring::Error for an unknown
+/// optimizer (listing valid names) or argument (listing valid arguments).
+AdamWOptions parse_adamw_args(const std::vector<std::string>& args);
+
+/// True for parameters that take no weight decay by default: biases and
+/// normalization weights (every tensor with fewer than 2 dimensions).
+bool default_no_decay(const std::string& name, const at::Tensor& param);
+
+}  // namespace shoestring

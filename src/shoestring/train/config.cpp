@@ -1,0 +1,391 @@
+#include "shoestring/train/config.h"
+
+#include <cstdlib>
+#include <limits>
+#include <sstream>
+#include <variant>
+
+#include <toml++/toml.h>
+
+#include "shoestring/core/error.h"
+#include "shoestring/io/atomic_file.h"
+
+namespace shoestring {
+namespace {
+
+using Member = std::variant<bool TrainConfig::*, int64_t TrainConfig::*, double TrainConfig::*,
+                            std::string TrainConfig::*, std::vector<int64_t> TrainConfig::*,
+                            std::vector<std::string> TrainConfig::*>;
+
+/// One schema entry: key, where it lives in TrainConfig, what is allowed.
+struct Field {
+  const char* key;
+  Member member;
+  const char* help;
+  double min = -std::numeric_limits<double>::infinity();  ///< numbers and list elements
+  double max = std::numeric_limits<double>::infinity();
+  std::vector<std::string> choices = {};                   ///< strings
+};
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+const std::vector<Field>& schema() {
+  static const std::vector<Field> fields = {
+      {"train_data_dir", &TrainConfig::train_data_dir,
+       "dataset folder: Twemoji package (emoji.json) or kohya layout (image + .txt)"},
+      {"resolution", &TrainConfig::resolution, "training resolution in pixels (square)", 8, 1024},
+      {"caption_dropout_rate", &TrainConfig::caption_dropout_rate,
+       "probability of training on an empty caption (classifier-free guidance)", 0, 1},
+      {"max_caption_length", &TrainConfig::max_caption_length, "caption tokens incl. <bos>", 2, 512},
+      {"model.architecture", &TrainConfig::architecture, "model architecture", -kInf, kInf,
+       {"tiny-unet"}},
+      {"model.base_channels", &TrainConfig::base_channels, "UNet channels at full resolution", 8, 4096},
+      {"model.channel_mult", &TrainConfig::channel_mult, "channel multiplier per UNet level", 1, 64},
+      {"model.num_res_blocks", &TrainConfig::num_res_blocks, "ResBlocks per UNet level", 1, 16},
+      {"model.attention_levels", &TrainConfig::attention_levels,
+       "UNet levels (0 = full resolution) with self- and cross-attention", 0, 16},
+      {"model.num_heads", &TrainConfig::num_heads, "attention heads", 1, 128},
+      {"model.norm_groups", &TrainConfig::norm_groups, "GroupNorm groups in the UNet", 1, 1024},
+      {"model.text_dim", &TrainConfig::text_dim, "caption encoder width (UNet context_dim)", 8, 4096},
+      {"model.text_layers", &TrainConfig::text_layers, "caption encoder transformer layers", 0, 48},
+      {"model.dropout", &TrainConfig::dropout, "dropout in ResBlocks", 0, 0.99},
+      {"timestep_sampling", &TrainConfig::timestep_sampling,
+       "flow-matching time distribution (SD3: logit_normal)", -kInf, kInf,
+       {"logit_normal", "uniform"}},
+      {"logit_mean", &TrainConfig::logit_mean, "logit-normal mean", -10, 10},
+      {"logit_std", &TrainConfig::logit_std, "logit-normal standard deviation", 1e-3, 10},
+      {"optimizer_type", &TrainConfig::optimizer_type, "optimizer (kohya name)", -kInf, kInf,
+       {"AdamW"}},
+      {"optimizer_args", &TrainConfig::optimizer_args,
+       "optimizer arguments as \"key=value\" strings, e.g. [\"weight_decay=0.01\", \"betas=0.9,0.999\"]"},
+      {"learning_rate", &TrainConfig::learning_rate, "peak learning rate", 0, 10},
+      {"lr_scheduler", &TrainConfig::lr_scheduler, "learning-rate schedule after warmup", -kInf, kInf,
+       {"constant", "constant_with_warmup", "cosine"}},
+      {"lr_warmup_steps", &TrainConfig::lr_warmup_steps, "linear warmup length in optimizer steps", 0,
+       1e12},
+      {"train_batch_size", &TrainConfig::train_batch_size, "images per micro-batch", 1, 65536},
+      {"max_train_steps", &TrainConfig::max_train_steps, "optimizer steps to train", 1, 1e12},
+      {"gradient_accumulation_steps", &TrainConfig::gradient_accumulation_steps,
+       "micro-batches per optimizer step", 1, 65536},
+      {"max_grad_norm", &TrainConfig::max_grad_norm, "global gradient-norm clip (0 = off)", 0, 1e9},
+      {"gradient_checkpointing", &TrainConfig::gradient_checkpointing,
+       "recompute UNet block activations in backward"},
+      {"mixed_precision", &TrainConfig::mixed_precision,
+       "compute dtype with fp32 weights (autocast)", -kInf, kInf, {"no", "bf16"}},
+      {"full_bf16", &TrainConfig::full_bf16,
+       "bf16 weights and gradients; updates applied with stochastic rounding"},
+      {"ema_decay", &TrainConfig::ema_decay, "EMA decay per optimizer step (0 = no EMA)", 0, 0.999999},
+      {"max_nonfinite_steps", &TrainConfig::max_nonfinite_steps,
+       "consecutive non-finite steps (skipped) before training stops", 1, 1e9},
+      {"seed", &TrainConfig::seed, "seed for data order, noise, init and rounding", 0, 9.0e18},
+      {"output_dir", &TrainConfig::output_dir, "run folder"},
+      {"save_every_n_steps", &TrainConfig::save_every_n_steps,
+       "checkpoint cadence in optimizer steps (0 = only at the end)", 0, 1e12},
+      {"sample_every_n_steps", &TrainConfig::sample_every_n_steps,
+       "sample-grid cadence in optimizer steps (0 = only at the end)", 0, 1e12},
+      {"sample_prompts", &TrainConfig::sample_prompts, "prompts of the sample grid (one row each)"},
+      {"sample_seeds", &TrainConfig::sample_seeds, "seeds per prompt (grid columns)", 1, 64},
+      {"sample_steps", &TrainConfig::sample_steps, "Euler steps when sampling", 1, 1000},
+      {"sample_cfg", &TrainConfig::sample_cfg, "classifier-free guidance scale", 0, 100},
+      {"log_every_n_steps", &TrainConfig::log_every_n_steps, "progress line cadence (no TTY)", 1, 1e9},
+      {"num_threads", &TrainConfig::num_threads, "intra-op threads (0 = libtorch default)", 0, 1024},
+  };
+  return fields;
+}
+
+const Field* find_field(const std::string& key) {
+  for (const auto& f : schema()) {
+    if (key == f.key) return &f;
+  }
+  // A dotted key may also be given without its section ("base_channels").
+  for (const auto& f : schema()) {
+    std::string k = f.key;
+    auto dot = k.rfind('.');
+    if (dot != std::string::npos && k.substr(dot + 1) == key) return &f;
+  }
+  return nullptr;
+}
+
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> prev(b.size() + 1), cur(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) prev[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    cur[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      size_t sub = prev[j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1);
+      cur[j] = std::min({prev[j] + 1, cur[j - 1] + 1, sub});
+    }
+    std::swap(prev, cur);
+  }
+  return prev[b.size()];
+}
+
+std::string nearest_key(const std::string& key) {
+  std::string best;
+  size_t best_d = std::numeric_limits<size_t>::max();
+  for (const auto& f : schema()) {
+    std::string k = f.key;
+    size_t d = edit_distance(key, k);
+    auto dot = k.rfind('.');
+    if (dot != std::string::npos) d = std::min(d, edit_distance(key, k.substr(dot + 1)));
+    if (d < best_d) {
+      best_d = d;
+      best = k;
+    }
+  }
+  return best;
+}
+
+std::string where(const std::string& source, const toml::node& node) {
+  const auto& pos = node.source().begin;
+  if (pos.line == 0) return source;
+  return fmt::format("{}:{}", source, pos.line);
+}
+
+std::string describe(const toml::node& node) {
+  std::ostringstream ss;
+  if (node.is_string()) {
+    ss << '"' << *node.value<std::string>() << '"';
+  } else {
+    node.visit([&](auto&& n) { ss << n; });
+  }
+  return ss.str();
+}
+
+std::string expected_text(const Field& f) {
+  auto range = [&](const char* what) {
+    if (std::isinf(f.min) && std::isinf(f.max)) return std::string(what);
+    return fmt::format("{} in [{}, {}]", what, f.min, f.max);
+  };
+  return std::visit(
+      [&](auto m) -> std::string {
+        using T = std::decay_t<decltype(std::declval<TrainConfig>().*m)>;
+        if constexpr (std::is_same_v<T, bool>) return "true or false";
+        if constexpr (std::is_same_v<T, int64_t>) return range("an integer");
+        if constexpr (std::is_same_v<T, double>) return range("a number");
+        if constexpr (std::is_same_v<T, std::string>) {
+          if (f.choices.empty()) return "a string";
+          return fmt::format("one of \"{}\"", fmt::join(f.choices, "\", \""));
+        }
+        if constexpr (std::is_same_v<T, std::vector<int64_t>>) return range("an array of integers");
+        if constexpr (std::is_same_v<T, std::vector<std::string>>) return "an array of strings";
+      },
+      f.member);
+}
+
+[[noreturn]] void bad_value(const std::string& at, const Field& f, const toml::node& node) {
+  fail("{}: invalid value {} for '{}': expected {}", at, describe(node), f.key, expected_text(f));
+}
+
+void check_range(const std::string& at, const Field& f, const toml::node& node, double v) {
+  if (v < f.min || v > f.max) bad_value(at, f, node);
+}
+
+/// Assigns one TOML value to its TrainConfig member, validating type and range.
+void assign(TrainConfig& c, const Field& f, const toml::node& node, const std::string& at) {
+  std::visit(
+      [&](auto m) {
+        using T = std::decay_t<decltype(c.*m)>;
+        if constexpr (std::is_same_v<T, bool>) {
+          if (!node.is_boolean()) bad_value(at, f, node);
+          c.*m = *node.value<bool>();
+        } else if constexpr (std::is_same_v<T, int64_t>) {
+          if (!node.is_integer()) bad_value(at, f, node);
+          int64_t v = *node.value<int64_t>();
+          check_range(at, f, node, static_cast<double>(v));
+          c.*m = v;
+        } else if constexpr (std::is_same_v<T, double>) {
+          if (!node.is_number()) bad_value(at, f, node);
+          double v = *node.value<double>();
+          if (!std::isfinite(v)) bad_value(at, f, node);
+          check_range(at, f, node, v);
+          c.*m = v;
+        } else if constexpr (std::is_same_v<T, std::string>) {
+          if (!node.is_string()) bad_value(at, f, node);
+          std::string v = *node.value<std::string>();
+          if (!f.choices.empty() &&
+              std::find(f.choices.begin(), f.choices.end(), v) == f.choices.end()) {
+            bad_value(at, f, node);
+          }
+          c.*m = v;
+        } else if constexpr (std::is_same_v<T, std::vector<int64_t>>) {
+          const toml::array* arr = node.as_array();
+          if (!arr) bad_value(at, f, node);
+          T out;
+          for (const auto& el : *arr) {
+            if (!el.is_integer()) bad_value(at, f, node);
+            int64_t v = *el.value<int64_t>();
+            check_range(at, f, node, static_cast<double>(v));
+            out.push_back(v);
+          }
+          c.*m = out;
+        } else if constexpr (std::is_same_v<T, std::vector<std::string>>) {
+          const toml::array* arr = node.as_array();
+          if (!arr) bad_value(at, f, node);
+          T out;
+          for (const auto& el : *arr) {
+            if (!el.is_string()) bad_value(at, f, node);
+            out.push_back(*el.value<std::string>());
+          }
+          c.*m = out;
+        }
+      },
+      f.member);
+}
+
+/// Walks a table; every leaf is looked up in the schema under its dotted path.
+void apply_table(TrainConfig& c, const toml::table& table, const std::string& prefix,
+                 const std::string& source) {
+  for (const auto& [k, node] : table) {
+    std::string key = prefix.empty() ? std::string(k.str()) : prefix + "." + std::string(k.str());
+    const Field* f = find_field(key);
+    if (!f && node.is_table()) {
+      apply_table(c, *node.as_table(), key, source);
+      continue;
+    }
+    if (!f) {
+      fail("{}: unknown key '{}' (did you mean '{}'?)", where(source, node), key, nearest_key(key));
+    }
+    assign(c, *f, node, where(source, node) + ":");
+  }
+}
+
+/// Cross-key checks that a single field's range cannot express.
+void validate(const TrainConfig& c, const std::string& source) {
+  if (c.full_bf16 && c.mixed_precision != "bf16" && c.mixed_precision != "no") {
+    fail("{}: full_bf16 = true needs mixed_precision = \"bf16\" or \"no\"", source);
+  }
+  for (int64_t level : c.attention_levels) {
+    if (level >= static_cast<int64_t>(c.channel_mult.size())) {
+      fail("{}: model.attention_levels has level {}, but model.channel_mult has only {} levels (0..{})",
+           source, level, c.channel_mult.size(), c.channel_mult.size() - 1);
+    }
+  }
+  if (c.channel_mult.empty()) fail("{}: model.channel_mult must not be empty", source);
+  int64_t down = int64_t{1} << (c.channel_mult.size() - 1);
+  if (c.resolution % down != 0) {
+    fail("{}: resolution {} must be divisible by {} (2^(levels-1) for {} UNet levels)", source,
+         c.resolution, down, c.channel_mult.size());
+  }
+  for (int64_t m : c.channel_mult) {
+    if ((c.base_channels * m) % c.norm_groups != 0) {
+      fail("{}: model.norm_groups ({}) must divide every level's channels (base_channels {} x {})", source,
+           c.norm_groups, c.base_channels, m);
+    }
+  }
+  if (c.text_dim % c.num_heads != 0) {
+    fail("{}: model.text_dim ({}) must be divisible by model.num_heads ({})", source, c.text_dim,
+         c.num_heads);
+  }
+  for (const auto& a : c.optimizer_args) {
+    if (a.find('=') == std::string::npos) {
+      fail("{}: optimizer_args entry \"{}\" must look like \"key=value\"", source, a);
+    }
+  }
+  if (c.sample_prompts.empty()) fail("{}: sample_prompts must hold at least one prompt", source);
+}
+
+void apply_overrides(TrainConfig& c, const std::vector<std::string>& overrides) {
+  for (const auto& o : overrides) {
+    auto eq = o.find('=');
+    if (eq == std::string::npos || eq == 0) {
+      fail("--set '{}': expected key=value (e.g. --set learning_rate=2e-4)", o);
+    }
+    std::string key = o.substr(0, eq);
+    std::string value = o.substr(eq + 1);
+    const Field* f = find_field(key);
+    if (!f) fail("--set: unknown key '{}' (did you mean '{}'?)", key, nearest_key(key));
+    toml::table t;
+    try {
+      t = toml::parse("v = " + value);
+    } catch (const toml::parse_error&) {
+      // A bare word is a string: --set output_dir=runs/x
+      toml::table s;
+      s.insert("v", value);
+      t = std::move(s);
+    }
+    assign(c, *f, *t.get("v"), fmt::format("--set {}:", key));
+  }
+}
+
+}  // namespace
+
+std::string expand_path(const std::string& path) {
+  std::string out = path;
+  const std::string var = "${SHOESTRING_CACHE}";
+  auto pos = out.find(var);
+  if (pos != std::string::npos) {
+    const char* env = std::getenv("SHOESTRING_CACHE");
+    std::string cache;
+    if (env && *env) {
+      cache = env;
+    } else {
+      const char* home = std::getenv("HOME");
+      cache = std::string(home ? home : ".") + "/.cache/shoestring";
+    }
+    out.replace(pos, var.size(), cache);
+  }
+  if (!out.empty() && out[0] == '~') {
+    const char* home = std::getenv("HOME");
+    out = std::string(home ? home : ".") + out.substr(1);
+  }
+  return out;
+}
+
+TrainConfig parse_config(const std::string& toml_text, const std::string& source_name,
+                         const std::vector<std::string>& overrides) {
+  toml::table table;
+  try {
+    table = toml::parse(toml_text, source_name);
+  } catch (const toml::parse_error& e) {
+    fail("{}:{}: TOML syntax error: {}", source_name, e.source().begin.line, e.description());
+  }
+  TrainConfig c;
+  apply_table(c, table, "", source_name);
+  apply_overrides(c, overrides);
+  validate(c, source_name);
+  return c;
+}
+
+TrainConfig load_config(const std::string& path, const std::vector<std::string>& overrides) {
+  return parse_config(read_file(path), path, overrides);
+}
+
+std::string to_toml(const TrainConfig& c) {
+  toml::table root;
+  for (const auto& f : schema()) {
+    std::string key = f.key;
+    toml::table* target = &root;
+    auto dot = key.find('.');
+    if (dot != std::string::npos) {
+      std::string section = key.substr(0, dot);
+      if (!root.contains(section)) root.insert(section, toml::table{});
+      target = root.get_as<toml::table>(section);
+      key = key.substr(dot + 1);
+    }
+    std::visit(
+        [&](auto m) {
+          using T = std::decay_t<decltype(c.*m)>;
+          if constexpr (std::is_same_v<T, std::vector<int64_t>> ||
+                        std::is_same_v<T, std::vector<std::string>>) {
+            toml::array arr;
+            for (const auto& v : c.*m) arr.push_back(v);
+            target->insert(key, std::move(arr));
+          } else {
+            target->insert(key, c.*m);
+          }
+        },
+        f.member);
+  }
+  std::ostringstream ss;
+  ss << "# Resolved shoestring configuration (every key, defaults included).\n" << root << "\n";
+  return ss.str();
+}
+
+std::vector<std::string> config_keys() {
+  std::vector<std::string> keys;
+  for (const auto& f : schema()) keys.push_back(f.key);
+  return keys;
+}
+
+}  // namespace shoestring

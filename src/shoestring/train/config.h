@@ -1,0 +1,99 @@
+// Run configuration: one TOML file describes a training run.
+//
+// Keys follow kohya sd-scripts' names where the concept is the same
+// (learning_rate, train_batch_size, max_train_steps, gradient_accumulation_steps,
+// gradient_checkpointing, mixed_precision, full_bf16, max_grad_norm,
+// save_every_n_steps, seed, optimizer_type, optimizer_args, lr_scheduler,
+// lr_warmup_steps, caption_dropout_rate, train_data_dir, resolution,
+// output_dir, sample_every_n_steps). Keys are flat; a dotted key such as
+// `model.base_channels` may be written either dotted or inside a `[model]` table.
+//
+// Every key is declared once in a schema (config.cpp) with its type, default,
+// allowed range or choices and a one-line help. Unknown keys, wrong types and
+// out-of-range values are errors that name the file, line, key and what is
+// allowed (and, for unknown keys, the nearest valid key).
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace shoestring {
+
+/// A fully resolved training configuration (defaults + file + --set overrides).
+struct TrainConfig {
+  // ---- data ----
+  std::string train_data_dir = "${SHOESTRING_CACHE}/emoji-datasource-twitter-16.0.0";
+  int64_t resolution = 32;             ///< pixels, square
+  double caption_dropout_rate = 0.1;   ///< probability of an empty caption (for CFG)
+  int64_t max_caption_length = 16;     ///< tokens incl. <bos>
+
+  // ---- model ----
+  std::string architecture = "tiny-unet";
+  int64_t base_channels = 64;
+  std::vector<int64_t> channel_mult = {1, 2, 4};
+  int64_t num_res_blocks = 2;
+  std::vector<int64_t> attention_levels = {1, 2};
+  int64_t num_heads = 4;
+  int64_t norm_groups = 32;            ///< GroupNorm groups (must divide every level's channels)
+  int64_t text_dim = 256;              ///< caption encoder width = UNet context_dim
+  int64_t text_layers = 2;
+  double dropout = 0.0;
+
+  // ---- objective ----
+  std::string timestep_sampling = "logit_normal";  ///< "logit_normal" | "uniform"
+  double logit_mean = 0.0;
+  double logit_std = 1.0;
+
+  // ---- optimization ----
+  std::string optimizer_type = "AdamW";
+  std::vector<std::string> optimizer_args;  ///< "key=value", kohya style
+  double learning_rate = 1e-4;
+  std::string lr_scheduler = "constant";    ///< constant | constant_with_warmup | cosine
+  int64_t lr_warmup_steps = 0;
+  int64_t train_batch_size = 1;
+  int64_t max_train_steps = 1600;
+  int64_t gradient_accumulation_steps = 1;
+  double max_grad_norm = 1.0;               ///< 0 disables clipping
+  bool gradient_checkpointing = false;
+  std::string mixed_precision = "no";       ///< no | bf16 (autocast compute, fp32 weights)
+  bool full_bf16 = false;                   ///< bf16 weights, updates stochastically rounded
+  double ema_decay = 0.0;                   ///< 0 disables EMA
+  int64_t max_nonfinite_steps = 10;         ///< consecutive skipped steps before giving up
+  int64_t seed = 42;
+
+  // ---- output ----
+  std::string output_dir = "runs/emoji";
+  int64_t save_every_n_steps = 0;           ///< 0: only at the end
+  int64_t sample_every_n_steps = 0;         ///< 0: only at the end
+  std::vector<std::string> sample_prompts = {"grinning face", "red heart", "thumbs up", "fire"};
+  int64_t sample_seeds = 4;                 ///< columns of the sample grid
+  int64_t sample_steps = 30;
+  double sample_cfg = 4.0;
+  int64_t log_every_n_steps = 10;           ///< progress line cadence when not on a TTY
+  int64_t num_threads = 0;                  ///< 0: libtorch default
+};
+
+/// Parses a TOML config file and applies `--set key=value` overrides (the
+/// value is parsed as a TOML value; a bare word is taken as a string).
+/// `${SHOESTRING_CACHE}` in path values expands to $SHOESTRING_CACHE or
+/// ~/.cache/shoestring.
+/// Throws shoestring::Error: unreadable file, TOML syntax error (file:line),
+/// unknown key (file:line, nearest valid key), wrong type or out-of-range
+/// value (key, value, what is allowed), malformed --set.
+TrainConfig load_config(const std::string& path, const std::vector<std::string>& overrides = {});
+
+/// Same as load_config but from TOML text (source_name is used in messages).
+TrainConfig parse_config(const std::string& toml_text, const std::string& source_name,
+                         const std::vector<std::string>& overrides = {});
+
+/// Renders the resolved config as TOML (every key, with its value) so a run
+/// folder records exactly what ran; parse_config(to_toml(c)) == c.
+std::string to_toml(const TrainConfig& config);
+
+/// Every valid key, in schema order (for help and tests).
+std::vector<std::string> config_keys();
+
+/// Expands ${SHOESTRING_CACHE} and a leading ~ in a path.
+std::string expand_path(const std::string& path);
+
+}  // namespace shoestring

@@ -1,0 +1,46 @@
+// The emoji example's text-to-image model: a caption encoder trained jointly
+// with a small text-conditioned UNet that predicts the flow-matching velocity.
+// Parameter names are "unet.*" and "text_encoder.*".
+#pragma once
+#include <string>
+
+#include <nlohmann/json.hpp>
+#include <torch/nn/module.h>
+
+#include "shoestring/models/caption_encoder.h"
+#include "shoestring/models/tiny_unet.h"
+
+namespace shoestring {
+
+struct TrainConfig;
+
+/// Architecture hyper-parameters of DiffusionModel; stored as JSON in every
+/// checkpoint's metadata ("model_config") so `shoestring sample` can rebuild it.
+struct DiffusionModelOptions {
+  TinyUNetOptions unet;
+  CaptionEncoderOptions text;
+  int64_t resolution = 32;  ///< pixels the model was trained at
+
+  static DiffusionModelOptions from_config(const TrainConfig& config, int64_t vocab_size);
+  nlohmann::json to_json() const;
+  /// Throws shoestring::Error naming the missing or mistyped field.
+  static DiffusionModelOptions from_json(const nlohmann::json& j);
+};
+
+/// UNet + caption encoder. forward(x_t [B,3,H,W], t [B] float32 in [0,1],
+/// tokens [B,L] int64) -> velocity [B,3,H,W] in the weights' dtype; inputs
+/// are cast to the weights' dtype (fp32 or bf16).
+class DiffusionModelImpl : public torch::nn::Module {
+ public:
+  explicit DiffusionModelImpl(const DiffusionModelOptions& options);
+  at::Tensor forward(const at::Tensor& x_t, const at::Tensor& t, const at::Tensor& tokens);
+  const DiffusionModelOptions& options() const { return options_; }
+  TinyUNet unet{nullptr};
+  CaptionEncoder text_encoder{nullptr};
+
+ private:
+  DiffusionModelOptions options_;
+};
+TORCH_MODULE(DiffusionModel);
+
+}  // namespace shoestring

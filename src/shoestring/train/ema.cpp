@@ -1,0 +1,65 @@
+#include "shoestring/train/ema.h"
+
+#include <torch/torch.h>
+
+#include "shoestring/core/error.h"
+#include "shoestring/core/memory_ledger.h"
+
+namespace shoestring {
+
+EMA::EMA(const std::vector<std::pair<std::string, at::Tensor>>& params, double decay)
+    : params_(params), decay_(decay) {
+  if (decay < 0 || decay >= 1) fail("ema_decay must be in [0, 1) (got {})", decay);
+  torch::NoGradGuard no_grad;
+  ScopedMemoryCategory category(MemoryCategory::optimizer_state);
+  for (const auto& [name, p] : params_) shadow_.push_back(p.detach().to(torch::kFloat32).clone());
+}
+
+void EMA::update() {
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const at::Tensor& p = params_[i].second;
+    shadow_[i].mul_(decay_).add_(p.scalar_type() == torch::kFloat32 ? p : p.to(torch::kFloat32),
+                                 1.0 - decay_);
+  }
+}
+
+std::vector<at::Tensor> EMA::swap_in() {
+  torch::NoGradGuard no_grad;
+  std::vector<at::Tensor> saved;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    at::Tensor p = params_[i].second;
+    saved.push_back(p.detach().clone());
+    p.copy_(shadow_[i]);
+  }
+  return saved;
+}
+
+void EMA::restore(const std::vector<at::Tensor>& saved) {
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    at::Tensor p = params_[i].second;
+    p.copy_(saved[i]);
+  }
+}
+
+std::vector<std::pair<std::string, at::Tensor>> EMA::tensors() const {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (size_t i = 0; i < params_.size(); ++i) out.emplace_back(params_[i].first, shadow_[i]);
+  return out;
+}
+
+void EMA::load(const std::map<std::string, at::Tensor>& tensors) {
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    auto it = tensors.find(params_[i].first);
+    if (it == tensors.end()) fail("EMA state: tensor '{}' is missing", params_[i].first);
+    if (it->second.sizes() != shadow_[i].sizes()) {
+      fail("EMA state: tensor '{}' has shape {} but the model expects {}", params_[i].first,
+           fmt::join(it->second.sizes(), "x"), fmt::join(shadow_[i].sizes(), "x"));
+    }
+    shadow_[i].copy_(it->second);
+  }
+}
+
+}  // namespace shoestring

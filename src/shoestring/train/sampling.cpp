@@ -1,0 +1,78 @@
+#include "shoestring/train/sampling.h"
+
+#include <torch/torch.h>
+
+#include "shoestring/core/error.h"
+#include "shoestring/data/image.h"
+#include "shoestring/data/tokenizer.h"
+#include "shoestring/io/atomic_file.h"
+#include "shoestring/train/flow_matching.h"
+
+namespace shoestring {
+
+at::Tensor generate_images(DiffusionModel& model, const WordTokenizer& tokenizer,
+                           const SampleRequest& request) {
+  if (request.prompts.empty() || request.seeds.empty()) fail("sampling: no prompts or no seeds given");
+  torch::NoGradGuard no_grad;
+  const bool was_training = model->is_training();
+  model->eval();
+  const int64_t r = model->options().resolution;
+  const int64_t c = model->options().unet.in_channels;
+
+  std::vector<std::string> captions;
+  std::vector<at::Tensor> noises;
+  for (const auto& prompt : request.prompts) {
+    for (uint64_t seed : request.seeds) {
+      captions.push_back(prompt);
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+      noises.push_back(torch::randn({1, c, r, r}, gen, torch::kFloat32));
+    }
+  }
+  const int64_t n = static_cast<int64_t>(captions.size());
+  const bool guided = request.cfg != 1.0;
+  const int64_t chunk = std::max<int64_t>(1, request.max_batch / (guided ? 2 : 1));
+  std::vector<at::Tensor> outputs;
+  for (int64_t start = 0; start < n; start += chunk) {
+    int64_t end = std::min(n, start + chunk);
+    std::vector<std::string> caps(captions.begin() + start, captions.begin() + end);
+    at::Tensor noise = torch::cat(std::vector<at::Tensor>(noises.begin() + start, noises.begin() + end));
+    at::Tensor cond = tokenizer.encode_batch(caps);
+    at::Tensor tokens = cond;
+    if (guided) {
+      std::vector<std::string> empty(caps.size(), "");
+      tokens = torch::cat({cond, tokenizer.encode_batch(empty)});
+    }
+    const double cfg = request.cfg;
+    VelocityFn velocity = [&](const at::Tensor& x, const at::Tensor& t) {
+      if (!guided) return model->forward(x, t, tokens).to(torch::kFloat32);
+      at::Tensor v = model->forward(torch::cat({x, x}), torch::cat({t, t}), tokens).to(torch::kFloat32);
+      auto parts = v.chunk(2);
+      return parts[1] + cfg * (parts[0] - parts[1]);
+    };
+    outputs.push_back(sample_euler(velocity, noise, request.steps));
+  }
+  if (was_training) model->train();
+  at::Tensor x = torch::cat(outputs);
+  return ((x.clamp(-1, 1) + 1) * 127.5).round().to(torch::kUInt8);
+}
+
+void save_sample_grid(const std::string& path, const at::Tensor& images, const SampleRequest& request) {
+  at::Tensor imgs = images;
+  if (imgs.size(-1) < 64) {
+    int64_t factor = (64 + imgs.size(-1) - 1) / imgs.size(-1);
+    imgs = imgs.repeat_interleave(factor, 2).repeat_interleave(factor, 3);
+  }
+  std::vector<at::Tensor> list;
+  for (int64_t i = 0; i < imgs.size(0); ++i) list.push_back(imgs[i]);
+  at::Tensor grid = make_grid(list, static_cast<int64_t>(request.seeds.size()), 2, request.prompts);
+  save_png(path, grid);
+  std::string sidecar = path;
+  if (sidecar.size() > 4 && sidecar.substr(sidecar.size() - 4) == ".png") sidecar.resize(sidecar.size() - 4);
+  sidecar += ".txt";
+  std::string text = fmt::format("# rows: prompts; columns: seeds {}; {} Euler steps; cfg {}\n",
+                                 fmt::join(request.seeds, ", "), request.steps, request.cfg);
+  for (const auto& p : request.prompts) text += p + "\n";
+  write_bytes_atomic(sidecar, text);
+}
+
+}  // namespace shoestring

@@ -1,0 +1,528 @@
+#include "shoestring/train/trainer.h"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include <ATen/autocast_mode.h>
+#include <spdlog/spdlog.h>
+#include <torch/torch.h>
+
+#include "shoestring/core/error.h"
+#include "shoestring/core/memory_ledger.h"
+#include "shoestring/core/units.h"
+#include "shoestring/data/dataset.h"
+#include "shoestring/data/tokenizer.h"
+#include "shoestring/io/atomic_file.h"
+#include "shoestring/io/safetensors.h"
+#include "shoestring/optim/grad_hooks.h"
+#include "shoestring/optim/optimizer.h"
+#include "shoestring/train/checkpoint_io.h"
+#include "shoestring/train/diffusion_model.h"
+#include "shoestring/train/ema.h"
+#include "shoestring/train/flow_matching.h"
+#include "shoestring/train/lr_schedule.h"
+#include "shoestring/train/sampling.h"
+
+namespace shoestring {
+namespace fs = std::filesystem;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+/// Enables CPU autocast to bf16 for its lifetime (mixed_precision = "bf16").
+class CpuAutocast {
+ public:
+  explicit CpuAutocast(bool enable) : enable_(enable) {
+    if (!enable_) return;
+    prev_enabled_ = at::autocast::is_cpu_enabled();
+    prev_dtype_ = at::autocast::get_autocast_cpu_dtype();
+    at::autocast::set_autocast_cpu_dtype(at::kBFloat16);
+    at::autocast::set_cpu_enabled(true);
+  }
+  ~CpuAutocast() {
+    if (!enable_) return;
+    at::autocast::set_cpu_enabled(prev_enabled_);
+    at::autocast::set_autocast_cpu_dtype(prev_dtype_);
+    at::autocast::clear_cache();
+  }
+
+ private:
+  bool enable_;
+  bool prev_enabled_ = false;
+  at::ScalarType prev_dtype_ = at::kBFloat16;
+};
+
+std::string step_name(int64_t step) { return fmt::format("step-{:06d}", step); }
+
+nlohmann::json ledger_peaks(const std::array<int64_t, kNumMemoryCategories>& peaks) {
+  nlohmann::json j = nlohmann::json::object();
+  for (int c = 0; c < kNumMemoryCategories; ++c) {
+    j[to_string(static_cast<MemoryCategory>(c))] = peaks[c];
+  }
+  return j;
+}
+
+std::string format_duration(double seconds) {
+  if (!std::isfinite(seconds) || seconds < 0) return "--:--";
+  auto s = static_cast<int64_t>(seconds + 0.5);
+  if (s >= 3600) return fmt::format("{}:{:02d}:{:02d}", s / 3600, (s / 60) % 60, s % 60);
+  return fmt::format("{:02d}:{:02d}", s / 60, s % 60);
+}
+
+/// Keeps only metrics records with step <= `keep_through` (used on resume so
+/// steps after the checkpoint are not listed twice). Atomic rewrite.
+void truncate_metrics(const std::string& path, int64_t keep_through) {
+  if (!fs::exists(path)) return;
+  std::ifstream in(path);
+  std::string line, kept;
+  while (std::getline(in, line)) {
+    if (line.empty()) continue;
+    try {
+      auto j = nlohmann::json::parse(line);
+      if (j.value("step", int64_t{0}) <= keep_through) kept += line + "\n";
+    } catch (const nlohmann::json::exception&) {
+      break;  // a torn last line from a crash: drop it and everything after
+    }
+  }
+  write_bytes_atomic(path, kept);
+}
+
+/// Everything the loop needs, built once.
+struct Run {
+  TrainConfig config;
+  std::string run_dir;
+  ImageCaptionDataset dataset;
+  WordTokenizer tokenizer;
+  DiffusionModel model{nullptr};
+  std::vector<std::pair<std::string, at::Tensor>> trainable;
+  std::unique_ptr<Optimizer> optimizer;
+  std::unique_ptr<EMA> ema;
+  std::unique_ptr<BatchSampler> sampler;
+  PostAccumulateGradHooks grad_hooks;
+  nlohmann::json counters = {{"images_seen", 0}, {"skipped_steps", 0}, {"consecutive_nonfinite", 0},
+                             {"elapsed_seconds", 0.0}};
+};
+
+std::map<std::string, std::string> model_metadata(const Run& run, int64_t step) {
+  return {{"format", "shoestring"},
+          {"architecture", run.config.architecture},
+          {"model_config", run.model->options().to_json().dump()},
+          {"tokenizer", run.tokenizer.to_json().dump()},
+          {"step", std::to_string(step)},
+          {"objective", "flow_matching"},
+          {"dtype", run.config.full_bf16 ? "bf16" : "fp32"}};
+}
+
+void save_checkpoint(Run& run, int64_t step, const BatchSampler::Position& pos) {
+  fs::path dir = fs::path(run.run_dir) / "checkpoints" / step_name(step);
+  fs::create_directories(dir);
+  save_module((dir / "model.safetensors").string(), *run.model, model_metadata(run, step));
+
+  std::vector<NamedTensor> state;
+  for (auto& [name, t] : run.optimizer->state_tensors()) state.push_back({"optimizer." + name, t, std::nullopt});
+  if (run.ema) {
+    for (auto& [name, t] : run.ema->tensors()) state.push_back({"ema." + name, t, std::nullopt});
+  }
+  state.push_back({"rng.cpu", cpu_rng_state(), std::nullopt});
+  nlohmann::json meta = run.counters;
+  meta["step"] = step;
+  meta["optimizer_step_count"] = run.optimizer->step_count();
+  meta["data_epoch"] = pos.epoch;
+  meta["data_index"] = pos.index;
+  save_safetensors((dir / "state.safetensors").string(), state, {{"training_state", meta.dump()}});
+  set_latest_checkpoint(run.run_dir, dir.string(), step);
+}
+
+/// Restores weights, optimizer, EMA, RNG, data position and counters.
+/// Returns the step the checkpoint was taken at.
+int64_t load_checkpoint(Run& run, const std::string& dir) {
+  auto model_file = SafetensorsFile::open((fs::path(dir) / "model.safetensors").string());
+  std::map<std::string, at::Tensor> weights;
+  for (const auto& info : model_file.tensors()) weights[info.name] = model_file.get(info.name);
+  load_module(*run.model, weights, model_file.path());
+
+  auto state_file = SafetensorsFile::open((fs::path(dir) / "state.safetensors").string());
+  auto it = state_file.metadata().find("training_state");
+  if (it == state_file.metadata().end()) {
+    fail("{}: missing 'training_state' metadata", state_file.path());
+  }
+  nlohmann::json meta;
+  try {
+    meta = nlohmann::json::parse(it->second);
+  } catch (const nlohmann::json::exception& e) {
+    fail("{}: 'training_state' metadata is not valid JSON: {}", state_file.path(), e.what());
+  }
+  std::map<std::string, at::Tensor> optim, ema;
+  bool have_rng = false;
+  for (const auto& info : state_file.tensors()) {
+    const std::string& n = info.name;
+    if (n.rfind("optimizer.", 0) == 0) {
+      optim[n.substr(10)] = state_file.get(n);
+    } else if (n.rfind("ema.", 0) == 0) {
+      ema[n.substr(4)] = state_file.get(n);
+    } else if (n == "rng.cpu") {
+      set_cpu_rng_state(state_file.get(n));
+      have_rng = true;
+    } else {
+      fail("{}: unexpected tensor '{}' in training state", state_file.path(), n);
+    }
+  }
+  if (!have_rng) fail("{}: tensor 'rng.cpu' is missing", state_file.path());
+  run.optimizer->load_state_tensors(optim);
+  if (run.ema) {
+    if (ema.empty()) {
+      spdlog::warn("{}: no EMA state saved; EMA restarts from the current weights", state_file.path());
+    } else {
+      run.ema->load(ema);
+    }
+  }
+  try {
+    run.optimizer->set_step_count(meta.at("optimizer_step_count").get<int64_t>());
+    run.sampler->set_position({meta.at("data_epoch").get<int64_t>(), meta.at("data_index").get<int64_t>()});
+    for (auto& [k, v] : run.counters.items()) {
+      if (meta.contains(k)) v = meta[k];
+    }
+    return meta.at("step").get<int64_t>();
+  } catch (const nlohmann::json::exception& e) {
+    fail("{}: 'training_state' metadata lacks a field: {}", state_file.path(), e.what());
+  }
+}
+
+void write_samples(Run& run, int64_t step, std::string& last_sample) {
+  SampleRequest req;
+  req.prompts = run.config.sample_prompts;
+  for (int64_t s = 0; s < run.config.sample_seeds; ++s) req.seeds.push_back(static_cast<uint64_t>(s));
+  req.steps = run.config.sample_steps;
+  req.cfg = run.config.sample_cfg;
+  std::vector<at::Tensor> saved;
+  if (run.ema) saved = run.ema->swap_in();
+  at::Tensor images;
+  {
+    ScopedMemoryCategory category(MemoryCategory::temporaries);
+    images = generate_images(run.model, run.tokenizer, req);
+  }
+  if (run.ema) run.ema->restore(saved);
+  fs::path dir = fs::path(run.run_dir) / "samples";
+  fs::create_directories(dir);
+  last_sample = (dir / (step_name(step) + ".png")).string();
+  save_sample_grid(last_sample, images, req);
+}
+
+}  // namespace
+
+TrainSummary train(const TrainConfig& cfg, const TrainRunOptions& options) {
+  Run run;
+  run.config = cfg;
+  run.run_dir = options.resume_dir.value_or(expand_path(cfg.output_dir));
+  const TrainConfig& c = run.config;
+  ensure_writable_dir(run.run_dir);
+  if (!options.resume_dir && fs::exists(fs::path(run.run_dir) / "checkpoints" / "latest.json")) {
+    fail("output_dir '{}' already holds a run with checkpoints; use --resume {} to continue it, or "
+         "choose another --output-dir",
+         run.run_dir, run.run_dir);
+  }
+  std::string resume_from;
+  if (options.resume_dir) resume_from = latest_checkpoint_dir(run.run_dir);
+
+  MemoryLedger& ledger = MemoryLedger::global();
+  ledger.install();
+  if (c.num_threads > 0) torch::set_num_threads(static_cast<int>(c.num_threads));
+  torch::manual_seed(static_cast<uint64_t>(c.seed));
+
+  // ---- data ----
+  std::string data_dir = expand_path(c.train_data_dir);
+  run.dataset = ImageCaptionDataset::load(data_dir, static_cast<int>(c.resolution));
+  if (!options.quiet) {
+    spdlog::info("dataset: {} images from {} ({} skipped)", run.dataset.size(), data_dir,
+                 run.dataset.skipped().size());
+  }
+  if (!resume_from.empty()) {
+    auto meta = SafetensorsFile::open((fs::path(resume_from) / "model.safetensors").string()).metadata();
+    auto it = meta.find("tokenizer");
+    if (it == meta.end()) fail("{}/model.safetensors: missing 'tokenizer' metadata", resume_from);
+    run.tokenizer = WordTokenizer::from_json(nlohmann::json::parse(it->second));
+  } else {
+    run.tokenizer = WordTokenizer::build(run.dataset.captions(), c.max_caption_length);
+  }
+  run.sampler = std::make_unique<BatchSampler>(run.dataset.size(), c.train_batch_size,
+                                               static_cast<uint64_t>(c.seed));
+
+  // ---- model ----
+  {
+    ScopedMemoryCategory category(MemoryCategory::weights);
+    run.model = DiffusionModel(DiffusionModelOptions::from_config(c, run.tokenizer.vocab_size()));
+    if (c.full_bf16) run.model->to(torch::kBFloat16);
+  }
+  run.model->unet->set_gradient_checkpointing(c.gradient_checkpointing);
+  run.model->train();
+  for (const auto& item : run.model->named_parameters(true)) {
+    if (item.value().requires_grad()) run.trainable.emplace_back(item.key(), item.value());
+  }
+  int64_t n_params = 0;
+  for (auto& [n, p] : run.trainable) n_params += p.numel();
+
+  // ---- optimizer ----
+  AdamWOptions adam = parse_adamw_args(c.optimizer_args);
+  std::vector<OptimParam> oparams;
+  for (auto& [name, p] : run.trainable) {
+    oparams.push_back({name, p, default_no_decay(name, p) ? 0.0 : adam.weight_decay});
+  }
+  OptimizerOptions oopts;
+  oopts.stochastic_rounding = true;
+  oopts.seed = static_cast<uint64_t>(c.seed);
+  run.optimizer = std::make_unique<AdamW>(std::move(oparams), adam, oopts);
+  if (c.ema_decay > 0) run.ema = std::make_unique<EMA>(run.trainable, c.ema_decay);
+
+  // Gradients are charged to the ledger's "gradients" category the moment
+  // autograd accumulates them.
+  std::vector<at::Tensor> params;
+  for (auto& [n, p] : run.trainable) params.push_back(p);
+  run.grad_hooks.install(params, [&ledger](size_t, at::Tensor& p) {
+    if (p.grad().defined()) ledger.recharge(p.grad(), MemoryCategory::gradients);
+  });
+
+  // ---- run folder ----
+  std::string metrics_path = (fs::path(run.run_dir) / "metrics.jsonl").string();
+  int64_t start_step = 0;
+  if (!resume_from.empty()) {
+    start_step = load_checkpoint(run, resume_from);
+    truncate_metrics(metrics_path, start_step);
+    if (!options.quiet) spdlog::info("resumed from {} at step {}", resume_from, start_step);
+  } else {
+    write_bytes_atomic((fs::path(run.run_dir) / "config.toml").string(), to_toml(c));
+    write_bytes_atomic(metrics_path, "");
+  }
+  if (start_step >= c.max_train_steps) {
+    fail("run '{}' is already at step {} >= max_train_steps {}; pass --max-steps N with N > {} to "
+         "train further",
+         run.run_dir, start_step, c.max_train_steps, start_step);
+  }
+  if (!options.quiet) {
+    spdlog::info("model: {:.2f}M trainable parameters, weights {}, {}", n_params / 1e6,
+                 c.full_bf16 ? "bf16 (stochastic rounding)" : "fp32",
+                 c.mixed_precision == "bf16" ? "bf16 autocast compute" : "compute in weight dtype");
+  }
+
+  std::FILE* metrics = std::fopen(metrics_path.c_str(), "ab");
+  if (!metrics) fail("cannot open '{}' for appending", metrics_path);
+  std::unique_ptr<std::FILE, int (*)(std::FILE*)> metrics_guard(metrics, &std::fclose);
+
+  const bool tty = !options.quiet && ::isatty(::fileno(stderr));
+  const int64_t accum = c.gradient_accumulation_steps;
+  const bool accumulate_fp32 = accum > 1 && c.full_bf16;  // bf16 grads accumulate in an fp32 buffer
+  std::vector<at::Tensor> grad_buffers;
+
+  TrainSummary summary;
+  summary.run_dir = run.run_dir;
+  summary.first_step = start_step + 1;
+  summary.skipped_images = static_cast<int64_t>(run.dataset.skipped().size());
+  std::array<int64_t, kNumMemoryCategories> run_peaks{};
+  int64_t run_peak_total = 0;
+  std::vector<double> losses;
+  double smoothed = std::nan("");
+  auto run_start = Clock::now();
+
+  for (int64_t step = start_step + 1; step <= c.max_train_steps; ++step) {
+    auto t0 = Clock::now();
+    ledger.reset_peaks();
+    double loss_sum = 0;
+    for (int64_t micro = 0; micro < accum; ++micro) {
+      std::vector<int64_t> idx = run.sampler->next();
+      at::Tensor x0, tokens, eps, t, xt, target;
+      {
+        ScopedMemoryCategory category(MemoryCategory::activations);
+        x0 = run.dataset.batch_images(idx);
+        std::vector<std::string> captions = run.dataset.batch_captions(idx);
+        at::Tensor drop = torch::rand({static_cast<int64_t>(captions.size())});
+        for (size_t i = 0; i < captions.size(); ++i) {
+          if (drop[i].item<double>() < c.caption_dropout_rate) captions[i].clear();
+        }
+        tokens = run.tokenizer.encode_batch(captions);
+        eps = torch::randn_like(x0);
+        t = sample_flow_times(x0.size(0), c.timestep_sampling, c.logit_mean, c.logit_std);
+        xt = flow_interpolate(x0, eps, t);
+        target = flow_target(x0, eps);
+      }
+      at::Tensor loss;
+      {
+        ScopedMemoryCategory category(MemoryCategory::activations);
+        CpuAutocast autocast(c.mixed_precision == "bf16" && !c.full_bf16);
+        at::Tensor v = run.model->forward(xt, t, tokens);
+        loss = torch::mse_loss(v.to(torch::kFloat32), target);
+      }
+      loss_sum += loss.item<double>();
+      {
+        ScopedMemoryCategory category(MemoryCategory::temporaries);
+        (loss / static_cast<double>(accum)).backward();
+      }
+      if (accumulate_fp32) {
+        torch::NoGradGuard no_grad;
+        ScopedMemoryCategory category(MemoryCategory::gradients);
+        if (grad_buffers.empty()) {
+          for (auto& [n, p] : run.trainable) grad_buffers.push_back(torch::zeros(p.sizes(), torch::kFloat32));
+        }
+        for (size_t i = 0; i < run.trainable.size(); ++i) {
+          at::Tensor& g = run.trainable[i].second.mutable_grad();
+          if (g.defined()) grad_buffers[i].add_(g.to(torch::kFloat32));
+          g.reset();
+        }
+      }
+    }
+    const double loss_value = loss_sum / static_cast<double>(accum);
+
+    // ---- global-norm clipping and the non-finite guard ----
+    std::vector<at::Tensor> grads;
+    for (size_t i = 0; i < run.trainable.size(); ++i) {
+      grads.push_back(accumulate_fp32 ? grad_buffers[i] : run.trainable[i].second.grad());
+    }
+    double sq = 0;
+    {
+      torch::NoGradGuard no_grad;
+      for (const auto& g : grads) {
+        if (g.defined()) sq += g.to(torch::kFloat32).pow(2).sum().item<double>();
+      }
+    }
+    const double grad_norm = std::sqrt(sq);
+    const bool finite = std::isfinite(loss_value) && std::isfinite(grad_norm);
+    const double lr = learning_rate_at(c.lr_scheduler, c.learning_rate, step - 1, c.lr_warmup_steps,
+                                       c.max_train_steps);
+    if (finite) {
+      run.counters["consecutive_nonfinite"] = 0;
+      double scale = 1.0;
+      if (c.max_grad_norm > 0 && grad_norm > c.max_grad_norm) scale = c.max_grad_norm / (grad_norm + 1e-6);
+      ScopedMemoryCategory category(MemoryCategory::temporaries);
+      if (accumulate_fp32) {
+        for (size_t i = 0; i < grads.size(); ++i) run.trainable[i].second.mutable_grad() = grads[i];
+      }
+      run.optimizer->step(lr, scale);
+      if (run.ema) run.ema->update();
+    } else {
+      run.counters["skipped_steps"] = run.counters["skipped_steps"].get<int64_t>() + 1;
+      int64_t in_a_row = run.counters["consecutive_nonfinite"].get<int64_t>() + 1;
+      run.counters["consecutive_nonfinite"] = in_a_row;
+      spdlog::warn("step {}: non-finite loss ({}) or gradient norm ({}); step skipped ({} in a row)", step,
+                   loss_value, grad_norm, in_a_row);
+      if (in_a_row >= c.max_nonfinite_steps) {
+        fail("training stopped at step {}: {} consecutive non-finite steps (max_nonfinite_steps = {}); "
+             "lower learning_rate or use full precision",
+             step, in_a_row, c.max_nonfinite_steps);
+      }
+    }
+    for (auto& [n, p] : run.trainable) p.mutable_grad().reset();
+    for (auto& b : grad_buffers) b.zero_();
+
+    // ---- metrics ----
+    const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+    const int64_t images = c.train_batch_size * accum;
+    run.counters["images_seen"] = run.counters["images_seen"].get<int64_t>() + images;
+    run.counters["elapsed_seconds"] = run.counters["elapsed_seconds"].get<double>() + seconds;
+    auto peaks = ledger.peak_breakdown();
+    nlohmann::json rec = {{"step", step},
+                          {"loss", loss_value},
+                          {"lr", lr},
+                          {"grad_norm", grad_norm},
+                          {"seconds", seconds},
+                          {"images_per_second", images / seconds},
+                          {"peak_bytes", ledger.peak_total()},
+                          {"skipped", !finite}};
+    for (int cat = 0; cat < kNumMemoryCategories; ++cat) {
+      int64_t peak = ledger.peak_bytes(static_cast<MemoryCategory>(cat));
+      rec[fmt::format("peak_{}_bytes", to_string(static_cast<MemoryCategory>(cat)))] = peak;
+      run_peaks[cat] = std::max(run_peaks[cat], peak);
+    }
+    run_peak_total = std::max(run_peak_total, ledger.peak_total());
+    std::string line = rec.dump() + "\n";
+    std::fwrite(line.data(), 1, line.size(), metrics);
+    std::fflush(metrics);
+    if (options.on_step) options.on_step(rec);
+
+    if (step == summary.first_step) summary.first_loss = loss_value;
+    losses.push_back(loss_value);
+    if (std::isfinite(loss_value)) smoothed = std::isnan(smoothed) ? loss_value : 0.95 * smoothed + 0.05 * loss_value;
+
+    if (!options.quiet && step == summary.first_step) {
+      spdlog::info("step {} measured peak {} = {}", step, format_bytes(ledger.peak_total()),
+                   fmt::join(
+                       [&] {
+                         std::vector<std::string> parts;
+                         for (int cat = 0; cat < kNumMemoryCategories; ++cat) {
+                           parts.push_back(fmt::format("{} {}", to_string(static_cast<MemoryCategory>(cat)),
+                                                       format_bytes(peaks[cat])));
+                         }
+                         return parts;
+                       }(),
+                       ", "));
+    }
+    if (!options.quiet) {
+      double elapsed = std::chrono::duration<double>(Clock::now() - run_start).count();
+      int64_t done = step - start_step;
+      double its = done / elapsed;
+      double eta = (c.max_train_steps - step) / its;
+      std::string progress =
+          fmt::format("step {}/{} | {:.2f} it/s | ETA {} | loss {:.4f} | peak {}", step, c.max_train_steps,
+                      its, format_duration(eta), smoothed, format_bytes(run_peak_total));
+      if (tty) {
+        fmt::print(stderr, "\r{}\033[K", progress);
+        if (step == c.max_train_steps) fmt::print(stderr, "\n");
+      } else if (step % c.log_every_n_steps == 0 || step == c.max_train_steps || step == summary.first_step) {
+        fmt::print(stderr, "{}\n", progress);
+      }
+    }
+
+    const bool last = step == c.max_train_steps;
+    if ((c.save_every_n_steps > 0 && step % c.save_every_n_steps == 0) || last) {
+      save_checkpoint(run, step, run.sampler->position());
+    }
+    if ((c.sample_every_n_steps > 0 && step % c.sample_every_n_steps == 0) || last) {
+      if (tty) fmt::print(stderr, "\n");
+      write_samples(run, step, summary.last_sample);
+      if (!options.quiet) spdlog::info("step {}: sample grid {}", step, summary.last_sample);
+    }
+    summary.last_step = step;
+  }
+
+  // Final weights at the run root: EMA weights when EMA is on.
+  {
+    std::vector<at::Tensor> saved;
+    if (run.ema) saved = run.ema->swap_in();
+    save_module((fs::path(run.run_dir) / "model.safetensors").string(), *run.model,
+                model_metadata(run, summary.last_step));
+    if (run.ema) run.ema->restore(saved);
+  }
+
+  const double total = std::chrono::duration<double>(Clock::now() - run_start).count();
+  const int64_t steps_run = summary.last_step - start_step;
+  summary.seconds_per_step = total / std::max<int64_t>(1, steps_run);
+  summary.images_per_second = steps_run * c.train_batch_size * accum / total;
+  size_t tail = std::max<size_t>(1, losses.size() / 10);
+  double s = 0;
+  for (size_t i = losses.size() - tail; i < losses.size(); ++i) s += losses[i];
+  summary.final_loss = s / static_cast<double>(tail);
+  summary.skipped_steps = run.counters["skipped_steps"].get<int64_t>();
+  summary.peak_memory = ledger_peaks(run_peaks);
+  summary.peak_memory["total"] = run_peak_total;
+  if (!options.quiet) {
+    spdlog::info("done: steps {}..{}, {:.3f} s/step, {:.1f} images/s, loss {:.4f} -> {:.4f}", summary.first_step,
+                 summary.last_step, summary.seconds_per_step, summary.images_per_second, summary.first_loss,
+                 summary.final_loss);
+    std::vector<std::string> parts;
+    for (int cat = 0; cat < kNumMemoryCategories; ++cat) {
+      parts.push_back(fmt::format("{} {}", to_string(static_cast<MemoryCategory>(cat)), format_bytes(run_peaks[cat])));
+    }
+    spdlog::info("peak memory {} (per category peaks: {})", format_bytes(run_peak_total), fmt::join(parts, ", "));
+    if (summary.skipped_images > 0) {
+      spdlog::warn("{} unreadable images were skipped:", summary.skipped_images);
+      for (const auto& sk : run.dataset.skipped()) spdlog::warn("  {}: {}", sk.path, sk.reason);
+    }
+    spdlog::info("final weights {}/model.safetensors; samples {}", run.run_dir, summary.last_sample);
+  }
+  return summary;
+}
+
+}  // namespace shoestring

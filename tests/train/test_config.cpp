@@ -1,0 +1,106 @@
+#include <gtest/gtest.h>
+
+#include "shoestring/core/error.h"
+#include "shoestring/train/config.h"
+
+using shoestring::Error;
+using shoestring::parse_config;
+
+namespace {
+std::string error_of(const std::string& text, const std::vector<std::string>& sets = {}) {
+  try {
+    parse_config(text, "run.toml", sets);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+}  // namespace
+
+TEST(Config, DefaultsAndKohyaKeys) {
+  auto c = parse_config(
+      "learning_rate = 2e-4\ntrain_batch_size = 8\nmax_train_steps = 100\n"
+      "gradient_accumulation_steps = 2\ngradient_checkpointing = true\nfull_bf16 = true\n"
+      "mixed_precision = \"bf16\"\nmax_grad_norm = 0.5\nsave_every_n_steps = 50\nseed = 7\n"
+      "[model]\nbase_channels = 32\n",
+      "run.toml");
+  EXPECT_DOUBLE_EQ(c.learning_rate, 2e-4);
+  EXPECT_EQ(c.train_batch_size, 8);
+  EXPECT_EQ(c.max_train_steps, 100);
+  EXPECT_EQ(c.gradient_accumulation_steps, 2);
+  EXPECT_TRUE(c.gradient_checkpointing);
+  EXPECT_TRUE(c.full_bf16);
+  EXPECT_EQ(c.mixed_precision, "bf16");
+  EXPECT_DOUBLE_EQ(c.max_grad_norm, 0.5);
+  EXPECT_EQ(c.save_every_n_steps, 50);
+  EXPECT_EQ(c.seed, 7);
+  EXPECT_EQ(c.base_channels, 32);
+  EXPECT_EQ(c.resolution, shoestring::TrainConfig{}.resolution);  // untouched key keeps its default
+}
+
+TEST(Config, UnknownKeyNamesFileLineAndNearestKey) {
+  std::string e = error_of("seed = 1\nlearning_rat = 1e-4\n");
+  EXPECT_NE(e.find("run.toml:2"), std::string::npos) << e;
+  EXPECT_NE(e.find("unknown key 'learning_rat'"), std::string::npos) << e;
+  EXPECT_NE(e.find("did you mean 'learning_rate'"), std::string::npos) << e;
+  std::string e2 = error_of("[model]\nbase_chanels = 3\n");
+  EXPECT_NE(e2.find("model.base_channels"), std::string::npos) << e2;
+}
+
+TEST(Config, WrongTypeAndRangeNameKeyValueAndAllowed) {
+  std::string e = error_of("train_batch_size = \"eight\"\n");
+  EXPECT_NE(e.find("train_batch_size"), std::string::npos) << e;
+  EXPECT_NE(e.find("\"eight\""), std::string::npos) << e;
+  EXPECT_NE(e.find("an integer"), std::string::npos) << e;
+  std::string r = error_of("caption_dropout_rate = 1.5\n");
+  EXPECT_NE(r.find("caption_dropout_rate"), std::string::npos) << r;
+  EXPECT_NE(r.find("[0, 1]"), std::string::npos) << r;
+  std::string ch = error_of("mixed_precision = \"fp8\"\n");
+  EXPECT_NE(ch.find("one of \"no\", \"bf16\""), std::string::npos) << ch;
+  std::string syn = error_of("seed = = 3\n");
+  EXPECT_NE(syn.find("run.toml:1"), std::string::npos) << syn;
+  EXPECT_NE(syn.find("TOML syntax error"), std::string::npos) << syn;
+}
+
+TEST(Config, CrossKeyValidation) {
+  EXPECT_NE(error_of("resolution = 30\n").find("divisible by 4"), std::string::npos);
+  EXPECT_NE(error_of("[model]\nattention_levels = [5]\n").find("attention_levels"), std::string::npos);
+  EXPECT_NE(error_of("optimizer_args = [\"weight_decay\"]\n").find("key=value"), std::string::npos);
+}
+
+TEST(Config, SetOverrides) {
+  auto c = parse_config("seed = 1\n", "run.toml",
+                        {"seed=5", "output_dir=runs/x", "model.channel_mult=[1,2]", "num_heads=2"});
+  EXPECT_EQ(c.seed, 5);
+  EXPECT_EQ(c.output_dir, "runs/x");
+  EXPECT_EQ(c.channel_mult, (std::vector<int64_t>{1, 2}));
+  EXPECT_EQ(c.num_heads, 2);
+  std::string e = error_of("", {"sede=3"});
+  EXPECT_NE(e.find("did you mean 'seed'"), std::string::npos) << e;
+  EXPECT_NE(error_of("", {"seed"}).find("key=value"), std::string::npos);
+  EXPECT_NE(error_of("", {"seed=abc"}).find("'seed'"), std::string::npos);
+}
+
+TEST(Config, ResolvedTomlRoundTrips) {
+  auto c = parse_config("learning_rate = 3e-4\nsample_prompts = [\"a\", \"b c\"]\nfull_bf16 = true\n",
+                        "run.toml");
+  std::string text = shoestring::to_toml(c);
+  auto d = parse_config(text, "resolved.toml");
+  EXPECT_EQ(shoestring::to_toml(d), text);
+  EXPECT_DOUBLE_EQ(d.learning_rate, 3e-4);
+  EXPECT_EQ(d.sample_prompts, (std::vector<std::string>{"a", "b c"}));
+  EXPECT_TRUE(d.full_bf16);
+  // Every schema key appears in the resolved file.
+  for (const auto& key : shoestring::config_keys()) {
+    auto leaf = key.substr(key.rfind('.') == std::string::npos ? 0 : key.rfind('.') + 1);
+    EXPECT_NE(text.find(leaf + " = "), std::string::npos) << key;
+  }
+}
+
+TEST(Config, ExpandsCachePath) {
+  setenv("SHOESTRING_CACHE", "/tmp/cachex", 1);
+  EXPECT_EQ(shoestring::expand_path("${SHOESTRING_CACHE}/data"), "/tmp/cachex/data");
+  unsetenv("SHOESTRING_CACHE");
+  setenv("HOME", "/home/u", 1);
+  EXPECT_EQ(shoestring::expand_path("${SHOESTRING_CACHE}/d"), "/home/u/.cache/shoestring/d");
+}

@@ -1,0 +1,221 @@
+// End-to-end training tests on the committed Twemoji fixtures (no network).
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include <torch/torch.h>
+
+#include "shoestring/core/error.h"
+#include "shoestring/data/tokenizer.h"
+#include "shoestring/io/safetensors.h"
+#include "shoestring/train/checkpoint_io.h"
+#include "shoestring/train/config.h"
+#include "shoestring/train/diffusion_model.h"
+#include "shoestring/train/sampling.h"
+#include "shoestring/train/trainer.h"
+
+namespace fs = std::filesystem;
+using namespace shoestring;
+
+namespace {
+
+std::string temp_dir(const std::string& name) {
+  fs::path p = fs::temp_directory_path() / ("shoestring_test_" + name + "_" + std::to_string(::getpid()));
+  fs::remove_all(p);
+  return p.string();
+}
+
+/// A model small enough to train for a few steps in a second or two.
+TrainConfig tiny_config(const std::string& out) {
+  std::string text = fmt::format(
+      "train_data_dir = \"{}/twemoji\"\n"
+      "resolution = 16\n"
+      "train_batch_size = 4\n"
+      "max_train_steps = 6\n"
+      "learning_rate = 1e-3\n"
+      "seed = 3\n"
+      "sample_prompts = [\"red heart\"]\n"
+      "sample_seeds = 2\n"
+      "sample_steps = 3\n"
+      "output_dir = \"{}\"\n"
+      "[model]\n"
+      "base_channels = 16\nchannel_mult = [1, 2]\nnum_res_blocks = 1\nattention_levels = [1]\n"
+      "num_heads = 2\nnorm_groups = 8\ntext_dim = 32\ntext_layers = 1\n",
+      SHOESTRING_TEST_DATA, out);
+  return parse_config(text, "tiny.toml");
+}
+
+std::vector<double> losses_of(const std::string& metrics_path) {
+  std::vector<double> out;
+  std::ifstream in(metrics_path);
+  std::string line;
+  while (std::getline(in, line)) out.push_back(nlohmann::json::parse(line)["loss"].get<double>());
+  return out;
+}
+
+TrainRunOptions quiet() {
+  TrainRunOptions o;
+  o.quiet = true;
+  return o;
+}
+
+}  // namespace
+
+TEST(Trainer, LossFallsOnFixtures) {
+  auto cfg = tiny_config(temp_dir("loss"));
+  cfg.max_train_steps = 60;
+  cfg.caption_dropout_rate = 0.0;
+  cfg.timestep_sampling = "uniform";
+  auto summary = train(cfg, quiet());
+  auto losses = losses_of(summary.run_dir + "/metrics.jsonl");
+  ASSERT_EQ(losses.size(), 60u);
+  double first = 0, last = 0;
+  for (int i = 0; i < 10; ++i) first += losses[i] / 10;
+  for (int i = 50; i < 60; ++i) last += losses[i] / 10;
+  EXPECT_LT(last, 0.8 * first) << "first 10 mean " << first << ", last 10 mean " << last;
+  // The run folder holds what the README promises.
+  EXPECT_TRUE(fs::exists(summary.run_dir + "/config.toml"));
+  EXPECT_TRUE(fs::exists(summary.run_dir + "/model.safetensors"));
+  EXPECT_TRUE(fs::exists(summary.last_sample));
+  EXPECT_TRUE(fs::exists(summary.run_dir + "/checkpoints/latest.json"));
+  auto rec = nlohmann::json::parse([&] {
+    std::ifstream in(summary.run_dir + "/metrics.jsonl");
+    std::string l;
+    std::getline(in, l);
+    return l;
+  }());
+  for (const char* key : {"step", "loss", "lr", "seconds", "images_per_second", "peak_bytes",
+                          "peak_weights_bytes", "peak_gradients_bytes", "peak_optimizer_state_bytes",
+                          "peak_activations_bytes"}) {
+    EXPECT_TRUE(rec.contains(key)) << key;
+  }
+  EXPECT_GT(rec["peak_weights_bytes"].get<int64_t>(), 0);
+  EXPECT_GT(rec["peak_gradients_bytes"].get<int64_t>(), 0);
+  EXPECT_GT(rec["peak_activations_bytes"].get<int64_t>(), 0);
+  fs::remove_all(summary.run_dir);
+}
+
+class ResumeTest : public ::testing::TestWithParam<bool> {};
+
+TEST_P(ResumeTest, ResumedLossesEqualUninterruptedRun) {
+  const bool bf16 = GetParam();
+  auto full = tiny_config(temp_dir(bf16 ? "full_bf16" : "full_fp32"));
+  full.full_bf16 = bf16;
+  full.ema_decay = 0.9;
+  full.gradient_accumulation_steps = 2;
+  full.caption_dropout_rate = 0.3;
+  full.max_train_steps = 6;
+  auto a = train(full, quiet());
+  auto expected = losses_of(a.run_dir + "/metrics.jsonl");
+  ASSERT_EQ(expected.size(), 6u);
+
+  // Interrupted run: 2 steps, resume to 4, resume to 6 (counters stay cumulative).
+  auto part = full;
+  part.output_dir = temp_dir(bf16 ? "part_bf16" : "part_fp32");
+  part.max_train_steps = 2;
+  auto b = train(part, quiet());
+  TrainRunOptions resume = quiet();
+  resume.resume_dir = b.run_dir;
+  part.max_train_steps = 4;
+  auto b2 = train(part, resume);
+  EXPECT_EQ(b2.first_step, 3);
+  part.max_train_steps = 6;
+  auto b3 = train(part, resume);
+  EXPECT_EQ(b3.first_step, 5);
+  EXPECT_EQ(b3.last_step, 6);
+  auto got = losses_of(b.run_dir + "/metrics.jsonl");
+  ASSERT_EQ(got.size(), 6u);
+  for (size_t i = 0; i < 6; ++i) EXPECT_EQ(got[i], expected[i]) << "step " << i + 1;
+
+  // Final weights are bit-identical too.
+  auto wa = load_safetensors(a.run_dir + "/model.safetensors");
+  auto wb = load_safetensors(b.run_dir + "/model.safetensors");
+  ASSERT_EQ(wa.size(), wb.size());
+  for (auto& [name, t] : wa) EXPECT_TRUE(torch::equal(t, wb.at(name))) << name;
+  auto state = SafetensorsFile::open(b.run_dir + "/checkpoints/step-000006/state.safetensors");
+  auto meta = nlohmann::json::parse(state.metadata().at("training_state"));
+  EXPECT_EQ(meta["images_seen"].get<int64_t>(), 6 * 4 * 2);
+  fs::remove_all(a.run_dir);
+  fs::remove_all(b.run_dir);
+}
+INSTANTIATE_TEST_SUITE_P(Precision, ResumeTest, ::testing::Values(false, true),
+                         [](const auto& info) { return info.param ? "full_bf16" : "fp32"; });
+
+TEST(Trainer, RefusesToOverwriteAndReportsMissingDataset) {
+  auto cfg = tiny_config(temp_dir("missing"));
+  cfg.train_data_dir = "/nonexistent/emoji";
+  try {
+    train(cfg, quiet());
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("fetch_twemoji"), std::string::npos) << e.what();
+  }
+  auto bad = tiny_config("/proc/shoestring_cannot_write_here");
+  EXPECT_THROW(train(bad, quiet()), Error);
+}
+
+TEST(Checkpoint, SaveLoadIsBitExact) {
+  for (bool bf16 : {false, true}) {
+    auto cfg = tiny_config("unused");
+    torch::manual_seed(1);
+    DiffusionModel a(DiffusionModelOptions::from_config(cfg, 20));
+    torch::manual_seed(2);
+    DiffusionModel b(DiffusionModelOptions::from_config(cfg, 20));
+    if (bf16) {
+      a->to(torch::kBFloat16);
+      b->to(torch::kBFloat16);
+    }
+    std::string path = temp_dir("ckpt") + ".safetensors";
+    save_module(path, *a, {{"k", "v"}});
+    auto tensors = load_safetensors(path);
+    load_module(*b, tensors, path);
+    auto ta = module_tensors(*a), tb = module_tensors(*b);
+    ASSERT_EQ(ta.size(), tb.size());
+    for (size_t i = 0; i < ta.size(); ++i) {
+      EXPECT_EQ(ta[i].second.scalar_type(), tb[i].second.scalar_type());
+      EXPECT_TRUE(torch::equal(ta[i].second, tb[i].second)) << ta[i].first;
+    }
+    // A checkpoint with a missing tensor is an error naming it.
+    tensors.erase(ta[0].first);
+    try {
+      load_module(*b, tensors, path);
+      FAIL();
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(ta[0].first), std::string::npos) << e.what();
+    }
+    fs::remove(path);
+  }
+}
+
+TEST(Sampling, OutputShapeAndRange) {
+  auto cfg = tiny_config("unused");
+  auto tok = WordTokenizer::build({"red heart", "grinning face"}, cfg.max_caption_length);
+  torch::manual_seed(0);
+  DiffusionModel model(DiffusionModelOptions::from_config(cfg, tok.vocab_size()));
+  // Give the zero-initialised output layer some weight so images vary.
+  {
+    torch::NoGradGuard ng;
+    for (auto& p : model->parameters()) p.add_(torch::randn_like(p) * 0.05);
+  }
+  SampleRequest req;
+  req.prompts = {"red heart", "grinning face", "unknown words"};
+  req.seeds = {0, 1};
+  req.steps = 4;
+  at::Tensor img = generate_images(model, tok, req);
+  EXPECT_EQ(img.scalar_type(), torch::kUInt8);
+  EXPECT_EQ(img.sizes(), (std::vector<int64_t>{6, 3, 16, 16}));
+  EXPECT_GT(img.to(torch::kFloat32).std().item<double>(), 0.0);
+  // Same seed, same prompt -> same image; the global RNG is untouched.
+  torch::manual_seed(5);
+  auto before = torch::rand({1});
+  torch::manual_seed(5);
+  at::Tensor again = generate_images(model, tok, req);
+  EXPECT_TRUE(torch::equal(torch::rand({1}), before));
+  EXPECT_TRUE(torch::equal(img, again));
+  std::string path = temp_dir("grid") + ".png";
+  save_sample_grid(path, img, req);
+  EXPECT_TRUE(fs::exists(path));
+  EXPECT_TRUE(fs::exists(path.substr(0, path.size() - 4) + ".txt"));
+  fs::remove(path);
+}
