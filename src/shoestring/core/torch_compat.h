@@ -10,3 +10,8 @@
 // Native float8 dtypes (at::kFloat8_e4m3fn, at::kFloat8_e5m2) exist from 2.1.
 // Before that, F8 tensors are carried as raw bytes (uint8).
 #define SHOESTRING_HAS_FLOAT8 SHOESTRING_TORCH_AT_LEAST(2, 1)
+
+// c10::Allocator: from 2.3, allocate() is non-const and copy_data() is a pure
+// virtual that every allocator must implement (1.13: allocate() const, no
+// copy_data).
+#define SHOESTRING_ALLOCATOR_API_2_3 SHOESTRING_TORCH_AT_LEAST(2, 3)

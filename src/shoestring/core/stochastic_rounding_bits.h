@@ -1,0 +1,85 @@
+// Bit-level stochastic rounding kernels, fp32 -> bf16 and fp32 -> IEEE fp16.
+// Header-only and free of libtorch so the same code runs in CPU loops
+// (stochastic_rounding.cpp) and CUDA kernels (kernels/cuda/). Written as
+// straight-line integer code with selects only, so a loop over them
+// vectorizes.
+//
+// Stochastic rounding (SR) of x to a grid rounds to one of the two grid values
+// that bracket x, the upper one (in magnitude) with probability equal to the
+// distance from the lower one divided by the spacing, so that E[SR(x)] = x.
+// With a uniform random integer r the rule "add r below the kept bits, then
+// truncate" produces exactly that distribution (Connolly, Higham & Mary,
+// "Stochastically rounding floating-point arithmetic", SIAM J. Sci. Comput.
+// 2021, mode 1). For bf16 this is the rule of torchastic's copy_stochastic_,
+// kohya-ss's fused Adafactor and OneTrainer; llm.c draws the same distribution
+// from a hash of the element position.
+#pragma once
+#include <cstdint>
+#include <cstring>
+
+#include "shoestring/core/counter_rng.h"
+
+namespace shoestring {
+
+/// SR of the fp32 bit pattern `bits` to bf16 bits, using the low 16 bits of
+/// `random` (uniform in [0, 65536)). Operates on the magnitude bits, so it is
+/// sign-symmetric: |x| rounds up with probability (bits & 0xFFFF) / 65536,
+/// else truncates toward zero.
+///  - bf16-exact values (low 16 bits zero), zeros and +-inf are unchanged.
+///  - NaN stays NaN with its sign: the result is the truncated pattern with the
+///    quiet bit set (as c10::BFloat16 does), never inf.
+///  - |x| above the largest bf16 (0x7F7F, ~3.3895e38) rounds to inf with
+///    probability low16/65536: inf takes the place of the next grid value
+///    2^128 in the bit layout, which is the unbiased rule's behaviour there.
+SHOESTRING_HOST_DEVICE inline uint16_t sr_bf16_from_fp32_bits(uint32_t bits, uint32_t random) {
+  const uint32_t rounded = (bits + (random & 0xFFFFu)) >> 16;
+  const uint32_t quiet_nan = (bits >> 16) | 0x0040u;
+  const bool is_nan = (bits & 0x7FFFFFFFu) > 0x7F800000u;
+  return static_cast<uint16_t>(is_nan ? quiet_nan : rounded);
+}
+
+/// SR of the fp32 bit pattern `bits` to IEEE 754 binary16 bits.
+///  - Normal fp16 range (2^-14 <= |x| <= 65504): the 13 fp32 mantissa bits
+///    below fp16's last bit are rounded with the low 13 bits of `random`
+///    (exact probabilities); a carry moves into the exponent naturally and the
+///    exponent is re-biased from 127 to 15.
+///  - Subnormal fp16 range (|x| < 2^-14, spacing 2^-24, including fp32
+///    subnormals): |x| / 2^-24 is formed as a fixed-point number with 21
+///    fraction bits, floor(|x| * 2^45) (the exponent field is raised by 45 and
+///    an int32 conversion truncates), and rounded with bits 11..31 of
+///    `random`. The probabilities are exact for |x| >= 2^-22; below that the
+///    fraction is truncated to 21 bits, an absolute bias under 2^-45
+///    (~2.8e-14) toward zero. Rounding up from just below 2^-14 gives the
+///    smallest normal, 0x0400.
+///    (The int conversion replaces a per-element variable shift, which keeps
+///    the loop vectorizable on baseline x86-64 / SSE2.)
+///  - Overflow: the grid is extended by inf in the slot of 2^16 (its place in
+///    the bit layout), the same rule that bf16 SR follows at FLT_MAX: for
+///    65504 < |x| < 65536, |x| becomes inf with probability (|x| - 65504) / 32,
+///    else 65504; |x| >= 65536 always becomes inf. (Round-to-nearest differs
+///    only on (65504, 65520), where it always returns 65504.)
+///  - Zeros keep their sign; +-inf stay +-inf; NaN becomes the quiet NaN
+///    0x7E00 with the input's sign (as c10::Half does).
+SHOESTRING_HOST_DEVICE inline uint16_t sr_fp16_from_fp32_bits(uint32_t bits, uint32_t random) {
+  const uint32_t sign = (bits >> 16) & 0x8000u;
+  const uint32_t a = bits & 0x7FFFFFFFu;
+  // Normal path (meaningful for a >= 2^-14; wraps harmlessly below).
+  uint32_t normal = ((a + (random & 0x1FFFu)) >> 13) - ((127u - 15u) << 10);
+  normal = normal < 0x7C00u ? normal : 0x7C00u;
+  // Subnormal path (a < 2^-14): v = |x| / 2^-24 in 11.21 fixed point, i.e.
+  // floor(|x| * 2^45), which is < 2^31. The scaling adds 45 to the exponent
+  // field (exact; no float op that could trap, so the loop stays branch-free)
+  // and the int32 conversion truncates. fp32 subnormals (< 2^-126) give v = 0,
+  // and so does every input outside the subnormal range (selected away).
+  const bool is_subnormal = a < 0x38800000u;
+  const uint32_t scaled_bits = (is_subnormal && a >= 0x00800000u) ? a + (45u << 23) : 0u;
+  float scaled;
+  std::memcpy(&scaled, &scaled_bits, sizeof scaled);
+  const uint32_t v = static_cast<uint32_t>(static_cast<int32_t>(scaled));
+  const uint32_t subnormal = (v + (random >> 11)) >> 21;
+  uint32_t mag = is_subnormal ? subnormal : normal;
+  mag = a > 0x7F800000u ? 0x7E00u : mag;
+  return static_cast<uint16_t>(sign | mag);
+}
+
+}  // namespace shoestring

@@ -1,0 +1,15 @@
+// Human-readable units for logs and reports.
+#pragma once
+#include <cstdint>
+#include <string>
+
+namespace shoestring {
+
+/// Formats a byte count with binary (IEC) units and three significant digits:
+/// 512 -> "512 B", 1536 -> "1.50 KiB", 12582912 -> "12.0 MiB",
+/// 1610612736 -> "1.50 GiB", 1 << 40 -> "1.00 TiB". Units go up to EiB.
+/// Negative counts (deltas) keep their sign: -1536 -> "-1.50 KiB".
+/// Values that would print as "1024" after rounding move to the next unit.
+std::string format_bytes(int64_t bytes);
+
+}  // namespace shoestring
