@@ -1,0 +1,125 @@
+// A small text-conditioned UNet for pixel-space diffusion on tiny images (the
+// emoji example). Layout follows the Latent Diffusion UNet (Rombach et al.
+// 2022, CompVis `openaimodel.UNetModel`): per level `num_res_blocks` ResBlocks
+// (+ a SpatialTransformer with self- and cross-attention on attention levels),
+// stride-2 conv downsampling, a middle Res-Attn-Res, an up path with one more
+// ResBlock per level eating the skip connections (concatenated on channels),
+// nearest-neighbour upsampling + conv, and GroupNorm-SiLU-conv out with the
+// final conv zero-initialised.
+//
+// Parameter paths (named_parameters()):
+//   time_embed.linear_{1,2}.*, conv_in.*,
+//   down.<level>.res.<i>.*, down.<level>.attn.<i>.*, down.<level>.downsample.*,
+//   mid.res1.*, mid.attn.*, mid.res2.*,
+//   up.<level>.res.<i>.*, up.<level>.attn.<i>.*, up.<level>.upsample.*,
+//   norm_out.*, conv_out.*
+// where <level> 0 is full resolution in both paths (up.<level> mirrors
+// down.<level>), e.g. `down.1.attn.0.blocks.0.attn2.to_k.weight`.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/conv.h>
+#include <torch/nn/modules/normalization.h>
+#include <torch/nn/pimpl.h>
+
+#include "shoestring/nn/resblock.h"
+#include "shoestring/nn/timestep.h"
+#include "shoestring/nn/transformer.h"
+
+namespace shoestring::models {
+
+/// Hyper-parameters of TinyUNet. Defaults: ~25M parameters.
+struct TinyUNetOptions {
+  TORCH_ARG(int64_t, in_channels) = 3;
+  TORCH_ARG(int64_t, out_channels) = 3;
+  /// Channels at level 0; level i has base_channels * channel_mult[i].
+  TORCH_ARG(int64_t, base_channels) = 64;
+  TORCH_ARG(std::vector<int64_t>, channel_mult) = std::vector<int64_t>{1, 2, 4};
+  /// ResBlocks per level on the down path (the up path has one more).
+  TORCH_ARG(int64_t, num_res_blocks) = 2;
+  /// Levels (0 = full resolution) whose ResBlocks are followed by a
+  /// SpatialTransformer (self- + cross-attention). The middle always has one.
+  TORCH_ARG(std::vector<int64_t>, attention_levels) = std::vector<int64_t>{1, 2};
+  /// Attention heads; head_dim = channels / num_heads.
+  TORCH_ARG(int64_t, num_heads) = 4;
+  /// Key/value heads (grouped-query attention); 0 = num_heads.
+  TORCH_ARG(int64_t, num_kv_heads) = 0;
+  /// Width of the caption encoder's hidden states (cross-attention context).
+  TORCH_ARG(int64_t, context_dim) = 256;
+  /// Upper bound on GroupNorm groups.
+  TORCH_ARG(int64_t, groups) = 32;
+  TORCH_ARG(double, dropout) = 0.0;
+  /// Run activations in channels-last (NHWC) memory layout: oneDNN's convs
+  /// are ~2x faster on CPU that way, and the transformer's [B, H*W, C] token
+  /// view needs no copy. Weights and the returned tensor stay contiguous NCHW.
+  TORCH_ARG(bool, channels_last) = true;
+};
+
+/// One resolution level: res.<i> ResBlocks, attn.<i> SpatialTransformers (empty
+/// on levels without attention) and an optional resampling conv
+/// (`downsample`: 3x3 stride 2; `upsample`: 3x3 after nearest 2x).
+class TinyUNetLevelImpl : public torch::nn::Module {
+ public:
+  TinyUNetLevelImpl();
+  torch::nn::ModuleList res{nullptr}, attn{nullptr};
+  torch::nn::Conv2d downsample{nullptr}, upsample{nullptr};
+};
+TORCH_MODULE(TinyUNetLevel);
+
+/// The middle block: res1 -> attn -> res2.
+class TinyUNetMidImpl : public torch::nn::Module {
+ public:
+  TinyUNetMidImpl(const TinyUNetOptions& o, int64_t channels, int64_t temb_dim);
+  nn::ResBlock res1{nullptr}, res2{nullptr};
+  nn::SpatialTransformer attn{nullptr};
+};
+TORCH_MODULE(TinyUNetMid);
+
+/// Text-conditioned UNet. Runs in fp32, or entirely in bf16 after
+/// `->to(torch::kBFloat16)` (the caller casts x and context; t stays any float).
+class TinyUNetImpl : public torch::nn::Module {
+ public:
+  /// Throws shoestring::Error on bad options (empty channel_mult, attention
+  /// level out of range, channels not divisible by num_heads, ...).
+  explicit TinyUNetImpl(const TinyUNetOptions& options = {});
+
+  /// x: [B, in_channels, H, W] in the model's dtype, H and W divisible by
+  /// 2^(levels-1); t: [B] diffusion time in [0, 1] (embedded as t*1000, the
+  /// DDPM timestep scale); context: [B, L, context_dim] in the model's dtype;
+  /// context_mask: [B, L] bool, true = real token (undefined = all real).
+  /// Returns [B, out_channels, H, W] in the model's dtype.
+  /// Throws shoestring::Error on shape/dtype mismatch.
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& context,
+                        const torch::Tensor& context_mask = {});
+
+  /// When on and the module is in training mode, every ResBlock and
+  /// SpatialTransformer runs through nn::checkpoint (Chen et al. 2016): its
+  /// activations are recomputed in backward instead of stored.
+  void set_gradient_checkpointing(bool on) { gradient_checkpointing_ = on; }
+  bool gradient_checkpointing() const { return gradient_checkpointing_; }
+
+  /// Number of scalar parameters (sum of numel over parameters()).
+  int64_t parameter_count() const;
+
+  const TinyUNetOptions& options() const { return options_; }
+
+  nn::TimestepEmbedding time_embed{nullptr};
+  torch::nn::Conv2d conv_in{nullptr}, conv_out{nullptr};
+  torch::nn::ModuleList down{nullptr}, up{nullptr};
+  TinyUNetMid mid{nullptr};
+  torch::nn::GroupNorm norm_out{nullptr};
+
+ private:
+  torch::Tensor run_res(nn::ResBlock& block, const torch::Tensor& x, const torch::Tensor& temb);
+  torch::Tensor run_attn(nn::SpatialTransformer& block, const torch::Tensor& x, const torch::Tensor& context,
+                         const torch::Tensor& mask);
+
+  TinyUNetOptions options_;
+  bool gradient_checkpointing_ = false;
+};
+TORCH_MODULE(TinyUNet);
+
+}  // namespace shoestring::models

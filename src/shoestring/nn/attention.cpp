@@ -1,0 +1,92 @@
+#include "shoestring/nn/attention.h"
+
+#include <cmath>
+#include <limits>
+
+#include <torch/torch.h>
+
+#include "shoestring/core/error.h"
+
+namespace shoestring::nn {
+namespace {
+
+// Lowest finite value of a floating dtype: the fill for masked scores.
+double lowest_finite(at::ScalarType t) {
+  switch (t) {
+    case at::kHalf: return -65504.0;
+    case at::kBFloat16: return -3.3895313892515355e38;
+    case at::kDouble: return std::numeric_limits<double>::lowest();
+    default: return std::numeric_limits<float>::lowest();
+  }
+}
+
+std::string shape_str(const torch::Tensor& t) {
+  std::string s;
+  for (int64_t i = 0; i < t.dim(); ++i) s += (i ? ", " : "") + std::to_string(t.size(i));
+  return s;
+}
+
+}  // namespace
+
+AttentionImpl::AttentionImpl(const AttentionOptions& options) : options_(options) {
+  if (options_.num_kv_heads() == 0) options_.num_kv_heads(options_.heads());
+  if (options_.context_dim() == 0) options_.context_dim(options_.query_dim());
+  const auto& o = options_;
+  if (o.query_dim() <= 0 || o.context_dim() < 0 || o.heads() <= 0 || o.head_dim() <= 0 ||
+      o.num_kv_heads() < 0) {
+    fail("Attention: sizes must be positive (query_dim {}, context_dim {}, heads {}, head_dim {}, "
+         "num_kv_heads {})",
+         o.query_dim(), o.context_dim(), o.heads(), o.head_dim(), o.num_kv_heads());
+  }
+  if (o.heads() % o.num_kv_heads() != 0) {
+    fail("Attention: num_kv_heads {} must divide heads {}", o.num_kv_heads(), o.heads());
+  }
+  const int64_t inner = o.heads() * o.head_dim();
+  const int64_t kv_inner = o.num_kv_heads() * o.head_dim();
+  to_q = register_module("to_q", torch::nn::Linear(torch::nn::LinearOptions(o.query_dim(), inner).bias(false)));
+  to_k = register_module("to_k", torch::nn::Linear(torch::nn::LinearOptions(o.context_dim(), kv_inner).bias(false)));
+  to_v = register_module("to_v", torch::nn::Linear(torch::nn::LinearOptions(o.context_dim(), kv_inner).bias(false)));
+  to_out = register_module("to_out", torch::nn::Linear(inner, o.query_dim()));
+}
+
+torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& context,
+                                     const torch::Tensor& key_mask) {
+  const auto& o = options_;
+  if (x.dim() != 3 || x.size(2) != o.query_dim()) {
+    fail("Attention: input x must be [B, L, {}], got [{}]", o.query_dim(), shape_str(x));
+  }
+  const torch::Tensor& kv_in = context.defined() ? context : x;
+  const int64_t B = x.size(0), Lq = x.size(1), Lk = kv_in.size(1);
+  if (kv_in.dim() != 3 || kv_in.size(0) != B || kv_in.size(2) != o.context_dim()) {
+    fail("Attention: context must be [{}, Lk, {}], got [{}]", B, o.context_dim(), shape_str(kv_in));
+  }
+  if (key_mask.defined() &&
+      (key_mask.dim() != 2 || key_mask.size(0) != B || key_mask.size(1) != Lk ||
+       key_mask.scalar_type() != torch::kBool)) {
+    fail("Attention: key_mask must be bool [{}, {}], got {} [{}]", B, Lk,
+         c10::toString(key_mask.scalar_type()), shape_str(key_mask));
+  }
+  const int64_t H = o.heads(), Hkv = o.num_kv_heads(), G = H / Hkv, d = o.head_dim();
+
+  // Query heads of one group are stacked along the sequence axis so that each
+  // key/value head is used by one batched matmul without being repeated:
+  // q [B, Lq, Hkv, G, d] -> [B, Hkv, G*Lq, d]; k, v [B, Lk, Hkv, d] -> [B, Hkv, Lk, d].
+  // The 1/sqrt(d) scale is folded into the query weight, the smallest tensor
+  // it can be applied to (gradients flow through the product as usual).
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  torch::Tensor q = torch::linear(x, to_q->weight * scale).view({B, Lq, Hkv, G, d}).permute({0, 2, 3, 1, 4});
+  q = q.reshape({B, Hkv, G * Lq, d});
+  torch::Tensor k = to_k->forward(kv_in).view({B, Lk, Hkv, d}).transpose(1, 2);
+  torch::Tensor v = to_v->forward(kv_in).view({B, Lk, Hkv, d}).transpose(1, 2);
+
+  torch::Tensor scores = torch::matmul(q, k.transpose(-1, -2));  // [B, Hkv, G*Lq, Lk]
+  if (key_mask.defined()) {
+    scores = scores.masked_fill(key_mask.logical_not().view({B, 1, 1, Lk}),
+                                lowest_finite(scores.scalar_type()));
+  }
+  torch::Tensor out = torch::matmul(scores.softmax(-1), v);  // [B, Hkv, G*Lq, d]
+  out = out.view({B, Hkv, G, Lq, d}).permute({0, 3, 1, 2, 4}).reshape({B, Lq, H * d});
+  return to_out->forward(out);
+}
+
+}  // namespace shoestring::nn

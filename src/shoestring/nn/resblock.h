@@ -1,0 +1,65 @@
+// Residual block with timestep conditioning, as in DDPM (Ho et al. 2020) and
+// the Latent Diffusion / Stable Diffusion UNet (Rombach et al. 2022, CompVis
+// `openaimodel.ResBlock`; diffusers `ResnetBlock2D`):
+//   h = conv1(SiLU(norm1(x))) + time_emb_proj(SiLU(temb))[:, :, None, None]
+//   h = conv2(dropout(SiLU(norm2(h))))
+//   out = conv_shortcut(x) + h          (conv_shortcut: 1x1, only when channels change)
+#pragma once
+#include <cstdint>
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/conv.h>
+#include <torch/nn/modules/dropout.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
+#include <torch/nn/pimpl.h>
+
+namespace shoestring::nn {
+
+/// Number of GroupNorm groups for `channels`: the largest g <= max_groups that
+/// divides channels (32 for the usual SD widths). Throws shoestring::Error if
+/// channels or max_groups is not positive.
+int64_t norm_groups(int64_t channels, int64_t max_groups = 32);
+
+/// Options for ResBlock.
+struct ResBlockOptions {
+  ResBlockOptions(int64_t in_channels, int64_t out_channels, int64_t temb_dim)
+      : in_channels_(in_channels), out_channels_(out_channels), temb_dim_(temb_dim) {}
+  TORCH_ARG(int64_t, in_channels);
+  TORCH_ARG(int64_t, out_channels);
+  /// Width of the timestep embedding; 0 = no time conditioning (no time_emb_proj).
+  TORCH_ARG(int64_t, temb_dim);
+  /// Upper bound on GroupNorm groups (see norm_groups()).
+  TORCH_ARG(int64_t, groups) = 32;
+  TORCH_ARG(double, dropout) = 0.0;
+  TORCH_ARG(double, eps) = 1e-5;
+  /// Zero-initialise conv2 so the block starts as the identity (LDM's `zero_module`).
+  TORCH_ARG(bool, zero_init_out) = true;
+};
+
+/// DDPM / LDM residual block. Submodules: norm1, conv1, time_emb_proj (if
+/// temb_dim > 0), norm2, dropout, conv2, conv_shortcut (if channels change).
+/// Runs in the dtype of its parameters (fp32 or bf16).
+class ResBlockImpl : public torch::nn::Module {
+ public:
+  /// Throws shoestring::Error on non-positive channel counts.
+  explicit ResBlockImpl(const ResBlockOptions& options);
+
+  /// x: [B, in_channels, H, W]; temb: [B, temb_dim] (same dtype as x), or
+  /// undefined when temb_dim == 0. Returns [B, out_channels, H, W].
+  /// Throws shoestring::Error on shape mismatch.
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& temb = {});
+
+  const ResBlockOptions& options() const { return options_; }
+
+  torch::nn::GroupNorm norm1{nullptr}, norm2{nullptr};
+  torch::nn::Conv2d conv1{nullptr}, conv2{nullptr}, conv_shortcut{nullptr};
+  torch::nn::Linear time_emb_proj{nullptr};
+  torch::nn::Dropout dropout{nullptr};
+
+ private:
+  ResBlockOptions options_;
+};
+TORCH_MODULE(ResBlock);
+
+}  // namespace shoestring::nn
