@@ -1,5 +1,8 @@
 #include <gtest/gtest.h>
 
+#include <fstream>
+#include <sstream>
+
 #include "shoestring/core/error.h"
 #include "shoestring/train/config.h"
 
@@ -70,7 +73,7 @@ TEST(Config, CrossKeyValidation) {
 
 TEST(Config, SetOverrides) {
   auto c = parse_config("seed = 1\n", "run.toml",
-                        {"seed=5", "output_dir=runs/x", "model.channel_mult=[1,2]", "num_heads=2"});
+                        {"seed=5", "output_dir=runs/x", "model.channel_mult=[1,2]", "attention_levels=[1]", "num_heads=2"});
   EXPECT_EQ(c.seed, 5);
   EXPECT_EQ(c.output_dir, "runs/x");
   EXPECT_EQ(c.channel_mult, (std::vector<int64_t>{1, 2}));
@@ -103,4 +106,18 @@ TEST(Config, ExpandsCachePath) {
   unsetenv("SHOESTRING_CACHE");
   setenv("HOME", "/home/u", 1);
   EXPECT_EQ(shoestring::expand_path("${SHOESTRING_CACHE}/d"), "/home/u/.cache/shoestring/d");
+}
+
+TEST(Config, DocsPageIsCurrent) {
+  std::string path = std::string(SHOESTRING_SOURCE_DIR) + "/docs/config.md";
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  std::string expected = shoestring::config_reference_markdown();
+  if (ss.str() != expected) {
+    std::ofstream out(std::string(::testing::TempDir()) + "/config.md");
+    out << expected;
+  }
+  EXPECT_EQ(ss.str(), expected) << "docs/config.md is stale: copy " << ::testing::TempDir()
+                                << "config.md over it";
 }

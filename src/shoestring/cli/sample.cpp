@@ -5,6 +5,7 @@
 
 #include "shoestring/cli/commands.h"
 #include "shoestring/core/error.h"
+#include "shoestring/core/threads.h"
 #include "shoestring/data/tokenizer.h"
 #include "shoestring/io/safetensors.h"
 #include "shoestring/train/checkpoint_io.h"
@@ -48,6 +49,7 @@ void register_sample(CLI::App& app) {
   cmd->add_option("--count", args->count, "images per prompt (grid columns)")->check(CLI::Range(1, 64));
   cmd->add_option("--out", args->out, "output PNG")->required();
   cmd->callback([args] {
+    configure_threads(0);
     auto file = SafetensorsFile::open(args->checkpoint);
     auto options = DiffusionModelOptions::from_json(metadata_json(file, "model_config"));
     auto tokenizer = WordTokenizer::from_json(metadata_json(file, "tokenizer"));

@@ -88,7 +88,7 @@ const std::vector<Field>& schema() {
       {"sample_steps", &TrainConfig::sample_steps, "Euler steps when sampling", 1, 1000},
       {"sample_cfg", &TrainConfig::sample_cfg, "classifier-free guidance scale", 0, 100},
       {"log_every_n_steps", &TrainConfig::log_every_n_steps, "progress line cadence (no TTY)", 1, 1e9},
-      {"num_threads", &TrainConfig::num_threads, "intra-op threads (0 = libtorch default)", 0, 1024},
+      {"num_threads", &TrainConfig::num_threads, "intra-op threads (0 = every CPU this process may use)", 0, 1024},
   };
   return fields;
 }
@@ -380,6 +380,38 @@ std::string to_toml(const TrainConfig& c) {
   std::ostringstream ss;
   ss << "# Resolved shoestring configuration (every key, defaults included).\n" << root << "\n";
   return ss.str();
+}
+
+std::string config_reference_markdown() {
+  const TrainConfig defaults;
+  std::string out =
+      "# Config keys\n\n"
+      "A run is described by one TOML file. Keys follow kohya sd-scripts' names where the concept is the\n"
+      "same. Keys shown as `section.key` may be written inside a `[section]` table or dotted; the part\n"
+      "after the dot alone is accepted too. `--set key=value` overrides any key from the command line.\n"
+      "Paths may use `${SHOESTRING_CACHE}` (default `~/.cache/shoestring`) and `~`.\n\n"
+      "This page is generated from the schema in `src/shoestring/train/config.cpp`\n"
+      "(`config_reference_markdown()`); a test checks it is current.\n\n"
+      "| key | default | allowed | meaning |\n|---|---|---|---|\n";
+  for (const auto& f : schema()) {
+    std::string def = std::visit(
+        [&](auto m) -> std::string {
+          using T = std::decay_t<decltype(defaults.*m)>;
+          const T& v = defaults.*m;
+          if constexpr (std::is_same_v<T, bool>) return v ? "true" : "false";
+          if constexpr (std::is_same_v<T, std::string>) return "\"" + v + "\"";
+          if constexpr (std::is_same_v<T, std::vector<int64_t>>) return fmt::format("[{}]", fmt::join(v, ", "));
+          if constexpr (std::is_same_v<T, std::vector<std::string>>) {
+            std::vector<std::string> q;
+            for (const auto& s : v) q.push_back("\"" + s + "\"");
+            return fmt::format("[{}]", fmt::join(q, ", "));
+          }
+          if constexpr (std::is_same_v<T, int64_t> || std::is_same_v<T, double>) return fmt::format("{}", v);
+        },
+        f.member);
+    out += fmt::format("| `{}` | `{}` | {} | {} |\n", f.key, def, expected_text(f), f.help);
+  }
+  return out;
 }
 
 std::vector<std::string> config_keys() {

@@ -93,6 +93,10 @@ std::string to_toml(const TrainConfig& config);
 /// Every valid key, in schema order (for help and tests).
 std::vector<std::string> config_keys();
 
+/// Markdown reference of every key: name, default, what is allowed, meaning.
+/// docs/config.md is exactly this text (a test keeps them in sync).
+std::string config_reference_markdown();
+
 /// Expands ${SHOESTRING_CACHE} and a leading ~ in a path.
 std::string expand_path(const std::string& path);
 

@@ -17,8 +17,8 @@ struct TrainConfig;
 /// Architecture hyper-parameters of DiffusionModel; stored as JSON in every
 /// checkpoint's metadata ("model_config") so `shoestring sample` can rebuild it.
 struct DiffusionModelOptions {
-  TinyUNetOptions unet;
-  CaptionEncoderOptions text;
+  models::TinyUNetOptions unet;
+  models::CaptionEncoderOptions text{1};
   int64_t resolution = 32;  ///< pixels the model was trained at
 
   static DiffusionModelOptions from_config(const TrainConfig& config, int64_t vocab_size);
@@ -35,8 +35,8 @@ class DiffusionModelImpl : public torch::nn::Module {
   explicit DiffusionModelImpl(const DiffusionModelOptions& options);
   at::Tensor forward(const at::Tensor& x_t, const at::Tensor& t, const at::Tensor& tokens);
   const DiffusionModelOptions& options() const { return options_; }
-  TinyUNet unet{nullptr};
-  CaptionEncoder text_encoder{nullptr};
+  models::TinyUNet unet{nullptr};
+  models::CaptionEncoder text_encoder{nullptr};
 
  private:
   DiffusionModelOptions options_;

@@ -17,7 +17,7 @@ at::Tensor generate_images(DiffusionModel& model, const WordTokenizer& tokenizer
   const bool was_training = model->is_training();
   model->eval();
   const int64_t r = model->options().resolution;
-  const int64_t c = model->options().unet.in_channels;
+  const int64_t c = model->options().unet.in_channels();
 
   std::vector<std::string> captions;
   std::vector<at::Tensor> noises;

@@ -14,6 +14,7 @@
 
 #include "shoestring/core/error.h"
 #include "shoestring/core/memory_ledger.h"
+#include "shoestring/core/threads.h"
 #include "shoestring/core/units.h"
 #include "shoestring/data/dataset.h"
 #include "shoestring/data/tokenizer.h"
@@ -98,7 +99,7 @@ struct Run {
   TrainConfig config;
   std::string run_dir;
   ImageCaptionDataset dataset;
-  WordTokenizer tokenizer;
+  WordTokenizer tokenizer = WordTokenizer::build({}, 2);
   DiffusionModel model{nullptr};
   std::vector<std::pair<std::string, at::Tensor>> trainable;
   std::unique_ptr<Optimizer> optimizer;
@@ -232,7 +233,7 @@ TrainSummary train(const TrainConfig& cfg, const TrainRunOptions& options) {
 
   MemoryLedger& ledger = MemoryLedger::global();
   ledger.install();
-  if (c.num_threads > 0) torch::set_num_threads(static_cast<int>(c.num_threads));
+  const int threads = configure_threads(c.num_threads);
   torch::manual_seed(static_cast<uint64_t>(c.seed));
 
   // ---- data ----
@@ -304,9 +305,9 @@ TrainSummary train(const TrainConfig& cfg, const TrainRunOptions& options) {
          run.run_dir, start_step, c.max_train_steps, start_step);
   }
   if (!options.quiet) {
-    spdlog::info("model: {:.2f}M trainable parameters, weights {}, {}", n_params / 1e6,
+    spdlog::info("model: {:.2f}M trainable parameters, weights {}, {}, {} threads", n_params / 1e6,
                  c.full_bf16 ? "bf16 (stochastic rounding)" : "fp32",
-                 c.mixed_precision == "bf16" ? "bf16 autocast compute" : "compute in weight dtype");
+                 c.mixed_precision == "bf16" ? "bf16 autocast compute" : "compute in weight dtype", threads);
   }
 
   std::FILE* metrics = std::fopen(metrics_path.c_str(), "ab");
