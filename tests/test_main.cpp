@@ -5,6 +5,9 @@
 
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
-  torch::set_num_threads(2);
+  // One intra-op thread per test process: ctest runs two processes at once
+  // on the 2-core CI machine, and OpenMP barriers degrade badly when
+  // oversubscribed. Tests that need more threads set them themselves.
+  torch::set_num_threads(1);
   return RUN_ALL_TESTS();
 }

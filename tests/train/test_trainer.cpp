@@ -35,6 +35,7 @@ TrainConfig tiny_config(const std::string& out) {
       "max_train_steps = 6\n"
       "learning_rate = 1e-3\n"
       "seed = 3\n"
+      "num_threads = 1\n"
       "sample_prompts = [\"red heart\"]\n"
       "sample_seeds = 2\n"
       "sample_steps = 3\n"

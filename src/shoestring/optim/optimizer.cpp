@@ -35,7 +35,7 @@ void Optimizer::write_param(size_t index, const at::Tensor& value, int64_t step)
   }
   if (options_.stochastic_rounding &&
       (p.scalar_type() == torch::kBFloat16 || p.scalar_type() == torch::kFloat16)) {
-    RoundingKey key{options_.seed, static_cast<uint64_t>(step), static_cast<uint64_t>(index)};
+    RoundingKey key{options_.seed, static_cast<uint64_t>(step), static_cast<uint64_t>(index) * 16};
     at::Tensor src = value.contiguous();
     if (p.is_contiguous()) {
       stochastic_round_into(src, p, key);
@@ -45,6 +45,16 @@ void Optimizer::write_param(size_t index, const at::Tensor& value, int64_t step)
     return;
   }
   p.copy_(value);  // round-to-nearest
+}
+
+void Optimizer::write_state(size_t index, at::Tensor& dst, const at::Tensor& value, int64_t step, int slot) {
+  if (dst.scalar_type() == torch::kFloat32) {
+    if (!value.is_same(dst)) dst.copy_(value);
+    return;
+  }
+  // Parameter rounding uses tensor id = index * 16; state slots 1..15 follow it.
+  RoundingKey key{options_.seed, static_cast<uint64_t>(step), static_cast<uint64_t>(index) * 16 + slot};
+  stochastic_round_into(value.contiguous(), dst, key);
 }
 
 at::Tensor& Optimizer::state(size_t index, const std::string& name) { return state_[index][name]; }
@@ -104,14 +114,18 @@ void AdamW::update(size_t index, const at::Tensor& grad_in, double lr, int64_t s
   const double wd = params_[index].weight_decay;
   if (!has_state(index, "exp_avg")) {
     ScopedMemoryCategory category(MemoryCategory::optimizer_state);
-    state(index, "exp_avg") = torch::zeros(live.sizes(), live.options().dtype(torch::kFloat32));
-    state(index, "exp_avg_sq") = torch::zeros(live.sizes(), live.options().dtype(torch::kFloat32));
+    state(index, "exp_avg") = torch::zeros(live.sizes(), live.options().dtype(options_.state_dtype));
+    state(index, "exp_avg_sq") = torch::zeros(live.sizes(), live.options().dtype(options_.state_dtype));
   }
-  at::Tensor& m = state(index, "exp_avg");
-  at::Tensor& v = state(index, "exp_avg_sq");
-  at::Tensor grad = grad_in.scalar_type() == torch::kFloat32 ? grad_in : grad_in.to(torch::kFloat32);
-  // fp32 weights are updated in place; low-precision ones through an fp32 copy.
-  at::Tensor p = live.scalar_type() == torch::kFloat32 ? live : live.to(torch::kFloat32);
+  at::Tensor& m_stored = state(index, "exp_avg");
+  at::Tensor& v_stored = state(index, "exp_avg_sq");
+  // fp32 tensors are updated in place; low-precision ones through fp32 copies
+  // that are stochastically rounded back (one parameter's worth at a time).
+  auto fp32 = [](const at::Tensor& t) { return t.scalar_type() == torch::kFloat32 ? t : t.to(torch::kFloat32); };
+  at::Tensor grad = fp32(grad_in);
+  at::Tensor p = fp32(live);
+  at::Tensor m = fp32(m_stored);
+  at::Tensor v = fp32(v_stored);
 
   // Same operation order as torch.optim.AdamW (_single_tensor_adamw, 1.13).
   p.mul_(1.0 - lr * wd);
@@ -122,6 +136,8 @@ void AdamW::update(size_t index, const at::Tensor& grad_in, double lr, int64_t s
   const double step_size = lr / bias_correction1;
   at::Tensor denom = (v.sqrt() / std::sqrt(bias_correction2)).add_(adam_.eps);
   p.addcdiv_(m, denom, -step_size);
+  write_state(index, m_stored, m, step, 1);
+  write_state(index, v_stored, v, step, 2);
   write_param(index, p, step);
 }
 

@@ -31,6 +31,9 @@ struct OptimParam {
 struct OptimizerOptions {
   bool stochastic_rounding = true;  ///< SR for low-precision weights (else round-to-nearest)
   uint64_t seed = 0;                ///< rounding seed (combined with step and parameter index)
+  /// dtype of full-size optimizer state tensors: kFloat32, or kBFloat16 (each
+  /// update computed in fp32 and stochastically rounded back; see write_state).
+  at::ScalarType state_dtype = at::kFloat;
 };
 
 /// Base class. Subclasses implement update() for one parameter.
@@ -65,7 +68,12 @@ class Optimizer {
   /// Writes `value` (fp32, same shape) into params_[index].param, rounding as
   /// documented above.
   void write_param(size_t index, const at::Tensor& value, int64_t step);
-  /// State tensor `name` of parameter `index`, created by `init` on first use.
+  /// Writes `value` (fp32) into the state tensor `dst` (fp32: copy; bf16/fp16:
+  /// stochastic rounding keyed by (seed, step, parameter index, slot), where
+  /// `slot` tells apart the state tensors of one parameter, 1..15).
+  void write_state(size_t index, at::Tensor& dst, const at::Tensor& value, int64_t step, int slot);
+  /// State tensor `name` of parameter `index` (undefined until assigned).
+  /// State names contain no '.', so checkpoint keys "<param>.<state>" split unambiguously.
   at::Tensor& state(size_t index, const std::string& name);
   bool has_state(size_t index, const std::string& name) const;
 

@@ -246,7 +246,7 @@ void apply_table(TrainConfig& c, const toml::table& table, const std::string& pr
     if (!f) {
       fail("{}: unknown key '{}' (did you mean '{}'?)", where(source, node), key, nearest_key(key));
     }
-    assign(c, *f, node, where(source, node) + ":");
+    assign(c, *f, node, where(source, node));
   }
 }
 
@@ -304,7 +304,7 @@ void apply_overrides(TrainConfig& c, const std::vector<std::string>& overrides) 
       s.insert("v", value);
       t = std::move(s);
     }
-    assign(c, *f, *t.get("v"), fmt::format("--set {}:", key));
+    assign(c, *f, *t.get("v"), fmt::format("--set {}", key));
   }
 }
 

@@ -1,0 +1,128 @@
+// Runs the real `shoestring` executable: the flows a user types, and the
+// errors bad command lines and files must produce.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "shoestring/io/safetensors.h"
+
+namespace fs = std::filesystem;
+
+namespace {
+
+struct Result {
+  int code;
+  std::string output;  // stdout + stderr
+};
+
+Result run(const std::string& args) {
+  std::string cmd = std::string(SHOESTRING_BINARY) + " " + args + " 2>&1";
+  std::FILE* pipe = ::popen(cmd.c_str(), "r");
+  Result r{-1, ""};
+  if (!pipe) return r;
+  std::array<char, 4096> buf{};
+  size_t n;
+  while ((n = std::fread(buf.data(), 1, buf.size(), pipe)) > 0) r.output.append(buf.data(), n);
+  int status = ::pclose(pipe);
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return r;
+}
+
+std::string temp_path(const std::string& name) {
+  return (fs::temp_directory_path() / ("shoestring_cli_" + name + "_" + std::to_string(::getpid()))).string();
+}
+
+std::string write_config(const std::string& extra = "") {
+  static int counter = 0;
+  std::string path = temp_path("cfg" + std::to_string(counter++)) + ".toml";
+  std::ofstream(path) << "train_data_dir = \"" << SHOESTRING_TEST_DATA << "/twemoji\"\n"
+                      << "resolution = 16\ntrain_batch_size = 2\nmax_train_steps = 3\nnum_threads = 1\n"
+                      << "sample_prompts = [\"red heart\"]\nsample_seeds = 1\nsample_steps = 2\n"
+                      << extra << "[model]\nbase_channels = 16\nchannel_mult = [1, 2]\nnum_res_blocks = 1\n"
+                      << "attention_levels = [1]\nnum_heads = 2\nnorm_groups = 8\ntext_dim = 32\ntext_layers = 1\n";
+  return path;
+}
+
+}  // namespace
+
+TEST(Cli, TrainSampleInspectFlow) {
+  std::string cfg = write_config();
+  std::string out = temp_path("run");
+  fs::remove_all(out);
+  Result t = run("train " + cfg + " --output-dir " + out + " --set seed=4");
+  ASSERT_EQ(t.code, 0) << t.output;
+  EXPECT_NE(t.output.find("step 1 measured peak"), std::string::npos) << t.output;
+  EXPECT_NE(t.output.find("step 3/3"), std::string::npos) << t.output;
+  EXPECT_TRUE(fs::exists(out + "/model.safetensors"));
+
+  // Resume further; the step counter continues.
+  Result r = run("train --resume " + out + " --max-steps 5");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("resumed from"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("step 5/5"), std::string::npos) << r.output;
+
+  std::string png = temp_path("grid") + ".png";
+  Result s = run("sample " + out + "/model.safetensors --prompt \"red heart\" --prompt sun --steps 2 --count 2 --out " + png);
+  ASSERT_EQ(s.code, 0) << s.output;
+  EXPECT_TRUE(fs::exists(png));
+
+  Result i = run("inspect " + out + "/model.safetensors --json");
+  ASSERT_EQ(i.code, 0) << i.output;
+  auto j = nlohmann::json::parse(i.output);
+  auto file = shoestring::SafetensorsFile::open(out + "/model.safetensors");
+  int64_t params = 0;
+  for (const auto& info : file.tensors()) params += info.numel();
+  EXPECT_EQ(j["parameters"].get<int64_t>(), params);
+  EXPECT_EQ(j["metadata"]["format"], "shoestring");
+  fs::remove_all(out);
+  fs::remove(png);
+  fs::remove(cfg);
+}
+
+TEST(Cli, BadInputsGiveClearErrors) {
+  Result missing = run("train /nonexistent/run.toml");
+  EXPECT_EQ(missing.code, 1);
+  EXPECT_NE(missing.output.find("/nonexistent/run.toml"), std::string::npos) << missing.output;
+
+  std::string cfg = write_config();
+  Result bad_set = run("train " + cfg + " --set learning_rat=1");
+  EXPECT_EQ(bad_set.code, 1);
+  EXPECT_NE(bad_set.output.find("did you mean 'learning_rate'"), std::string::npos) << bad_set.output;
+
+  std::string bad_cfg = write_config("learning_rate = \"fast\"\n");
+  Result bad_value = run("train " + bad_cfg);
+  EXPECT_EQ(bad_value.code, 1);
+  EXPECT_NE(bad_value.output.find("learning_rate"), std::string::npos) << bad_value.output;
+  EXPECT_NE(bad_value.output.find(".toml:9: invalid value \"fast\" for 'learning_rate'"), std::string::npos) << bad_value.output;  // file:line
+
+  Result unwritable = run("train " + cfg + " --output-dir /proc/nope");
+  EXPECT_EQ(unwritable.code, 1);
+  EXPECT_NE(unwritable.output.find("/proc/nope"), std::string::npos) << unwritable.output;
+
+  std::string junk = temp_path("junk") + ".safetensors";
+  std::ofstream(junk) << "not a safetensors file at all";
+  Result insp = run("inspect " + junk);
+  EXPECT_EQ(insp.code, 1);
+  EXPECT_NE(insp.output.find(junk), std::string::npos) << insp.output;
+  Result samp = run("sample " + junk + " --prompt x --out " + temp_path("x") + ".png");
+  EXPECT_EQ(samp.code, 1);
+
+  Result no_resume = run("train --resume /nonexistent_run_dir");
+  EXPECT_EQ(no_resume.code, 1);
+  EXPECT_NE(no_resume.output.find("/nonexistent_run_dir"), std::string::npos) << no_resume.output;
+
+  Result usage = run("train " + cfg + " --max-steps -3");
+  EXPECT_NE(usage.code, 0);
+  Result nothing = run("");
+  EXPECT_NE(nothing.code, 0);
+  fs::remove(cfg);
+  fs::remove(bad_cfg);
+  fs::remove(junk);
+}
