@@ -8,6 +8,7 @@
 #include "shoestring/core/error.h"
 #include "shoestring/optim/grad_hooks.h"
 #include "shoestring/optim/optimizer.h"
+#include "shoestring/optim/optimizer_args.h"
 
 using namespace shoestring;
 
@@ -139,4 +140,19 @@ TEST(GradHooks, FireAfterAccumulationWithGradSet) {
   EXPECT_DOUBLE_EQ(b_total, 18.0);
   auto c = torch::randn({2});  // not requiring grad
   EXPECT_THROW(hooks.install({c}, [](size_t, at::Tensor&) {}), Error);
+}
+
+TEST(OptimizerArgs, ParsesKohyaStyleValues) {
+  OptimizerArgs a({"lr_like=1e-3", "flag=False", "betas=(0.9, 0.99)", "beta1=None"}, "X",
+                  {"lr_like", "flag", "betas", "beta1", "unused"});
+  EXPECT_DOUBLE_EQ(a.get_double("lr_like", 0), 1e-3);
+  EXPECT_FALSE(a.get_bool("flag", true));
+  EXPECT_EQ(a.get_pair("betas", {0, 0}), std::make_pair(0.9, 0.99));
+  EXPECT_FALSE(a.get_optional_double("beta1", 0.5).has_value());
+  EXPECT_DOUBLE_EQ(a.get_double("unused", 7.0), 7.0);
+  EXPECT_THROW(OptimizerArgs({"a=1", "a=2"}, "X", {"a"}), Error);
+  EXPECT_THROW(OptimizerArgs({"a"}, "X", {"a"}), Error);
+  OptimizerArgs b({"flag=maybe", "n=1x"}, "X", {"flag", "n"});
+  EXPECT_THROW(b.get_bool("flag", true), Error);
+  EXPECT_THROW(b.get_double("n", 0), Error);
 }

@@ -7,6 +7,7 @@
 #include "shoestring/core/error.h"
 #include "shoestring/core/memory_ledger.h"
 #include "shoestring/core/stochastic_rounding.h"
+#include "shoestring/optim/optimizer_args.h"
 
 namespace shoestring {
 
@@ -141,38 +142,12 @@ void AdamW::update(size_t index, const at::Tensor& grad_in, double lr, int64_t s
   write_param(index, p, step);
 }
 
-namespace {
-double parse_double(const std::string& key, const std::string& value) {
-  try {
-    size_t used = 0;
-    double d = std::stod(value, &used);
-    if (used != value.size()) throw std::invalid_argument(value);
-    return d;
-  } catch (const std::exception&) {
-    fail("optimizer_args: '{}={}' is not a number", key, value);
-  }
-}
-}  // namespace
-
 AdamWOptions parse_adamw_args(const std::vector<std::string>& args) {
+  OptimizerArgs a(args, "AdamW", {"weight_decay", "betas", "eps"});
   AdamWOptions o;
-  for (const auto& a : args) {
-    auto eq = a.find('=');
-    if (eq == std::string::npos) fail("optimizer_args: \"{}\" must look like key=value", a);
-    std::string key = a.substr(0, eq), value = a.substr(eq + 1);
-    if (key == "weight_decay") {
-      o.weight_decay = parse_double(key, value);
-    } else if (key == "eps") {
-      o.eps = parse_double(key, value);
-    } else if (key == "betas") {
-      auto comma = value.find(',');
-      if (comma == std::string::npos) fail("optimizer_args: betas=\"{}\" must be two numbers, b1,b2", value);
-      o.beta1 = parse_double(key, value.substr(0, comma));
-      o.beta2 = parse_double(key, value.substr(comma + 1));
-    } else {
-      fail("optimizer_args: unknown argument '{}' for AdamW (valid: weight_decay, betas, eps)", key);
-    }
-  }
+  o.weight_decay = a.get_double("weight_decay", o.weight_decay);
+  o.eps = a.get_double("eps", o.eps);
+  std::tie(o.beta1, o.beta2) = a.get_pair("betas", {o.beta1, o.beta2});
   if (o.beta1 < 0 || o.beta1 >= 1 || o.beta2 < 0 || o.beta2 >= 1) {
     fail("optimizer_args: betas must be in [0, 1) (got {},{})", o.beta1, o.beta2);
   }

@@ -296,9 +296,11 @@ TrainSummary train(const TrainConfig& cfg, const TrainRunOptions& options) {
     truncate_metrics(metrics_path, start_step);
     if (!options.quiet) spdlog::info("resumed from {} at step {}", resume_from, start_step);
   } else {
-    write_bytes_atomic((fs::path(run.run_dir) / "config.toml").string(), to_toml(c));
     write_bytes_atomic(metrics_path, "");
   }
+  // The run folder always records the config that is running (a resume may
+  // have raised max_train_steps).
+  write_bytes_atomic((fs::path(run.run_dir) / "config.toml").string(), to_toml(c));
   if (start_step >= c.max_train_steps) {
     fail("run '{}' is already at step {} >= max_train_steps {}; pass --max-steps N with N > {} to "
          "train further",
