@@ -97,12 +97,28 @@ TEST(Trainer, LossFallsOnFixtures) {
   fs::remove_all(summary.run_dir);
 }
 
-class ResumeTest : public ::testing::TestWithParam<bool> {};
+/// Precision/optimizer variants whose interrupted-and-resumed runs must match.
+struct Variant {
+  const char* name;
+  bool full_bf16;
+  const char* optimizer;
+  bool fused;
+  const char* accumulation;  // gradient_accumulation_dtype
+};
+
+class ResumeTest : public ::testing::TestWithParam<Variant> {};
 
 TEST_P(ResumeTest, ResumedLossesEqualUninterruptedRun) {
-  const bool bf16 = GetParam();
-  auto full = tiny_config(temp_dir(bf16 ? "full_bf16" : "full_fp32"));
+  const Variant v = GetParam();
+  const bool bf16 = v.full_bf16;
+  auto full = tiny_config(temp_dir(std::string("full_") + v.name));
   full.full_bf16 = bf16;
+  full.optimizer_type = v.optimizer;
+  full.fused_backward_pass = v.fused;
+  full.gradient_accumulation_dtype = v.accumulation;
+  if (full.optimizer_type == "Adafactor") {
+    full.optimizer_args = {"scale_parameter=False", "relative_step=False", "warmup_init=False"};
+  }
   full.ema_decay = 0.9;
   full.gradient_accumulation_steps = 2;
   full.caption_dropout_rate = 0.3;
@@ -113,7 +129,7 @@ TEST_P(ResumeTest, ResumedLossesEqualUninterruptedRun) {
 
   // Interrupted run: 2 steps, resume to 4, resume to 6 (counters stay cumulative).
   auto part = full;
-  part.output_dir = temp_dir(bf16 ? "part_bf16" : "part_fp32");
+  part.output_dir = temp_dir(std::string("part_") + v.name);
   part.max_train_steps = 2;
   auto b = train(part, quiet());
   TrainRunOptions resume = quiet();
@@ -140,8 +156,15 @@ TEST_P(ResumeTest, ResumedLossesEqualUninterruptedRun) {
   fs::remove_all(a.run_dir);
   fs::remove_all(b.run_dir);
 }
-INSTANTIATE_TEST_SUITE_P(Precision, ResumeTest, ::testing::Values(false, true),
-                         [](const auto& info) { return info.param ? "full_bf16" : "fp32"; });
+INSTANTIATE_TEST_SUITE_P(
+    Precision, ResumeTest,
+    ::testing::Values(Variant{"fp32_adamw", false, "AdamW", false, "fp32"},
+                      Variant{"bf16_adamw", true, "AdamW", false, "fp32"},
+                      Variant{"bf16_adamw8bit_sr_accumulation", true, "AdamW8bit", false, "bf16_sr"},
+                      Variant{"bf16_adafactor_fused", true, "Adafactor", true, "bf16_sr"},
+                      Variant{"fp32_lion_fused", false, "Lion", true, "fp32"},
+                      Variant{"bf16_compass", true, "Compass", false, "fp32"}),
+    [](const auto& info) { return std::string(info.param.name); });
 
 TEST(Trainer, RefusesToOverwriteAndReportsMissingDataset) {
   auto cfg = tiny_config(temp_dir("missing"));

@@ -9,6 +9,7 @@
 
 #include "shoestring/core/error.h"
 #include "shoestring/io/atomic_file.h"
+#include "shoestring/optim/factory.h"
 
 namespace shoestring {
 namespace {
@@ -55,9 +56,23 @@ const std::vector<Field>& schema() {
       {"logit_mean", &TrainConfig::logit_mean, "logit-normal mean", -10, 10},
       {"logit_std", &TrainConfig::logit_std, "logit-normal standard deviation", 1e-3, 10},
       {"optimizer_type", &TrainConfig::optimizer_type, "optimizer (kohya name)", -kInf, kInf,
-       {"AdamW"}},
+       {"AdamW", "AdamW8bit", "Adafactor", "Lion", "Compass"}},
       {"optimizer_args", &TrainConfig::optimizer_args,
        "optimizer arguments as \"key=value\" strings, e.g. [\"weight_decay=0.01\", \"betas=0.9,0.999\"]"},
+      {"optimizer_state_dtype", &TrainConfig::optimizer_state_dtype,
+       "dtype of full-size optimizer state (bf16 is stochastically rounded)", -kInf, kInf,
+       {"fp32", "bf16"}},
+      {"stochastic_rounding", &TrainConfig::stochastic_rounding,
+       "stochastically round bf16 weight and state updates (false: round-to-nearest, loses small updates)"},
+      {"fused_backward_pass", &TrainConfig::fused_backward_pass,
+       "apply the optimizer to each parameter inside backward and free its gradient at once"},
+      {"fused_clip_method", &TrainConfig::fused_clip_method,
+       "global-norm clipping with fused_backward_pass: previous step's norm (free) or an exact second "
+       "backward (costs one more forward+backward)",
+       -kInf, kInf, {"previous_step_norm", "two_pass"}},
+      {"gradient_accumulation_dtype", &TrainConfig::gradient_accumulation_dtype,
+       "buffer for summing bf16 gradients over micro-batches: fp32, or bf16 with stochastic rounding",
+       -kInf, kInf, {"fp32", "bf16_sr"}},
       {"learning_rate", &TrainConfig::learning_rate, "peak learning rate", 0, 10},
       {"lr_scheduler", &TrainConfig::lr_scheduler, "learning-rate schedule after warmup", -kInf, kInf,
        {"constant", "constant_with_warmup", "cosine"}},
@@ -281,6 +296,11 @@ void validate(const TrainConfig& c, const std::string& source) {
     if (a.find('=') == std::string::npos) {
       fail("{}: optimizer_args entry \"{}\" must look like \"key=value\"", source, a);
     }
+  }
+  try {
+    validate_optimizer(c.optimizer_type, c.optimizer_args);
+  } catch (const Error& e) {
+    fail("{}: {}", source, e.what());
   }
   if (c.sample_prompts.empty()) fail("{}: sample_prompts must hold at least one prompt", source);
 }

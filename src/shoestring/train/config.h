@@ -47,6 +47,11 @@ struct TrainConfig {
   // ---- optimization ----
   std::string optimizer_type = "AdamW";
   std::vector<std::string> optimizer_args;  ///< "key=value", kohya style
+  std::string optimizer_state_dtype = "fp32";  ///< fp32 | bf16 (stochastically rounded)
+  bool stochastic_rounding = true;          ///< SR of low-precision weights/state (false: round-to-nearest)
+  bool fused_backward_pass = false;         ///< step each parameter inside backward (kohya's name)
+  std::string fused_clip_method = "previous_step_norm";  ///< previous_step_norm | two_pass
+  std::string gradient_accumulation_dtype = "fp32";      ///< fp32 | bf16_sr (bf16 weights only)
   double learning_rate = 1e-4;
   std::string lr_scheduler = "constant";    ///< constant | constant_with_warmup | cosine
   int64_t lr_warmup_steps = 0;

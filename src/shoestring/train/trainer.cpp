@@ -20,6 +20,9 @@
 #include "shoestring/data/tokenizer.h"
 #include "shoestring/io/atomic_file.h"
 #include "shoestring/io/safetensors.h"
+#include "shoestring/optim/factory.h"
+#include "shoestring/optim/fused_backward.h"
+#include "shoestring/optim/grad_accumulation.h"
 #include "shoestring/optim/grad_hooks.h"
 #include "shoestring/optim/optimizer.h"
 #include "shoestring/train/checkpoint_io.h"
@@ -106,8 +109,9 @@ struct Run {
   std::unique_ptr<EMA> ema;
   std::unique_ptr<BatchSampler> sampler;
   PostAccumulateGradHooks grad_hooks;
-  nlohmann::json counters = {{"images_seen", 0}, {"skipped_steps", 0}, {"consecutive_nonfinite", 0},
-                             {"elapsed_seconds", 0.0}};
+  nlohmann::json counters = {{"images_seen", 0},         {"skipped_steps", 0},
+                             {"consecutive_nonfinite", 0}, {"elapsed_seconds", 0.0},
+                             {"fused_previous_grad_norm", nullptr}};
 };
 
 std::map<std::string, std::string> model_metadata(const Run& run, int64_t step) {
@@ -269,15 +273,11 @@ TrainSummary train(const TrainConfig& cfg, const TrainRunOptions& options) {
   for (auto& [n, p] : run.trainable) n_params += p.numel();
 
   // ---- optimizer ----
-  AdamWOptions adam = parse_adamw_args(c.optimizer_args);
-  std::vector<OptimParam> oparams;
-  for (auto& [name, p] : run.trainable) {
-    oparams.push_back({name, p, default_no_decay(name, p) ? 0.0 : adam.weight_decay});
-  }
   OptimizerOptions oopts;
-  oopts.stochastic_rounding = true;
+  oopts.stochastic_rounding = c.stochastic_rounding;
   oopts.seed = static_cast<uint64_t>(c.seed);
-  run.optimizer = std::make_unique<AdamW>(std::move(oparams), adam, oopts);
+  oopts.state_dtype = c.optimizer_state_dtype == "bf16" ? torch::kBFloat16 : torch::kFloat32;
+  run.optimizer = make_optimizer(c.optimizer_type, c.optimizer_args, run.trainable, oopts);
   if (c.ema_decay > 0) run.ema = std::make_unique<EMA>(run.trainable, c.ema_decay);
 
   // Gradients are charged to the ledger's "gradients" category the moment
@@ -309,7 +309,8 @@ TrainSummary train(const TrainConfig& cfg, const TrainRunOptions& options) {
   if (!options.quiet) {
     spdlog::info("model: {:.2f}M trainable parameters, weights {}, {}, {} threads", n_params / 1e6,
                  c.full_bf16 ? "bf16 (stochastic rounding)" : "fp32",
-                 c.mixed_precision == "bf16" ? "bf16 autocast compute" : "compute in weight dtype", threads);
+                 c.mixed_precision == "bf16" ? "bf16 autocast compute" : "compute in weight dtype", threads,
+                 c.optimizer_type, c.fused_backward_pass ? " (fused backward)" : "");
   }
 
   std::FILE* metrics = std::fopen(metrics_path.c_str(), "ab");
@@ -318,8 +319,28 @@ TrainSummary train(const TrainConfig& cfg, const TrainRunOptions& options) {
 
   const bool tty = !options.quiet && ::isatty(::fileno(stderr));
   const int64_t accum = c.gradient_accumulation_steps;
-  const bool accumulate_fp32 = accum > 1 && c.full_bf16;  // bf16 grads accumulate in an fp32 buffer
-  std::vector<at::Tensor> grad_buffers;
+  std::vector<at::Tensor> params_list;
+  for (auto& [n, p] : run.trainable) params_list.push_back(p);
+  // Non-fused accumulation: fp32 weights let autograd sum into their fp32
+  // .grad; bf16 weights sum into a GradientAccumulator (fp32 or bf16 + SR).
+  std::unique_ptr<GradientAccumulator> accumulator;
+  if (!c.fused_backward_pass && accum > 1 && c.full_bf16) {
+    accumulator = std::make_unique<GradientAccumulator>(
+        params_list, parse_grad_accumulation_mode(c.gradient_accumulation_dtype), static_cast<uint64_t>(c.seed));
+  }
+  std::unique_ptr<FusedBackward> fused;
+  if (c.fused_backward_pass) {
+    FusedBackwardOptions fo;
+    fo.accumulation_steps = accum;
+    fo.max_grad_norm = c.max_grad_norm;
+    fo.clip_method = parse_fused_clip_method(c.fused_clip_method);
+    if (c.full_bf16) fo.accumulation_mode = parse_grad_accumulation_mode(c.gradient_accumulation_dtype);
+    fo.seed = static_cast<uint64_t>(c.seed);
+    fused = std::make_unique<FusedBackward>(*run.optimizer, fo);
+    if (run.counters.contains("fused_previous_grad_norm") && run.counters["fused_previous_grad_norm"].is_number()) {
+      fused->set_previous_grad_norm(run.counters["fused_previous_grad_norm"].get<double>());
+    }
+  }
 
   TrainSummary summary;
   summary.run_dir = run.run_dir;
@@ -334,6 +355,9 @@ TrainSummary train(const TrainConfig& cfg, const TrainRunOptions& options) {
   for (int64_t step = start_step + 1; step <= c.max_train_steps; ++step) {
     auto t0 = Clock::now();
     ledger.reset_peaks();
+    const double lr = learning_rate_at(c.lr_scheduler, c.learning_rate, step - 1, c.lr_warmup_steps,
+                                       c.max_train_steps);
+    if (fused) fused->begin_step(lr);
     double loss_sum = 0;
     for (int64_t micro = 0; micro < accum; ++micro) {
       std::vector<int64_t> idx = run.sampler->next();
@@ -352,59 +376,77 @@ TrainSummary train(const TrainConfig& cfg, const TrainRunOptions& options) {
         xt = flow_interpolate(x0, eps, t);
         target = flow_target(x0, eps);
       }
-      at::Tensor loss;
-      {
-        ScopedMemoryCategory category(MemoryCategory::activations);
-        CpuAutocast autocast(c.mixed_precision == "bf16" && !c.full_bf16);
-        at::Tensor v = run.model->forward(xt, t, tokens);
-        loss = torch::mse_loss(v.to(torch::kFloat32), target);
-      }
-      loss_sum += loss.item<double>();
-      {
+      // Forward + backward of this micro-batch. Run twice for fused two_pass
+      // clipping, with the RNG (dropout) replayed exactly.
+      at::Tensor rng_before = cpu_rng_state();
+      auto forward_backward = [&]() {
+        at::Tensor loss;
+        {
+          ScopedMemoryCategory category(MemoryCategory::activations);
+          CpuAutocast autocast(c.mixed_precision == "bf16" && !c.full_bf16);
+          at::Tensor v = run.model->forward(xt, t, tokens);
+          loss = torch::mse_loss(v.to(torch::kFloat32), target);
+        }
         ScopedMemoryCategory category(MemoryCategory::temporaries);
         (loss / static_cast<double>(accum)).backward();
+        return loss.item<double>();
+      };
+      if (fused) fused->begin_micro_batch(micro);
+      loss_sum += forward_backward();
+      if (fused && fused->needs_second_pass() && fused->begin_second_pass()) {
+        set_cpu_rng_state(rng_before);
+        forward_backward();
       }
-      if (accumulate_fp32) {
+      if (accumulator) {
         torch::NoGradGuard no_grad;
-        ScopedMemoryCategory category(MemoryCategory::gradients);
-        if (grad_buffers.empty()) {
-          for (auto& [n, p] : run.trainable) grad_buffers.push_back(torch::zeros(p.sizes(), torch::kFloat32));
-        }
-        for (size_t i = 0; i < run.trainable.size(); ++i) {
-          at::Tensor& g = run.trainable[i].second.mutable_grad();
-          if (g.defined()) grad_buffers[i].add_(g.to(torch::kFloat32));
+        for (size_t i = 0; i < params_list.size(); ++i) {
+          at::Tensor& g = params_list[i].mutable_grad();
+          if (g.defined()) accumulator->add(i, g, micro);
           g.reset();
         }
       }
     }
     const double loss_value = loss_sum / static_cast<double>(accum);
 
-    // ---- global-norm clipping and the non-finite guard ----
-    std::vector<at::Tensor> grads;
-    for (size_t i = 0; i < run.trainable.size(); ++i) {
-      grads.push_back(accumulate_fp32 ? grad_buffers[i] : run.trainable[i].second.grad());
-    }
-    double sq = 0;
-    {
-      torch::NoGradGuard no_grad;
-      for (const auto& g : grads) {
-        if (g.defined()) sq += g.to(torch::kFloat32).pow(2).sum().item<double>();
+    // ---- global-norm clipping, the optimizer step, the non-finite guard ----
+    double grad_norm = 0;
+    bool finite = true;
+    if (fused) {
+      FusedStepResult r = fused->end_step();
+      grad_norm = r.grad_norm;
+      finite = r.finite && std::isfinite(loss_value);
+      run.counters["fused_previous_grad_norm"] = fused->previous_grad_norm();
+      if (r.params_stepped > 0 && run.ema) run.ema->update();
+    } else {
+      std::vector<at::Tensor> grads;
+      for (size_t i = 0; i < params_list.size(); ++i) {
+        grads.push_back(accumulator ? (accumulator->has(i) ? accumulator->get(i) : at::Tensor())
+                                    : params_list[i].grad());
       }
+      double sq = 0;
+      {
+        torch::NoGradGuard no_grad;
+        for (const auto& g : grads) {
+          if (g.defined()) sq += g.to(torch::kFloat32).pow(2).sum().item<double>();
+        }
+      }
+      grad_norm = std::sqrt(sq);
+      finite = std::isfinite(loss_value) && std::isfinite(grad_norm);
+      if (finite) {
+        double scale = 1.0;
+        if (c.max_grad_norm > 0 && grad_norm > c.max_grad_norm) scale = c.max_grad_norm / (grad_norm + 1e-6);
+        ScopedMemoryCategory category(MemoryCategory::temporaries);
+        if (accumulator) {
+          for (size_t i = 0; i < grads.size(); ++i) params_list[i].mutable_grad() = grads[i];
+        }
+        run.optimizer->step(lr, scale);
+        if (run.ema) run.ema->update();
+      }
+      for (auto& p : params_list) p.mutable_grad().reset();
+      if (accumulator) accumulator->reset();
     }
-    const double grad_norm = std::sqrt(sq);
-    const bool finite = std::isfinite(loss_value) && std::isfinite(grad_norm);
-    const double lr = learning_rate_at(c.lr_scheduler, c.learning_rate, step - 1, c.lr_warmup_steps,
-                                       c.max_train_steps);
     if (finite) {
       run.counters["consecutive_nonfinite"] = 0;
-      double scale = 1.0;
-      if (c.max_grad_norm > 0 && grad_norm > c.max_grad_norm) scale = c.max_grad_norm / (grad_norm + 1e-6);
-      ScopedMemoryCategory category(MemoryCategory::temporaries);
-      if (accumulate_fp32) {
-        for (size_t i = 0; i < grads.size(); ++i) run.trainable[i].second.mutable_grad() = grads[i];
-      }
-      run.optimizer->step(lr, scale);
-      if (run.ema) run.ema->update();
     } else {
       run.counters["skipped_steps"] = run.counters["skipped_steps"].get<int64_t>() + 1;
       int64_t in_a_row = run.counters["consecutive_nonfinite"].get<int64_t>() + 1;
@@ -417,8 +459,6 @@ TrainSummary train(const TrainConfig& cfg, const TrainRunOptions& options) {
              step, in_a_row, c.max_nonfinite_steps);
       }
     }
-    for (auto& [n, p] : run.trainable) p.mutable_grad().reset();
-    for (auto& b : grad_buffers) b.zero_();
 
     // ---- metrics ----
     const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();

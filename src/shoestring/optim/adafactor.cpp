@@ -1,0 +1,212 @@
+#include "shoestring/optim/adafactor.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+
+#include <torch/torch.h>
+
+#include "shoestring/core/error.h"
+#include "shoestring/core/memory_ledger.h"
+
+namespace shoestring {
+namespace {
+
+// Rounding slots of write_state (1..15) for this optimizer's state tensors.
+constexpr int kSlotRow = 1;
+constexpr int kSlotCol = 2;
+constexpr int kSlotSq = 3;
+constexpr int kSlotAvg = 4;
+
+at::Tensor as_fp32(const at::Tensor& t) { return t.scalar_type() == torch::kFloat32 ? t : t.to(torch::kFloat32); }
+
+// Root mean square of a float tensor, as transformers' _rms: ||t||_2 / sqrt(numel).
+double rms(const at::Tensor& t) {
+  return t.norm().item<double>() / std::sqrt(static_cast<double>(t.numel()));
+}
+
+std::string shape_str(at::IntArrayRef shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+std::string trim(const std::string& s) {
+  size_t b = 0, e = s.size();
+  while (b < e && std::isspace(static_cast<unsigned char>(s[b]))) ++b;
+  while (e > b && std::isspace(static_cast<unsigned char>(s[e - 1]))) --e;
+  return s.substr(b, e - b);
+}
+
+double parse_number(const std::string& key, const std::string& raw) {
+  std::string value = trim(raw);
+  try {
+    size_t used = 0;
+    double d = std::stod(value, &used);
+    if (used != value.size()) throw std::invalid_argument(value);
+    return d;
+  } catch (const std::exception&) {
+    fail("optimizer_args: '{}={}' is not a number", key, raw);
+  }
+}
+
+bool parse_bool(const std::string& key, const std::string& raw) {
+  std::string v = trim(raw);
+  std::transform(v.begin(), v.end(), v.begin(), [](unsigned char c) { return std::tolower(c); });
+  if (v == "true" || v == "1") return true;
+  if (v == "false" || v == "0") return false;
+  fail("optimizer_args: '{}={}' must be True or False", key, raw);
+}
+
+}  // namespace
+
+void validate_adafactor_options(const AdafactorOptions& o) {
+  if (!(o.eps1 >= 0) || !(o.eps2 >= 0)) fail("Adafactor: eps must be two numbers >= 0 (got {},{})", o.eps1, o.eps2);
+  if (!(o.clip_threshold > 0)) fail("Adafactor: clip_threshold must be > 0 (got {})", o.clip_threshold);
+  if (!(o.decay_rate <= 0)) fail("Adafactor: decay_rate must be <= 0 (got {}; beta2t = 1 - t^decay_rate)", o.decay_rate);
+  if (o.beta1 && !(*o.beta1 >= 0 && *o.beta1 < 1)) fail("Adafactor: beta1 must be in [0, 1) or None (got {})", *o.beta1);
+  if (!(o.weight_decay >= 0)) fail("Adafactor: weight_decay must be >= 0 (got {})", o.weight_decay);
+  if (o.warmup_init && !o.relative_step) fail("Adafactor: warmup_init=True requires relative_step=True");
+}
+
+Adafactor::Adafactor(std::vector<OptimParam> params, AdafactorOptions adafactor, OptimizerOptions options)
+    : Optimizer(std::move(params), options), adafactor_(adafactor) {
+  validate_adafactor_options(adafactor_);
+}
+
+std::vector<int64_t> Adafactor::factored_shape(at::IntArrayRef shape) {
+  if (shape.size() < 2) return {};
+  int64_t numel = 1;
+  for (int64_t s : shape) numel *= s;
+  if (numel == 0) return {};
+  return {shape[0], numel / shape[0]};
+}
+
+double Adafactor::step_size(int64_t step, double lr, double param_rms) const {
+  double rho = lr;
+  if (adafactor_.relative_step) {
+    const double t = static_cast<double>(step);
+    const double min_step = adafactor_.warmup_init ? 1e-6 * t : 1e-2;
+    rho = std::min(min_step, 1.0 / std::sqrt(t));
+  }
+  const double scale = adafactor_.scale_parameter ? std::max(adafactor_.eps2, param_rms) : 1.0;
+  return scale * rho;
+}
+
+void Adafactor::update(size_t index, const at::Tensor& grad_in, double lr, int64_t step) {
+  at::Tensor& live = params_[index].param;
+  const std::string& pname = params_[index].name;
+  if (!grad_in.sizes().equals(live.sizes())) {
+    fail("Adafactor: gradient of '{}' has shape {}, expected {}", pname, shape_str(grad_in.sizes()), shape_str(live.sizes()));
+  }
+  if (live.numel() == 0) return;
+  if (step < 1) fail("Adafactor: step must be >= 1 (got {})", step);
+  const std::vector<int64_t> fshape = factored_shape(live.sizes());
+  const bool factored = !fshape.empty();
+  const bool first_moment = adafactor_.beta1.has_value();
+
+  // State, created on first use (or checked after a restore).
+  auto ensure = [&](const char* name, at::IntArrayRef shape, at::ScalarType dtype) -> at::Tensor& {
+    at::Tensor& t = state(index, name);
+    if (!t.defined()) {
+      ScopedMemoryCategory category(MemoryCategory::optimizer_state);
+      t = torch::zeros(shape, live.options().dtype(dtype));
+    } else if (!t.sizes().equals(shape)) {
+      fail("Adafactor: state '{}.{}' has shape {}, expected {}", pname, name, shape_str(t.sizes()), shape_str(shape));
+    }
+    return t;
+  };
+
+  at::Tensor grad = as_fp32(grad_in);
+  at::Tensor p = as_fp32(live);  // fp32 weights: updated in place at the end
+  const double t = static_cast<double>(step);
+  const double beta2t = 1.0 - std::pow(t, adafactor_.decay_rate);
+  const double a_t = step_size(step, lr, adafactor_.scale_parameter ? rms(p) : 0.0);
+
+  at::Tensor u;  // the update direction U (fp32, parameter shape)
+  {
+    at::Tensor g2 = grad.square().add_(adafactor_.eps1);
+    if (factored) {
+      const int64_t n = fshape[0], m = fshape[1];
+      at::Tensor& row_stored = ensure("exp_avg_sq_row", {n}, torch::kFloat32);
+      at::Tensor& col_stored = ensure("exp_avg_sq_col", {m}, torch::kFloat32);
+      at::Tensor row = as_fp32(row_stored), col = as_fp32(col_stored);
+      at::Tensor g2m = g2.reshape({n, m});
+      row.mul_(beta2t).add_(g2m.mean(-1), 1.0 - beta2t);
+      col.mul_(beta2t).add_(g2m.mean(0), 1.0 - beta2t);
+      g2 = at::Tensor();
+      // 1/sqrt(Vhat) = rsqrt(R / mean(R)) rsqrt(C), Vhat = R C^T / mean(R).
+      at::Tensor r_factor = (row / row.mean()).rsqrt_().unsqueeze(-1);  // [n, 1]
+      at::Tensor c_factor = col.rsqrt().unsqueeze(0);                   // [1, m]
+      u = (r_factor * c_factor).mul_(grad.reshape({n, m})).reshape(live.sizes());
+      write_state(index, row_stored, row, step, kSlotRow);
+      write_state(index, col_stored, col, step, kSlotCol);
+    } else {
+      at::Tensor& v_stored = ensure("exp_avg_sq", live.sizes(), options_.state_dtype);
+      at::Tensor v = as_fp32(v_stored);
+      v.mul_(beta2t).add_(g2, 1.0 - beta2t);
+      g2 = at::Tensor();
+      u = v.rsqrt().mul_(grad);
+      write_state(index, v_stored, v, step, kSlotSq);
+    }
+  }
+  // Update clipping (paper section 5): U / max(1, RMS(U)/d).
+  u.div_(std::max(1.0, rms(u) / adafactor_.clip_threshold));
+  u.mul_(a_t);
+  if (first_moment) {
+    at::Tensor& m_stored = ensure("exp_avg", live.sizes(), options_.state_dtype);
+    at::Tensor m = as_fp32(m_stored);
+    m.mul_(*adafactor_.beta1).add_(u, 1.0 - *adafactor_.beta1);
+    write_state(index, m_stored, m, step, kSlotAvg);
+    u = m;
+  }
+  const double wd = params_[index].weight_decay;
+  if (wd != 0) p.add_(p, -wd * a_t);
+  p.sub_(u);
+  write_param(index, p, step);
+}
+
+AdafactorOptions parse_adafactor_args(const std::vector<std::string>& args) {
+  AdafactorOptions o;
+  for (const auto& a : args) {
+    auto eq = a.find('=');
+    if (eq == std::string::npos) fail("optimizer_args: \"{}\" must look like key=value", a);
+    std::string key = trim(a.substr(0, eq)), value = trim(a.substr(eq + 1));
+    if (key == "scale_parameter") {
+      o.scale_parameter = parse_bool(key, value);
+    } else if (key == "relative_step") {
+      o.relative_step = parse_bool(key, value);
+    } else if (key == "warmup_init") {
+      o.warmup_init = parse_bool(key, value);
+    } else if (key == "clip_threshold") {
+      o.clip_threshold = parse_number(key, value);
+    } else if (key == "decay_rate") {
+      o.decay_rate = parse_number(key, value);
+    } else if (key == "weight_decay") {
+      o.weight_decay = parse_number(key, value);
+    } else if (key == "beta1") {
+      if (value == "None" || value == "none" || value == "null") {
+        o.beta1.reset();
+      } else {
+        o.beta1 = parse_number(key, value);
+      }
+    } else if (key == "eps") {
+      std::string v = value;
+      if (v.size() >= 2 && ((v.front() == '(' && v.back() == ')') || (v.front() == '[' && v.back() == ']'))) {
+        v = v.substr(1, v.size() - 2);
+      }
+      auto comma = v.find(',');
+      if (comma == std::string::npos) fail("optimizer_args: eps=\"{}\" must be two numbers, eps1,eps2 (e.g. 1e-30,1e-3)", value);
+      o.eps1 = parse_number(key, v.substr(0, comma));
+      o.eps2 = parse_number(key, v.substr(comma + 1));
+    } else {
+      fail("optimizer_args: unknown argument '{}' for Adafactor (valid: scale_parameter, relative_step, "
+           "warmup_init, clip_threshold, decay_rate, beta1, eps, weight_decay)",
+           key);
+    }
+  }
+  validate_adafactor_options(o);
+  return o;
+}
+
+}  // namespace shoestring

@@ -1,0 +1,228 @@
+#include "shoestring/optim/fused_backward.h"
+
+#include <cmath>
+#include <limits>
+
+#include <torch/torch.h>
+
+#include "shoestring/core/error.h"
+#include "shoestring/core/memory_ledger.h"
+
+namespace shoestring {
+
+const char* to_string(FusedClipMethod method) {
+  switch (method) {
+    case FusedClipMethod::previous_step_norm: return "previous_step_norm";
+    case FusedClipMethod::two_pass: return "two_pass";
+  }
+  return "unknown";
+}
+
+FusedClipMethod parse_fused_clip_method(const std::string& name) {
+  if (name == "previous_step_norm") return FusedClipMethod::previous_step_norm;
+  if (name == "two_pass") return FusedClipMethod::two_pass;
+  fail("fused backward clip method '{}' is not valid (valid: previous_step_norm, two_pass)", name);
+}
+
+FusedBackward::FusedBackward(Optimizer& optimizer, FusedBackwardOptions options)
+    : optimizer_(optimizer),
+      options_(options),
+      self_(std::make_shared<FusedBackward*>(this)),
+      previous_norm_(std::numeric_limits<double>::quiet_NaN()) {
+  if (options_.accumulation_steps < 1) {
+    fail("fused backward: accumulation_steps must be >= 1 (got {})", options_.accumulation_steps);
+  }
+  std::vector<at::Tensor> params;
+  for (const auto& p : optimizer_.params()) params.push_back(p.param);
+  const size_t n = params.size();
+  done_.assign(n, 0);
+  accumulator_of_.assign(n, nullptr);
+  // One accumulator per buffer mode in use, each indexed like the optimizer's
+  // parameters (buffers are allocated lazily, so unused slots cost nothing).
+  std::vector<std::pair<GradAccumulationMode, GradientAccumulator*>> by_mode;
+  for (size_t i = 0; i < n; ++i) {
+    GradAccumulationMode mode = options_.accumulation_mode.value_or(
+        params[i].scalar_type() == torch::kFloat32 || params[i].scalar_type() == torch::kFloat64
+            ? GradAccumulationMode::fp32
+            : GradAccumulationMode::bf16_sr);
+    GradientAccumulator* acc = nullptr;
+    for (auto& [m, a] : by_mode) {
+      if (m == mode) acc = a;
+    }
+    if (!acc) {
+      accumulators_.push_back(std::make_unique<GradientAccumulator>(params, mode, options_.seed));
+      acc = accumulators_.back().get();
+      by_mode.emplace_back(mode, acc);
+    }
+    accumulator_of_[i] = acc;
+  }
+  std::shared_ptr<FusedBackward*> self = self_;
+  hooks_.install(params, [self](size_t index, at::Tensor& param) {
+    if (*self) (*self)->on_gradient(index, param);
+  });
+}
+
+FusedBackward::~FusedBackward() { *self_ = nullptr; }
+
+double FusedBackward::clip_scale_for(double norm) const {
+  if (options_.max_grad_norm > 0 && std::isfinite(norm) && norm > options_.max_grad_norm) {
+    return options_.max_grad_norm / (norm + 1e-6);  // same formula as the trainer's clipping
+  }
+  return 1.0;
+}
+
+void FusedBackward::begin_step(double lr, double grad_multiplier) {
+  if (step_open_) fail("fused backward: begin_step called while step {} is still open (call end_step)", step_);
+  step_open_ = true;
+  step_ = optimizer_.step_count() + 1;
+  micro_ = -1;
+  lr_ = lr;
+  multiplier_ = grad_multiplier;
+  sumsq_ = 0;
+  finite_ = true;
+  skip_step_ = false;
+  stepped_ = skipped_ = 0;
+  pass_ = Pass::idle;
+  scale_ = options_.clip_method == FusedClipMethod::previous_step_norm ? clip_scale_for(previous_norm_) : 1.0;
+}
+
+void FusedBackward::begin_micro_batch(int64_t micro) {
+  if (!step_open_) fail("fused backward: begin_micro_batch({}) without begin_step", micro);
+  if (micro != micro_ + 1 || micro >= options_.accumulation_steps) {
+    fail("fused backward: micro-batch {} out of order (expected {} of 0..{})", micro, micro_ + 1,
+         options_.accumulation_steps - 1);
+  }
+  micro_ = micro;
+  std::fill(done_.begin(), done_.end(), 0);
+  const bool last = micro == options_.accumulation_steps - 1;
+  if (!last) {
+    pass_ = Pass::accumulate;
+  } else {
+    pass_ = options_.clip_method == FusedClipMethod::two_pass ? Pass::measure : Pass::apply;
+  }
+}
+
+bool FusedBackward::needs_second_pass() const { return step_open_ && pass_ == Pass::measure; }
+
+bool FusedBackward::begin_second_pass() {
+  if (!needs_second_pass()) fail("fused backward: begin_second_pass outside the measuring pass of two_pass clipping");
+  torch::NoGradGuard no_grad;
+  // Parameters that got no gradient in the last micro-batch but hold a buffer.
+  for (size_t i = 0; i < done_.size(); ++i) {
+    GradientAccumulator* acc = accumulator_of_[i];
+    if (!done_[i] && acc->has(i)) {
+      const double n = acc->get(i).to(torch::kFloat32).norm().item<double>() * std::abs(multiplier_);
+      sumsq_ += n * n;
+    }
+  }
+  const double norm = std::sqrt(sumsq_);
+  std::fill(done_.begin(), done_.end(), 0);
+  if (!std::isfinite(norm)) {
+    finite_ = false;
+    skip_step_ = true;
+    pass_ = Pass::idle;
+    return false;
+  }
+  scale_ = clip_scale_for(norm);
+  pass_ = Pass::apply;
+  return true;
+}
+
+void FusedBackward::on_gradient(size_t index, at::Tensor& param) {
+  if (!step_open_ || pass_ == Pass::idle) return;  // not ours: leave .grad alone
+  at::Tensor grad = param.grad();
+  if (!grad.defined()) return;
+  torch::NoGradGuard no_grad;
+  MemoryLedger::global().recharge(grad, MemoryCategory::gradients);
+  param.mutable_grad().reset();
+  GradientAccumulator* acc = accumulator_of_[index];
+  const std::string& name = optimizer_.params()[index].name;
+  switch (pass_) {
+    case Pass::idle:
+      return;
+    case Pass::accumulate:
+      acc->add(index, grad, (step_ - 1) * options_.accumulation_steps + micro_, /*may_alias=*/true);
+      return;
+    case Pass::measure: {
+      if (done_[index]) {
+        fail("fused backward: parameter '{}' received its gradient twice in one backward (used in several "
+             "checkpointed segments?); fused backward needs one gradient per parameter per backward",
+             name);
+      }
+      done_[index] = 1;
+      // Out of place: the buffer must stay as it is for the second pass.
+      at::Tensor total = acc->has(index) ? acc->get(index).to(torch::kFloat32) + grad : grad;
+      const double n = total.norm().item<double>() * std::abs(multiplier_);
+      sumsq_ += n * n;
+      return;
+    }
+    case Pass::apply: {
+      if (done_[index]) {
+        fail("fused backward: parameter '{}' received its gradient twice in one backward (used in several "
+             "checkpointed segments?); it was already stepped with a partial gradient",
+             name);
+      }
+      done_[index] = 1;
+      apply(index, acc->finish(index, grad));
+      return;
+    }
+  }
+}
+
+void FusedBackward::apply(size_t index, const at::Tensor& grad_fp32) {
+  at::Tensor g = grad_fp32;
+  const double n = g.norm().item<double>() * std::abs(multiplier_);
+  if (!std::isfinite(n)) {
+    // Non-finite: this parameter (and its state) stays unchanged; others may
+    // already have been stepped and cannot be undone. Reported via finite.
+    finite_ = false;
+    ++skipped_;
+    sumsq_ += n * n;
+    return;
+  }
+  if (options_.clip_method == FusedClipMethod::previous_step_norm) sumsq_ += n * n;
+  const double factor = multiplier_ * scale_;
+  if (factor != 1.0) g.mul_(factor);  // g is this step's own gradient (freed .grad or buffer)
+  optimizer_.update(index, g, lr_, step_);
+  ++stepped_;
+}
+
+FusedStepResult FusedBackward::end_step() {
+  if (!step_open_) fail("fused backward: end_step without begin_step");
+  if (micro_ != options_.accumulation_steps - 1) {
+    fail("fused backward: end_step after micro-batch {} of {}", micro_ + 1, options_.accumulation_steps);
+  }
+  if (pass_ == Pass::measure) fail("fused backward: end_step before the second pass of two_pass clipping");
+  torch::NoGradGuard no_grad;
+  if (!skip_step_) {
+    // Buffers whose parameter got no gradient in the last micro-batch.
+    for (size_t i = 0; i < done_.size(); ++i) {
+      GradientAccumulator* acc = accumulator_of_[i];
+      if (acc->has(i)) apply(i, acc->finish(i, at::Tensor()));
+    }
+  }
+  for (auto& acc : accumulators_) acc->reset();
+  FusedStepResult r;
+  r.step = step_;
+  r.grad_norm = std::sqrt(sumsq_);
+  r.clip_scale = scale_;
+  r.finite = finite_ && std::isfinite(r.grad_norm);
+  r.params_stepped = stepped_;
+  r.params_skipped_nonfinite = skipped_;
+  if (skip_step_) {
+    r.params_skipped_nonfinite = static_cast<int64_t>(done_.size());
+  }
+  if (stepped_ > 0) optimizer_.set_step_count(step_);
+  if (r.finite) previous_norm_ = r.grad_norm;
+  step_open_ = false;
+  pass_ = Pass::idle;
+  return r;
+}
+
+int64_t FusedBackward::buffer_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& acc : accumulators_) bytes += acc->buffer_bytes();
+  return bytes;
+}
+
+}  // namespace shoestring

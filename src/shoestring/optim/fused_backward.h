@@ -1,0 +1,158 @@
+// Fused backward: each parameter is stepped by the optimizer the moment its
+// gradient is complete, inside the backward pass (a post-accumulate-grad
+// hook), and its gradient is freed at once, so a full set of gradients never
+// exists. Same idea as kohya-ss sd-scripts' --fused_backward_pass and
+// OneTrainer's fused back pass (both built on torch >= 2.1's
+// Tensor.register_post_accumulate_grad_hook); here it also supports
+//  - gradient accumulation: on micro-batches before the last, each gradient
+//    is added to a GradientAccumulator buffer (fp32 weights: fp32 buffer;
+//    bf16/fp16 weights: bf16 buffer with stochastic rounding, 2 bytes per
+//    parameter) and freed; on the last micro-batch the buffer and the fresh
+//    gradient are summed in fp32, the optimizer steps, and both are freed;
+//  - global-norm clipping (kohya and OneTrainer clip per tensor only), by one
+//    of two documented methods (see FusedClipMethod).
+// Works with gradient checkpointing (nn/checkpoint.h): parameters inside a
+// checkpointed segment receive their gradient during the segment's recompute
+// and are stepped there.
+//
+// Caveat: a parameter must receive its gradient in ONE AccumulateGrad call
+// per backward. A parameter used in two checkpointed segments (or inside and
+// outside one) gets two partial gradients; the fused step then throws
+// shoestring::Error (on the second call) rather than step on a partial gradient.
+// Details, costs and the non-finite policy: docs/fused_backward.md.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "shoestring/optim/grad_accumulation.h"
+#include "shoestring/optim/grad_hooks.h"
+#include "shoestring/optim/optimizer.h"
+
+namespace shoestring {
+
+/// How global-norm clipping is done when gradients never coexist.
+enum class FusedClipMethod {
+  /// Default. Step t is scaled by min(1, max_norm / (||g_{t-1}|| + 1e-6)),
+  /// where ||g_{t-1}|| is the global norm of the previous finite step,
+  /// accumulated in the hooks (one extra norm reduction per parameter per
+  /// step, no extra memory or passes). Caveat: one step late; the first step
+  /// (and steps after a restart unless set_previous_grad_norm is called) is
+  /// not clipped.
+  previous_step_norm,
+  /// The last micro-batch's backward runs twice: the first pass only measures
+  /// ||g_t|| (buffer + fresh gradient, then frees the gradient), the second
+  /// steps with the exact clip scale. Costs one extra forward + backward of
+  /// the last micro-batch per step (~+100% compute with accumulation 1); the
+  /// caller must replay that micro-batch identically (same inputs, noise and
+  /// dropout RNG). Also detects a non-finite step before any parameter moves.
+  two_pass,
+};
+
+/// "previous_step_norm" / "two_pass"; parse throws shoestring::Error listing both.
+const char* to_string(FusedClipMethod method);
+FusedClipMethod parse_fused_clip_method(const std::string& name);
+
+struct FusedBackwardOptions {
+  int64_t accumulation_steps = 1;  ///< micro-batches per optimizer step (>= 1)
+  double max_grad_norm = 0.0;      ///< global L2 norm bound; <= 0 disables clipping
+  FusedClipMethod clip_method = FusedClipMethod::previous_step_norm;
+  /// Accumulation buffer precision; default: fp32 for fp32 weights, bf16_sr
+  /// for bf16/fp16 weights (chosen per parameter).
+  std::optional<GradAccumulationMode> accumulation_mode;
+  uint64_t seed = 0;  ///< stochastic-rounding seed of the accumulation buffers
+};
+
+/// What one fused optimizer step did (returned by FusedBackward::end_step).
+struct FusedStepResult {
+  int64_t step = 0;          ///< optimizer step number (1-based) the updates used
+  double grad_norm = 0;      ///< global L2 norm of this step's gradient (after grad_multiplier, before clipping); inf/NaN if non-finite
+  double clip_scale = 1;     ///< factor applied to every gradient of this step (clipping only)
+  bool finite = true;        ///< false: some gradient had inf/NaN (count it as a non-finite step)
+  int64_t params_stepped = 0;           ///< parameters updated
+  int64_t params_skipped_nonfinite = 0; ///< parameters left unchanged because their gradient was non-finite
+};
+
+/// Drives fused optimizer steps for `optimizer`'s parameters.
+///
+/// Per optimizer step:
+///   fb.begin_step(lr);
+///   for (m = 0; m < accumulation_steps; ++m) {
+///     fb.begin_micro_batch(m);
+///     (loss_m / accumulation_steps).backward();      // hooks accumulate / step
+///     if (fb.needs_second_pass() && fb.begin_second_pass())
+///       (loss_m / accumulation_steps).backward();    // two_pass only: replay
+///   }
+///   FusedStepResult r = fb.end_step();              // advances step_count
+/// Do not call optimizer.step() for these parameters. Backward passes outside
+/// begin_step .. end_step leave .grad alone (e.g. for tests or validation).
+/// Hooks run on the thread executing the backward (CPU: the caller's thread).
+/// Not copyable or movable (hooks refer to this object).
+class FusedBackward {
+ public:
+  /// Installs post-accumulate-grad hooks on every parameter of `optimizer`
+  /// (each must be a leaf requiring grad). `optimizer` must outlive this
+  /// object. Throws shoestring::Error for accumulation_steps < 1.
+  FusedBackward(Optimizer& optimizer, FusedBackwardOptions options);
+  ~FusedBackward();
+  FusedBackward(const FusedBackward&) = delete;
+  FusedBackward& operator=(const FusedBackward&) = delete;
+
+  /// Starts optimizer step optimizer.step_count() + 1 with learning rate
+  /// `lr`; every gradient is multiplied by `grad_multiplier` (e.g. 1/loss
+  /// scale) before its norm is taken. Throws if a step is already open.
+  void begin_step(double lr, double grad_multiplier = 1.0);
+  /// Announces micro-batch `micro` (0-based, in order) of the open step; the
+  /// last one (accumulation_steps - 1) steps the parameters. Throws
+  /// shoestring::Error when out of order or no step is open.
+  void begin_micro_batch(int64_t micro);
+  /// True after the measuring backward of the last micro-batch (two_pass).
+  bool needs_second_pass() const;
+  /// two_pass: computes the exact global norm and clip scale; returns true
+  /// when the caller must now replay the last micro-batch's backward, false
+  /// when the gradient is non-finite (the step is skipped, nothing moves).
+  bool begin_second_pass();
+  /// Closes the step: applies parameters whose buffer got no gradient in the
+  /// last micro-batch, frees every buffer, advances optimizer.step_count()
+  /// when at least one parameter was updated, and records the norm for the
+  /// next step's clipping (finite steps only).
+  FusedStepResult end_step();
+
+  /// Global norm of the last finite step (NaN before any); saved with
+  /// training state so a resumed run clips its first step like the original.
+  double previous_grad_norm() const { return previous_norm_; }
+  void set_previous_grad_norm(double norm) { previous_norm_ = norm; }
+  /// Bytes of accumulation buffers held now (MemoryCategory::gradients).
+  int64_t buffer_bytes() const;
+  const FusedBackwardOptions& options() const { return options_; }
+
+ private:
+  enum class Pass { idle, accumulate, measure, apply };
+  void on_gradient(size_t index, at::Tensor& param);
+  void apply(size_t index, const at::Tensor& grad);
+  double clip_scale_for(double norm) const;
+
+  Optimizer& optimizer_;
+  FusedBackwardOptions options_;
+  std::vector<std::unique_ptr<GradientAccumulator>> accumulators_;  // one per mode in use
+  std::vector<GradientAccumulator*> accumulator_of_;                // per parameter
+  std::shared_ptr<FusedBackward*> self_;  // cleared in the destructor; hooks check it
+  PostAccumulateGradHooks hooks_;
+
+  Pass pass_ = Pass::idle;
+  bool step_open_ = false;
+  int64_t step_ = 0;
+  int64_t micro_ = -1;
+  double lr_ = 0;
+  double multiplier_ = 1;
+  double scale_ = 1;           // clip scale of the open step
+  double sumsq_ = 0;           // this step's squared norm so far
+  bool finite_ = true;
+  bool skip_step_ = false;     // two_pass found a non-finite gradient
+  double previous_norm_;
+  int64_t stepped_ = 0, skipped_ = 0;
+  std::vector<uint8_t> done_;  // per parameter: hook fired in the current measure/apply pass
+};
+
+}  // namespace shoestring
