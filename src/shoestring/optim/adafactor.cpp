@@ -1,4 +1,5 @@
 #include "shoestring/optim/adafactor.h"
+#include "shoestring/optim/optimizer_args.h"
 
 #include <algorithm>
 #include <cctype>
@@ -29,33 +30,6 @@ std::string shape_str(at::IntArrayRef shape) {
   std::string s = "[";
   for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
   return s + "]";
-}
-
-std::string trim(const std::string& s) {
-  size_t b = 0, e = s.size();
-  while (b < e && std::isspace(static_cast<unsigned char>(s[b]))) ++b;
-  while (e > b && std::isspace(static_cast<unsigned char>(s[e - 1]))) --e;
-  return s.substr(b, e - b);
-}
-
-double parse_number(const std::string& key, const std::string& raw) {
-  std::string value = trim(raw);
-  try {
-    size_t used = 0;
-    double d = std::stod(value, &used);
-    if (used != value.size()) throw std::invalid_argument(value);
-    return d;
-  } catch (const std::exception&) {
-    fail("optimizer_args: '{}={}' is not a number", key, raw);
-  }
-}
-
-bool parse_bool(const std::string& key, const std::string& raw) {
-  std::string v = trim(raw);
-  std::transform(v.begin(), v.end(), v.begin(), [](unsigned char c) { return std::tolower(c); });
-  if (v == "true" || v == "1") return true;
-  if (v == "false" || v == "0") return false;
-  fail("optimizer_args: '{}={}' must be True or False", key, raw);
 }
 
 }  // namespace
@@ -167,44 +141,18 @@ void Adafactor::update(size_t index, const at::Tensor& grad_in, double lr, int64
 }
 
 AdafactorOptions parse_adafactor_args(const std::vector<std::string>& args) {
+  OptimizerArgs a(args, "Adafactor",
+                  {"scale_parameter", "relative_step", "warmup_init", "clip_threshold", "decay_rate", "beta1",
+                   "eps", "weight_decay"});
   AdafactorOptions o;
-  for (const auto& a : args) {
-    auto eq = a.find('=');
-    if (eq == std::string::npos) fail("optimizer_args: \"{}\" must look like key=value", a);
-    std::string key = trim(a.substr(0, eq)), value = trim(a.substr(eq + 1));
-    if (key == "scale_parameter") {
-      o.scale_parameter = parse_bool(key, value);
-    } else if (key == "relative_step") {
-      o.relative_step = parse_bool(key, value);
-    } else if (key == "warmup_init") {
-      o.warmup_init = parse_bool(key, value);
-    } else if (key == "clip_threshold") {
-      o.clip_threshold = parse_number(key, value);
-    } else if (key == "decay_rate") {
-      o.decay_rate = parse_number(key, value);
-    } else if (key == "weight_decay") {
-      o.weight_decay = parse_number(key, value);
-    } else if (key == "beta1") {
-      if (value == "None" || value == "none" || value == "null") {
-        o.beta1.reset();
-      } else {
-        o.beta1 = parse_number(key, value);
-      }
-    } else if (key == "eps") {
-      std::string v = value;
-      if (v.size() >= 2 && ((v.front() == '(' && v.back() == ')') || (v.front() == '[' && v.back() == ']'))) {
-        v = v.substr(1, v.size() - 2);
-      }
-      auto comma = v.find(',');
-      if (comma == std::string::npos) fail("optimizer_args: eps=\"{}\" must be two numbers, eps1,eps2 (e.g. 1e-30,1e-3)", value);
-      o.eps1 = parse_number(key, v.substr(0, comma));
-      o.eps2 = parse_number(key, v.substr(comma + 1));
-    } else {
-      fail("optimizer_args: unknown argument '{}' for Adafactor (valid: scale_parameter, relative_step, "
-           "warmup_init, clip_threshold, decay_rate, beta1, eps, weight_decay)",
-           key);
-    }
-  }
+  o.scale_parameter = a.get_bool("scale_parameter", o.scale_parameter);
+  o.relative_step = a.get_bool("relative_step", o.relative_step);
+  o.warmup_init = a.get_bool("warmup_init", o.warmup_init);
+  o.clip_threshold = a.get_double("clip_threshold", o.clip_threshold);
+  o.decay_rate = a.get_double("decay_rate", o.decay_rate);
+  o.weight_decay = a.get_double("weight_decay", o.weight_decay);
+  o.beta1 = a.get_optional_double("beta1", o.beta1);
+  std::tie(o.eps1, o.eps2) = a.get_pair("eps", {o.eps1, o.eps2});
   validate_adafactor_options(o);
   return o;
 }
