@@ -7,6 +7,7 @@
 #include "shoestring/core/error.h"
 #include "shoestring/core/memory_ledger.h"
 #include "shoestring/core/stochastic_rounding.h"
+#include "shoestring/optim/fused_kernels.h"
 #include "shoestring/optim/optimizer_args.h"
 
 namespace shoestring {
@@ -120,6 +121,26 @@ void AdamW::update(size_t index, const at::Tensor& grad_in, double lr, int64_t s
   }
   at::Tensor& m_stored = state(index, "exp_avg");
   at::Tensor& v_stored = state(index, "exp_avg_sq");
+  // Fast path: one pass over memory (optim/fused_kernels.h), same numbers as
+  // the op chain below, which remains the reference and the path for other
+  // layouts and dtypes (fp16, non-contiguous, non-CPU).
+  if (fused_adamw_supported(live, grad_in, m_stored, v_stored)) {
+    FusedAdamWScalars s;
+    s.lr = lr;
+    s.beta1 = adam_.beta1;
+    s.beta2 = adam_.beta2;
+    s.eps = adam_.eps;
+    s.weight_decay = wd;
+    s.step = step;
+    FusedRoundingKeys keys;
+    keys.stochastic_rounding = options_.stochastic_rounding;
+    const uint64_t id = static_cast<uint64_t>(index) * 16;
+    keys.param = {options_.seed, static_cast<uint64_t>(step), id};
+    keys.state1 = {options_.seed, static_cast<uint64_t>(step), id + 1};
+    keys.state2 = {options_.seed, static_cast<uint64_t>(step), id + 2};
+    fused_adamw_step(live, grad_in, m_stored, v_stored, s, keys);
+    return;
+  }
   // fp32 tensors are updated in place; low-precision ones through fp32 copies
   // that are stochastically rounded back (one parameter's worth at a time).
   auto fp32 = [](const at::Tensor& t) { return t.scalar_type() == torch::kFloat32 ? t : t.to(torch::kFloat32); };

@@ -1,0 +1,109 @@
+// Fused, single-pass CPU optimizer steps.
+//
+// The op-chain form of one AdamW step (mul_, add_, addcmul_, sqrt, div, add_,
+// addcdiv_, dtype conversions, stochastic rounding of three tensors) walks the
+// parameter's memory about ten times. These kernels read param, grad and
+// state once and write param and state once per element, so a step runs close
+// to memory bandwidth (bench/optimizer_memory measures the ratio to memcpy).
+//
+// Numerics: every element is computed in fp32 with the operation order and
+// the fp32 constants of the op chain, and with the fused multiply-adds that
+// libtorch's x86-64 CPU kernels execute: add_(x, alpha) is
+// vec::fmadd(x, alpha, self), and addcmul_'s self + (value * t1) * t2 is
+// contracted into fma(value * t1, t2, self) by GCC (libtorch is built in GNU
+// mode, where -ffp-contract=fast also fuses the SIMD intrinsics' * and +);
+// addcdiv_ has no multiply-add to fuse. Measured against Debian's libtorch
+// 1.13 (AVX-512 kernels): bit-identical fp32 results (tests/optim/
+// test_fused_kernels.cpp), so bf16 outputs are the same stochastic rounding,
+// with the same random bits (core/counter_rng.h, keyed by RoundingKey and the
+// element's index in the tensor), as stochastic_round_into of the op chain's
+// fp32 value. A libtorch without FMA kernels (or built without contraction)
+// differs from these kernels by rounding in the last fp32 bit of some
+// elements. Results do not depend on the thread count.
+//
+// Layout: the inner loops are branch-free loops over contiguous arrays,
+// compiled at -O3 with fp contraction off, and on GCC/x86-64 also for
+// x86-64-v3 (AVX2 + FMA) and x86-64-v4 (AVX-512), picked at load time
+// (target_clones, as core/stochastic_rounding.cpp).
+#pragma once
+#include <cstdint>
+
+#include <ATen/core/Tensor.h>
+
+#include "shoestring/core/stochastic_rounding.h"
+
+namespace shoestring {
+
+/// Scalars of one AdamW step (torch.optim.AdamW semantics, amsgrad off).
+struct FusedAdamWScalars {
+  double lr = 1e-3;            ///< learning rate of this step
+  double beta1 = 0.9;          ///< first-moment decay
+  double beta2 = 0.999;        ///< second-moment decay
+  double eps = 1e-8;           ///< added to sqrt(v_hat) (outside the square root)
+  double weight_decay = 0.0;   ///< decoupled: p <- p (1 - lr wd) before the Adam update
+  int64_t step = 1;            ///< 1-based step number t (bias corrections 1 - beta^t)
+  double grad_scale = 1.0;     ///< the gradient is multiplied by this first (1 = none)
+};
+
+/// How a fused kernel stores low-precision (bf16) tensors.
+/// Parameter: stochastic rounding with key `param` when `stochastic_rounding`,
+/// else round-to-nearest-even (as Tensor::copy_). State tensors are always
+/// stochastically rounded, with `state1` (exp_avg) and `state2` (exp_avg_sq).
+/// Optimizer uses tensor ids index*16 (param) and index*16 + slot (state).
+struct FusedRoundingKeys {
+  bool stochastic_rounding = true;
+  RoundingKey param;
+  RoundingKey state1;
+  RoundingKey state2;
+};
+
+/// True when fused_adamw_step can run on these tensors: all defined, on the
+/// CPU, strided and contiguous, with the same numel; param, exp_avg and
+/// exp_avg_sq float32 or bfloat16; grad float32 or bfloat16. (Anything else,
+/// e.g. fp16 or a non-contiguous view, takes the op-chain path.)
+bool fused_adamw_supported(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                           const at::Tensor& exp_avg_sq);
+
+/// One AdamW step in one pass over memory, in place on param, exp_avg and
+/// exp_avg_sq (all of numel n; shapes are not compared). Per element, in fp32:
+///   g  = grad * grad_scale
+///   p  = p * (1 - lr wd)
+///   m  = fma(g, 1 - b1, m * b1)
+///   v  = fma((1 - b2) g, g, v * b2)
+///   p  = p + (-lr / (1 - b1^t)) m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+/// with every constant rounded to fp32 once, as libtorch does for a Scalar
+/// argument; then p, m, v are stored (fp32, or bf16 rounded as `keys` says).
+/// The tensors must not overlap. Bumps the autograd version counter of every
+/// tensor written, like an in-place op. Runs in at::parallel_for (grain 16384
+/// elements); results are identical for any thread count.
+/// Throws shoestring::Error when !fused_adamw_supported(...), naming what is
+/// wrong.
+void fused_adamw_step(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_avg, at::Tensor& exp_avg_sq,
+                      const FusedAdamWScalars& scalars, const FusedRoundingKeys& keys);
+
+/// Scalars of one Lion step (Chen et al. 2023, arXiv 2302.06675).
+struct FusedLionScalars {
+  double lr = 1e-4;           ///< learning rate of this step
+  double beta1 = 0.9;         ///< interpolation for the update direction
+  double beta2 = 0.99;        ///< momentum decay
+  double weight_decay = 0.0;  ///< decoupled
+  double grad_scale = 1.0;    ///< the gradient is multiplied by this first (1 = none)
+};
+
+/// True when fused_lion_step can run: param, grad, exp_avg defined, CPU,
+/// contiguous, same numel, each float32 or bfloat16.
+bool fused_lion_supported(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg);
+
+/// One Lion step in one pass, in place on param and exp_avg. Per element, in
+/// fp32 (the op order of optim/lion.cpp's op chain and of lion-pytorch):
+///   g = grad * grad_scale
+///   p = p * (1 - lr wd)
+///   c = fma(g, 1 - b1, m * b1);  p = p - lr * sign(c)   (sign(0) = sign(NaN) = 0, as torch.sign)
+///   m = fma(g, 1 - b2, m * b2)
+/// then stores p (keys.param / stochastic_rounding as for AdamW) and m
+/// (bf16: SR with keys.state1). keys.state2 is unused. Same threading,
+/// version-counter and error behaviour as fused_adamw_step.
+void fused_lion_step(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_avg,
+                     const FusedLionScalars& scalars, const FusedRoundingKeys& keys);
+
+}  // namespace shoestring

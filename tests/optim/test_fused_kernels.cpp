@@ -1,0 +1,263 @@
+// Fused single-pass optimizer kernels (optim/fused_kernels.h) against the
+// libtorch op chains they replace: the same fp32 operations written as tensor
+// ops, then stochastic_round_into with the same keys (the reference path of
+// AdamW::update and Lion::update). Sizes are not multiples of any vector
+// width, so vector tails are covered.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include <torch/torch.h>
+
+#include "shoestring/core/error.h"
+#include "shoestring/core/stochastic_rounding.h"
+#include "shoestring/optim/fused_kernels.h"
+#include "shoestring/optim/optimizer.h"
+
+using namespace shoestring;
+
+namespace {
+
+at::Tensor f32(const at::Tensor& t) { return t.to(torch::kFloat32); }
+
+// Stores the fp32 value `value` into `dst` as Optimizer does: fp32 copy, bf16
+// by SR with `key` (or round-to-nearest when !sr).
+void reference_store(at::Tensor& dst, const at::Tensor& value, const RoundingKey& key, bool sr) {
+  if (dst.scalar_type() == torch::kFloat32) {
+    dst.copy_(value);
+  } else if (sr) {
+    stochastic_round_into(value.contiguous(), dst, key);
+  } else {
+    dst.copy_(value);
+  }
+}
+
+// The op chain of AdamW::update (same operation order as torch.optim.AdamW 1.13).
+void reference_adamw(at::Tensor& param, const at::Tensor& grad, at::Tensor& m_stored, at::Tensor& v_stored,
+                     const FusedAdamWScalars& s, const FusedRoundingKeys& k) {
+  torch::NoGradGuard no_grad;
+  at::Tensor g = f32(grad).mul_(s.grad_scale);
+  at::Tensor p = f32(param).clone();
+  at::Tensor m = f32(m_stored).clone();
+  at::Tensor v = f32(v_stored).clone();
+  p.mul_(1.0 - s.lr * s.weight_decay);
+  m.mul_(s.beta1).add_(g, 1.0 - s.beta1);
+  v.mul_(s.beta2).addcmul_(g, g, 1.0 - s.beta2);
+  const double bc1 = 1.0 - std::pow(s.beta1, static_cast<double>(s.step));
+  const double bc2 = 1.0 - std::pow(s.beta2, static_cast<double>(s.step));
+  at::Tensor denom = (v.sqrt() / std::sqrt(bc2)).add_(s.eps);
+  p.addcdiv_(m, denom, -(s.lr / bc1));
+  reference_store(m_stored, m, k.state1, true);
+  reference_store(v_stored, v, k.state2, true);
+  reference_store(param, p, k.param, k.stochastic_rounding);
+}
+
+// The op chain of optim/lion.cpp.
+void reference_lion(at::Tensor& param, const at::Tensor& grad, at::Tensor& m_stored, const FusedLionScalars& s,
+                    const FusedRoundingKeys& k) {
+  torch::NoGradGuard no_grad;
+  at::Tensor g = f32(grad).mul_(s.grad_scale);
+  at::Tensor p = f32(param).clone();
+  at::Tensor m = f32(m_stored).clone();
+  p.mul_(1.0 - s.lr * s.weight_decay);
+  at::Tensor direction = (m * s.beta1).add_(g, 1.0 - s.beta1).sign_();
+  p.add_(direction, -s.lr);
+  m.mul_(s.beta2).add_(g, 1.0 - s.beta2);
+  reference_store(m_stored, m, k.state1, true);
+  reference_store(param, p, k.param, k.stochastic_rounding);
+}
+
+struct Tensors {
+  at::Tensor p, g, m, v;
+  Tensors clone() const { return {p.clone(), g.clone(), m.clone(), v.clone()}; }
+};
+
+// Values spread over several binades, second moment >= 0 (as Adam keeps it).
+Tensors make_tensors(int64_t n, at::ScalarType pt, at::ScalarType gt, at::ScalarType st, uint64_t seed) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  auto randn = [&](double scale) { return at::randn({n}, gen, torch::TensorOptions(torch::kFloat32)) * scale; };
+  Tensors t;
+  t.p = randn(0.5).to(pt);
+  t.g = (randn(1.0) * at::exp(randn(2.0))).to(gt);
+  t.m = randn(0.1).to(st);
+  t.v = (randn(0.1) * randn(0.1)).abs_().to(st);
+  return t;
+}
+
+FusedRoundingKeys keys_for(uint64_t seed, uint64_t step, uint64_t index, bool sr = true) {
+  FusedRoundingKeys k;
+  k.stochastic_rounding = sr;
+  k.param = {seed, step, index * 16};
+  k.state1 = {seed, step, index * 16 + 1};
+  k.state2 = {seed, step, index * 16 + 2};
+  return k;
+}
+
+double max_relative(const at::Tensor& a, const at::Tensor& b) {
+  return ((f32(a) - f32(b)).abs() / f32(b).abs().clamp_min(1e-6)).max().item<double>();
+}
+
+int64_t mismatches(const at::Tensor& a, const at::Tensor& b) {
+  // Bitwise comparison (NaN-safe): compare raw 16/32-bit patterns.
+  const auto it = a.scalar_type() == torch::kFloat32 ? torch::kInt32 : torch::kInt16;
+  return a.view(it).ne(b.view(it)).sum().item<int64_t>();
+}
+
+}  // namespace
+
+TEST(FusedAdamW, Fp32MatchesOpChain) {
+  const int64_t n = 10007;
+  FusedAdamWScalars s;
+  s.lr = 3e-3;
+  s.weight_decay = 0.05;
+  for (int64_t step : {1, 2, 37}) {
+    s.step = step;
+    Tensors a = make_tensors(n, torch::kFloat32, torch::kFloat32, torch::kFloat32, 11 + step);
+    Tensors b = a.clone();
+    const auto k = keys_for(5, step, 3);
+    fused_adamw_step(a.p, a.g, a.m, a.v, s, k);
+    reference_adamw(b.p, b.g, b.m, b.v, s, k);
+    EXPECT_LT(max_relative(a.p, b.p), 1e-6) << "step " << step;
+    EXPECT_LT(max_relative(a.m, b.m), 1e-6);
+    EXPECT_LT(max_relative(a.v, b.v), 1e-6);
+    EXPECT_TRUE(torch::equal(a.g, b.g));  // grad is read only
+    // Same operations in the same order: bit-identical on x86-64 with
+    // libtorch's GCC-built AVX2 / AVX-512 kernels (see fused_kernels.h).
+    EXPECT_EQ(mismatches(a.p, b.p) + mismatches(a.m, b.m) + mismatches(a.v, b.v), 0) << "step " << step;
+  }
+}
+
+TEST(FusedAdamW, Bf16StochasticRoundingBitIdenticalToReference) {
+  const int64_t n = 8191;
+  FusedAdamWScalars s;
+  s.lr = 1e-2;
+  s.weight_decay = 0.01;
+  s.step = 4;
+  s.grad_scale = 0.75;
+  struct Case {
+    at::ScalarType p, g, st;
+    bool sr;
+  };
+  const Case cases[] = {{torch::kBFloat16, torch::kBFloat16, torch::kBFloat16, true},
+                        {torch::kBFloat16, torch::kFloat32, torch::kFloat32, true},
+                        {torch::kFloat32, torch::kBFloat16, torch::kBFloat16, true},
+                        {torch::kBFloat16, torch::kBFloat16, torch::kBFloat16, false}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(fmt::format("param {} grad {} state {} sr {}", c10::toString(c.p), c10::toString(c.g),
+                             c10::toString(c.st), c.sr));
+    Tensors a = make_tensors(n, c.p, c.g, c.st, 21);
+    Tensors b = a.clone();
+    const auto k = keys_for(99, 4, 7, c.sr);
+    fused_adamw_step(a.p, a.g, a.m, a.v, s, k);
+    reference_adamw(b.p, b.g, b.m, b.v, s, k);
+    EXPECT_EQ(mismatches(a.p, b.p), 0);
+    EXPECT_EQ(mismatches(a.m, b.m), 0);
+    EXPECT_EQ(mismatches(a.v, b.v), 0);
+    // The parameter moved (the test would pass vacuously otherwise).
+    EXPECT_GT(mismatches(a.p, make_tensors(n, c.p, c.g, c.st, 21).p), n / 4);
+  }
+}
+
+TEST(FusedAdamW, ResultsDoNotDependOnThreadCount) {
+  const int64_t n = 200003;  // several parallel tasks
+  FusedAdamWScalars s;
+  s.step = 3;
+  const int before = at::get_num_threads();
+  Tensors a = make_tensors(n, torch::kBFloat16, torch::kBFloat16, torch::kBFloat16, 4);
+  Tensors b = a.clone();
+  const auto k = keys_for(1, 3, 0);
+  at::set_num_threads(1);
+  fused_adamw_step(a.p, a.g, a.m, a.v, s, k);
+  at::set_num_threads(2);
+  fused_adamw_step(b.p, b.g, b.m, b.v, s, k);
+  at::set_num_threads(before);
+  EXPECT_EQ(mismatches(a.p, b.p) + mismatches(a.m, b.m) + mismatches(a.v, b.v), 0);
+}
+
+TEST(FusedAdamW, RejectsWhatItCannotDo) {
+  auto p = torch::zeros({4, 6});
+  auto g = torch::zeros({4, 6});
+  auto m = torch::zeros({4, 6});
+  auto v = torch::zeros({4, 6});
+  EXPECT_TRUE(fused_adamw_supported(p, g, m, v));
+  auto pt = p.t();  // non-contiguous view
+  EXPECT_FALSE(fused_adamw_supported(pt, g, m, v));
+  try {
+    fused_adamw_step(pt, g, m, v, {}, {});
+    FAIL() << "expected shoestring::Error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("param is not contiguous"), std::string::npos) << e.what();
+  }
+  auto half = torch::zeros({4, 6}, torch::kHalf);
+  EXPECT_FALSE(fused_adamw_supported(half, g, m, v));
+  EXPECT_FALSE(fused_adamw_supported(p, g, half, half));
+  auto short_grad = torch::zeros({5});
+  EXPECT_FALSE(fused_adamw_supported(p, short_grad, m, v));
+  EXPECT_THROW(fused_adamw_step(p, short_grad, m, v, {}, {}), Error);
+  auto v16 = torch::zeros({4, 6}, torch::kBFloat16);
+  EXPECT_FALSE(fused_adamw_supported(p, g, m, v16));  // mixed state dtypes
+  FusedAdamWScalars bad;
+  bad.step = 0;
+  EXPECT_THROW(fused_adamw_step(p, g, m, v, bad, {}), Error);
+  // An in-place update bumps the autograd version counter.
+  const auto version = p._version();
+  fused_adamw_step(p, g, m, v, {}, {});
+  EXPECT_GT(p._version(), version);
+}
+
+// AdamW takes the fused path for contiguous CPU tensors and the op chain for a
+// non-contiguous parameter: both must give the same bits, step after step.
+TEST(FusedAdamW, AdamWClassFusedAndFallbackAgree) {
+  for (auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    auto base = torch::randn({37, 53}).to(dtype);
+    auto contiguous = base.clone().requires_grad_(true);
+    auto strided = base.t().contiguous().t();  // [37, 53] view of a [53, 37] tensor
+    strided.requires_grad_(true);
+    ASSERT_FALSE(strided.is_contiguous());
+    AdamWOptions adam;
+    OptimizerOptions o;
+    o.seed = 17;
+    o.state_dtype = dtype;
+    AdamW fused({{"w", contiguous, 0.02}}, adam, o);
+    AdamW chain({{"w", strided, 0.02}}, adam, o);
+    for (int step = 0; step < 5; ++step) {
+      auto g = torch::randn({37, 53}).to(dtype);
+      contiguous.mutable_grad() = g.clone();
+      strided.mutable_grad() = g.t().contiguous().t();  // non-contiguous gradient too
+      fused.step(1e-2);
+      chain.step(1e-2);
+    }
+    EXPECT_EQ(mismatches(contiguous.detach().contiguous(), strided.detach().contiguous()), 0);
+    auto fs = fused.state_tensors();
+    auto cs = chain.state_tensors();
+    ASSERT_EQ(fs.size(), cs.size());
+    for (size_t i = 0; i < fs.size(); ++i) {
+      EXPECT_EQ(mismatches(fs[i].second.contiguous(), cs[i].second.contiguous()), 0) << fs[i].first;
+    }
+  }
+}
+
+TEST(FusedLion, MatchesOpChainBitForBit) {
+  const int64_t n = 8191;
+  FusedLionScalars s;
+  s.lr = 3e-4;
+  s.weight_decay = 0.1;
+  s.grad_scale = 0.5;
+  for (auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    Tensors a = make_tensors(n, dtype, dtype, dtype, 8);
+    a.g.index_put_({torch::indexing::Slice(0, 64)}, 0);  // sign(c) = 0 where m = g = 0
+    a.m.index_put_({torch::indexing::Slice(0, 64)}, 0);
+    Tensors b = a.clone();
+    const auto k = keys_for(3, 2, 5);
+    fused_lion_step(a.p, a.g, a.m, s, k);
+    reference_lion(b.p, b.g, b.m, s, k);
+    EXPECT_EQ(mismatches(a.p, b.p), 0);
+    EXPECT_EQ(mismatches(a.m, b.m), 0);
+  }
+  auto p = torch::zeros({3});
+  auto m = torch::zeros({3}, torch::kHalf);
+  EXPECT_FALSE(fused_lion_supported(p, p, m));
+  EXPECT_THROW(fused_lion_step(p, p, m, s, {}), Error);
+}
