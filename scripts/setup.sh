@@ -6,6 +6,7 @@ set -euo pipefail
 PKGS=(
   build-essential cmake ninja-build ccache pkg-config
   libtorch-dev libgloo-dev          # tensors, autograd, kernels; c10d's Gloo headers
+  libopenblas0-pthread              # fast fp32 BLAS for libtorch (Debian's default is the reference BLAS)
   python3-torch                     # reference vectors for tests (scripts/gen_*.py)
   libtomlplusplus-dev               # config
   libcli11-dev                      # command line

@@ -307,8 +307,9 @@ TrainSummary train(const TrainConfig& cfg, const TrainRunOptions& options) {
          run.run_dir, start_step, c.max_train_steps, start_step);
   }
   if (!options.quiet) {
-    spdlog::info("model: {:.2f}M trainable parameters, weights {}, {}, {} threads", n_params / 1e6,
-                 c.full_bf16 ? "bf16 (stochastic rounding)" : "fp32",
+    spdlog::info("model: {:.2f}M trainable parameters, weights {}, {}, {} threads; optimizer {}{}", n_params / 1e6,
+                 c.full_bf16 ? (c.stochastic_rounding ? "bf16 (stochastic rounding)" : "bf16 (round-to-nearest)")
+                             : "fp32",
                  c.mixed_precision == "bf16" ? "bf16 autocast compute" : "compute in weight dtype", threads,
                  c.optimizer_type, c.fused_backward_pass ? " (fused backward)" : "");
   }

@@ -1,0 +1,71 @@
+// 8-bit AdamW: AdamW whose two moments are stored block-wise quantized to
+// 8 bits (Dettmers et al. 2021, "8-bit Optimizers via Block-wise
+// Quantization", arXiv 2110.02861; behaviour of bitsandbytes' AdamW8bit).
+//
+// State per parameter of numel >= min_8bit_size (bitsandbytes' default 4096):
+//   exp_avg_q      uint8, parameter shape   codes of m in the signed dynamic map
+//   exp_avg_absmax fp32 [ceil(numel/256)]   per-block absmax of m
+//   exp_avg_sq_q   uint8, parameter shape   codes of v in the unsigned dynamic map
+//   exp_avg_sq_absmax fp32 [ceil(numel/256)]
+// = 2 + 8/256 = 2.03 bytes per parameter (fp32 AdamW: 8). Smaller tensors
+// (biases, norms) keep fp32 exp_avg / exp_avg_sq, as bitsandbytes does.
+//
+// One step works block by block (never more than one block of fp32 moments
+// per thread): dequantize m and v, apply the AdamW update in fp32 exactly as
+// the AdamW class does (decoupled weight decay, bias corrections, eps outside
+// the square root), write the parameter (fp32 in place, or bf16/fp16 by
+// stochastic rounding with the same random bits Optimizer::write_param
+// uses), then requantize m and v with the block's new absmax.
+// A non-finite gradient element leaves its parameter element and its moments
+// unchanged (as bitsandbytes' kernels skip it); so does an element whose new
+// moment or parameter would overflow to a non-finite value.
+#pragma once
+#include <map>
+#include <string>
+#include <vector>
+
+#include "shoestring/optim/optimizer.h"
+
+namespace shoestring {
+
+/// Options of AdamW8bit.
+struct AdamW8bitOptions {
+  AdamWOptions adam;            ///< betas, eps, weight_decay as AdamW
+  int64_t block_size = 256;     ///< quantization block (elements); bitsandbytes uses 256
+  int64_t min_8bit_size = 4096; ///< tensors with fewer elements keep fp32 state
+};
+
+class AdamW8bit : public Optimizer {
+ public:
+  /// Throws shoestring::Error if block_size < 1 or min_8bit_size < 0.
+  /// options.state_dtype is not used: state is 8-bit, or fp32 for small tensors.
+  AdamW8bit(std::vector<OptimParam> params, AdamW8bitOptions adam, OptimizerOptions options);
+
+  /// One AdamW8bit step for parameter `index` (CPU; fp32, bf16 or fp16
+  /// parameter; grad of any of these dtypes with the parameter's numel).
+  /// Throws shoestring::Error for a non-CPU parameter, a gradient of another
+  /// size or dtype, or inconsistent state.
+  void update(size_t index, const at::Tensor& grad, double lr, int64_t step) override;
+
+  /// Base behaviour, then checks every parameter's state: either none, the
+  /// fp32 pair (parameter shape), or the four 8-bit tensors with the dtypes and
+  /// sizes above. Throws shoestring::Error naming the tensor otherwise.
+  void load_state_tensors(const std::map<std::string, at::Tensor>& tensors) override;
+
+  /// True when parameter `index` has (or will get) 8-bit state.
+  bool uses_8bit_state(size_t index) const;
+
+  const AdamW8bitOptions& options() const { return adam8_; }
+
+ private:
+  void check_state(size_t index) const;
+  AdamW8bitOptions adam8_;
+};
+
+/// Parses kohya-style optimizer_args for optimizer_type = "AdamW8bit":
+/// weight_decay, betas ("b1,b2"), eps, min_8bit_size, block_size. Throws
+/// shoestring::Error for an unknown argument (listing the valid ones) or a
+/// bad value (naming the argument).
+AdamW8bitOptions parse_adamw8bit_args(const std::vector<std::string>& args);
+
+}  // namespace shoestring

@@ -1,0 +1,74 @@
+#include "shoestring/optim/lion.h"
+
+#include <torch/torch.h>
+
+#include "shoestring/core/error.h"
+#include "shoestring/core/memory_ledger.h"
+#include "shoestring/optim/fused_kernels.h"
+#include "shoestring/optim/optimizer_args.h"
+
+namespace shoestring {
+
+Lion::Lion(std::vector<OptimParam> params, LionOptions lion, OptimizerOptions options)
+    : Optimizer(std::move(params), options), lion_(lion) {
+  if (options_.state_dtype != at::kFloat && options_.state_dtype != at::kBFloat16) {
+    fail("Lion: state_dtype must be float32 or bfloat16 (got {})", c10::toString(options_.state_dtype));
+  }
+}
+
+void Lion::update(size_t index, const at::Tensor& grad_in, double lr, int64_t step) {
+  at::Tensor& live = params_[index].param;
+  if (grad_in.numel() != live.numel()) {
+    fail("Lion: gradient of '{}' has {} elements, expected {}", params_[index].name, grad_in.numel(), live.numel());
+  }
+  const double wd = params_[index].weight_decay;
+  if (!has_state(index, "exp_avg")) {
+    ScopedMemoryCategory category(MemoryCategory::optimizer_state);
+    state(index, "exp_avg") = torch::zeros(live.sizes(), live.options().dtype(options_.state_dtype).requires_grad(false));
+  }
+  at::Tensor& m_stored = state(index, "exp_avg");
+  // Fast path: one pass over memory (optim/fused_kernels.h), bit-identical to
+  // the op chain below, which remains the reference and the path for other
+  // layouts and dtypes (fp16, non-contiguous, non-CPU).
+  if (fused_lion_supported(live, grad_in, m_stored)) {
+    FusedLionScalars s;
+    s.lr = lr;
+    s.beta1 = lion_.beta1;
+    s.beta2 = lion_.beta2;
+    s.weight_decay = wd;
+    FusedRoundingKeys keys;
+    keys.stochastic_rounding = options_.stochastic_rounding;
+    const uint64_t id = static_cast<uint64_t>(index) * 16;
+    keys.param = {options_.seed, static_cast<uint64_t>(step), id};
+    keys.state1 = {options_.seed, static_cast<uint64_t>(step), id + 1};
+    fused_lion_step(live, grad_in, m_stored, s, keys);
+    return;
+  }
+  // fp32 tensors are updated in place; low-precision ones through fp32 copies
+  // that are stochastically rounded back (one parameter at a time).
+  auto fp32 = [](const at::Tensor& t) { return t.scalar_type() == torch::kFloat32 ? t : t.to(torch::kFloat32); };
+  const at::Tensor grad = fp32(grad_in).reshape(live.sizes());
+  at::Tensor p = fp32(live);
+  at::Tensor m = fp32(m_stored);
+
+  p.mul_(1.0 - lr * wd);
+  at::Tensor direction = (m * lion_.beta1).add_(grad, 1.0 - lion_.beta1).sign_();
+  p.add_(direction, -lr);
+  m.mul_(lion_.beta2).add_(grad, 1.0 - lion_.beta2);
+  write_state(index, m_stored, m, step, 1);
+  write_param(index, p, step);
+}
+
+LionOptions parse_lion_args(const std::vector<std::string>& args) {
+  OptimizerArgs a(args, "Lion", {"weight_decay", "betas"});
+  LionOptions o;
+  o.weight_decay = a.get_double("weight_decay", o.weight_decay);
+  std::tie(o.beta1, o.beta2) = a.get_pair("betas", {o.beta1, o.beta2});
+  if (!(o.weight_decay >= 0)) fail("optimizer_args: weight_decay must be >= 0 (got {})", o.weight_decay);
+  if (!(o.beta1 >= 0 && o.beta1 < 1 && o.beta2 >= 0 && o.beta2 < 1)) {
+    fail("optimizer_args: betas must be in [0, 1) (got {},{})", o.beta1, o.beta2);
+  }
+  return o;
+}
+
+}  // namespace shoestring
