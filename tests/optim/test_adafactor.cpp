@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <fstream>
+#include <map>
 
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
@@ -348,5 +349,57 @@ TEST(Adafactor, RejectsMismatchedGradientAndRestoredState) {
     FAIL() << "expected an error";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("w.exp_avg_sq_row"), std::string::npos) << e.what();
+  }
+}
+
+// The fused path (contiguous factored tensors without beta1) against the op
+// chain, which a non-contiguous view of the same values takes: fp32 weights
+// agree to rounding; bf16 weights with stochastic rounding (same keys) agree
+// to one bf16 ulp; and the fused result does not depend on the thread count.
+TEST(Adafactor, FusedFactoredPathMatchesOpChain) {
+  torch::manual_seed(51);
+  const int64_t n = 70, m = 300;  // 21000 elements: several row chunks
+  auto x0 = torch::randn({n, m});
+  std::vector<at::Tensor> grads;
+  for (int s = 0; s < 3; ++s) grads.push_back(torch::randn({n, m}) * (s + 1) * 1e-2);
+  for (bool scale_parameter : {false, true}) {
+    for (auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+      auto run = [&](bool contiguous, int threads) {
+        const int before = at::get_num_threads();
+        at::set_num_threads(threads);
+        at::Tensor p = contiguous ? x0.to(dtype).clone() : x0.t().contiguous().to(dtype).t();
+        p.requires_grad_(true);
+        EXPECT_EQ(p.is_contiguous(), contiguous);
+        OptimizerOptions o;
+        o.seed = 8;
+        AdafactorOptions a = kohya_options();
+        a.scale_parameter = scale_parameter;
+        Adafactor opt({{"w", p, 0.1}}, a, o);
+        for (const auto& g : grads) {
+          p.mutable_grad() = g.to(dtype);
+          opt.step(1e-2);
+        }
+        at::set_num_threads(before);
+        auto st = opt.state_tensors();
+        return std::make_pair(p.detach().to(torch::kFloat32).contiguous(),
+                              std::map<std::string, at::Tensor>(st.begin(), st.end()));
+      };
+      auto [fused, fused_state] = run(true, 1);
+      auto [chain, chain_state] = run(false, 1);
+      auto [fused2, fused2_state] = run(true, std::max(2, at::get_num_threads()));
+      const std::string what = std::string(c10::toString(dtype)) + (scale_parameter ? " scaled" : "");
+      EXPECT_TRUE(torch::equal(fused, fused2)) << what;
+      EXPECT_FALSE(torch::equal(fused, x0.to(dtype).to(torch::kFloat32))) << what;
+      for (const char* k : {"w.exp_avg_sq_row", "w.exp_avg_sq_col"}) {
+        EXPECT_TRUE(torch::allclose(fused_state.at(k), chain_state.at(k), 1e-5, 0)) << what << " " << k;
+      }
+      if (dtype == torch::kFloat32) {
+        EXPECT_TRUE(torch::allclose(fused, chain, 1e-6, 1e-7)) << what;
+      } else {
+        // one bf16 ulp: 2^-7 relative
+        EXPECT_TRUE(torch::allclose(fused, chain, 1.0 / 128, 0)) << what;
+        EXPECT_GT(torch::eq(fused, chain).to(torch::kFloat).mean().item<double>(), 0.99) << what;
+      }
+    }
   }
 }

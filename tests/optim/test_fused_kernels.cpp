@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
 
 #include <torch/torch.h>
 
@@ -13,6 +14,7 @@
 #include "shoestring/core/stochastic_rounding.h"
 #include "shoestring/optim/fused_kernels.h"
 #include "shoestring/optim/optimizer.h"
+#include "shoestring/optim/quantization.h"
 
 using namespace shoestring;
 
@@ -260,4 +262,139 @@ TEST(FusedLion, MatchesOpChainBitForBit) {
   auto m = torch::zeros({3}, torch::kHalf);
   EXPECT_FALSE(fused_lion_supported(p, p, m));
   EXPECT_THROW(fused_lion_step(p, p, m, s, {}), Error);
+}
+
+namespace {
+// Reference of fused_adamw8bit_step from the public pieces: dequantize_blockwise,
+// the per-element update of AdamW8bit written out in scalar fp32 (as
+// fused_kernels.h documents it), quantize_blockwise, then the parameter stored
+// as Optimizer::write_param would (elements whose update is skipped keep their
+// old bits).
+void reference_adamw8bit(at::Tensor& param, const at::Tensor& grad, at::Tensor& mq, at::Tensor& ma, at::Tensor& vq,
+                         at::Tensor& va, int64_t bs, const FusedAdamWScalars& s, const FusedRoundingKeys& k) {
+  torch::NoGradGuard no_grad;
+  const QuantizationMap& smap = signed_dynamic_map();
+  const QuantizationMap& umap = unsigned_dynamic_map();
+  at::Tensor m = dequantize_blockwise(mq, ma, smap, bs).view(-1);
+  at::Tensor v = dequantize_blockwise(vq, va, umap, bs).view(-1);
+  at::Tensor p = f32(param).contiguous().view(-1).clone();
+  at::Tensor g = f32(grad).contiguous().view(-1);
+  at::Tensor skipped = torch::zeros({p.numel()}, torch::kBool);
+  const double bc1 = 1.0 - std::pow(s.beta1, static_cast<double>(s.step));
+  const double bc2 = 1.0 - std::pow(s.beta2, static_cast<double>(s.step));
+  const auto gs = static_cast<float>(s.grad_scale), decay = static_cast<float>(1.0 - s.lr * s.weight_decay),
+             b1 = static_cast<float>(s.beta1), omb1 = static_cast<float>(1.0 - s.beta1),
+             b2 = static_cast<float>(s.beta2), omb2 = static_cast<float>(1.0 - s.beta2),
+             bc2_sqrt = static_cast<float>(std::sqrt(bc2)), eps = static_cast<float>(s.eps),
+             neg_step = -static_cast<float>(s.lr / bc1);
+  float* pp = p.data_ptr<float>();
+  float* mp = m.data_ptr<float>();
+  float* vp = v.data_ptr<float>();
+  const float* gp = g.data_ptr<float>();
+  bool* sk = skipped.data_ptr<bool>();
+  for (int64_t i = 0; i < p.numel(); ++i) {
+    volatile float gi = gp[i] * gs;  // volatile: no contraction into fmas
+    volatile float p1 = pp[i] * decay;
+    volatile float m1 = std::fma(static_cast<float>(gi), omb1, mp[i] * b1);
+    volatile float t = omb2 * gi;
+    volatile float t2 = t * gi;
+    volatile float vb = vp[i] * b2;
+    volatile float v1 = vb + t2;
+    volatile float denom = std::sqrt(static_cast<float>(v1)) / bc2_sqrt + eps;
+    volatile float num = neg_step * m1;
+    volatile float p2 = p1 + num / denom;
+    if (std::isfinite(static_cast<float>(gi)) && std::isfinite(static_cast<float>(m1)) &&
+        std::isfinite(static_cast<float>(v1)) && std::isfinite(static_cast<float>(p2))) {
+      pp[i] = p2;
+      mp[i] = m1;
+      vp[i] = v1;
+    } else {
+      sk[i] = true;
+    }
+  }
+  BlockwiseQuantized qm = quantize_blockwise(m, smap, bs);
+  BlockwiseQuantized qv = quantize_blockwise(v, umap, bs);
+  mq.view(-1).copy_(qm.codes);
+  ma.copy_(qm.absmax);
+  vq.view(-1).copy_(qv.codes);
+  va.copy_(qv.absmax);
+  at::Tensor old = param.clone();
+  at::Tensor updated = param.clone();
+  reference_store(updated, p.view(param.sizes()), k.param, k.stochastic_rounding);
+  param.copy_(torch::where(skipped.view(param.sizes()), old, updated));
+}
+}  // namespace
+
+// Every dtype variant, block sizes with and without a vector-width multiple,
+// a short last block, an all-zero block and non-finite gradient elements.
+// Both the AVX-512 kernel (where the CPU has it) and the portable one.
+TEST(FusedAdamW8bit, BitIdenticalToReference) {
+  torch::manual_seed(41);
+  for (int64_t bs : {256, 100, 256 + 1000}) {
+    fused_kernels_force_portable(bs == 100);
+    const int64_t n = 256 * 23 + 77;
+    const int64_t blocks = (n + bs - 1) / bs;
+    for (auto pdtype : {torch::kFloat32, torch::kBFloat16}) {
+      for (auto gdtype : {torch::kFloat32, torch::kBFloat16}) {
+        for (bool sr : {true, false}) {
+          if (pdtype == torch::kFloat32 && !sr) continue;
+          at::Tensor init = (torch::randn({n}) * 0.1).to(pdtype);
+          at::Tensor m0 = torch::randn({n}) * 1e-2 * torch::pow(10.0, torch::rand({n}) * -3.0);
+          at::Tensor v0 = torch::rand({n}) * 1e-4;
+          m0.narrow(0, bs, bs).zero_();  // the second block: all zero, gradient zero too
+          v0.narrow(0, bs, bs).zero_();
+          auto qm = quantize_blockwise(m0, signed_dynamic_map(), bs);
+          auto qv = quantize_blockwise(v0, unsigned_dynamic_map(), bs);
+          at::Tensor p_fused = init.clone(), p_ref = init.clone();
+          at::Tensor mq_f = qm.codes.clone(), ma_f = qm.absmax.clone(), vq_f = qv.codes.clone(),
+                     va_f = qv.absmax.clone();
+          at::Tensor mq_r = qm.codes.clone(), ma_r = qm.absmax.clone(), vq_r = qv.codes.clone(),
+                     va_r = qv.absmax.clone();
+          ASSERT_EQ(ma_f.numel(), blocks);
+          for (int64_t step = 1; step <= 2; ++step) {
+            at::Tensor g = torch::randn({n}) * 1e-2;
+            g.narrow(0, bs, bs).zero_();
+            g[5] = std::numeric_limits<float>::quiet_NaN();
+            g[n - 3] = std::numeric_limits<float>::infinity();
+            g[bs * 2 + 17] = -std::numeric_limits<float>::infinity();
+            g = g.to(gdtype);
+            FusedAdamWScalars s;
+            s.lr = 1e-2;
+            s.weight_decay = 0.1;
+            s.step = step;
+            s.grad_scale = 0.75;
+            FusedRoundingKeys k;
+            k.stochastic_rounding = sr;
+            k.param = {9, static_cast<uint64_t>(step), 32};
+            fused_adamw8bit_step(p_fused, g, mq_f, ma_f, vq_f, va_f, bs, s, k);
+            reference_adamw8bit(p_ref, g, mq_r, ma_r, vq_r, va_r, bs, s, k);
+            const std::string what = std::string("bs ") + std::to_string(bs) + " " + c10::toString(pdtype) + " " +
+                                     c10::toString(gdtype) + (sr ? " sr" : " rn") + " step " + std::to_string(step);
+            ASSERT_TRUE(torch::equal(p_fused, p_ref)) << what;
+            ASSERT_TRUE(torch::equal(mq_f, mq_r)) << what;
+            ASSERT_TRUE(torch::equal(ma_f, ma_r)) << what;
+            ASSERT_TRUE(torch::equal(vq_f, vq_r)) << what;
+            ASSERT_TRUE(torch::equal(va_f, va_r)) << what;
+          }
+          EXPECT_FALSE(torch::equal(p_fused, init));
+          EXPECT_TRUE(torch::equal(p_fused[5], init[5]));  // NaN gradient: untouched
+          EXPECT_EQ(ma_f[1].item<float>(), 0.0f);           // the all-zero block stays zero
+        }
+      }
+    }
+  }
+  fused_kernels_force_portable(false);
+}
+
+TEST(FusedAdamW8bit, RejectsWhatItCannotDo) {
+  at::Tensor p = torch::zeros({1000}), g = torch::zeros({1000});
+  at::Tensor mq = torch::zeros({1000}, torch::kByte), vq = torch::zeros({1000}, torch::kByte);
+  at::Tensor ma = torch::zeros({4}), va = torch::zeros({4});
+  EXPECT_TRUE(fused_adamw8bit_supported(p, g, mq, ma, vq, va, 256));
+  EXPECT_FALSE(fused_adamw8bit_supported(p, g, mq, ma, vq, va, 100));  // absmax needs 10 blocks
+  EXPECT_FALSE(fused_adamw8bit_supported(p.to(torch::kHalf), g, mq, ma, vq, va, 256));
+  EXPECT_FALSE(fused_adamw8bit_supported(p, g, mq.to(torch::kFloat), ma, vq, va, 256));
+  at::Tensor p16 = p.to(torch::kHalf);
+  EXPECT_THROW(fused_adamw8bit_step(p16, g, mq, ma, vq, va, 256, {}, {}), Error);
+  EXPECT_THROW(fused_adamw8bit_step(p, g, mq, ma, vq, va, 0, {}, {}), Error);
 }

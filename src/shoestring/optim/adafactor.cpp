@@ -9,6 +9,7 @@
 
 #include "shoestring/core/error.h"
 #include "shoestring/core/memory_ledger.h"
+#include "shoestring/optim/fused_kernels.h"
 
 namespace shoestring {
 namespace {
@@ -91,10 +92,42 @@ void Adafactor::update(size_t index, const at::Tensor& grad_in, double lr, int64
     return t;
   };
 
-  at::Tensor grad = as_fp32(grad_in);
-  at::Tensor p = as_fp32(live);  // fp32 weights: updated in place at the end
   const double t = static_cast<double>(step);
   const double beta2t = 1.0 - std::pow(t, adafactor_.decay_rate);
+  const double wd = params_[index].weight_decay;
+
+  // Fast path for factored tensors without a first moment (kohya's usual
+  // setting): three passes over the gradient and one over the weights
+  // (optim/fused_kernels.h) instead of the op chain's dozen, with no
+  // full-size temporary. Same formulas; sums are accumulated in double, so
+  // results match the op chain to rounding, not bit for bit.
+  auto fusable = [](const at::Tensor& x) {
+    return x.device().is_cpu() && x.layout() == at::kStrided && x.is_contiguous() &&
+           (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16);
+  };
+  if (factored && !first_moment && fusable(live) && fusable(grad_in)) {
+    const int64_t n = fshape[0], m = fshape[1];
+    at::Tensor& row = ensure("exp_avg_sq_row", {n}, torch::kFloat32);
+    at::Tensor& col = ensure("exp_avg_sq_col", {m}, torch::kFloat32);
+    if (row.scalar_type() != torch::kFloat32 || col.scalar_type() != torch::kFloat32 || !row.is_contiguous() ||
+        !col.is_contiguous()) {
+      fail("Adafactor: state '{}.exp_avg_sq_row' / '.exp_avg_sq_col' must be contiguous float32", pname);
+    }
+    FusedAdafactorScalars s;
+    s.beta2t = beta2t;
+    s.eps1 = adafactor_.eps1;
+    s.clip_threshold = adafactor_.clip_threshold;
+    s.step_size = step_size(step, lr, adafactor_.scale_parameter ? rms(as_fp32(live)) : 0.0);
+    s.weight_decay = wd;
+    FusedRoundingKeys keys;
+    keys.stochastic_rounding = options_.stochastic_rounding;
+    keys.param = {options_.seed, static_cast<uint64_t>(step), static_cast<uint64_t>(index) * 16};
+    fused_adafactor_factored_step(live, grad_in, row, col, n, m, s, keys);
+    return;
+  }
+
+  at::Tensor grad = as_fp32(grad_in);
+  at::Tensor p = as_fp32(live);  // fp32 weights: updated in place at the end
   const double a_t = step_size(step, lr, adafactor_.scale_parameter ? rms(p) : 0.0);
 
   at::Tensor u;  // the update direction U (fp32, parameter shape)
@@ -134,7 +167,6 @@ void Adafactor::update(size_t index, const at::Tensor& grad_in, double lr, int64
     write_state(index, m_stored, m, step, kSlotAvg);
     u = m;
   }
-  const double wd = params_[index].weight_decay;
   if (wd != 0) p.add_(p, -wd * a_t);
   p.sub_(u);
   write_param(index, p, step);

@@ -24,7 +24,10 @@
 // Layout: the inner loops are branch-free loops over contiguous arrays,
 // compiled at -O3 with fp contraction off, and on GCC/x86-64 also for
 // x86-64-v3 (AVX2 + FMA) and x86-64-v4 (AVX-512), picked at load time
-// (target_clones, as core/stochastic_rounding.cpp).
+// (target_clones, as core/stochastic_rounding.cpp). The AdamW8bit kernel,
+// whose table look-ups GCC does not vectorize, also has an AVX-512 variant
+// written with intrinsics (permutes and gathers), picked at run time when the CPU has
+// AVX-512 F/BW/DQ/VL; both variants give the same bits.
 #pragma once
 #include <cstdint>
 
@@ -105,5 +108,81 @@ bool fused_lion_supported(const at::Tensor& param, const at::Tensor& grad, const
 /// version-counter and error behaviour as fused_adamw_step.
 void fused_lion_step(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_avg,
                      const FusedLionScalars& scalars, const FusedRoundingKeys& keys);
+
+/// True when fused_adamw8bit_step can run: param and grad defined, CPU,
+/// contiguous, same numel, each float32 or bfloat16; exp_avg_q and
+/// exp_avg_sq_q contiguous CPU uint8 of that numel; the absmax tensors
+/// contiguous CPU float32 of ceil(numel / block_size) elements; block_size
+/// >= 1. (fp16 parameters or gradients take AdamW8bit's generic path.)
+bool fused_adamw8bit_supported(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg_q,
+                               const at::Tensor& exp_avg_absmax, const at::Tensor& exp_avg_sq_q,
+                               const at::Tensor& exp_avg_sq_absmax, int64_t block_size);
+
+/// One 8-bit AdamW step (optim/adamw8bit.h: Dettmers et al. 2021, arXiv
+/// 2110.02861, bitsandbytes' block-wise AdamW8bit) in one pass over memory,
+/// in place on param and the four state tensors. The moments are stored as
+/// codes of the signed (exp_avg) and unsigned (exp_avg_sq) dynamic maps of
+/// optim/quantization.h times a per-block absmax (blocks of block_size
+/// elements over the flattened tensor, the last one possibly short). Per
+/// block: decode m and v (map value * absmax), then per element in fp32
+///   g  = grad * grad_scale
+///   p1 = p * (1 - lr wd)
+///   m1 = fma(g, 1 - b1, m * b1)
+///   v1 = v * b2 + ((1 - b2) g) g            (two roundings, no fma)
+///   p2 = p1 + ((-lr / (1 - b1^t)) m1) / (sqrt(v1) / sqrt(1 - b2^t) + eps)
+/// (constants rounded to fp32 once); when g, m1, v1 or p2 is not finite the
+/// element keeps its parameter bits and its decoded m and v. p2 is stored as
+/// fused_adamw_step stores a parameter (keys.param, keys.stochastic_rounding;
+/// keys.state1/state2 are unused: codes are not randomly rounded). Then each
+/// block's new absmax is max |m| (resp. |v|) and every code is the map value
+/// nearest to m / absmax (m * (1 / absmax), as quantize_block). The result is
+/// the same, bit for bit, as AdamW8bit's generic per-element path. Blocks run
+/// in at::parallel_for; results do not depend on the thread count. On CPUs
+/// with AVX-512 (F, BW, DQ, VL) 16 elements are processed at a time (register
+/// permutes to decode, a gather from QuantizationMap::fast_table() to encode).
+/// Throws shoestring::Error when !fused_adamw8bit_supported(...) or step < 1.
+void fused_adamw8bit_step(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_avg_q,
+                          at::Tensor& exp_avg_absmax, at::Tensor& exp_avg_sq_q, at::Tensor& exp_avg_sq_absmax,
+                          int64_t block_size, const FusedAdamWScalars& scalars, const FusedRoundingKeys& keys);
+
+/// Scalars of one factored Adafactor step (optim/adafactor.h).
+struct FusedAdafactorScalars {
+  double beta2t = 0.0;          ///< second-moment decay of this step, 1 - t^decay_rate
+  double eps1 = 1e-30;          ///< added to g^2
+  double clip_threshold = 1.0;  ///< d: U <- U / max(1, RMS(U) / d)
+  double step_size = 1e-3;      ///< a_t
+  double weight_decay = 0.0;    ///< decoupled: p <- p - wd a_t p
+};
+
+/// One Adafactor step (Shazeer & Stern 2018, arXiv 1804.04235; semantics of
+/// optim/adafactor.h, i.e. transformers' Adafactor) for a factored tensor
+/// without first moment, with the gradient viewed as the row-major matrix
+/// g [n, m], in three passes over g and one over the weights, with no
+/// full-size temporary and no per-tensor libtorch op:
+///  1. row_sum[i] = sum_j (g_ij^2 + eps1), col_sum[j] = sum_i (...), each
+///     term rounded to fp32 as grad.square().add_(eps1), summed in fp32 lanes
+///     of at most 64 terms flushed into double;
+///     R <- fma(row_sum / m, 1 - beta2t, R beta2t), C likewise (fp32, the
+///     fused multiply-add of libtorch's add_(x, alpha));
+///     r_i = 1 / sqrt(R_i / mean(R)), c_j = 1 / sqrt(C_j) (fp32; mean in double);
+///  2. S = sum ((r_i c_j) g_ij)^2 (as pass 1), clip = max(1, sqrt(S / nm) / d);
+///  3. u = (((r_i c_j) g_ij) / clip) a_t; p <- (wd ? fma(p, -wd a_t, p) : p) - u,
+///     stored fp32, or bf16 by stochastic rounding with keys.param (round to
+///     nearest when !keys.stochastic_rounding).
+/// The sums are more accurate than libtorch's fp32 means, so results match
+/// the op chain to rounding, not bit for bit. param, grad: float32 or
+/// bfloat16, contiguous CPU, n m elements; exp_avg_sq_row: float32 [n],
+/// exp_avg_sq_col: float32 [m], contiguous CPU (updated in place). Runs in
+/// at::parallel_for over fixed row chunks: results do not depend on the
+/// thread count. Throws shoestring::Error naming the tensor that is not as
+/// described.
+void fused_adafactor_factored_step(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_avg_sq_row,
+                                   at::Tensor& exp_avg_sq_col, int64_t n, int64_t m,
+                                   const FusedAdafactorScalars& scalars, const FusedRoundingKeys& keys);
+
+/// For tests: true makes the kernels that have a hand-vectorized (AVX-512)
+/// variant use their portable variant instead (same results); false (the
+/// default) picks the best the CPU supports. Process-wide.
+void fused_kernels_force_portable(bool portable);
 
 }  // namespace shoestring
