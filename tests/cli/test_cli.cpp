@@ -118,6 +118,35 @@ TEST(Cli, BadInputsGiveClearErrors) {
   EXPECT_EQ(no_resume.code, 1);
   EXPECT_NE(no_resume.output.find("/nonexistent_run_dir"), std::string::npos) << no_resume.output;
 
+  // A directory given as the config, and --set before the positional CONFIG.
+  fs::path dir_cfg = temp_path("dir") + ".toml";
+  fs::create_directories(dir_cfg);
+  Result dir = run("train " + dir_cfg.string());
+  EXPECT_EQ(dir.code, 1);
+  EXPECT_NE(dir.output.find("is a directory"), std::string::npos) << dir.output;
+  fs::remove(dir_cfg);
+  Result set_first = run("train --set seed=1 " + bad_cfg);
+  EXPECT_NE(set_first.output.find("learning_rate"), std::string::npos) << set_first.output;  // CONFIG was parsed
+
+  // An existing folder that holds someone's files is not a run to overwrite.
+  fs::path mine = temp_path("mine");
+  fs::create_directories(mine);
+  std::ofstream(mine / "metrics.jsonl") << "{\"mine\":1}\n";
+  Result clobber = run("train " + cfg + " --output-dir " + mine.string());
+  EXPECT_EQ(clobber.code, 1);
+  EXPECT_NE(clobber.output.find("already holds a run"), std::string::npos) << clobber.output;
+  fs::remove_all(mine);
+
+  // A failed run leaves no empty folder; sample refuses a missing output folder before working.
+  std::string empty_out = temp_path("never");
+  Result nodata = run("train " + cfg + " --set train_data_dir=/nonexistent --output-dir " + empty_out);
+  EXPECT_EQ(nodata.code, 1);
+  EXPECT_FALSE(fs::exists(empty_out));
+  Result noout = run("sample " + junk + " --prompt x --out /nonexistent_dir/x.png");
+  EXPECT_EQ(noout.code, 1);
+  EXPECT_NE(noout.output.find("/nonexistent_dir"), std::string::npos) << noout.output;
+  EXPECT_EQ(noout.output.find(".tmp."), std::string::npos) << noout.output;
+
   Result usage = run("train " + cfg + " --max-steps -3");
   EXPECT_NE(usage.code, 0);
   Result nothing = run("");

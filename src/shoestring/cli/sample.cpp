@@ -1,4 +1,6 @@
 // `shoestring sample CHECKPOINT --prompt TEXT [--prompt TEXT]... [--steps N] [--cfg X] [--seed S] --out FILE.png`
+#include <filesystem>
+
 #include <CLI/CLI.hpp>
 #include <spdlog/spdlog.h>
 #include <torch/torch.h>
@@ -42,13 +44,21 @@ void register_sample(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand("sample", "generate images from a trained checkpoint");
   cmd->add_option("checkpoint", args->checkpoint, "model .safetensors written by shoestring train")
       ->required();
-  cmd->add_option("--prompt", args->prompts, "prompt (repeatable; one grid row each)")->required();
+  cmd->add_option("--prompt", args->prompts, "prompt (repeatable; one grid row each)")
+      ->required()
+      ->allow_extra_args(false);
   cmd->add_option("--steps", args->steps, "Euler steps")->check(CLI::Range(1, 1000));
   cmd->add_option("--cfg", args->cfg, "classifier-free guidance scale (1 = off)")->check(CLI::Range(0.0, 100.0));
-  cmd->add_option("--seed", args->seed, "first seed; columns use seed, seed+1, ...")->check(CLI::NonNegativeNumber);
+  cmd->add_option("--seed", args->seed, "first seed; columns use seed, seed+1, ...")->check(CLI::Range(int64_t{0}, int64_t{1} << 62));
   cmd->add_option("--count", args->count, "images per prompt (grid columns)")->check(CLI::Range(1, 64));
   cmd->add_option("--out", args->out, "output PNG")->required();
   cmd->callback([args] {
+    namespace fs = std::filesystem;
+    fs::path out(args->out);
+    fs::path parent = out.parent_path().empty() ? fs::path(".") : out.parent_path();
+    if (!fs::is_directory(parent)) fail("--out '{}': folder '{}' does not exist", args->out, parent.string());
+    if (fs::is_directory(out)) fail("--out '{}' is a directory, expected a .png file path", args->out);
+    if (out.extension() != ".png") fail("--out '{}': the output is a PNG; use a .png file name", args->out);
     configure_threads(0);
     auto file = SafetensorsFile::open(args->checkpoint);
     auto options = DiffusionModelOptions::from_json(metadata_json(file, "model_config"));

@@ -23,9 +23,10 @@ void register_train(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand("train", "train a model (or resume a run)");
   cmd->add_option("config", args->config,
                   "run config (TOML); optional with --resume, which reads RUN_DIR/config.toml");
-  cmd->add_option("--set", args->sets, "override a config key: --set learning_rate=2e-4 (repeatable)");
+  cmd->add_option("--set", args->sets, "override a config key: --set learning_rate=2e-4 (repeatable)")
+      ->allow_extra_args(false);
   cmd->add_option("--max-steps", args->max_steps, "override max_train_steps (cumulative across resumes)")
-      ->check(CLI::PositiveNumber);
+      ->check(CLI::Range(int64_t{1}, int64_t{1000000000000}));
   cmd->add_option("--output-dir", args->output_dir, "override output_dir (the run folder)");
   cmd->add_option("--resume", args->resume, "continue the run in RUN_DIR from its latest checkpoint");
   cmd->callback([args] {
@@ -41,9 +42,13 @@ void register_train(CLI::App& app) {
     } else if (config_path.empty()) {
       fail("train: a CONFIG file is required (or --resume RUN_DIR)");
     }
-    if (!fs::exists(config_path)) fail("config file '{}' does not exist", config_path);
-    if (!args->output_dir.empty()) sets.push_back("output_dir=\"" + args->output_dir + "\"");
+    if (!fs::exists(config_path)) {
+      if (!args->resume.empty()) fail("--resume '{}': not a run folder (it has no config.toml)", args->resume);
+      fail("config file '{}' does not exist", config_path);
+    }
+    if (fs::is_directory(config_path)) fail("config '{}' is a directory, expected a TOML file", config_path);
     TrainConfig config = load_config(config_path, sets);
+    if (!args->output_dir.empty()) config.output_dir = args->output_dir;  // a path, used as given
     train(config, options);
   });
 }

@@ -50,7 +50,8 @@ at::Tensor decode_image(std::string_view bytes, const std::string& name, int res
       &stbi_image_free);
   if (!rgba) {
     const char* reason = stbi_failure_reason();
-    fail("cannot decode image {}: {}", name, reason ? reason : "unknown stb_image error");
+    fail("cannot decode image {}: {}", name,
+         (reason && *reason) ? reason : "corrupt, truncated or unsupported image data");
   }
   // Centre crop to a square, compositing alpha over white on the way.
   const int side = std::min(w, h);

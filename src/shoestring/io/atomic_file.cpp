@@ -82,6 +82,7 @@ void ensure_writable_dir(const std::string& dir) {
 }
 
 std::string read_file(const std::string& path) {
+  if (fs::is_directory(path)) fail("'{}' is a directory, expected a file", path);
   std::ifstream in(path, std::ios::binary);
   if (!in) fail("cannot open '{}': {}", path, std::strerror(errno));
   std::ostringstream ss;

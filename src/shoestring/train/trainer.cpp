@@ -226,12 +226,27 @@ TrainSummary train(const TrainConfig& cfg, const TrainRunOptions& options) {
   run.config = cfg;
   run.run_dir = options.resume_dir.value_or(expand_path(cfg.output_dir));
   const TrainConfig& c = run.config;
+  const bool created_dir = !fs::exists(run.run_dir);
   ensure_writable_dir(run.run_dir);
-  if (!options.resume_dir && fs::exists(fs::path(run.run_dir) / "checkpoints" / "latest.json")) {
-    fail("output_dir '{}' already holds a run with checkpoints; use --resume {} to continue it, or "
-         "choose another --output-dir",
-         run.run_dir, run.run_dir);
+  if (!options.resume_dir) {
+    for (const char* marker : {"checkpoints/latest.json", "metrics.jsonl", "config.toml"}) {
+      if (fs::exists(fs::path(run.run_dir) / marker)) {
+        if (created_dir) break;
+        fail("output_dir '{}' already holds a run ({} exists); use --resume {} to continue it, or choose "
+             "another --output-dir",
+             run.run_dir, marker, run.run_dir);
+      }
+    }
   }
+  // A run that fails before its first file is written leaves no empty folder behind.
+  struct RemoveIfEmpty {
+    std::string dir;
+    bool armed;
+    ~RemoveIfEmpty() {
+      std::error_code ec;
+      if (armed && fs::is_empty(dir, ec)) fs::remove(dir, ec);
+    }
+  } cleanup{run.run_dir, created_dir};
   std::string resume_from;
   if (options.resume_dir) resume_from = latest_checkpoint_dir(run.run_dir);
 
@@ -293,6 +308,11 @@ TrainSummary train(const TrainConfig& cfg, const TrainRunOptions& options) {
   int64_t start_step = 0;
   if (!resume_from.empty()) {
     start_step = load_checkpoint(run, resume_from);
+    if (start_step >= c.max_train_steps) {
+      fail("run '{}' is already at step {} >= max_train_steps {}; pass --max-steps N with N > {} to "
+           "train further",
+           run.run_dir, start_step, c.max_train_steps, start_step);
+    }
     truncate_metrics(metrics_path, start_step);
     if (!options.quiet) spdlog::info("resumed from {} at step {}", resume_from, start_step);
   } else {
@@ -301,11 +321,6 @@ TrainSummary train(const TrainConfig& cfg, const TrainRunOptions& options) {
   // The run folder always records the config that is running (a resume may
   // have raised max_train_steps).
   write_bytes_atomic((fs::path(run.run_dir) / "config.toml").string(), to_toml(c));
-  if (start_step >= c.max_train_steps) {
-    fail("run '{}' is already at step {} >= max_train_steps {}; pass --max-steps N with N > {} to "
-         "train further",
-         run.run_dir, start_step, c.max_train_steps, start_step);
-  }
   if (!options.quiet) {
     spdlog::info("model: {:.2f}M trainable parameters, weights {}, {}, {} threads; optimizer {}{}", n_params / 1e6,
                  c.full_bf16 ? (c.stochastic_rounding ? "bf16 (stochastic rounding)" : "bf16 (round-to-nearest)")
