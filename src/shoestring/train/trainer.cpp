@@ -228,10 +228,9 @@ TrainSummary train(const TrainConfig& cfg, const TrainRunOptions& options) {
   const TrainConfig& c = run.config;
   const bool created_dir = !fs::exists(run.run_dir);
   ensure_writable_dir(run.run_dir);
-  if (!options.resume_dir) {
+  if (!options.resume_dir && !created_dir) {
     for (const char* marker : {"checkpoints/latest.json", "metrics.jsonl", "config.toml"}) {
       if (fs::exists(fs::path(run.run_dir) / marker)) {
-        if (created_dir) break;
         fail("output_dir '{}' already holds a run ({} exists); use --resume {} to continue it, or choose "
              "another --output-dir",
              run.run_dir, marker, run.run_dir);
