@@ -121,7 +121,7 @@ void Adafactor::update(size_t index, const at::Tensor& grad_in, double lr, int64
     s.weight_decay = wd;
     FusedRoundingKeys keys;
     keys.stochastic_rounding = options_.stochastic_rounding;
-    keys.param = {options_.seed, static_cast<uint64_t>(step), static_cast<uint64_t>(index) * 16};
+    keys.param = rounding_key(index, step);
     fused_adafactor_factored_step(live, grad_in, row, col, n, m, s, keys);
     return;
   }

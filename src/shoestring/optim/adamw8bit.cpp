@@ -252,7 +252,7 @@ void AdamW8bit::update(size_t index, const at::Tensor& grad_in, double lr, int64
     s.step = step;
     FusedRoundingKeys keys;
     keys.stochastic_rounding = options_.stochastic_rounding;
-    keys.param = {options_.seed, static_cast<uint64_t>(step), static_cast<uint64_t>(index) * 16};
+    keys.param = rounding_key(index, step);
     fused_adamw8bit_step(live, grad_in, state(index, "exp_avg_q"), state(index, "exp_avg_absmax"),
                          state(index, "exp_avg_sq_q"), state(index, "exp_avg_sq_absmax"), bs, s, keys);
     return;
@@ -271,8 +271,9 @@ void AdamW8bit::update(size_t index, const at::Tensor& grad_in, double lr, int64
   w.s.step_size = static_cast<float>(lr / bias_correction1);
   w.s.eps = static_cast<float>(a.eps);
   w.sr = options_.stochastic_rounding && pdtype != at::kFloat;
-  // Same stream as Optimizer::write_param: RoundingKey{seed, step, index * 16}.
-  w.rng_key = counter_rng_key(options_.seed, static_cast<uint64_t>(step), static_cast<uint64_t>(index) * 16);
+  // Same stream as Optimizer::write_param.
+  const RoundingKey rk = rounding_key(index, step);
+  w.rng_key = counter_rng_key(rk.seed, rk.step, rk.tensor_id);
   if (eight_bit) {
     w.mq = state(index, "exp_avg_q").data_ptr<uint8_t>();
     w.m_absmax = state(index, "exp_avg_absmax").data_ptr<float>();

@@ -38,9 +38,8 @@ void Lion::update(size_t index, const at::Tensor& grad_in, double lr, int64_t st
     s.weight_decay = wd;
     FusedRoundingKeys keys;
     keys.stochastic_rounding = options_.stochastic_rounding;
-    const uint64_t id = static_cast<uint64_t>(index) * 16;
-    keys.param = {options_.seed, static_cast<uint64_t>(step), id};
-    keys.state1 = {options_.seed, static_cast<uint64_t>(step), id + 1};
+    keys.param = rounding_key(index, step);
+    keys.state1 = rounding_key(index, step, 1);
     fused_lion_step(live, grad_in, m_stored, s, keys);
     return;
   }

@@ -37,7 +37,7 @@ void Optimizer::write_param(size_t index, const at::Tensor& value, int64_t step)
   }
   if (options_.stochastic_rounding &&
       (p.scalar_type() == torch::kBFloat16 || p.scalar_type() == torch::kFloat16)) {
-    RoundingKey key{options_.seed, static_cast<uint64_t>(step), static_cast<uint64_t>(index) * 16};
+    RoundingKey key = rounding_key(index, step);
     at::Tensor src = value.contiguous();
     if (p.is_contiguous()) {
       stochastic_round_into(src, p, key);
@@ -54,8 +54,7 @@ void Optimizer::write_state(size_t index, at::Tensor& dst, const at::Tensor& val
     if (!value.is_same(dst)) dst.copy_(value);
     return;
   }
-  // Parameter rounding uses tensor id = index * 16; state slots 1..15 follow it.
-  RoundingKey key{options_.seed, static_cast<uint64_t>(step), static_cast<uint64_t>(index) * 16 + slot};
+  RoundingKey key = rounding_key(index, step, slot);
   stochastic_round_into(value.contiguous(), dst, key);
 }
 
@@ -134,10 +133,9 @@ void AdamW::update(size_t index, const at::Tensor& grad_in, double lr, int64_t s
     s.step = step;
     FusedRoundingKeys keys;
     keys.stochastic_rounding = options_.stochastic_rounding;
-    const uint64_t id = static_cast<uint64_t>(index) * 16;
-    keys.param = {options_.seed, static_cast<uint64_t>(step), id};
-    keys.state1 = {options_.seed, static_cast<uint64_t>(step), id + 1};
-    keys.state2 = {options_.seed, static_cast<uint64_t>(step), id + 2};
+    keys.param = rounding_key(index, step);
+    keys.state1 = rounding_key(index, step, 1);
+    keys.state2 = rounding_key(index, step, 2);
     fused_adamw_step(live, grad_in, m_stored, v_stored, s, keys);
     return;
   }

@@ -18,6 +18,8 @@
 
 #include <ATen/ATen.h>
 
+#include "shoestring/core/stochastic_rounding.h"
+
 namespace shoestring {
 
 /// One trainable parameter as the optimizer sees it.
@@ -72,6 +74,13 @@ class Optimizer {
   /// stochastic rounding keyed by (seed, step, parameter index, slot), where
   /// `slot` tells apart the state tensors of one parameter, 1..15).
   void write_state(size_t index, at::Tensor& dst, const at::Tensor& value, int64_t step, int slot);
+  /// The stochastic-rounding key of parameter `index` at `step`: slot 0 is
+  /// the weight, slots 1..15 its state tensors (tensor id = index * 16 + slot).
+  /// Every optimizer and fused kernel rounds with these keys, so all paths
+  /// give the same bits and a resumed run rounds like the uninterrupted one.
+  RoundingKey rounding_key(size_t index, int64_t step, int slot = 0) const {
+    return {options_.seed, static_cast<uint64_t>(step), static_cast<uint64_t>(index) * 16 + static_cast<uint64_t>(slot)};
+  }
   /// State tensor `name` of parameter `index` (undefined until assigned).
   /// State names contain no '.', so checkpoint keys "<param>.<state>" split unambiguously.
   at::Tensor& state(size_t index, const std::string& name);
