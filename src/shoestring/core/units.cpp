@@ -29,4 +29,10 @@ std::string format_bytes(int64_t bytes) {
   return fmt::format("{}{:.{}f} {}", sign, value, decimals, kUnits[unit]);
 }
 
+std::string format_shape(c10::IntArrayRef shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
 }  // namespace shoestring

@@ -2,6 +2,9 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <vector>
+
+#include <c10/util/ArrayRef.h>
 
 namespace shoestring {
 
@@ -11,5 +14,8 @@ namespace shoestring {
 /// Negative counts (deltas) keep their sign: -1536 -> "-1.50 KiB".
 /// Values that would print as "1024" after rounding move to the next unit.
 std::string format_bytes(int64_t bytes);
+
+/// Formats a tensor shape for messages: {2, 3, 64} -> "[2, 3, 64]", {} -> "[]".
+std::string format_shape(c10::IntArrayRef shape);
 
 }  // namespace shoestring

@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include "shoestring/core/error.h"
+#include "shoestring/core/units.h"
 #include "shoestring/core/torch_compat.h"
 #include "shoestring/io/atomic_file.h"
 
@@ -54,9 +55,6 @@ const DtypeRow& row(StDtype d) {
   throw Error(fmt::format("invalid StDtype value {}", static_cast<int>(d)));
 }
 
-std::string shape_str(const std::vector<int64_t>& shape) {
-  return fmt::format("[{}]", fmt::join(shape, ", "));
-}
 
 /// numel of `shape`, or nullopt on int64 overflow.
 std::optional<int64_t> checked_numel(const std::vector<int64_t>& shape) {
@@ -333,12 +331,12 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
     auto numel = checked_numel(info.shape);
     int64_t need = 0;
     if (!numel || __builtin_mul_overflow(*numel, element_size(info.dtype), &need)) {
-      fail("{}: shape {} is too large", ctx, shape_str(info.shape));
+      fail("{}: shape {} is too large", ctx, format_shape(info.shape));
     }
     if (info.end - info.begin != static_cast<uint64_t>(need)) {
       fail("{}: data_offsets [{}, {}] hold {} bytes but shape {} of {} needs {} bytes "
            "(byte size does not match shape and dtype)",
-           ctx, info.begin, info.end, info.end - info.begin, shape_str(info.shape),
+           ctx, info.begin, info.end, info.end - info.begin, format_shape(info.shape),
            to_string(info.dtype), need);
     }
     st->tensors.push_back(std::move(info));

@@ -6,6 +6,7 @@
 #include <torch/torch.h>
 
 #include "shoestring/core/error.h"
+#include "shoestring/core/units.h"
 
 namespace shoestring::nn {
 namespace {
@@ -20,11 +21,6 @@ double lowest_finite(at::ScalarType t) {
   }
 }
 
-std::string shape_str(const torch::Tensor& t) {
-  std::string s;
-  for (int64_t i = 0; i < t.dim(); ++i) s += (i ? ", " : "") + std::to_string(t.size(i));
-  return s;
-}
 
 }  // namespace
 
@@ -53,18 +49,18 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
                                      const torch::Tensor& key_mask) {
   const auto& o = options_;
   if (x.dim() != 3 || x.size(2) != o.query_dim()) {
-    fail("Attention: input x must be [B, L, {}], got [{}]", o.query_dim(), shape_str(x));
+    fail("Attention: input x must be [B, L, {}], got {}", o.query_dim(), format_shape(x.sizes()));
   }
   const torch::Tensor& kv_in = context.defined() ? context : x;
   const int64_t B = x.size(0), Lq = x.size(1), Lk = kv_in.size(1);
   if (kv_in.dim() != 3 || kv_in.size(0) != B || kv_in.size(2) != o.context_dim()) {
-    fail("Attention: context must be [{}, Lk, {}], got [{}]", B, o.context_dim(), shape_str(kv_in));
+    fail("Attention: context must be [{}, Lk, {}], got {}", B, o.context_dim(), format_shape(kv_in.sizes()));
   }
   if (key_mask.defined() &&
       (key_mask.dim() != 2 || key_mask.size(0) != B || key_mask.size(1) != Lk ||
        key_mask.scalar_type() != torch::kBool)) {
-    fail("Attention: key_mask must be bool [{}, {}], got {} [{}]", B, Lk,
-         c10::toString(key_mask.scalar_type()), shape_str(key_mask));
+    fail("Attention: key_mask must be bool [{}, {}], got {} {}", B, Lk,
+         c10::toString(key_mask.scalar_type()), format_shape(key_mask.sizes()));
   }
   const int64_t H = o.heads(), Hkv = o.num_kv_heads(), G = H / Hkv, d = o.head_dim();
 

@@ -8,6 +8,7 @@
 #include <torch/torch.h>
 
 #include "shoestring/core/error.h"
+#include "shoestring/core/units.h"
 #include "shoestring/core/memory_ledger.h"
 #include "shoestring/optim/fused_kernels.h"
 
@@ -27,11 +28,6 @@ double rms(const at::Tensor& t) {
   return t.norm().item<double>() / std::sqrt(static_cast<double>(t.numel()));
 }
 
-std::string shape_str(at::IntArrayRef shape) {
-  std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + "]";
-}
 
 }  // namespace
 
@@ -72,7 +68,7 @@ void Adafactor::update(size_t index, const at::Tensor& grad_in, double lr, int64
   at::Tensor& live = params_[index].param;
   const std::string& pname = params_[index].name;
   if (!grad_in.sizes().equals(live.sizes())) {
-    fail("Adafactor: gradient of '{}' has shape {}, expected {}", pname, shape_str(grad_in.sizes()), shape_str(live.sizes()));
+    fail("Adafactor: gradient of '{}' has shape {}, expected {}", pname, format_shape(grad_in.sizes()), format_shape(live.sizes()));
   }
   if (live.numel() == 0) return;
   if (step < 1) fail("Adafactor: step must be >= 1 (got {})", step);
@@ -87,7 +83,7 @@ void Adafactor::update(size_t index, const at::Tensor& grad_in, double lr, int64
       ScopedMemoryCategory category(MemoryCategory::optimizer_state);
       t = torch::zeros(shape, live.options().dtype(dtype));
     } else if (!t.sizes().equals(shape)) {
-      fail("Adafactor: state '{}.{}' has shape {}, expected {}", pname, name, shape_str(t.sizes()), shape_str(shape));
+      fail("Adafactor: state '{}.{}' has shape {}, expected {}", pname, name, format_shape(t.sizes()), format_shape(shape));
     }
     return t;
   };

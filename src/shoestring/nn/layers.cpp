@@ -1,0 +1,157 @@
+#include "shoestring/nn/layers.h"
+
+#include <cmath>
+
+#include <torch/torch.h>
+
+#include "shoestring/core/error.h"
+#include "shoestring/core/units.h"
+
+namespace shoestring::nn {
+namespace {
+
+// U(-bound, bound) in place unless the tensor lives on the meta device.
+torch::Tensor uniform_param(std::vector<int64_t> shape, double bound, const LayerInit& init) {
+  torch::Tensor t = torch::empty(shape, init.options);
+  if (!init.is_meta()) {
+    torch::NoGradGuard no_grad;
+    t.uniform_(-bound, bound);
+  }
+  return t;
+}
+
+torch::Tensor filled_param(int64_t n, double value, const LayerInit& init) {
+  torch::Tensor t = torch::empty({n}, init.options);
+  if (!init.is_meta()) {
+    torch::NoGradGuard no_grad;
+    t.fill_(value);
+  }
+  return t;
+}
+
+void require_positive(const char* what, int64_t v) {
+  if (v <= 0) fail("{} must be positive, got {}", what, v);
+}
+
+// Normalisation layers compute in fp32 for half types (as autocast does).
+torch::Tensor to_float_if_half(const torch::Tensor& x) {
+  return (x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kHalf) ? x.to(torch::kFloat32) : x;
+}
+
+}  // namespace
+
+LinearImpl::LinearImpl(int64_t in, int64_t out, bool with_bias, const LayerInit& init)
+    : in_features(in), out_features(out) {
+  require_positive("Linear in_features", in);
+  require_positive("Linear out_features", out);
+  const double bound = 1.0 / std::sqrt(static_cast<double>(in));
+  weight = register_parameter("weight", uniform_param({out, in}, bound, init));
+  if (with_bias) bias = register_parameter("bias", uniform_param({out}, bound, init));
+}
+
+torch::Tensor LinearImpl::forward(const torch::Tensor& x) {
+  if (x.dim() < 1 || x.size(-1) != in_features)
+    fail("Linear: expected input [..., {}], got {}", in_features, format_shape(x.sizes()));
+  return torch::linear(x, weight, bias);
+}
+
+Conv2dImpl::Conv2dImpl(int64_t in, int64_t out, int64_t k, int64_t s, int64_t p, bool with_bias,
+                       const LayerInit& init, int64_t g)
+    : in_channels(in), out_channels(out), kernel_size(k), stride(s), padding(p), groups(g) {
+  require_positive("Conv2d in_channels", in);
+  require_positive("Conv2d out_channels", out);
+  require_positive("Conv2d kernel_size", k);
+  require_positive("Conv2d stride", s);
+  require_positive("Conv2d groups", g);
+  if (p < 0) fail("Conv2d padding must be >= 0, got {}", p);
+  if (in % g != 0 || out % g != 0) fail("Conv2d: groups {} must divide in {} and out {}", g, in, out);
+  const double bound = 1.0 / std::sqrt(static_cast<double>(in / g * k * k));
+  weight = register_parameter("weight", uniform_param({out, in / g, k, k}, bound, init));
+  if (with_bias) bias = register_parameter("bias", uniform_param({out}, bound, init));
+}
+
+torch::Tensor Conv2dImpl::forward(const torch::Tensor& x) {
+  if (x.dim() != 4 || x.size(1) != in_channels)
+    fail("Conv2d: expected input [B, {}, H, W], got {}", in_channels, format_shape(x.sizes()));
+  return torch::conv2d(x, weight, bias, {stride, stride}, {padding, padding}, {1, 1}, groups);
+}
+
+GroupNormImpl::GroupNormImpl(int64_t g, int64_t c, double e, bool affine, const LayerInit& init)
+    : groups(g), channels(c), eps(e) {
+  require_positive("GroupNorm groups", g);
+  require_positive("GroupNorm channels", c);
+  if (c % g != 0) fail("GroupNorm: {} groups do not divide {} channels", g, c);
+  if (affine) {
+    weight = register_parameter("weight", filled_param(c, 1.0, init));
+    bias = register_parameter("bias", filled_param(c, 0.0, init));
+  }
+}
+
+torch::Tensor GroupNormImpl::forward(const torch::Tensor& x) {
+  if (x.dim() < 2 || x.size(1) != channels)
+    fail("GroupNorm: expected input [B, {}, ...], got {}", channels, format_shape(x.sizes()));
+  torch::Tensor xf = to_float_if_half(x);
+  torch::Tensor w = weight.defined() ? weight.to(xf.scalar_type()) : weight;
+  torch::Tensor b = bias.defined() ? bias.to(xf.scalar_type()) : bias;
+  return torch::group_norm(xf, groups, w, b, eps).to(x.scalar_type());
+}
+
+LayerNormImpl::LayerNormImpl(int64_t d, double e, bool affine, bool with_bias, const LayerInit& init)
+    : dim(d), eps(e) {
+  require_positive("LayerNorm dim", d);
+  if (affine) {
+    weight = register_parameter("weight", filled_param(d, 1.0, init));
+    if (with_bias) bias = register_parameter("bias", filled_param(d, 0.0, init));
+  }
+}
+
+torch::Tensor LayerNormImpl::forward(const torch::Tensor& x) {
+  if (x.dim() < 1 || x.size(-1) != dim)
+    fail("LayerNorm: expected input [..., {}], got {}", dim, format_shape(x.sizes()));
+  torch::Tensor xf = to_float_if_half(x);
+  torch::Tensor w = weight.defined() ? weight.to(xf.scalar_type()) : weight;
+  torch::Tensor b = bias.defined() ? bias.to(xf.scalar_type()) : bias;
+  return torch::layer_norm(xf, {dim}, w, b, eps).to(x.scalar_type());
+}
+
+RMSNormImpl::RMSNormImpl(int64_t d, double e, bool affine, const LayerInit& init) : dim(d), eps(e) {
+  require_positive("RMSNorm dim", d);
+  if (affine) weight = register_parameter("weight", filled_param(d, 1.0, init));
+}
+
+torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
+  if (x.dim() < 1 || x.size(-1) != dim)
+    fail("RMSNorm: expected input [..., {}], got {}", dim, format_shape(x.sizes()));
+  torch::Tensor xf = to_float_if_half(x);
+  torch::Tensor y = xf * torch::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps);
+  if (weight.defined()) y = y * weight.to(y.scalar_type());
+  return y.to(x.scalar_type());
+}
+
+EmbeddingImpl::EmbeddingImpl(int64_t n, int64_t d, const LayerInit& init) : num_embeddings(n), dim(d) {
+  require_positive("Embedding num_embeddings", n);
+  require_positive("Embedding dim", d);
+  torch::Tensor t = torch::empty({n, d}, init.options);
+  if (!init.is_meta()) {
+    torch::NoGradGuard no_grad;
+    t.normal_(0.0, 1.0);
+  }
+  weight = register_parameter("weight", t);
+}
+
+torch::Tensor EmbeddingImpl::forward(const torch::Tensor& ids) {
+  if (ids.scalar_type() != torch::kLong) fail("Embedding: ids must be int64, got {}", c10::toString(ids.scalar_type()));
+  if (ids.numel() > 0) {
+    const int64_t lo = ids.min().item<int64_t>(), hi = ids.max().item<int64_t>();
+    if (lo < 0 || hi >= num_embeddings) fail("Embedding: id out of range [0, {}): saw {}..{}", num_embeddings, lo, hi);
+  }
+  return torch::embedding(weight, ids);
+}
+
+int64_t parameter_count(const torch::nn::Module& module) {
+  int64_t n = 0;
+  for (const auto& p : module.parameters(/*recurse=*/true)) n += p.numel();
+  return n;
+}
+
+}  // namespace shoestring::nn

@@ -1,0 +1,113 @@
+// Basic layers that can be built on any device and dtype, including the meta
+// device: a model built with `LayerInit{torch::kMeta}` has every parameter's
+// name, shape and dtype but owns no storage, so SDXL-sized models can be
+// counted and planned without allocating gigabytes (libtorch's own
+// torch::nn::Linear / Conv2d always allocate on the CPU first).
+//
+// Parameter names and default initialisation follow PyTorch's torch.nn
+// layers (weight, bias; U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for Linear and
+// Conv2d, ones/zeros for norms), so checkpoints use the usual key names.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+#include <torch/types.h>
+
+namespace shoestring::nn {
+
+/// Where and how new parameters are created.
+struct LayerInit {
+  /// Device and dtype of new parameters. On the meta device no values are
+  /// written (parameters have shapes but no storage).
+  torch::TensorOptions options = torch::TensorOptions().dtype(torch::kFloat32);
+  LayerInit() = default;
+  /// Shorthand: `LayerInit{torch::kMeta}` builds on the meta device in fp32.
+  LayerInit(torch::Device device) : options(torch::TensorOptions().dtype(torch::kFloat32).device(device)) {}
+  LayerInit(torch::DeviceType type) : LayerInit(torch::Device(type)) {}
+  explicit LayerInit(torch::TensorOptions o) : options(o) {}
+  /// True when parameters are created without storage.
+  bool is_meta() const { return options.device().is_meta(); }
+};
+
+/// y = x W^T + b. weight: [out_features, in_features]; bias: [out_features].
+/// Throws shoestring::Error on non-positive sizes.
+class LinearImpl : public torch::nn::Module {
+ public:
+  LinearImpl(int64_t in_features, int64_t out_features, bool bias = true, const LayerInit& init = {});
+  /// x: [..., in_features] -> [..., out_features], in x's dtype (weights must match).
+  torch::Tensor forward(const torch::Tensor& x);
+  int64_t in_features, out_features;
+  torch::Tensor weight, bias;
+};
+TORCH_MODULE(Linear);
+
+/// 2-D convolution. weight: [out, in / groups, k, k]; bias: [out].
+/// Throws shoestring::Error on non-positive sizes or in/out not divisible by groups.
+class Conv2dImpl : public torch::nn::Module {
+ public:
+  Conv2dImpl(int64_t in_channels, int64_t out_channels, int64_t kernel_size, int64_t stride = 1,
+             int64_t padding = 0, bool bias = true, const LayerInit& init = {}, int64_t groups = 1);
+  /// x: [B, in_channels, H, W] -> [B, out_channels, H', W'].
+  torch::Tensor forward(const torch::Tensor& x);
+  int64_t in_channels, out_channels, kernel_size, stride, padding, groups;
+  torch::Tensor weight, bias;
+};
+TORCH_MODULE(Conv2d);
+
+/// Group normalisation (Wu & He 2018) over [B, C, ...]; weight and bias [C]
+/// when affine. Computes in fp32 for bf16/fp16 inputs and returns the input
+/// dtype. Throws shoestring::Error when groups does not divide channels.
+class GroupNormImpl : public torch::nn::Module {
+ public:
+  GroupNormImpl(int64_t groups, int64_t channels, double eps = 1e-5, bool affine = true,
+                const LayerInit& init = {});
+  torch::Tensor forward(const torch::Tensor& x);
+  int64_t groups, channels;
+  double eps;
+  torch::Tensor weight, bias;
+};
+TORCH_MODULE(GroupNorm);
+
+/// Layer normalisation (Ba et al. 2016) over the last dimension; weight and
+/// bias [dim] when elementwise_affine (bias only if `bias`). Computes in fp32
+/// for bf16/fp16 inputs and returns the input dtype.
+class LayerNormImpl : public torch::nn::Module {
+ public:
+  LayerNormImpl(int64_t dim, double eps = 1e-5, bool elementwise_affine = true, bool bias = true,
+                const LayerInit& init = {});
+  torch::Tensor forward(const torch::Tensor& x);
+  int64_t dim;
+  double eps;
+  torch::Tensor weight, bias;
+};
+TORCH_MODULE(LayerNorm);
+
+/// RMS normalisation (Zhang & Sennrich 2019): x / sqrt(mean(x^2) + eps) * weight
+/// over the last dimension; weight [dim] when elementwise_affine. fp32 math.
+class RMSNormImpl : public torch::nn::Module {
+ public:
+  RMSNormImpl(int64_t dim, double eps = 1e-6, bool elementwise_affine = true, const LayerInit& init = {});
+  torch::Tensor forward(const torch::Tensor& x);
+  int64_t dim;
+  double eps;
+  torch::Tensor weight;
+};
+TORCH_MODULE(RMSNorm);
+
+/// Token embedding table. weight: [num_embeddings, dim]; init N(0, 1) as torch.nn.Embedding.
+class EmbeddingImpl : public torch::nn::Module {
+ public:
+  EmbeddingImpl(int64_t num_embeddings, int64_t dim, const LayerInit& init = {});
+  /// ids: int64 [...] -> [..., dim]. Throws shoestring::Error on out-of-range ids.
+  torch::Tensor forward(const torch::Tensor& ids);
+  int64_t num_embeddings, dim;
+  torch::Tensor weight;
+};
+TORCH_MODULE(Embedding);
+
+/// Number of elements in every parameter of `module` (works on meta modules).
+int64_t parameter_count(const torch::nn::Module& module);
+
+}  // namespace shoestring::nn
