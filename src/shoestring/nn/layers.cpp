@@ -6,6 +6,7 @@
 
 #include "shoestring/core/error.h"
 #include "shoestring/core/units.h"
+#include "shoestring/nn/block_precision.h"
 
 namespace shoestring::nn {
 namespace {
@@ -13,7 +14,7 @@ namespace {
 // U(-bound, bound) in place unless the tensor lives on the meta device.
 torch::Tensor uniform_param(std::vector<int64_t> shape, double bound, const LayerInit& init) {
   torch::Tensor t = torch::empty(shape, init.options);
-  if (!init.is_meta()) {
+  if (init.fills_values()) {
     torch::NoGradGuard no_grad;
     t.uniform_(-bound, bound);
   }
@@ -22,7 +23,7 @@ torch::Tensor uniform_param(std::vector<int64_t> shape, double bound, const Laye
 
 torch::Tensor filled_param(int64_t n, double value, const LayerInit& init) {
   torch::Tensor t = torch::empty({n}, init.options);
-  if (!init.is_meta()) {
+  if (init.fills_values()) {
     torch::NoGradGuard no_grad;
     t.fill_(value);
   }
@@ -52,7 +53,8 @@ LinearImpl::LinearImpl(int64_t in, int64_t out, bool with_bias, const LayerInit&
 torch::Tensor LinearImpl::forward(const torch::Tensor& x) {
   if (x.dim() < 1 || x.size(-1) != in_features)
     fail("Linear: expected input [..., {}], got {}", in_features, format_shape(x.sizes()));
-  return torch::linear(x, weight, bias);
+  torch::Tensor y = torch::linear(to_compute_dtype(x), to_compute_dtype(weight), to_compute_dtype(bias));
+  return adapter ? y + adapter(x) : y;
 }
 
 Conv2dImpl::Conv2dImpl(int64_t in, int64_t out, int64_t k, int64_t s, int64_t p, bool with_bias,
@@ -73,7 +75,8 @@ Conv2dImpl::Conv2dImpl(int64_t in, int64_t out, int64_t k, int64_t s, int64_t p,
 torch::Tensor Conv2dImpl::forward(const torch::Tensor& x) {
   if (x.dim() != 4 || x.size(1) != in_channels)
     fail("Conv2d: expected input [B, {}, H, W], got {}", in_channels, format_shape(x.sizes()));
-  return torch::conv2d(x, weight, bias, {stride, stride}, {padding, padding}, {1, 1}, groups);
+  torch::Tensor y = torch::conv2d(to_compute_dtype(x), to_compute_dtype(weight), to_compute_dtype(bias), {stride, stride}, {padding, padding}, {1, 1}, groups);
+  return adapter ? y + adapter(x) : y;
 }
 
 GroupNormImpl::GroupNormImpl(int64_t g, int64_t c, double e, bool affine, const LayerInit& init)
@@ -132,7 +135,7 @@ EmbeddingImpl::EmbeddingImpl(int64_t n, int64_t d, const LayerInit& init) : num_
   require_positive("Embedding num_embeddings", n);
   require_positive("Embedding dim", d);
   torch::Tensor t = torch::empty({n, d}, init.options);
-  if (!init.is_meta()) {
+  if (init.fills_values()) {
     torch::NoGradGuard no_grad;
     t.normal_(0.0, 1.0);
   }
@@ -145,7 +148,7 @@ torch::Tensor EmbeddingImpl::forward(const torch::Tensor& ids) {
     const int64_t lo = ids.min().item<int64_t>(), hi = ids.max().item<int64_t>();
     if (lo < 0 || hi >= num_embeddings) fail("Embedding: id out of range [0, {}): saw {}..{}", num_embeddings, lo, hi);
   }
-  return torch::embedding(weight, ids);
+  return to_compute_dtype(torch::embedding(weight, ids));
 }
 
 int64_t parameter_count(const torch::nn::Module& module) {

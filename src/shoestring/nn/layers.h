@@ -9,6 +9,7 @@
 // Conv2d, ones/zeros for norms), so checkpoints use the usual key names.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include <torch/nn/module.h>
@@ -27,23 +28,42 @@ struct LayerInit {
   LayerInit(torch::Device device) : options(torch::TensorOptions().dtype(torch::kFloat32).device(device)) {}
   LayerInit(torch::DeviceType type) : LayerInit(torch::Device(type)) {}
   explicit LayerInit(torch::TensorOptions o) : options(o) {}
+  /// False: allocate parameters but leave them uninitialised (torch::empty),
+  /// for a model whose weights are loaded from a checkpoint next.
+  bool initialize = true;
   /// True when parameters are created without storage.
   bool is_meta() const { return options.device().is_meta(); }
+  /// True when new parameters get their default initial values.
+  bool fills_values() const { return initialize && !is_meta(); }
 };
 
-/// y = x W^T + b. weight: [out_features, in_features]; bias: [out_features].
+/// Optional additive adapter of a Linear or Conv2d layer (LoRA, nn/lora.h):
+/// when set, the layer's forward returns base(x) + adapter(x), where base(x)
+/// is the plain layer output and adapter(x) receives the same input and must
+/// return a tensor of base(x)'s shape. The adapter is not a submodule: its
+/// parameters are not among the layer's parameters(), so the layer's
+/// checkpoint keys do not change. Empty (the default) costs nothing.
+using LayerAdapter = std::function<torch::Tensor(const torch::Tensor& x)>;
+
+/// y = x W^T + b (+ adapter(x) when an adapter is set). weight:
+/// [out_features, in_features]; bias: [out_features].
 /// Throws shoestring::Error on non-positive sizes.
 class LinearImpl : public torch::nn::Module {
  public:
   LinearImpl(int64_t in_features, int64_t out_features, bool bias = true, const LayerInit& init = {});
   /// x: [..., in_features] -> [..., out_features], in x's dtype (weights must match).
+  /// Inside a block with a compute dtype (nn/block_precision.h: current_compute_dtype())
+  /// x, weight and bias are first cast to it, so weights may be stored in any dtype;
+  /// the same holds for Conv2d, and Embedding returns that dtype.
   torch::Tensor forward(const torch::Tensor& x);
   int64_t in_features, out_features;
   torch::Tensor weight, bias;
+  LayerAdapter adapter;  ///< see LayerAdapter; empty by default
 };
 TORCH_MODULE(Linear);
 
-/// 2-D convolution. weight: [out, in / groups, k, k]; bias: [out].
+/// 2-D convolution (+ adapter(x) when an adapter is set, see LayerAdapter).
+/// weight: [out, in / groups, k, k]; bias: [out].
 /// Throws shoestring::Error on non-positive sizes or in/out not divisible by groups.
 class Conv2dImpl : public torch::nn::Module {
  public:
@@ -53,6 +73,7 @@ class Conv2dImpl : public torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& x);
   int64_t in_channels, out_channels, kernel_size, stride, padding, groups;
   torch::Tensor weight, bias;
+  LayerAdapter adapter;  ///< see LayerAdapter; empty by default
 };
 TORCH_MODULE(Conv2d);
 

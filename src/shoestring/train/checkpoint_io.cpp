@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include "shoestring/core/error.h"
+#include "shoestring/io/weight_files.h"
 #include "shoestring/io/atomic_file.h"
 #include "shoestring/io/safetensors.h"
 
@@ -28,32 +29,12 @@ void save_module(const std::string& path, const torch::nn::Module& module,
 void load_module(torch::nn::Module& module, const std::map<std::string, at::Tensor>& tensors,
                  const std::string& source) {
   torch::NoGradGuard no_grad;
-  std::vector<std::string> missing, mismatched, unexpected;
   auto targets = module_tensors(module);
-  std::map<std::string, at::Tensor> by_name(targets.begin(), targets.end());
-  for (auto& [name, t] : targets) {
-    auto it = tensors.find(name);
-    if (it == tensors.end()) {
-      missing.push_back(name);
-    } else if (it->second.sizes() != t.sizes()) {
-      mismatched.push_back(fmt::format("{} (file {}, model {})", name, fmt::join(it->second.sizes(), "x"),
-                                       fmt::join(t.sizes(), "x")));
-    }
-  }
-  for (const auto& [name, t] : tensors) {
-    if (!by_name.count(name)) unexpected.push_back(name);
-  }
-  if (!missing.empty() || !mismatched.empty() || !unexpected.empty()) {
-    auto list = [](const std::vector<std::string>& v) {
-      if (v.empty()) return std::string("none");
-      std::string s = fmt::format("{}", fmt::join(v.begin(), v.begin() + std::min<size_t>(v.size(), 8), ", "));
-      if (v.size() > 8) s += fmt::format(", ... ({} in all)", v.size());
-      return s;
-    };
-    fail("{}: checkpoint does not match the model: missing keys: {}; unexpected keys: {}; shape "
-         "mismatches: {}",
-         source, list(missing), list(unexpected), list(mismatched));
-  }
+  std::map<std::string, std::vector<int64_t>> expected, found;
+  for (const auto& [name, t] : targets) expected[name] = t.sizes().vec();
+  for (const auto& [name, t] : tensors) found[name] = t.sizes().vec();
+  const KeyDiff diff = diff_keys(expected, found);
+  if (!diff.empty()) fail("{}: checkpoint does not match the model: {}", source, diff.describe());
   for (auto& [name, t] : targets) t.copy_(tensors.at(name));
 }
 

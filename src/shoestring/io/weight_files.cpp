@@ -1,0 +1,185 @@
+#include "shoestring/io/weight_files.h"
+
+#include <algorithm>
+#include <filesystem>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include "shoestring/core/error.h"
+#include "shoestring/io/atomic_file.h"
+
+namespace shoestring {
+namespace fs = std::filesystem;
+
+namespace {
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+std::string join_shape(const std::vector<int64_t>& shape) {
+  if (shape.empty()) return "scalar";
+  return fmt::format("{}", fmt::join(shape, "x"));
+}
+
+}  // namespace
+
+WeightFiles WeightFiles::open(const std::string& path) {
+  WeightFiles w;
+  w.path_ = path;
+  if (!ends_with(path, ".json")) {
+    w.files_.push_back(SafetensorsFile::open(path));
+    for (const auto& info : w.files_[0].tensors()) w.owner_[info.name] = 0;
+    w.metadata_ = w.files_[0].metadata();
+    return w;
+  }
+  const std::string text = read_file(path);
+  nlohmann::json index;
+  try {
+    index = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::exception& e) {
+    fail("{}: not a valid sharded-checkpoint index (JSON error: {})", path, e.what());
+  }
+  if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object())
+    fail("{}: a sharded-checkpoint index needs a \"weight_map\" object (tensor name -> shard file)", path);
+  const fs::path folder = fs::path(path).parent_path();
+  std::map<std::string, size_t> shard_of_file;
+  std::map<std::string, std::string> assigned;  // tensor -> shard file name
+  for (const auto& [name, shard] : index["weight_map"].items()) {
+    if (!shard.is_string()) fail("{}: weight_map[\"{}\"] must be a file name string", path, name);
+    const std::string file = shard.get<std::string>();
+    const fs::path rel(file);
+    if (file.empty() || rel.is_absolute() || file.find("..") != std::string::npos)
+      fail("{}: weight_map[\"{}\"] = \"{}\" must be a file name inside the index's folder", path, name, file);
+    assigned[name] = file;
+    if (!shard_of_file.count(file)) {
+      const std::string shard_path = (folder / rel).string();
+      if (!fs::exists(shard_path)) fail("{}: shard \"{}\" (holding \"{}\") does not exist", path, shard_path, name);
+      shard_of_file[file] = w.files_.size();
+      w.files_.push_back(SafetensorsFile::open(shard_path));
+    }
+  }
+  for (const auto& [name, file] : assigned) {
+    const size_t k = shard_of_file.at(file);
+    if (!w.files_[k].find(name))
+      fail("{}: the index puts \"{}\" in \"{}\", which does not contain it", path, name, w.files_[k].path());
+    w.owner_[name] = k;
+  }
+  // A tensor present in a shard but absent from the index would be silently
+  // dropped; a tensor in two shards is ambiguous.
+  std::map<std::string, std::string> seen;
+  for (const auto& f : w.files_) {
+    for (const auto& info : f.tensors()) {
+      auto [it, fresh] = seen.emplace(info.name, f.path());
+      if (!fresh) fail("{}: tensor \"{}\" is in two shards ({} and {})", path, info.name, it->second, f.path());
+      if (!w.owner_.count(info.name))
+        fail("{}: shard {} holds \"{}\", which the index's weight_map does not list", path, f.path(), info.name);
+    }
+  }
+  if (!w.files_.empty()) w.metadata_ = w.files_[0].metadata();
+  if (index.contains("metadata") && index["metadata"].is_object()) {
+    for (const auto& [k, v] : index["metadata"].items()) w.metadata_[k] = v.is_string() ? v.get<std::string>() : v.dump();
+  }
+  return w;
+}
+
+std::vector<std::string> WeightFiles::names() const {
+  std::vector<std::string> out;
+  out.reserve(owner_.size());
+  for (const auto& [name, k] : owner_) out.push_back(name);
+  return out;
+}
+
+const TensorInfo* WeightFiles::find(const std::string& name) const {
+  auto it = owner_.find(name);
+  return it == owner_.end() ? nullptr : files_[it->second].find(name);
+}
+
+const std::string& WeightFiles::file_of(const std::string& name) const {
+  auto it = owner_.find(name);
+  if (it == owner_.end()) fail("{}: no tensor named \"{}\"", path_, name);
+  return files_[it->second].path();
+}
+
+at::Tensor WeightFiles::get(const std::string& name) const {
+  auto it = owner_.find(name);
+  if (it == owner_.end()) fail("{}: no tensor named \"{}\"", path_, name);
+  return files_[it->second].get(name);
+}
+
+uint64_t WeightFiles::data_bytes() const {
+  uint64_t n = 0;
+  for (const auto& f : files_) n += f.data_size();
+  return n;
+}
+
+std::string KeyDiff::describe(size_t limit) const {
+  auto list = [limit](const std::vector<std::string>& v) {
+    if (v.empty()) return std::string("none");
+    std::string s = fmt::format("{}", fmt::join(v.begin(), v.begin() + std::min(v.size(), limit), ", "));
+    if (v.size() > limit) s += fmt::format(", ... ({} in all)", v.size());
+    return s;
+  };
+  return fmt::format("missing keys: {}; unexpected keys: {}; shape mismatches: {}", list(missing), list(unexpected),
+                     list(mismatched));
+}
+
+KeyDiff diff_keys(const std::map<std::string, std::vector<int64_t>>& expected,
+                  const std::map<std::string, std::vector<int64_t>>& found) {
+  KeyDiff d;
+  for (const auto& [name, shape] : expected) {
+    auto it = found.find(name);
+    if (it == found.end()) {
+      d.missing.push_back(name);
+    } else if (it->second != shape) {
+      d.mismatched.push_back(fmt::format("{} (file {}, model {})", name, join_shape(it->second), join_shape(shape)));
+    }
+  }
+  for (const auto& [name, shape] : found) {
+    if (!expected.count(name)) d.unexpected.push_back(name);
+  }
+  return d;
+}
+
+LoadWeightsReport load_weights(torch::nn::Module& module, const WeightFiles& files,
+                               const LoadWeightsOptions& options) {
+  torch::NoGradGuard no_grad;
+  std::map<std::string, at::Tensor> targets;
+  std::map<std::string, std::vector<int64_t>> expected, found;
+  for (const auto& item : module.named_parameters(/*recurse=*/true)) targets[item.key()] = item.value();
+  for (const auto& item : module.named_buffers(/*recurse=*/true)) targets[item.key()] = item.value();
+  for (const auto& [name, t] : targets) {
+    if (t.is_meta()) fail("{}: cannot load into \"{}\": the model was built on the meta device", files.path(), name);
+    expected[name] = t.sizes().vec();
+  }
+  std::map<std::string, std::string> source_of;  // module name -> file key
+  for (const std::string& key : files.names()) {
+    const std::string name = options.key_map ? options.key_map(key) : key;
+    if (name.empty()) continue;
+    auto [it, fresh] = source_of.emplace(name, key);
+    if (!fresh) fail("{}: file keys \"{}\" and \"{}\" both map to \"{}\"", files.path(), it->second, key, name);
+    found[name] = files.find(key)->shape;
+  }
+  LoadWeightsReport report;
+  report.diff = diff_keys(expected, found);
+  if (!report.diff.mismatched.empty() || (!options.allow_partial && !report.diff.empty()))
+    fail("{}: checkpoint does not match the model: {}", files.path(), report.diff.describe());
+  for (auto& [name, target] : targets) {
+    auto it = source_of.find(name);
+    if (it == source_of.end()) continue;
+    const TensorInfo* info = files.find(it->second);
+    if ((info->dtype == StDtype::F8_E4M3 || info->dtype == StDtype::F8_E5M2) &&
+        to_scalar_type(info->dtype) == at::kByte && target.scalar_type() != at::kByte)
+      fail("{}: tensor \"{}\" is {} and this libtorch has no float8 type to convert it to {}", files.path(),
+           it->second, to_string(info->dtype), c10::toString(target.scalar_type()));
+    target.copy_(files.get(it->second));
+    ++report.loaded;
+    report.loaded_bytes += target.numel() * target.element_size();
+  }
+  return report;
+}
+
+}  // namespace shoestring

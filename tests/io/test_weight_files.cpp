@@ -1,0 +1,139 @@
+#include <gtest/gtest.h>
+
+#include <torch/torch.h>
+
+#include "shoestring/core/error.h"
+#include "shoestring/io/safetensors.h"
+#include "shoestring/io/weight_files.h"
+#include "temp_dir.h"
+
+using shoestring::Error;
+using shoestring::WeightFiles;
+using shoestring::testing::TempDir;
+
+namespace {
+
+struct Holder : torch::nn::Module {};
+
+struct TwoLayers : torch::nn::Module {
+  TwoLayers() {
+    a = register_module("a", std::make_shared<Holder>())->register_parameter("weight", torch::zeros({2, 3}));
+    b = register_module("b", std::make_shared<Holder>())
+            ->register_parameter("weight", torch::zeros({4}, torch::kBFloat16));
+    s = register_buffer("stats", torch::zeros({2}));
+  }
+  torch::Tensor a, b, s;
+};
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// Writes a two-shard checkpoint of TwoLayers' tensors (values 1..n) and its index.
+std::string write_sharded(const TempDir& dir, const std::string& extra_index_entry = "") {
+  shoestring::save_safetensors(dir.file("m-00001-of-00002.safetensors"),
+                               {{"a.weight", torch::arange(6, torch::kFloat32).view({2, 3}), {}}});
+  shoestring::save_safetensors(dir.file("m-00002-of-00002.safetensors"),
+                               {{"b.weight", torch::full({4}, 2.5), {}}, {"stats", torch::ones({2}), {}}});
+  return dir.write("m.safetensors.index.json",
+                   R"({"metadata": {"total_size": 48}, "weight_map": {)" + extra_index_entry +
+                       R"("a.weight": "m-00001-of-00002.safetensors",
+                          "b.weight": "m-00002-of-00002.safetensors",
+                          "stats": "m-00002-of-00002.safetensors"}})");
+}
+
+}  // namespace
+
+TEST(WeightFiles, ShardedIndexLoadsEveryShardIntoTheModel) {
+  TempDir dir;
+  const std::string index = write_sharded(dir);
+  WeightFiles files = WeightFiles::open(index);
+  EXPECT_EQ(files.file_count(), 2u);
+  EXPECT_EQ(files.names(), (std::vector<std::string>{"a.weight", "b.weight", "stats"}));
+  EXPECT_EQ(files.metadata().at("total_size"), "48");
+  EXPECT_EQ(files.file_of("b.weight"), dir.file("m-00002-of-00002.safetensors"));
+  TwoLayers m;
+  auto report = shoestring::load_weights(m, files);
+  EXPECT_EQ(report.loaded, 3);
+  EXPECT_TRUE(torch::equal(m.a, torch::arange(6, torch::kFloat32).view({2, 3})));
+  EXPECT_EQ(m.b.scalar_type(), torch::kBFloat16);  // converted to the model's dtype
+  EXPECT_TRUE(torch::equal(m.b.to(torch::kFloat32), torch::full({4}, 2.5)));
+  EXPECT_TRUE(torch::equal(m.s, torch::ones({2})));
+}
+
+TEST(WeightFiles, BadIndexesNameTheProblem) {
+  TempDir dir;
+  write_sharded(dir);
+  EXPECT_NE(error_of([&] { WeightFiles::open(dir.write("x.index.json", "{not json")); }).find("JSON"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { WeightFiles::open(dir.write("y.index.json", R"({"metadata": {}})")); })
+                .find("weight_map"),
+            std::string::npos);
+  std::string msg = error_of([&] {
+    WeightFiles::open(dir.write("z.index.json", R"({"weight_map": {"a.weight": "gone.safetensors"}})"));
+  });
+  EXPECT_NE(msg.find("gone.safetensors"), std::string::npos) << msg;
+  msg = error_of([&] {
+    WeightFiles::open(dir.write("w.index.json", R"({"weight_map": {"a.weight": "../m.safetensors"}})"));
+  });
+  EXPECT_NE(msg.find("inside the index's folder"), std::string::npos) << msg;
+  // The index names a tensor its shard lacks.
+  msg = error_of([&] { WeightFiles::open(write_sharded(dir, R"("ghost": "m-00001-of-00002.safetensors", )")); });
+  EXPECT_NE(msg.find("ghost"), std::string::npos) << msg;
+  // A shard holds a tensor the index does not list.
+  msg = error_of([&] {
+    WeightFiles::open(dir.write("v.index.json", R"({"weight_map": {"a.weight": "m-00001-of-00002.safetensors",
+                                                                  "b.weight": "m-00002-of-00002.safetensors"}})"));
+  });
+  EXPECT_NE(msg.find("stats"), std::string::npos) << msg;
+}
+
+TEST(WeightFiles, MissingUnexpectedAndMisShapedKeysAreListed) {
+  TempDir dir;
+  const std::string path = dir.file("one.safetensors");
+  shoestring::save_safetensors(path, {{"a.weight", torch::ones({3, 2}), {}},
+                                      {"b.weight", torch::ones({4}), {}},
+                                      {"extra", torch::ones({1}), {}}});
+  WeightFiles files = WeightFiles::open(path);
+  TwoLayers m;
+  const std::string msg = error_of([&] { shoestring::load_weights(m, files); });
+  EXPECT_NE(msg.find(path), std::string::npos) << msg;
+  EXPECT_NE(msg.find("missing keys: stats"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("unexpected keys: extra"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("a.weight (file 3x2, model 2x3)"), std::string::npos) << msg;
+  EXPECT_TRUE(torch::equal(m.b, torch::zeros({4}, torch::kBFloat16)));  // nothing written on failure
+}
+
+TEST(WeightFiles, PartialLoadAndKeyMapping) {
+  TempDir dir;
+  const std::string path = dir.file("diffusers.safetensors");
+  shoestring::save_safetensors(path, {{"first.w", torch::full({2, 3}, 7.0), {}}, {"other", torch::ones({5}), {}}});
+  WeightFiles files = WeightFiles::open(path);
+  TwoLayers m;
+  shoestring::LoadWeightsOptions opt;
+  opt.key_map = [](const std::string& k) { return k == "first.w" ? std::string("a.weight") : k; };
+  EXPECT_THROW(shoestring::load_weights(m, files, opt), Error);
+  opt.allow_partial = true;
+  auto report = shoestring::load_weights(m, files, opt);
+  EXPECT_EQ(report.loaded, 1);
+  EXPECT_EQ(report.diff.missing, (std::vector<std::string>{"b.weight", "stats"}));
+  EXPECT_EQ(report.diff.unexpected, (std::vector<std::string>{"other"}));
+  EXPECT_TRUE(torch::equal(m.a, torch::full({2, 3}, 7.0)));
+  // Two file keys onto one name is ambiguous.
+  opt.key_map = [](const std::string&) { return std::string("a.weight"); };
+  EXPECT_NE(error_of([&] { shoestring::load_weights(m, files, opt); }).find("both map to"), std::string::npos);
+}
+
+TEST(WeightFiles, MetaModelCannotBeLoaded) {
+  TempDir dir;
+  const std::string path = dir.file("x.safetensors");
+  shoestring::save_safetensors(path, {{"w", torch::ones({2}), {}}});
+  torch::nn::Module m;
+  m.register_parameter("w", torch::empty({2}, torch::TensorOptions().device(torch::kMeta)));
+  EXPECT_NE(error_of([&] { shoestring::load_weights(m, WeightFiles::open(path)); }).find("meta"), std::string::npos);
+}
