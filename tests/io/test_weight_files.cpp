@@ -137,3 +137,16 @@ TEST(WeightFiles, MetaModelCannotBeLoaded) {
   m.register_parameter("w", torch::empty({2}, torch::TensorOptions().device(torch::kMeta)));
   EXPECT_NE(error_of([&] { shoestring::load_weights(m, WeightFiles::open(path)); }).find("meta"), std::string::npos);
 }
+
+TEST(WeightFiles, SaveCastsOneTensorAtATime) {
+  TempDir dir;
+  const std::string src = dir.file("fp32.safetensors"), dst = dir.file("bf16.safetensors");
+  torch::Tensor w = torch::randn({17, 5});
+  shoestring::save_safetensors(src, {{"w", w, {}}, {"i", torch::arange(3), {}}});
+  WeightFiles in = WeightFiles::open(src);
+  shoestring::save_safetensors(dst, {{"w", in.get("w"), {}, torch::kBFloat16}, {"i", in.get("i"), {}}});
+  WeightFiles out = WeightFiles::open(dst);
+  EXPECT_EQ(out.find("w")->dtype, shoestring::StDtype::BF16);
+  EXPECT_TRUE(torch::equal(out.get("w"), w.to(torch::kBFloat16)));  // round-to-nearest-even, as Tensor::to
+  EXPECT_TRUE(torch::equal(out.get("i"), torch::arange(3)));
+}

@@ -452,6 +452,7 @@ void save_safetensors(const std::string& path, const std::vector<NamedTensor>& t
     StDtype dtype;
     at::Tensor src;  // detached, any device / layout; copied at write time
     uint64_t nbytes;
+    std::optional<at::ScalarType> cast;
   };
   std::vector<Item> items;
   items.reserve(tensors.size());
@@ -470,6 +471,11 @@ void save_safetensors(const std::string& path, const std::vector<NamedTensor>& t
       fail("cannot save '{}': tensor '{}': {}", path, nt.name, e.what());
     }
     at::Tensor t = nt.tensor.detach();
+    if (nt.cast) {
+      if (!nt.dtype) dtype = st_dtype_of(*nt.cast);
+      // Converted at write time, one tensor at a time; meta shapes are enough here.
+      t = at::empty(t.sizes(), t.options().device(at::kMeta).dtype(*nt.cast));
+    }
     const int64_t have_elem = static_cast<int64_t>(t.element_size());
     const uint64_t have = static_cast<uint64_t>(t.numel()) * static_cast<uint64_t>(have_elem);
     const uint64_t need = static_cast<uint64_t>(t.numel()) * static_cast<uint64_t>(element_size(dtype));
@@ -480,7 +486,7 @@ void save_safetensors(const std::string& path, const std::vector<NamedTensor>& t
            path, nt.name, c10::toString(t.scalar_type()), have_elem, to_string(dtype),
            element_size(dtype));
     }
-    items.push_back({nt.name, dtype, std::move(t), have});
+    items.push_back({nt.name, dtype, nt.cast ? nt.tensor.detach() : std::move(t), have, nt.cast});
   }
   // Larger elements first keeps every tensor aligned to its element size,
   // given an 8-aligned data buffer.
@@ -525,6 +531,7 @@ void save_safetensors(const std::string& path, const std::vector<NamedTensor>& t
     for (const auto& it : items) {
       if (it.nbytes == 0) continue;
       at::Tensor c = it.src.to(at::kCPU).contiguous();
+      if (it.cast) c = c.to(*it.cast);
       put(c.data_ptr(), static_cast<size_t>(it.nbytes), fmt::format("tensor '{}'", it.name));
     }
   });

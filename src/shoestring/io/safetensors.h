@@ -133,6 +133,9 @@ struct NamedTensor {
   std::string name;
   at::Tensor tensor;
   std::optional<StDtype> dtype;
+  /// Convert to this dtype while writing (one tensor at a time, so saving a
+  /// memory-mapped fp32 model as bf16 never holds a converted copy of it all).
+  std::optional<at::ScalarType> cast = std::nullopt;
 };
 
 /// Writes a safetensors file atomically (via write_file_atomic).
