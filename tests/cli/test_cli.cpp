@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "shoestring/io/safetensors.h"
+#include "shoestring/models/architecture.h"
 
 namespace fs = std::filesystem;
 
@@ -154,4 +155,48 @@ TEST(Cli, BadInputsGiveClearErrors) {
   fs::remove(cfg);
   fs::remove(bad_cfg);
   fs::remove(junk);
+}
+
+// `inspect --arch`: sizes a registered architecture without allocating it;
+// `inspect FILE`: names the architecture a checkpoint holds. SDXL base UNet:
+// 2,567,463,684 parameters (diffusers num_parameters() of
+// stabilityai/stable-diffusion-xl-base-1.0/unet).
+TEST(Cli, InspectArchitectureAndDetection) {
+  Result j = run("inspect --arch sdxl --json");
+  ASSERT_EQ(j.code, 0) << j.output;
+  auto doc = nlohmann::json::parse(j.output);
+  EXPECT_EQ(doc["parameters"].get<int64_t>(), 2'567'463'684);
+  EXPECT_EQ(doc["bytes_per_dtype"]["fp8"].get<int64_t>(), 2'567'463'684);
+  EXPECT_EQ(doc["bytes_per_dtype"]["bf16"].get<int64_t>(), 2 * 2'567'463'684LL);
+  EXPECT_EQ(doc["bytes_per_dtype"]["fp32"].get<int64_t>(), 4 * 2'567'463'684LL);
+  Result t = run("inspect --arch sd15");
+  ASSERT_EQ(t.code, 0) << t.output;
+  EXPECT_NE(t.output.find("parameters: 859520964"), std::string::npos) << t.output;
+  Result bad = run("inspect --arch sd14");
+  EXPECT_EQ(bad.code, 1);
+  EXPECT_NE(bad.output.find("unknown architecture 'sd14'"), std::string::npos) << bad.output;
+  EXPECT_EQ(run("inspect").code, 1);
+
+  // A bare tiny-width VAE file with one tensor left out.
+  std::vector<shoestring::NamedTensor> tensors;
+  for (const auto& t : shoestring::models::architecture_tensors("vae", /*tiny=*/true)) {
+    if (t.name == "decoder.conv_out.bias") continue;
+    tensors.push_back({t.name, torch::zeros({1}, torch::kBFloat16).expand(t.shape)});
+  }
+  const std::string file = temp_path("vae") + ".safetensors";
+  shoestring::save_safetensors(file, tensors);
+  Result d = run("inspect " + file);
+  ASSERT_EQ(d.code, 0) << d.output;
+  EXPECT_NE(d.output.find("architecture: vae (tiny width) under '' (" + std::to_string(tensors.size()) +
+                          " tensors match; 1 missing, 0 unexpected, 0 other shape)"),
+            std::string::npos)
+      << d.output;
+  EXPECT_NE(d.output.find("    decoder.conv_out.bias"), std::string::npos) << d.output;
+  Result dj = run("inspect " + file + " --json");
+  ASSERT_EQ(dj.code, 0) << dj.output;
+  auto dd = nlohmann::json::parse(dj.output);
+  ASSERT_EQ(dd["architectures"].size(), 1u);
+  EXPECT_EQ(dd["architectures"][0]["architecture"], "vae");
+  EXPECT_EQ(dd["architectures"][0]["missing"][0], "decoder.conv_out.bias");
+  fs::remove(file);
 }

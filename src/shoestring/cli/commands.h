@@ -13,7 +13,12 @@ namespace shoestring::cli {
 void register_train(CLI::App& app);
 /// `shoestring sample CHECKPOINT --prompt TEXT... [--steps N] [--cfg X] [--seed S] --out FILE.png`
 void register_sample(CLI::App& app);
-/// `shoestring inspect FILE.safetensors [--json]`
+/// `shoestring inspect FILE.safetensors [--json]` or `shoestring inspect --arch NAME [--tiny] [--json]`
 void register_inspect(CLI::App& app);
+/// `shoestring plan CONFIG [--set k=v]... [--budget 8GiB] [--vocab-size N] [--json] [--explain]`
+void register_plan(CLI::App& app);
+
+/// `shoestring convert IN --to ldm|diffusers [--dtype keep|fp32|bf16|fp16] [--component unet|vae] [--arch NAME] [--force] OUT`
+void register_convert(CLI::App& app);
 
 }  // namespace shoestring::cli

@@ -1,4 +1,4 @@
-// The `shoestring` command line: train, sample, inspect.
+// The `shoestring` command line: train, sample, inspect, plan.
 #include <CLI/CLI.hpp>
 #include <spdlog/spdlog.h>
 
@@ -12,6 +12,8 @@ int main(int argc, char** argv) {
   shoestring::cli::register_train(app);
   shoestring::cli::register_sample(app);
   shoestring::cli::register_inspect(app);
+  shoestring::cli::register_plan(app);
+  shoestring::cli::register_convert(app);
   spdlog::set_pattern("[%H:%M:%S] %^%l%$ %v");
   try {
     app.parse(argc, argv);

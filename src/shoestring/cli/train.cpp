@@ -5,6 +5,7 @@
 
 #include "shoestring/cli/commands.h"
 #include "shoestring/core/error.h"
+#include "shoestring/plan/memory_plan.h"
 #include "shoestring/train/config.h"
 #include "shoestring/train/trainer.h"
 
@@ -49,6 +50,13 @@ void register_train(CLI::App& app) {
     if (fs::is_directory(config_path)) fail("config '{}' is a directory, expected a TOML file", config_path);
     TrainConfig config = load_config(config_path, sets);
     if (!args->output_dir.empty()) config.output_dir = args->output_dir;  // a path, used as given
+    options.predict_memory = [](const TrainConfig& c, int64_t vocab_size) {
+      try {
+        return plan::plan_memory(c, vocab_size).to_json();
+      } catch (const Error&) {
+        return nlohmann::json();  // a config the planner does not model: no prediction printed
+      }
+    };
     train(config, options);
   });
 }

@@ -37,6 +37,8 @@ struct LedgerCounters {
   std::atomic<int64_t> peak_breakdown[kNumMemoryCategories];
   std::atomic<int64_t> current_total;
   std::atomic<int64_t> peak_total;
+  std::atomic<int64_t> current_device;  // every category but host_offload
+  std::atomic<int64_t> peak_device;
 };
 LedgerCounters g_counters;
 
@@ -62,15 +64,21 @@ void snapshot_breakdown() {
   }
 }
 
+constexpr int kHostCategory = static_cast<int>(MemoryCategory::host_offload);
+
 void charge(int category, int64_t bytes) {
   const int64_t now = g_counters.current[category].fetch_add(bytes) + bytes;
   raise_peak(g_counters.peak[category], now);
+  if (category != kHostCategory) {
+    raise_peak(g_counters.peak_device, g_counters.current_device.fetch_add(bytes) + bytes);
+  }
   const int64_t total = g_counters.current_total.fetch_add(bytes) + bytes;
   if (raise_peak(g_counters.peak_total, total)) snapshot_breakdown();
 }
 
 void discharge(int category, int64_t bytes) {
   g_counters.current[category].fetch_sub(bytes);
+  if (category != kHostCategory) g_counters.current_device.fetch_sub(bytes);
   g_counters.current_total.fetch_sub(bytes);
 }
 
@@ -156,6 +164,7 @@ const char* to_string(MemoryCategory category) {
     case MemoryCategory::activations: return "activations";
     case MemoryCategory::temporaries: return "temporaries";
     case MemoryCategory::other: return "other";
+    case MemoryCategory::host_offload: return "host_offload";
   }
   return "unknown";
 }
@@ -191,6 +200,10 @@ int64_t MemoryLedger::current_total() const { return g_counters.current_total.lo
 
 int64_t MemoryLedger::peak_total() const { return g_counters.peak_total.load(); }
 
+int64_t MemoryLedger::device_current_total() const { return g_counters.current_device.load(); }
+
+int64_t MemoryLedger::device_peak_total() const { return g_counters.peak_device.load(); }
+
 std::array<int64_t, kNumMemoryCategories> MemoryLedger::peak_breakdown() const {
   std::array<int64_t, kNumMemoryCategories> out{};
   for (int c = 0; c < kNumMemoryCategories; ++c) out[c] = g_counters.peak_breakdown[c].load();
@@ -202,6 +215,7 @@ void MemoryLedger::reset_peaks() {
     g_counters.peak[c].store(g_counters.current[c].load());
   }
   g_counters.peak_total.store(g_counters.current_total.load());
+  g_counters.peak_device.store(g_counters.current_device.load());
   snapshot_breakdown();
 }
 
@@ -215,6 +229,11 @@ void MemoryLedger::recharge(const at::Tensor& t, MemoryCategory to) {
   const int64_t now = g_counters.current[target].fetch_add(h->size) + h->size;
   raise_peak(g_counters.peak[target], now);
   g_counters.current[from].fetch_sub(h->size);
+  if (from == kHostCategory && target != kHostCategory) {
+    raise_peak(g_counters.peak_device, g_counters.current_device.fetch_add(h->size) + h->size);
+  } else if (from != kHostCategory && target == kHostCategory) {
+    g_counters.current_device.fetch_sub(h->size);
+  }
 }
 
 int MemoryLedger::charged_category(const at::Tensor& t) const {

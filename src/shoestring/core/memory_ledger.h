@@ -26,12 +26,16 @@ enum class MemoryCategory : int {
   optimizer_state,
   activations,
   temporaries,
-  other
+  other,
+  /// Bytes kept in HOST memory on behalf of the device: optimizer state with
+  /// offload_optimizer_state (pinned when CUDA is present). Not device
+  /// memory: device_current_total() / device_peak_total() exclude it.
+  host_offload
 };
-constexpr int kNumMemoryCategories = 6;
+constexpr int kNumMemoryCategories = 7;
 
 /// "weights", "gradients", "optimizer_state", "activations", "temporaries",
-/// "other"; "unknown" for values outside the enum.
+/// "other", "host_offload"; "unknown" for values outside the enum.
 const char* to_string(MemoryCategory category);
 
 /// Process-wide ledger of CPU tensor memory allocated through libtorch.
@@ -70,6 +74,12 @@ class MemoryLedger {
   /// Per-category bytes at the moment the total peak was reached (see the
   /// class comment about concurrency). Indexed by int(MemoryCategory).
   std::array<int64_t, kNumMemoryCategories> peak_breakdown() const;
+  /// Current / peak bytes of every category except host_offload: the memory
+  /// an accelerator would hold (on a CPU-only run, what is left when
+  /// offloaded state is set aside). The device peak is tracked on its own
+  /// (it is not peak_total() minus a host peak).
+  int64_t device_current_total() const;
+  int64_t device_peak_total() const;
 
   /// Sets every peak (per category, total and the breakdown) to the current
   /// value, e.g. at the start of a measured phase.
@@ -89,6 +99,7 @@ class MemoryLedger {
   int charged_category(const at::Tensor& t) const;
 
   /// {"current_bytes": total, "peak_bytes": total peak,
+  ///  "device_peak_bytes": device_peak_total(),
   ///  "current": {category: bytes}, "peak": {category: bytes at the total
   ///  peak (peak_breakdown)}, "peak_per_category": {category: peak_bytes}}.
   nlohmann::json to_json() const;

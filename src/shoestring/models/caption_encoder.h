@@ -12,11 +12,11 @@
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/dropout.h>
-#include <torch/nn/modules/embedding.h>
-#include <torch/nn/modules/normalization.h>
 #include <torch/nn/pimpl.h>
 
 #include "shoestring/nn/attention.h"
+#include "shoestring/nn/block_precision.h"
+#include "shoestring/nn/layers.h"
 #include "shoestring/nn/transformer.h"
 
 namespace shoestring::models {
@@ -34,6 +34,8 @@ struct CaptionEncoderOptions {
   /// MLP hidden width = mlp_ratio * dim (GELU MLP).
   TORCH_ARG(int64_t, mlp_ratio) = 4;
   TORCH_ARG(double, dropout) = 0.0;
+  /// Device/dtype of the parameters; nn::LayerInit{torch::kMeta} allocates nothing.
+  TORCH_ARG(nn::LayerInit, init) = nn::LayerInit{};
 };
 
 /// Output of CaptionEncoder::forward.
@@ -51,7 +53,7 @@ class CaptionEncoderLayerImpl : public torch::nn::Module {
   /// x: [B, L, dim]; mask: [B, L] bool (true = real token). Returns [B, L, dim].
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& mask);
 
-  torch::nn::LayerNorm norm1{nullptr}, norm2{nullptr};
+  nn::LayerNorm norm1{nullptr}, norm2{nullptr};
   nn::Attention attn{nullptr};
   nn::FeedForward mlp{nullptr};
   torch::nn::Dropout dropout{nullptr};
@@ -72,13 +74,18 @@ class CaptionEncoderImpl : public torch::nn::Module {
 
   const CaptionEncoderOptions& options() const { return options_; }
 
-  torch::nn::Embedding token_embedding{nullptr};
+  /// The blocks of this encoder (every layers.<i>), for per-block compute
+  /// dtype and checkpointing (precision::apply).
+  nn::BlockTable* block_table() const { return block_table_.get(); }
+
+  nn::Embedding token_embedding{nullptr};
   torch::Tensor position_embedding;  // [max_length, dim]
   torch::nn::ModuleList layers{nullptr};
-  torch::nn::LayerNorm final_norm{nullptr};
+  nn::LayerNorm final_norm{nullptr};
 
  private:
   CaptionEncoderOptions options_;
+  std::shared_ptr<nn::BlockTable> block_table_ = std::make_shared<nn::BlockTable>();
 };
 TORCH_MODULE(CaptionEncoder);
 

@@ -16,15 +16,17 @@ nn::TransformerOptions transformer_options(const TinyUNetOptions& o, int64_t cha
       .num_kv_heads(o.num_kv_heads())
       .context_dim(o.context_dim())
       .dropout(o.dropout())
-      .groups(o.groups());
+      .groups(o.groups())
+      .init(o.init());
 }
 
 nn::ResBlock make_res(const TinyUNetOptions& o, int64_t in, int64_t out, int64_t temb_dim) {
-  return nn::ResBlock(nn::ResBlockOptions(in, out, temb_dim).groups(o.groups()).dropout(o.dropout()));
+  return nn::ResBlock(
+      nn::ResBlockOptions(in, out, temb_dim).groups(o.groups()).dropout(o.dropout()).init(o.init()));
 }
 
-torch::nn::Conv2d conv3x3(int64_t in, int64_t out, int64_t stride = 1) {
-  return torch::nn::Conv2d(torch::nn::Conv2dOptions(in, out, 3).stride(stride).padding(1));
+nn::Conv2d conv3x3(const TinyUNetOptions& o, int64_t in, int64_t out, int64_t stride = 1) {
+  return nn::Conv2d(in, out, 3, stride, 1, true, o.init());
 }
 
 }  // namespace
@@ -61,8 +63,9 @@ TinyUNetImpl::TinyUNetImpl(const TinyUNetOptions& options) : options_(options) {
 
   const int64_t base = o.base_channels();
   const int64_t temb_dim = 4 * base;  // as LDM: time_embed_dim = 4 * model_channels
-  time_embed = register_module("time_embed", nn::TimestepEmbedding(base, temb_dim));
-  conv_in = register_module("conv_in", conv3x3(o.in_channels(), base));
+  time_embed = register_module("time_embed",
+                               nn::TimestepEmbedding(base, temb_dim, nn::KeyLayout::kShoestring, o.init()));
+  conv_in = register_module("conv_in", conv3x3(o, o.in_channels(), base));
 
   // Down path; record the channels of every tensor pushed as a skip.
   std::vector<int64_t> skip_channels{base};
@@ -78,7 +81,7 @@ TinyUNetImpl::TinyUNetImpl(const TinyUNetOptions& options) : options_(options) {
       skip_channels.push_back(ch);
     }
     if (l + 1 < levels) {
-      level->downsample = level->register_module("downsample", conv3x3(ch, ch, 2));
+      level->downsample = level->register_module("downsample", conv3x3(o, ch, ch, 2));
       skip_channels.push_back(ch);
     }
     down->push_back(level);
@@ -98,47 +101,51 @@ TinyUNetImpl::TinyUNetImpl(const TinyUNetOptions& options) : options_(options) {
       ch = out;
       if (has_attn[l]) level->attn->push_back(nn::SpatialTransformer(transformer_options(o, ch)));
     }
-    if (l > 0) level->upsample = level->register_module("upsample", conv3x3(ch, ch));
+    if (l > 0) level->upsample = level->register_module("upsample", conv3x3(o, ch, ch));
     up_levels[l] = level;
   }
   up = register_module("up", torch::nn::ModuleList());
   for (auto& level : up_levels) up->push_back(level);
 
-  norm_out = register_module(
-      "norm_out", torch::nn::GroupNorm(torch::nn::GroupNormOptions(nn::norm_groups(ch, o.groups()), ch)));
-  conv_out = register_module("conv_out", conv3x3(ch, o.out_channels()));
-  torch::NoGradGuard no_grad;
-  conv_out->weight.zero_();
-  conv_out->bias.zero_();
+  norm_out = register_module("norm_out", nn::GroupNorm(nn::norm_groups(ch, o.groups()), ch, 1e-5, true, o.init()));
+  conv_out = register_module("conv_out", conv3x3(o, ch, o.out_channels()));
+  // Every ResBlock and SpatialTransformer is a block (precision rules, checkpointing).
+  auto declare_level = [this](TinyUNetLevelImpl& level) {
+    for (const auto& m : *level.res) block_table_->declare(m.get());
+    for (const auto& m : *level.attn) block_table_->declare(m.get());
+  };
+  for (const auto& level : *down) declare_level(*level->as<TinyUNetLevelImpl>());
+  for (const auto& level : *up) declare_level(*level->as<TinyUNetLevelImpl>());
+  block_table_->declare(mid->res1.get());
+  block_table_->declare(mid->attn.get());
+  block_table_->declare(mid->res2.get());
+  if (!o.init().is_meta()) {
+    torch::NoGradGuard no_grad;
+    conv_out->weight.zero_();
+    conv_out->bias.zero_();
+  }
 }
 
 torch::Tensor TinyUNetImpl::run_res(nn::ResBlock& block, const torch::Tensor& x, const torch::Tensor& temb) {
-  if (gradient_checkpointing_ && is_training()) {
-    // Shared ownership: the segment is called again during backward.
-    std::shared_ptr<nn::ResBlockImpl> b = block.ptr();
-    return nn::checkpoint(
-        [b](const std::vector<torch::Tensor>& in) { return std::vector<torch::Tensor>{b->forward(in[0], in[1])}; },
-        {x, temb})[0];
-  }
-  // Gradient barrier: aliasing the inputs makes autograd sum the gradients
-  // from inside the block before adding those from outside, the association
-  // the checkpointed path has. Checkpointing then changes no bit of the result.
-  if (torch::GradMode::is_enabled()) return block->forward(x.alias(), temb.alias());
-  return block->forward(x, temb);
+  // Shared ownership: a checkpointed segment is called again during backward.
+  // run_block passes aliased inputs when not checkpointing, so checkpointing
+  // changes no bit of the result (see nn/block_precision.h).
+  std::shared_ptr<nn::ResBlockImpl> b = block.ptr();
+  return nn::run_block(
+      block_table_.get(), b,
+      [b](const std::vector<torch::Tensor>& in) { return std::vector<torch::Tensor>{b->forward(in[0], in[1])}; },
+      {x, temb}, gradient_checkpointing_)[0];
 }
 
 torch::Tensor TinyUNetImpl::run_attn(nn::SpatialTransformer& block, const torch::Tensor& x,
                                      const torch::Tensor& context, const torch::Tensor& mask) {
-  if (gradient_checkpointing_ && is_training()) {
-    std::shared_ptr<nn::SpatialTransformerImpl> b = block.ptr();
-    return nn::checkpoint(
-        [b, mask](const std::vector<torch::Tensor>& in) {
-          return std::vector<torch::Tensor>{b->forward(in[0], in[1], mask)};
-        },
-        {x, context})[0];
-  }
-  if (torch::GradMode::is_enabled()) return block->forward(x.alias(), context.alias(), mask);  // see run_res
-  return block->forward(x, context, mask);
+  std::shared_ptr<nn::SpatialTransformerImpl> b = block.ptr();
+  return nn::run_block(
+      block_table_.get(), b,
+      [b, mask](const std::vector<torch::Tensor>& in) {
+        return std::vector<torch::Tensor>{b->forward(in[0], in[1], mask)};
+      },
+      {x, context}, gradient_checkpointing_)[0];
 }
 
 torch::Tensor TinyUNetImpl::forward(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& context,
@@ -146,7 +153,8 @@ torch::Tensor TinyUNetImpl::forward(const torch::Tensor& x, const torch::Tensor&
   const auto& o = options_;
   const int64_t levels = static_cast<int64_t>(o.channel_mult().size());
   const int64_t factor = int64_t{1} << (levels - 1);
-  const auto dtype = conv_in->weight.scalar_type();
+  // Inside a precision scope the model computes in the scope's dtype.
+  const auto dtype = nn::current_compute_dtype().value_or(conv_in->weight.scalar_type());
   if (!x.defined() || x.dim() != 4 || x.size(1) != o.in_channels()) {
     fail("TinyUNet: x must be [B, {}, H, W]", o.in_channels());
   }

@@ -21,10 +21,10 @@
 
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
-#include <torch/nn/modules/conv.h>
-#include <torch/nn/modules/normalization.h>
 #include <torch/nn/pimpl.h>
 
+#include "shoestring/nn/block_precision.h"
+#include "shoestring/nn/layers.h"
 #include "shoestring/nn/resblock.h"
 #include "shoestring/nn/timestep.h"
 #include "shoestring/nn/transformer.h"
@@ -56,6 +56,9 @@ struct TinyUNetOptions {
   /// are ~2x faster on CPU that way, and the transformer's [B, H*W, C] token
   /// view needs no copy. Weights and the returned tensor stay contiguous NCHW.
   TORCH_ARG(bool, channels_last) = true;
+  /// Device/dtype of the parameters; nn::LayerInit{torch::kMeta} builds the
+  /// module tree without allocating.
+  TORCH_ARG(nn::LayerInit, init) = nn::LayerInit{};
 };
 
 /// One resolution level: res.<i> ResBlocks, attn.<i> SpatialTransformers (empty
@@ -65,7 +68,7 @@ class TinyUNetLevelImpl : public torch::nn::Module {
  public:
   TinyUNetLevelImpl();
   torch::nn::ModuleList res{nullptr}, attn{nullptr};
-  torch::nn::Conv2d downsample{nullptr}, upsample{nullptr};
+  nn::Conv2d downsample{nullptr}, upsample{nullptr};
 };
 TORCH_MODULE(TinyUNetLevel);
 
@@ -98,8 +101,14 @@ class TinyUNetImpl : public torch::nn::Module {
   /// When on and the module is in training mode, every ResBlock and
   /// SpatialTransformer runs through nn::checkpoint (Chen et al. 2016): its
   /// activations are recomputed in backward instead of stored.
+  /// Used only while block_table() is not configured; a configured table
+  /// decides per block (precision rules, nn/block_precision.h).
   void set_gradient_checkpointing(bool on) { gradient_checkpointing_ = on; }
   bool gradient_checkpointing() const { return gradient_checkpointing_; }
+
+  /// The blocks of this UNet (every ResBlock and SpatialTransformer), for
+  /// per-block compute dtype and checkpointing (precision::apply).
+  nn::BlockTable* block_table() const { return block_table_.get(); }
 
   /// Number of scalar parameters (sum of numel over parameters()).
   int64_t parameter_count() const;
@@ -107,10 +116,10 @@ class TinyUNetImpl : public torch::nn::Module {
   const TinyUNetOptions& options() const { return options_; }
 
   nn::TimestepEmbedding time_embed{nullptr};
-  torch::nn::Conv2d conv_in{nullptr}, conv_out{nullptr};
+  nn::Conv2d conv_in{nullptr}, conv_out{nullptr};
   torch::nn::ModuleList down{nullptr}, up{nullptr};
   TinyUNetMid mid{nullptr};
-  torch::nn::GroupNorm norm_out{nullptr};
+  nn::GroupNorm norm_out{nullptr};
 
  private:
   torch::Tensor run_res(nn::ResBlock& block, const torch::Tensor& x, const torch::Tensor& temb);
@@ -119,6 +128,7 @@ class TinyUNetImpl : public torch::nn::Module {
 
   TinyUNetOptions options_;
   bool gradient_checkpointing_ = false;
+  std::shared_ptr<nn::BlockTable> block_table_ = std::make_shared<nn::BlockTable>();
 };
 TORCH_MODULE(TinyUNet);
 

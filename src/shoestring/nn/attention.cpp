@@ -1,4 +1,5 @@
 #include "shoestring/nn/attention.h"
+#include "shoestring/nn/chunked_attention.h"
 
 #include <cmath>
 #include <limits>
@@ -6,23 +7,10 @@
 #include <torch/torch.h>
 
 #include "shoestring/core/error.h"
+#include "shoestring/nn/block_precision.h"
 #include "shoestring/core/units.h"
 
 namespace shoestring::nn {
-namespace {
-
-// Lowest finite value of a floating dtype: the fill for masked scores.
-double lowest_finite(at::ScalarType t) {
-  switch (t) {
-    case at::kHalf: return -65504.0;
-    case at::kBFloat16: return -3.3895313892515355e38;
-    case at::kDouble: return std::numeric_limits<double>::lowest();
-    default: return std::numeric_limits<float>::lowest();
-  }
-}
-
-
-}  // namespace
 
 AttentionImpl::AttentionImpl(const AttentionOptions& options) : options_(options) {
   if (options_.num_kv_heads() == 0) options_.num_kv_heads(options_.heads());
@@ -39,10 +27,12 @@ AttentionImpl::AttentionImpl(const AttentionOptions& options) : options_(options
   }
   const int64_t inner = o.heads() * o.head_dim();
   const int64_t kv_inner = o.num_kv_heads() * o.head_dim();
-  to_q = register_module("to_q", torch::nn::Linear(torch::nn::LinearOptions(o.query_dim(), inner).bias(false)));
-  to_k = register_module("to_k", torch::nn::Linear(torch::nn::LinearOptions(o.context_dim(), kv_inner).bias(false)));
-  to_v = register_module("to_v", torch::nn::Linear(torch::nn::LinearOptions(o.context_dim(), kv_inner).bias(false)));
-  to_out = register_module("to_out", torch::nn::Linear(inner, o.query_dim()));
+  const LayerInit& init = o.init();
+  to_q = register_module("to_q", Linear(o.query_dim(), inner, /*bias=*/false, init));
+  to_k = register_module("to_k", Linear(o.context_dim(), kv_inner, /*bias=*/false, init));
+  to_v = register_module("to_v", Linear(o.context_dim(), kv_inner, /*bias=*/false, init));
+  to_out = register_at(*this, o.layout() == KeyLayout::kShoestring ? "to_out" : "to_out.0",
+                       Linear(inner, o.query_dim(), /*bias=*/true, init));
 }
 
 torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& context,
@@ -70,17 +60,15 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
   // The 1/sqrt(d) scale is folded into the query weight, the smallest tensor
   // it can be applied to (gradients flow through the product as usual).
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
-  torch::Tensor q = torch::linear(x, to_q->weight * scale).view({B, Lq, Hkv, G, d}).permute({0, 2, 3, 1, 4});
-  q = q.reshape({B, Hkv, G * Lq, d});
+  torch::Tensor q = torch::linear(x, to_compute_dtype(to_q->weight) * scale);  // precision: nn/block_precision.h
+  if (to_q->adapter) q = q + to_q->adapter(x) * scale;  // LoRA (nn/lora.h): to_q's forward is bypassed here
+  q = q.view({B, Lq, Hkv, G, d}).permute({0, 2, 3, 1, 4}).reshape({B, Hkv, G * Lq, d});
   torch::Tensor k = to_k->forward(kv_in).view({B, Lk, Hkv, d}).transpose(1, 2);
   torch::Tensor v = to_v->forward(kv_in).view({B, Lk, Hkv, d}).transpose(1, 2);
 
-  torch::Tensor scores = torch::matmul(q, k.transpose(-1, -2));  // [B, Hkv, G*Lq, Lk]
-  if (key_mask.defined()) {
-    scores = scores.masked_fill(key_mask.logical_not().view({B, 1, 1, Lk}),
-                                lowest_finite(scores.scalar_type()));
-  }
-  torch::Tensor out = torch::matmul(scores.softmax(-1), v);  // [B, Hkv, G*Lq, d]
+  // softmax(q k^T) v, in query blocks when the score matrix is larger than
+  // attention_chunk_bytes() (nn/chunked_attention.h).
+  torch::Tensor out = attention_core(q, k, v, key_mask);  // [B, Hkv, G*Lq, d]
   out = out.view({B, Hkv, G, Lq, d}).permute({0, 3, 1, 2, 4}).reshape({B, Lq, H * d});
   return to_out->forward(out);
 }

@@ -1,13 +1,16 @@
 // Multi-head scaled dot-product attention (Vaswani et al. 2017) with optional
 // grouped-query attention (Ainslie et al. 2023, "GQA", arXiv 2305.13245) and
 // a key padding mask. Parameter names follow the Stable Diffusion / LDM
-// CrossAttention module: to_q, to_k, to_v (no bias), to_out (with bias).
+// CrossAttention module: to_q, to_k, to_v (no bias), to_out (with bias; LDM
+// files call it to_out.0, see AttentionOptions::layout).
 #pragma once
 #include <cstdint>
 
 #include <torch/nn/module.h>
-#include <torch/nn/modules/linear.h>
 #include <torch/nn/pimpl.h>
+
+#include "shoestring/nn/key_layout.h"
+#include "shoestring/nn/layers.h"
 
 namespace shoestring::nn {
 
@@ -26,6 +29,11 @@ struct AttentionOptions {
   /// Number of key/value heads; 0 means `heads` (plain multi-head attention).
   /// Must divide `heads`; query head h uses key/value head h / (heads / num_kv_heads).
   TORCH_ARG(int64_t, num_kv_heads) = 0;
+  /// Key name of the output projection: kShoestring "to_out", kLdm "to_out.0"
+  /// (LDM's to_out is nn.Sequential(Linear, Dropout)).
+  TORCH_ARG(KeyLayout, layout) = KeyLayout::kShoestring;
+  /// Device/dtype of the parameters; LayerInit{torch::kMeta} allocates nothing.
+  TORCH_ARG(LayerInit, init) = LayerInit{};
 };
 
 /// Multi-head attention: out = to_out(concat_h softmax(Q_h K_g(h)^T / sqrt(d)) V_g(h)).
@@ -48,7 +56,7 @@ class AttentionImpl : public torch::nn::Module {
 
   const AttentionOptions& options() const { return options_; }
 
-  torch::nn::Linear to_q{nullptr}, to_k{nullptr}, to_v{nullptr}, to_out{nullptr};
+  Linear to_q{nullptr}, to_k{nullptr}, to_v{nullptr}, to_out{nullptr};
 
  private:
   AttentionOptions options_;

@@ -22,25 +22,34 @@ ResBlockImpl::ResBlockImpl(const ResBlockOptions& options) : options_(options) {
     fail("ResBlock: bad sizes (in_channels {}, out_channels {}, temb_dim {})", o.in_channels(),
          o.out_channels(), o.temb_dim());
   }
-  using namespace torch::nn;
-  norm1 = register_module(
-      "norm1", GroupNorm(GroupNormOptions(norm_groups(o.in_channels(), o.groups()), o.in_channels()).eps(o.eps())));
-  conv1 = register_module("conv1", Conv2d(Conv2dOptions(o.in_channels(), o.out_channels(), 3).padding(1)));
-  if (o.temb_dim() > 0) {
-    time_emb_proj = register_module("time_emb_proj", Linear(o.temb_dim(), o.out_channels()));
-  }
-  norm2 = register_module(
-      "norm2", GroupNorm(GroupNormOptions(norm_groups(o.out_channels(), o.groups()), o.out_channels()).eps(o.eps())));
-  dropout = register_module("dropout", Dropout(o.dropout()));
-  conv2 = register_module("conv2", Conv2d(Conv2dOptions(o.out_channels(), o.out_channels(), 3).padding(1)));
-  if (o.zero_init_out()) {
+  // Key names per layout, in registration order:
+  // norm1, conv1, time_emb_proj, norm2, dropout, conv2, conv_shortcut.
+  struct Names {
+    const char *norm1, *conv1, *temb, *norm2, *dropout, *conv2, *shortcut;
+  };
+  static constexpr Names kShoestringNames{"norm1", "conv1", "time_emb_proj", "norm2", "dropout", "conv2",
+                                          "conv_shortcut"};
+  static constexpr Names kLdmNames{"in_layers.0",  "in_layers.2",  "emb_layers.1",   "out_layers.0",
+                                   "out_layers.2", "out_layers.3", "skip_connection"};
+  static constexpr Names kAutoencoderNames{"norm1", "conv1", "temb_proj", "norm2", "dropout", "conv2",
+                                           "nin_shortcut"};
+  const Names& n = o.layout() == KeyLayout::kLdm               ? kLdmNames
+                   : o.layout() == KeyLayout::kLdmAutoencoder ? kAutoencoderNames
+                                                               : kShoestringNames;
+  const LayerInit& init = o.init();
+  const int64_t in = o.in_channels(), out = o.out_channels();
+  norm1 = register_at(*this, n.norm1, GroupNorm(norm_groups(in, o.groups()), in, o.eps(), true, init));
+  conv1 = register_at(*this, n.conv1, Conv2d(in, out, 3, 1, 1, true, init));
+  if (o.temb_dim() > 0) time_emb_proj = register_at(*this, n.temb, Linear(o.temb_dim(), out, true, init));
+  norm2 = register_at(*this, n.norm2, GroupNorm(norm_groups(out, o.groups()), out, o.eps(), true, init));
+  dropout = register_at(*this, n.dropout, torch::nn::Dropout(o.dropout()));
+  conv2 = register_at(*this, n.conv2, Conv2d(out, out, 3, 1, 1, true, init));
+  if (o.zero_init_out() && !init.is_meta()) {
     torch::NoGradGuard no_grad;
     conv2->weight.zero_();
     conv2->bias.zero_();
   }
-  if (o.in_channels() != o.out_channels()) {
-    conv_shortcut = register_module("conv_shortcut", Conv2d(Conv2dOptions(o.in_channels(), o.out_channels(), 1)));
-  }
+  if (in != out) conv_shortcut = register_at(*this, n.shortcut, Conv2d(in, out, 1, 1, 0, true, init));
 }
 
 torch::Tensor ResBlockImpl::forward(const torch::Tensor& x, const torch::Tensor& temb) {

@@ -4,15 +4,17 @@
 //   h = conv1(SiLU(norm1(x))) + time_emb_proj(SiLU(temb))[:, :, None, None]
 //   h = conv2(dropout(SiLU(norm2(h))))
 //   out = conv_shortcut(x) + h          (conv_shortcut: 1x1, only when channels change)
+// The same block is the VAE's ResnetBlock (ldm/modules/diffusionmodules/model.py)
+// with temb_dim 0 and eps 1e-6; `layout` picks the checkpoint's key names.
 #pragma once
 #include <cstdint>
 
 #include <torch/nn/module.h>
-#include <torch/nn/modules/conv.h>
 #include <torch/nn/modules/dropout.h>
-#include <torch/nn/modules/linear.h>
-#include <torch/nn/modules/normalization.h>
 #include <torch/nn/pimpl.h>
+
+#include "shoestring/nn/key_layout.h"
+#include "shoestring/nn/layers.h"
 
 namespace shoestring::nn {
 
@@ -35,10 +37,18 @@ struct ResBlockOptions {
   TORCH_ARG(double, eps) = 1e-5;
   /// Zero-initialise conv2 so the block starts as the identity (LDM's `zero_module`).
   TORCH_ARG(bool, zero_init_out) = true;
+  /// Key names (see KeyLayout): kShoestring norm1, conv1, time_emb_proj, norm2,
+  /// conv2, conv_shortcut; kLdm in_layers.0, in_layers.2, emb_layers.1,
+  /// out_layers.0, out_layers.3, skip_connection; kLdmAutoencoder norm1, conv1,
+  /// temb_proj, norm2, conv2, nin_shortcut.
+  TORCH_ARG(KeyLayout, layout) = KeyLayout::kShoestring;
+  /// Device/dtype of the parameters; LayerInit{torch::kMeta} allocates nothing.
+  TORCH_ARG(LayerInit, init) = LayerInit{};
 };
 
-/// DDPM / LDM residual block. Submodules: norm1, conv1, time_emb_proj (if
-/// temb_dim > 0), norm2, dropout, conv2, conv_shortcut (if channels change).
+/// DDPM / LDM residual block. Layers: norm1, conv1, time_emb_proj (if
+/// temb_dim > 0), norm2, dropout, conv2, conv_shortcut (if channels change),
+/// registered under the names of options.layout().
 /// Runs in the dtype of its parameters (fp32 or bf16).
 class ResBlockImpl : public torch::nn::Module {
  public:
@@ -52,9 +62,9 @@ class ResBlockImpl : public torch::nn::Module {
 
   const ResBlockOptions& options() const { return options_; }
 
-  torch::nn::GroupNorm norm1{nullptr}, norm2{nullptr};
-  torch::nn::Conv2d conv1{nullptr}, conv2{nullptr}, conv_shortcut{nullptr};
-  torch::nn::Linear time_emb_proj{nullptr};
+  GroupNorm norm1{nullptr}, norm2{nullptr};
+  Conv2d conv1{nullptr}, conv2{nullptr}, conv_shortcut{nullptr};
+  Linear time_emb_proj{nullptr};
   torch::nn::Dropout dropout{nullptr};
 
  private:

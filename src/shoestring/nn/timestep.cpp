@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include "shoestring/core/error.h"
+#include "shoestring/nn/block_precision.h"
 
 namespace shoestring::nn {
 
@@ -20,14 +21,16 @@ torch::Tensor timestep_embedding(const torch::Tensor& t, int64_t dim, double max
   return emb;
 }
 
-TimestepEmbeddingImpl::TimestepEmbeddingImpl(int64_t in_dim, int64_t time_dim) {
+TimestepEmbeddingImpl::TimestepEmbeddingImpl(int64_t in_dim, int64_t time_dim, KeyLayout layout,
+                                             const LayerInit& init) {
   if (in_dim <= 0 || time_dim <= 0) fail("TimestepEmbedding: bad sizes (in_dim {}, time_dim {})", in_dim, time_dim);
-  linear_1 = register_module("linear_1", torch::nn::Linear(in_dim, time_dim));
-  linear_2 = register_module("linear_2", torch::nn::Linear(time_dim, time_dim));
+  const bool ldm = layout != KeyLayout::kShoestring;
+  linear_1 = register_module(ldm ? "0" : "linear_1", Linear(in_dim, time_dim, true, init));
+  linear_2 = register_module(ldm ? "2" : "linear_2", Linear(time_dim, time_dim, true, init));
 }
 
 torch::Tensor TimestepEmbeddingImpl::forward(const torch::Tensor& x) {
-  return linear_2->forward(torch::silu(linear_1->forward(x.to(linear_1->weight.scalar_type()))));
+  return linear_2->forward(torch::silu(linear_1->forward(x.to(current_compute_dtype().value_or(linear_1->weight.scalar_type())))));
 }
 
 }  // namespace shoestring::nn

@@ -7,12 +7,15 @@
 
 namespace shoestring::nn {
 
-FeedForwardImpl::FeedForwardImpl(int64_t dim, int64_t inner_dim, bool gated, double dropout_p)
+FeedForwardImpl::FeedForwardImpl(int64_t dim, int64_t inner_dim, bool gated, double dropout_p, KeyLayout layout,
+                                 const LayerInit& init)
     : gated_(gated) {
   if (dim <= 0 || inner_dim <= 0) fail("FeedForward: bad sizes (dim {}, inner_dim {})", dim, inner_dim);
-  proj = register_module("proj", torch::nn::Linear(dim, gated ? 2 * inner_dim : inner_dim));
-  dropout = register_module("dropout", torch::nn::Dropout(dropout_p));
-  out = register_module("out", torch::nn::Linear(inner_dim, dim));
+  const bool ldm = layout != KeyLayout::kShoestring;
+  proj = register_at(*this, ldm ? (gated ? "net.0.proj" : "net.0.0") : "proj",
+                     Linear(dim, gated ? 2 * inner_dim : inner_dim, true, init));
+  dropout = register_at(*this, ldm ? "net.1" : "dropout", torch::nn::Dropout(dropout_p));
+  out = register_at(*this, ldm ? "net.2" : "out", Linear(inner_dim, dim, true, init));
 }
 
 torch::Tensor FeedForwardImpl::forward(const torch::Tensor& x) {
@@ -27,20 +30,23 @@ torch::Tensor FeedForwardImpl::forward(const torch::Tensor& x) {
 }
 
 TransformerBlockImpl::TransformerBlockImpl(const TransformerOptions& o) {
-  using torch::nn::LayerNorm;
-  using torch::nn::LayerNormOptions;
   const int64_t dim = o.dim();
-  norm1 = register_module("norm1", LayerNorm(LayerNormOptions({dim})));
-  attn1 = register_module(
-      "attn1", Attention(AttentionOptions(dim, o.heads(), o.head_dim()).num_kv_heads(o.num_kv_heads())));
+  const LayerInit& init = o.init();
+  auto attention = [&](int64_t context_dim) {
+    return Attention(AttentionOptions(dim, o.heads(), o.head_dim())
+                         .context_dim(context_dim)
+                         .num_kv_heads(o.num_kv_heads())
+                         .layout(o.layout())
+                         .init(init));
+  };
+  norm1 = register_module("norm1", LayerNorm(dim, 1e-5, true, true, init));
+  attn1 = register_module("attn1", attention(0));
   if (o.context_dim() > 0) {
-    norm2 = register_module("norm2", LayerNorm(LayerNormOptions({dim})));
-    attn2 = register_module("attn2", Attention(AttentionOptions(dim, o.heads(), o.head_dim())
-                                                   .context_dim(o.context_dim())
-                                                   .num_kv_heads(o.num_kv_heads())));
+    norm2 = register_module("norm2", LayerNorm(dim, 1e-5, true, true, init));
+    attn2 = register_module("attn2", attention(o.context_dim()));
   }
-  norm3 = register_module("norm3", LayerNorm(LayerNormOptions({dim})));
-  ff = register_module("ff", FeedForward(dim, o.ff_mult() * dim, o.gated_ff(), o.dropout()));
+  norm3 = register_module("norm3", LayerNorm(dim, 1e-5, true, true, init));
+  ff = register_module("ff", FeedForward(dim, o.ff_mult() * dim, o.gated_ff(), o.dropout(), o.layout(), init));
 }
 
 torch::Tensor TransformerBlockImpl::forward(const torch::Tensor& x, const torch::Tensor& context,
@@ -59,17 +65,30 @@ SpatialTransformerImpl::SpatialTransformerImpl(const TransformerOptions& options
     fail("SpatialTransformer: bad sizes (dim {}, heads {}, head_dim {}, depth {}, ff_mult {})", o.dim(),
          o.heads(), o.head_dim(), o.depth(), o.ff_mult());
   }
-  using namespace torch::nn;
+  const LayerInit& init = o.init();
+  const int64_t dim = o.dim();
   // eps 1e-6 as LDM's SpatialTransformer.norm.
-  norm = register_module("norm", GroupNorm(GroupNormOptions(norm_groups(o.dim(), o.groups()), o.dim()).eps(1e-6)));
-  proj_in = register_module("proj_in", Conv2d(Conv2dOptions(o.dim(), o.dim(), 1)));
-  blocks = register_module("blocks", ModuleList());
+  norm = register_module("norm", GroupNorm(norm_groups(dim, o.groups()), dim, 1e-6, true, init));
+  if (o.linear_proj()) {
+    proj_in_linear = register_module("proj_in", Linear(dim, dim, true, init));
+  } else {
+    proj_in = register_module("proj_in", Conv2d(dim, dim, 1, 1, 0, true, init));
+  }
+  blocks = register_module(o.layout() == KeyLayout::kShoestring ? "blocks" : "transformer_blocks",
+                           torch::nn::ModuleList());
   for (int64_t i = 0; i < o.depth(); ++i) blocks->push_back(TransformerBlock(o));
-  proj_out = register_module("proj_out", Conv2d(Conv2dOptions(o.dim(), o.dim(), 1)));
-  if (o.zero_init_out()) {
+  torch::Tensor out_w, out_b;
+  if (o.linear_proj()) {
+    proj_out_linear = register_module("proj_out", Linear(dim, dim, true, init));
+    out_w = proj_out_linear->weight, out_b = proj_out_linear->bias;
+  } else {
+    proj_out = register_module("proj_out", Conv2d(dim, dim, 1, 1, 0, true, init));
+    out_w = proj_out->weight, out_b = proj_out->bias;
+  }
+  if (o.zero_init_out() && !init.is_meta()) {
     torch::NoGradGuard no_grad;
-    proj_out->weight.zero_();
-    proj_out->bias.zero_();
+    out_w.zero_();
+    out_b.zero_();
   }
 }
 
@@ -79,15 +98,20 @@ torch::Tensor SpatialTransformerImpl::forward(const torch::Tensor& x, const torc
     fail("SpatialTransformer: input x must be [B, {}, H, W], got a {}-d tensor", options_.dim(), x.dim());
   }
   const int64_t B = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3);
-  torch::Tensor h = proj_in->forward(norm->forward(x));
+  torch::Tensor h = norm->forward(x);
   // [B, H*W, C]: a free view when x is channels-last (NHWC), else a strided
   // view that the first LayerNorm makes contiguous.
-  h = h.flatten(2).transpose(1, 2);
+  if (proj_in) {
+    h = proj_in->forward(h).flatten(2).transpose(1, 2);
+  } else {
+    h = proj_in_linear->forward(h.flatten(2).transpose(1, 2));
+  }
   for (const auto& block : *blocks) {
     h = block->as<TransformerBlockImpl>()->forward(h, context, context_mask);
   }
+  if (proj_out_linear) h = proj_out_linear->forward(h);
   h = h.transpose(1, 2).reshape({B, C, H, W});  // a channels-last view of contiguous tokens
-  return x + proj_out->forward(h);
+  return x + (proj_out ? proj_out->forward(h) : h);
 }
 
 }  // namespace shoestring::nn

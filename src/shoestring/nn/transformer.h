@@ -7,28 +7,30 @@
 
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
-#include <torch/nn/modules/conv.h>
 #include <torch/nn/modules/dropout.h>
-#include <torch/nn/modules/linear.h>
-#include <torch/nn/modules/normalization.h>
 #include <torch/nn/pimpl.h>
 
 #include "shoestring/nn/attention.h"
+#include "shoestring/nn/key_layout.h"
+#include "shoestring/nn/layers.h"
 
 namespace shoestring::nn {
 
 /// Position-wise feed-forward: GEGLU (gated=true): out(dropout(a * GELU(g)))
 /// with [a, g] = proj(x).chunk(2); plain (gated=false): out(dropout(GELU(proj(x)))).
-/// GELU is the exact (erf) form. Submodules: proj, dropout, out.
+/// GELU is the exact (erf) form. Submodules: proj, dropout, out; key names
+/// kShoestring proj / dropout / out, kLdm net.0.proj (gated) or net.0.0
+/// (plain) / net.1 / net.2 (LDM's FeedForward.net Sequential).
 class FeedForwardImpl : public torch::nn::Module {
  public:
   /// dim: input/output channels; inner_dim: hidden width (the gated form's
   /// proj emits 2*inner_dim). Throws shoestring::Error on non-positive sizes.
-  FeedForwardImpl(int64_t dim, int64_t inner_dim, bool gated = true, double dropout = 0.0);
+  FeedForwardImpl(int64_t dim, int64_t inner_dim, bool gated = true, double dropout = 0.0,
+                  KeyLayout layout = KeyLayout::kShoestring, const LayerInit& init = {});
   /// x: [..., dim] -> [..., dim].
   torch::Tensor forward(const torch::Tensor& x);
 
-  torch::nn::Linear proj{nullptr}, out{nullptr};
+  Linear proj{nullptr}, out{nullptr};
   torch::nn::Dropout dropout{nullptr};
 
  private:
@@ -60,6 +62,15 @@ struct TransformerOptions {
   /// Zero-initialise SpatialTransformer.proj_out (LDM's `zero_module`), so the
   /// block starts as the identity.
   TORCH_ARG(bool, zero_init_out) = true;
+  /// SpatialTransformer proj_in / proj_out as Linear [dim, dim] on tokens
+  /// (SDXL / SD2: `use_linear_in_transformer`) instead of 1x1 convolutions
+  /// [dim, dim, 1, 1] on the feature map (SD 1.x). The same map either way.
+  TORCH_ARG(bool, linear_proj) = false;
+  /// Key names (see KeyLayout): SpatialTransformer blocks.<i> (kShoestring)
+  /// or transformer_blocks.<i> (kLdm); passed on to Attention and FeedForward.
+  TORCH_ARG(KeyLayout, layout) = KeyLayout::kShoestring;
+  /// Device/dtype of the parameters; LayerInit{torch::kMeta} allocates nothing.
+  TORCH_ARG(LayerInit, init) = LayerInit{};
 };
 
 /// Pre-norm transformer block (LDM BasicTransformerBlock):
@@ -73,7 +84,7 @@ class TransformerBlockImpl : public torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& context = {},
                         const torch::Tensor& context_mask = {});
 
-  torch::nn::LayerNorm norm1{nullptr}, norm2{nullptr}, norm3{nullptr};
+  LayerNorm norm1{nullptr}, norm2{nullptr}, norm3{nullptr};
   Attention attn1{nullptr}, attn2{nullptr};
   FeedForward ff{nullptr};
 };
@@ -81,7 +92,9 @@ TORCH_MODULE(TransformerBlock);
 
 /// Transformer over a feature map (LDM SpatialTransformer):
 ///   h = proj_in(norm(x)) -> [B, H*W, dim] -> blocks -> [B, dim, H, W] -> proj_out;  out = x + h.
-/// proj_in / proj_out are 1x1 convolutions. Submodules: norm, proj_in, blocks.<i>, proj_out.
+/// proj_in / proj_out are 1x1 convolutions, or Linear layers with
+/// options.linear_proj(). Submodules: norm, proj_in, blocks.<i> (kLdm:
+/// transformer_blocks.<i>), proj_out.
 class SpatialTransformerImpl : public torch::nn::Module {
  public:
   /// Throws shoestring::Error on bad options.
@@ -93,8 +106,11 @@ class SpatialTransformerImpl : public torch::nn::Module {
 
   const TransformerOptions& options() const { return options_; }
 
-  torch::nn::GroupNorm norm{nullptr};
-  torch::nn::Conv2d proj_in{nullptr}, proj_out{nullptr};
+  GroupNorm norm{nullptr};
+  /// The projections: proj_in/proj_out (1x1 convs) unless linear_proj, then
+  /// proj_in_linear/proj_out_linear (registered as "proj_in"/"proj_out").
+  Conv2d proj_in{nullptr}, proj_out{nullptr};
+  Linear proj_in_linear{nullptr}, proj_out_linear{nullptr};
   torch::nn::ModuleList blocks{nullptr};
 
  private:

@@ -183,7 +183,7 @@ void FusedBackward::apply(size_t index, const at::Tensor& grad_fp32) {
   if (options_.clip_method == FusedClipMethod::previous_step_norm) sumsq_ += n * n;
   const double factor = multiplier_ * scale_;
   if (factor != 1.0) g.mul_(factor);  // g is this step's own gradient (freed .grad or buffer)
-  optimizer_.update(index, g, lr_, step_);
+  optimizer_.apply_update(index, g, lr_, step_);
   ++stepped_;
 }
 

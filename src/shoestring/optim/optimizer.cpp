@@ -2,6 +2,7 @@
 
 #include <sstream>
 
+#include <torch/cuda.h>
 #include <torch/torch.h>
 
 #include "shoestring/core/error.h"
@@ -22,10 +23,39 @@ void Optimizer::step(double lr, double grad_scale) {
     const at::Tensor& g = params_[i].param.grad();
     if (!g.defined()) continue;
     if (grad_scale != 1.0) {
-      update(i, g.to(torch::kFloat32).mul_(grad_scale), lr, step_count_);
+      apply_update(i, g.to(torch::kFloat32).mul_(grad_scale), lr, step_count_);
     } else {
-      update(i, g, lr, step_count_);
+      apply_update(i, g, lr, step_count_);
     }
+  }
+}
+
+void Optimizer::apply_update(size_t index, const at::Tensor& grad, double lr, int64_t step) {
+  if (!options_.offload_state) {
+    update(index, grad, lr, step);
+    return;
+  }
+  torch::NoGradGuard no_grad;
+  const at::Device device = params_[index].param.device();
+  auto& slots = state_[index];
+  // Stage in: a device copy of every host state tensor (on a CPU-only run a
+  // clone, so host and device bytes are counted apart as they would be).
+  {
+    ScopedMemoryCategory category(MemoryCategory::optimizer_state);
+    for (auto& [name, t] : slots) {
+      if (t.defined()) t = t.to(device, t.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
+    }
+  }
+  update(index, grad, lr, step);
+  // Stage out: host copies (pinned for fast transfers when CUDA is present);
+  // the device copies are freed when `t` is replaced.
+  const bool pinned = torch::cuda::is_available();
+  ScopedMemoryCategory category(MemoryCategory::host_offload);
+  for (auto& [name, t] : slots) {
+    if (!t.defined()) continue;
+    at::Tensor host = torch::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(pinned));
+    host.copy_(t);
+    t = host;
   }
 }
 
@@ -77,7 +107,8 @@ std::vector<std::pair<std::string, at::Tensor>> Optimizer::state_tensors() const
 
 void Optimizer::load_state_tensors(const std::map<std::string, at::Tensor>& tensors) {
   torch::NoGradGuard no_grad;
-  ScopedMemoryCategory category(MemoryCategory::optimizer_state);
+  ScopedMemoryCategory category(options_.offload_state ? MemoryCategory::host_offload
+                                                       : MemoryCategory::optimizer_state);
   std::map<std::string, std::pair<size_t, std::string>> expected;
   for (size_t i = 0; i < params_.size(); ++i) state_[i].clear();
   for (const auto& [key, t] : tensors) {

@@ -36,6 +36,10 @@ struct OptimizerOptions {
   /// dtype of full-size optimizer state tensors: kFloat32, or kBFloat16 (each
   /// update computed in fp32 and stochastically rounded back; see write_state).
   at::ScalarType state_dtype = at::kFloat;
+  /// Keep optimizer state in host memory between steps (config
+  /// `offload_optimizer_state`; DeepSpeed's offload_optimizer, OneTrainer's
+  /// optimizer offloading): see Optimizer::apply_update.
+  bool offload_state = false;
 };
 
 /// Base class. Subclasses implement update() for one parameter.
@@ -50,8 +54,21 @@ class Optimizer {
   void step(double lr, double grad_scale = 1.0);
 
   /// Updates parameter `index` from `grad` (any float dtype, same shape) at
-  /// optimizer step `step` (1-based, as torch.optim counts). Used by step().
+  /// optimizer step `step` (1-based, as torch.optim counts). Called through
+  /// apply_update().
   virtual void update(size_t index, const at::Tensor& grad, double lr, int64_t step) = 0;
+
+  /// update() with state offloading: when options().offload_state is set,
+  /// parameter `index`'s state tensors live in host memory (pinned when CUDA
+  /// is available; ledger category host_offload) and are streamed around the
+  /// update: copied to the parameter's device (category optimizer_state),
+  /// updated there, copied back, and the device copies freed. State created by
+  /// the update (first step) is moved to host memory the same way. So at most
+  /// one parameter's state is on the device at a time; the numbers are exactly
+  /// those of the non-offloaded update (the copies are bit-exact). Costs two
+  /// transfers of the state per step (on a GPU: PCIe bandwidth). Used by step()
+  /// and by FusedBackward.
+  void apply_update(size_t index, const at::Tensor& grad, double lr, int64_t step);
 
   /// Optimizer state as named tensors ("<param name>.<state name>") for the
   /// training-state checkpoint, plus the step counter.
@@ -65,6 +82,7 @@ class Optimizer {
   const std::vector<OptimParam>& params() const { return params_; }
   /// Bytes of optimizer state currently held.
   int64_t state_bytes() const;
+  const OptimizerOptions& optimizer_options() const { return options_; }
 
  protected:
   /// Writes `value` (fp32, same shape) into params_[index].param, rounding as

@@ -9,6 +9,7 @@
 
 #include "shoestring/core/error.h"
 #include "shoestring/io/atomic_file.h"
+#include "shoestring/nn/lora.h"
 #include "shoestring/optim/factory.h"
 
 namespace shoestring {
@@ -85,14 +86,50 @@ const std::vector<Field>& schema() {
       {"max_grad_norm", &TrainConfig::max_grad_norm, "global gradient-norm clip (0 = off)", 0, 1e9},
       {"gradient_checkpointing", &TrainConfig::gradient_checkpointing,
        "recompute UNet block activations in backward"},
+      {"attention_chunk_mib", &TrainConfig::attention_chunk_mib,
+       "largest attention score matrix (MiB, per call) computed at once; larger ones run in query blocks "
+       "(0 = never chunk)",
+       0, 1e9},
+      {"offload_optimizer_state", &TrainConfig::offload_optimizer_state,
+       "keep optimizer state in host memory and stream it per parameter around each update"},
       {"mixed_precision", &TrainConfig::mixed_precision,
-       "compute dtype with fp32 weights (autocast)", -kInf, kInf, {"no", "bf16"}},
+       "compute dtype with fp32 weights (shorthand for a precision rule; fp16 adds loss scaling)", -kInf, kInf,
+       {"no", "bf16", "fp16"}},
       {"full_bf16", &TrainConfig::full_bf16,
        "bf16 weights and gradients; updates applied with stochastic rounding"},
+      {"full_fp16", &TrainConfig::full_fp16,
+       "fp16 weights (stochastically rounded updates) and fp16 compute, with dynamic loss scaling"},
+      {"precision.overflow_threshold", &TrainConfig::overflow_threshold,
+       "fp16 block outputs above this fraction of 65504 (or inf/NaN) count as overflow", 1e-6, 1},
+      {"precision.auto_upcast", &TrainConfig::auto_upcast,
+       "move fp16 blocks that overflow to fp32 compute and go on"},
+      {"precision.loss_scale_init", &TrainConfig::loss_scale_init,
+       "initial dynamic loss scale for fp16 (GradScaler init_scale)", 1, 1e38},
+      {"precision.loss_scale_growth_interval", &TrainConfig::loss_scale_growth_interval,
+       "clean fp16 steps before the loss scale doubles (GradScaler growth_interval)", 1, 1e12},
+      {"save_precision", &TrainConfig::save_precision,
+       "dtype of the final model.safetensors (auto = storage dtype; float = fp32, as kohya)", -kInf, kInf,
+       {"auto", "fp32", "float", "fp16", "bf16"}},
+      {"save_precision_force", &TrainConfig::save_precision_force,
+       "save in save_precision even when values overflow or flush to zero (else an error)"},
       {"ema_decay", &TrainConfig::ema_decay, "EMA decay per optimizer step (0 = no EMA)", 0, 0.999999},
       {"max_nonfinite_steps", &TrainConfig::max_nonfinite_steps,
        "consecutive non-finite steps (skipped) before training stops", 1, 1e9},
       {"seed", &TrainConfig::seed, "seed for data order, noise, init and rounding", 0, 9.0e18},
+      {"pretrained_model_name_or_path", &TrainConfig::pretrained_model_name_or_path,
+       "base weights to start from: a shoestring model.safetensors (its model.* keys must match); \"\" = random "
+       "init"},
+      {"network_module", &TrainConfig::network_module,
+       "\"networks.lora\": train a LoRA (base weights frozen, output lora.safetensors); \"\": train every weight",
+       -kInf, kInf, {"", "networks.lora"}},
+      {"network_dim", &TrainConfig::network_dim, "LoRA rank", 1, 65536},
+      {"network_alpha", &TrainConfig::network_alpha, "LoRA alpha: the delta is scaled by alpha / rank (0 = rank)", 0,
+       1e6},
+      {"network_args", &TrainConfig::network_args,
+       "LoRA arguments as \"key=value\" strings: conv_dim, conv_alpha (LoRA on 3x3 convs), train_ff "
+       "(feed-forward layers too)"},
+      {"network_train_unet_only", &TrainConfig::network_train_unet_only, "LoRA on the UNet only, none on the text encoder"},
+      {"network_weights", &TrainConfig::network_weights, "kohya LoRA file to start training from (\"\" = new LoRA)"},
       {"output_dir", &TrainConfig::output_dir, "run folder"},
       {"save_every_n_steps", &TrainConfig::save_every_n_steps,
        "checkpoint cadence in optimizer steps (0 = only at the end)", 0, 1e12},
@@ -248,11 +285,55 @@ void assign(TrainConfig& c, const Field& f, const toml::node& node, const std::s
       f.member);
 }
 
+/// Parses the [[precision.rule]] array of tables (appended to c.precision_rules).
+void parse_precision_rules(TrainConfig& c, const toml::node& node, const std::string& source) {
+  const toml::array* arr = node.as_array();
+  if (!arr) {
+    fail("{}: 'precision.rule' must be an array of tables, written [[precision.rule]]", where(source, node));
+  }
+  for (const auto& el : *arr) {
+    const int index = static_cast<int>(c.precision_rules.size()) + 1;
+    const std::string at = where(source, el);
+    const toml::table* t = el.as_table();
+    if (!t) fail("{}: precision rule {} must be a table with a 'match' key", at, index);
+    precision::RuleSpec r;
+    r.origin = at;
+    auto str = [&](const std::string& key, const toml::node& v) {
+      if (!v.is_string()) fail("{}: precision rule {}: '{}' must be a string", where(source, v), index, key);
+      return *v.value<std::string>();
+    };
+    auto boolean = [&](const std::string& key, const toml::node& v) {
+      if (!v.is_boolean()) fail("{}: precision rule {}: '{}' must be true or false", where(source, v), index, key);
+      return *v.value<bool>();
+    };
+    for (const auto& [kk, v] : *t) {
+      const std::string key(kk.str());
+      if (key == "match") r.match = str(key, v);
+      else if (key == "storage") r.storage = str(key, v);
+      else if (key == "compute") r.compute = str(key, v);
+      else if (key == "master") r.master = str(key, v);
+      else if (key == "trainable") r.trainable = boolean(key, v);
+      else if (key == "checkpoint") r.checkpoint = boolean(key, v);
+      else {
+        fail("{}: precision rule {}: unknown key '{}' (expected match, storage, compute, trainable, checkpoint, "
+             "master)",
+             where(source, v), index, key);
+      }
+    }
+    if (r.match.empty()) fail("{}: precision rule {} needs a non-empty 'match' glob", at, index);
+    c.precision_rules.push_back(std::move(r));
+  }
+}
+
 /// Walks a table; every leaf is looked up in the schema under its dotted path.
 void apply_table(TrainConfig& c, const toml::table& table, const std::string& prefix,
                  const std::string& source) {
   for (const auto& [k, node] : table) {
     std::string key = prefix.empty() ? std::string(k.str()) : prefix + "." + std::string(k.str());
+    if (key == "precision.rule") {
+      parse_precision_rules(c, node, source);
+      continue;
+    }
     const Field* f = find_field(key);
     if (!f && node.is_table()) {
       apply_table(c, *node.as_table(), key, source);
@@ -269,6 +350,25 @@ void apply_table(TrainConfig& c, const toml::table& table, const std::string& pr
 void validate(const TrainConfig& c, const std::string& source) {
   if (c.full_bf16 && c.mixed_precision != "bf16" && c.mixed_precision != "no") {
     fail("{}: full_bf16 = true needs mixed_precision = \"bf16\" or \"no\"", source);
+  }
+  if (c.full_fp16 && c.mixed_precision != "fp16" && c.mixed_precision != "no") {
+    fail("{}: full_fp16 = true needs mixed_precision = \"fp16\" or \"no\"", source);
+  }
+  precision::Policy policy;
+  try {
+    policy = precision_policy(c);
+  } catch (const Error& e) {
+    fail("{}: {}", source, e.what());
+  }
+  bool fp16 = false, master = false;
+  for (const auto& r : policy.rules()) {
+    fp16 = fp16 || r.storage == precision::Dtype::fp16 || r.compute == precision::Dtype::fp16;
+    master = master || (r.master_fp32 && *r.master_fp32);
+  }
+  if (c.fused_backward_pass && (fp16 || master)) {
+    fail("{}: fused_backward_pass cannot be combined with fp16 (loss scaling must see every gradient before any "
+         "step) or master = \"fp32\" rules",
+         source);
   }
   for (int64_t level : c.attention_levels) {
     if (level >= static_cast<int64_t>(c.channel_mult.size())) {
@@ -303,6 +403,14 @@ void validate(const TrainConfig& c, const std::string& source) {
     fail("{}: {}", source, e.what());
   }
   if (c.sample_prompts.empty()) fail("{}: sample_prompts must hold at least one prompt", source);
+  try {
+    nn::apply_network_args({}, c.network_args);
+  } catch (const Error& e) {
+    fail("{}: {}", source, e.what());
+  }
+  if (c.network_module.empty() && (!c.network_args.empty() || !c.network_weights.empty())) {
+    fail("{}: network_args / network_weights need network_module = \"networks.lora\"", source);
+  }
 }
 
 void apply_overrides(TrainConfig& c, const std::vector<std::string>& overrides) {
@@ -397,6 +505,21 @@ std::string to_toml(const TrainConfig& c) {
         },
         f.member);
   }
+  {
+    toml::array rules;
+    for (const auto& r : c.precision_rules) {
+      toml::table t;
+      t.insert("match", r.match);
+      if (r.storage) t.insert("storage", *r.storage);
+      if (r.compute) t.insert("compute", *r.compute);
+      if (r.trainable) t.insert("trainable", *r.trainable);
+      if (r.checkpoint) t.insert("checkpoint", *r.checkpoint);
+      if (r.master) t.insert("master", *r.master);
+      rules.push_back(std::move(t));
+    }
+    if (!root.contains("precision")) root.insert("precision", toml::table{});
+    root.get_as<toml::table>("precision")->insert("rule", std::move(rules));
+  }
   std::ostringstream ss;
   ss << "# Resolved shoestring configuration (every key, defaults included).\n" << root << "\n";
   return ss.str();
@@ -431,7 +554,28 @@ std::string config_reference_markdown() {
         f.member);
     out += fmt::format("| `{}` | `{}` | {} | {} |\n", f.key, def, expected_text(f), f.help);
   }
+  out +=
+      "\n## Precision rules\n\n"
+      "`[[precision.rule]]` entries (any number, later ones win key by key) set per-module precision; see\n"
+      "[precision.md](precision.md). Keys of one rule:\n\n"
+      "| key | allowed | meaning |\n|---|---|---|\n"
+      "| `match` | a glob (`*` any run, `?` one character), required | module or parameter paths it applies to |\n"
+      "| `storage` | `fp32`, `bf16`, `fp16`, `fp8_e4m3`, `fp8_e5m2` | dtype the weights are kept in (fp8: frozen "
+      "only) |\n"
+      "| `compute` | `fp32`, `bf16`, `fp16` | dtype the blocks compute in (fp16 is emulated on CPUs) |\n"
+      "| `trainable` | true or false | false freezes the weights |\n"
+      "| `checkpoint` | true or false | recompute the block's activations in backward |\n"
+      "| `master` | `none`, `fp32` | keep an fp32 master copy of low-precision trainable weights |\n\n"
+      "`mixed_precision`, `full_bf16`, `full_fp16` and `gradient_checkpointing` are shorthands that expand to\n"
+      "rules placed before these.\n";
   return out;
+}
+
+precision::Policy precision_policy(const TrainConfig& c) {
+  std::vector<precision::RuleSpec> specs =
+      precision::shorthand_rules(c.mixed_precision, c.full_bf16, c.full_fp16, c.gradient_checkpointing);
+  for (const auto& r : c.precision_rules) specs.push_back(r);
+  return precision::Policy::from_specs(specs);
 }
 
 std::vector<std::string> config_keys() {

@@ -17,6 +17,8 @@
 #include <string>
 #include <vector>
 
+#include "shoestring/precision/policy.h"
+
 namespace shoestring {
 
 /// A fully resolved training configuration (defaults + file + --set overrides).
@@ -60,11 +62,32 @@ struct TrainConfig {
   int64_t gradient_accumulation_steps = 1;
   double max_grad_norm = 1.0;               ///< 0 disables clipping
   bool gradient_checkpointing = false;
-  std::string mixed_precision = "no";       ///< no | bf16 (autocast compute, fp32 weights)
+  int64_t attention_chunk_mib = 64;         ///< attention score matrices above this run in query blocks (0 = never)
+  bool offload_optimizer_state = false;     ///< optimizer state in host memory, streamed per parameter
+  std::string mixed_precision = "no";       ///< no | bf16 | fp16 (compute dtype, fp32 weights)
   bool full_bf16 = false;                   ///< bf16 weights, updates stochastically rounded
+  bool full_fp16 = false;                   ///< fp16 weights (SR updates), fp16 compute, loss scaling
+  // ---- precision policy (docs/precision.md) ----
+  /// [[precision.rule]] entries, in file order (after the shorthands above).
+  std::vector<precision::RuleSpec> precision_rules;
+  double overflow_threshold = 0.5;          ///< precision.overflow_threshold: fraction of 65504
+  bool auto_upcast = false;                 ///< precision.auto_upcast: overflowing fp16 blocks -> fp32
+  double loss_scale_init = 65536.0;         ///< precision.loss_scale_init (GradScaler init_scale)
+  int64_t loss_scale_growth_interval = 2000;  ///< precision.loss_scale_growth_interval
+  std::string save_precision = "auto";      ///< auto (storage dtype) | fp32 | float | fp16 | bf16
+  bool save_precision_force = false;        ///< save even when the range guard finds damage
   double ema_decay = 0.0;                   ///< 0 disables EMA
   int64_t max_nonfinite_steps = 10;         ///< consecutive skipped steps before giving up
   int64_t seed = 42;
+
+  std::string pretrained_model_name_or_path;  ///< base weights (shoestring model.safetensors); "" = random init
+  // ---- LoRA (kohya's names; docs/lora.md) ----
+  std::string network_module;               ///< "" (train every weight) | "networks.lora"
+  int64_t network_dim = 4;                  ///< LoRA rank
+  double network_alpha = 1.0;               ///< scale = alpha / rank; 0 = rank
+  std::vector<std::string> network_args;    ///< "conv_dim=4", "conv_alpha=1", "train_ff=true"
+  bool network_train_unet_only = false;     ///< no LoRA on the text encoder
+  std::string network_weights;              ///< LoRA file to start from ("" = fresh)
 
   // ---- output ----
   std::string output_dir = "runs/emoji";
@@ -94,6 +117,12 @@ TrainConfig parse_config(const std::string& toml_text, const std::string& source
 /// Renders the resolved config as TOML (every key, with its value) so a run
 /// folder records exactly what ran; parse_config(to_toml(c)) == c.
 std::string to_toml(const TrainConfig& config);
+
+/// The precision rules of a config: the shorthands (mixed_precision,
+/// full_bf16, full_fp16, gradient_checkpointing; see precision::shorthand_rules)
+/// followed by the [[precision.rule]] entries. Throws shoestring::Error as
+/// precision::Policy::from_specs.
+precision::Policy precision_policy(const TrainConfig& config);
 
 /// Every valid key, in schema order (for help and tests).
 std::vector<std::string> config_keys();

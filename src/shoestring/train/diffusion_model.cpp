@@ -95,13 +95,34 @@ DiffusionModelOptions DiffusionModelOptions::from_json(const nlohmann::json& j) 
 DiffusionModelImpl::DiffusionModelImpl(const DiffusionModelOptions& options) : options_(options) {
   unet = register_module("unet", models::TinyUNet(options.unet));
   text_encoder = register_module("text_encoder", models::CaptionEncoder(options.text));
+  // Whole-model scopes: they carry a compute dtype, never a checkpoint.
+  scopes_->declare(unet.get(), /*checkpointable=*/false);
+  scopes_->declare(text_encoder.get(), /*checkpointable=*/false);
 }
 
 at::Tensor DiffusionModelImpl::forward(const at::Tensor& x_t, const at::Tensor& t,
                                        const at::Tensor& tokens) {
-  auto text = text_encoder->forward(tokens);
-  auto dtype = text.hidden.scalar_type();
-  return unet->forward(x_t.to(dtype), t, text.hidden, text.mask);
+  if (!scopes_->configured()) {
+    auto text = text_encoder->forward(tokens);
+    auto dtype = text.hidden.scalar_type();
+    return unet->forward(x_t.to(dtype), t, text.hidden, text.mask);
+  }
+  std::shared_ptr<models::CaptionEncoderImpl> te = text_encoder.ptr();
+  auto text = nn::run_block(
+      scopes_.get(), te,
+      [te, tokens](const std::vector<at::Tensor>&) {
+        auto enc = te->forward(tokens);
+        return std::vector<at::Tensor>{enc.hidden, enc.mask};
+      },
+      {});
+  std::shared_ptr<models::TinyUNetImpl> u = unet.ptr();
+  const at::Tensor mask = text[1];
+  return nn::run_block(
+      scopes_.get(), u,
+      [u, t, mask](const std::vector<at::Tensor>& in) {
+        return std::vector<at::Tensor>{u->forward(in[0], t, in[1], mask)};
+      },
+      {x_t, text[0]})[0];
 }
 
 }  // namespace shoestring

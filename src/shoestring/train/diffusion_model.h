@@ -28,18 +28,30 @@ struct DiffusionModelOptions {
 };
 
 /// UNet + caption encoder. forward(x_t [B,3,H,W], t [B] float32 in [0,1],
-/// tokens [B,L] int64) -> velocity [B,3,H,W] in the weights' dtype; inputs
-/// are cast to the weights' dtype (fp32 or bf16).
+/// tokens [B,L] int64) -> velocity [B,3,H,W].
+/// Without a precision policy: in the weights' dtype; inputs are cast to it
+/// (fp32 or bf16). With one (precision::apply on block_tables()): `unet` and
+/// `text_encoder` are scopes with their own compute dtype (the dtype of the
+/// modules outside any inner block: embeddings, conv_in/out, norms), each
+/// ResBlock / SpatialTransformer / encoder layer is a block with its own, and
+/// the velocity comes back in the unet scope's compute dtype (fp32 holding
+/// fp16 values when fp16 is emulated).
 class DiffusionModelImpl : public torch::nn::Module {
  public:
   explicit DiffusionModelImpl(const DiffusionModelOptions& options);
   at::Tensor forward(const at::Tensor& x_t, const at::Tensor& t, const at::Tensor& tokens);
   const DiffusionModelOptions& options() const { return options_; }
+  /// Every block table of the model: the two scopes, then the UNet's and the
+  /// encoder's blocks (for precision::resolve / apply / OverflowMonitor).
+  std::vector<nn::BlockTable*> block_tables() const {
+    return {scopes_.get(), unet->block_table(), text_encoder->block_table()};
+  }
   models::TinyUNet unet{nullptr};
   models::CaptionEncoder text_encoder{nullptr};
 
  private:
   DiffusionModelOptions options_;
+  std::shared_ptr<nn::BlockTable> scopes_ = std::make_shared<nn::BlockTable>();
 };
 TORCH_MODULE(DiffusionModel);
 

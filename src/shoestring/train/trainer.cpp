@@ -20,7 +20,14 @@
 #include "shoestring/data/tokenizer.h"
 #include "shoestring/io/atomic_file.h"
 #include "shoestring/io/safetensors.h"
+#include "shoestring/nn/lora.h"
+#include "shoestring/nn/chunked_attention.h"
 #include "shoestring/optim/factory.h"
+#include "shoestring/precision/loss_scaler.h"
+#include "shoestring/precision/master_weights.h"
+#include "shoestring/precision/overflow.h"
+#include "shoestring/precision/policy.h"
+#include "shoestring/precision/save_guard.h"
 #include "shoestring/optim/fused_backward.h"
 #include "shoestring/optim/grad_accumulation.h"
 #include "shoestring/optim/grad_hooks.h"
@@ -38,29 +45,6 @@ namespace fs = std::filesystem;
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-/// Enables CPU autocast to bf16 for its lifetime (mixed_precision = "bf16").
-class CpuAutocast {
- public:
-  explicit CpuAutocast(bool enable) : enable_(enable) {
-    if (!enable_) return;
-    prev_enabled_ = at::autocast::is_cpu_enabled();
-    prev_dtype_ = at::autocast::get_autocast_cpu_dtype();
-    at::autocast::set_autocast_cpu_dtype(at::kBFloat16);
-    at::autocast::set_cpu_enabled(true);
-  }
-  ~CpuAutocast() {
-    if (!enable_) return;
-    at::autocast::set_cpu_enabled(prev_enabled_);
-    at::autocast::set_autocast_cpu_dtype(prev_dtype_);
-    at::autocast::clear_cache();
-  }
-
- private:
-  bool enable_;
-  bool prev_enabled_ = false;
-  at::ScalarType prev_dtype_ = at::kBFloat16;
-};
 
 std::string step_name(int64_t step) { return fmt::format("step-{:06d}", step); }
 
@@ -104,12 +88,21 @@ struct Run {
   ImageCaptionDataset dataset;
   WordTokenizer tokenizer = WordTokenizer::build({}, 2);
   DiffusionModel model{nullptr};
+  nn::LoraNetwork network{nullptr};  ///< set when network_module = "networks.lora" (then the only trainable part)
   std::vector<std::pair<std::string, at::Tensor>> trainable;
   std::unique_ptr<Optimizer> optimizer;
   std::unique_ptr<EMA> ema;
   std::unique_ptr<BatchSampler> sampler;
   PostAccumulateGradHooks grad_hooks;
+  // Precision policy (docs/precision.md): fp32 masters and/or fp16 loss
+  // scaling ("bridge": gradients reach the optimizer unscaled, in fp32), and
+  // the fp16 overflow guard.
+  std::unique_ptr<precision::MasterWeights> masters;
+  std::unique_ptr<precision::LossScaler> scaler;
+  std::shared_ptr<precision::OverflowMonitor> overflow;
   nlohmann::json counters = {{"images_seen", 0},         {"skipped_steps", 0},
+                             {"loss_scale", nullptr},    {"loss_scale_growth_tracker", 0},
+                             {"precision_upcast", nlohmann::json::array()},
                              {"consecutive_nonfinite", 0}, {"elapsed_seconds", 0.0},
                              {"fused_previous_grad_norm", nullptr}};
 };
@@ -121,20 +114,57 @@ std::map<std::string, std::string> model_metadata(const Run& run, int64_t step) 
           {"tokenizer", run.tokenizer.to_json().dump()},
           {"step", std::to_string(step)},
           {"objective", "flow_matching"},
-          {"dtype", run.config.full_bf16 ? "bf16" : "fp32"}};
+          {"dtype", run.config.full_bf16 ? "bf16" : run.config.full_fp16 ? "fp16" : "fp32"}};
+}
+
+/// LoRA options from the config (kohya's network_dim / network_alpha / network_args).
+nn::LoraOptions lora_options(const TrainConfig& c) {
+  nn::LoraOptions o;
+  o.rank = c.network_dim;
+  o.alpha = c.network_alpha;
+  o.dtype = c.full_bf16 ? torch::kBFloat16 : torch::kFloat32;  // as kohya: full_bf16 casts the network too
+  return nn::apply_network_args(o, c.network_args);
+}
+
+/// Writes the kohya LoRA file (networks.lora keys, ss_* metadata). The final
+/// file follows save_precision; checkpoints keep the trained dtype (exact resume).
+void save_lora(const Run& run, const std::string& path, int64_t step, bool final_file) {
+  const TrainConfig& c = run.config;
+  auto meta = nn::kohya_lora_metadata(run.network->options(), "shoestring_" + c.architecture);
+  meta["ss_steps"] = std::to_string(step);
+  meta["ss_max_train_steps"] = std::to_string(c.max_train_steps);
+  meta["ss_learning_rate"] = fmt::format("{}", c.learning_rate);
+  meta["ss_optimizer"] = c.optimizer_type;
+  meta["ss_seed"] = std::to_string(c.seed);
+  meta["ss_mixed_precision"] = c.full_bf16 ? "bf16" : c.mixed_precision;
+  meta["ss_full_bf16"] = c.full_bf16 ? "True" : "False";
+  // kohya's save_precision applies to the LoRA file too ("auto": as trained).
+  std::optional<torch::Dtype> dtype;
+  if (final_file && c.save_precision == "fp16") dtype = torch::kHalf;
+  if (final_file && c.save_precision == "bf16") dtype = torch::kBFloat16;
+  if (final_file && (c.save_precision == "fp32" || c.save_precision == "float")) dtype = torch::kFloat32;
+  run.network->save(path, meta, dtype);
 }
 
 void save_checkpoint(Run& run, int64_t step, const BatchSampler::Position& pos) {
   fs::path dir = fs::path(run.run_dir) / "checkpoints" / step_name(step);
   fs::create_directories(dir);
   save_module((dir / "model.safetensors").string(), *run.model, model_metadata(run, step));
+  if (run.network) save_lora(run, (dir / "lora.safetensors").string(), step, /*final_file=*/false);
 
   std::vector<NamedTensor> state;
   for (auto& [name, t] : run.optimizer->state_tensors()) state.push_back({"optimizer." + name, t, std::nullopt});
   if (run.ema) {
     for (auto& [name, t] : run.ema->tensors()) state.push_back({"ema." + name, t, std::nullopt});
   }
+  if (run.masters) {
+    for (auto& [name, t] : run.masters->state_tensors()) state.push_back({"master." + name, t, std::nullopt});
+  }
   state.push_back({"rng.cpu", cpu_rng_state(), std::nullopt});
+  if (run.scaler && run.scaler->enabled()) {
+    run.counters["loss_scale"] = run.scaler->scale();
+    run.counters["loss_scale_growth_tracker"] = run.scaler->growth_tracker();
+  }
   nlohmann::json meta = run.counters;
   meta["step"] = step;
   meta["optimizer_step_count"] = run.optimizer->step_count();
@@ -151,6 +181,7 @@ int64_t load_checkpoint(Run& run, const std::string& dir) {
   std::map<std::string, at::Tensor> weights;
   for (const auto& info : model_file.tensors()) weights[info.name] = model_file.get(info.name);
   load_module(*run.model, weights, model_file.path());
+  if (run.network) run.network->load((fs::path(dir) / "lora.safetensors").string());
 
   auto state_file = SafetensorsFile::open((fs::path(dir) / "state.safetensors").string());
   auto it = state_file.metadata().find("training_state");
@@ -163,7 +194,7 @@ int64_t load_checkpoint(Run& run, const std::string& dir) {
   } catch (const nlohmann::json::exception& e) {
     fail("{}: 'training_state' metadata is not valid JSON: {}", state_file.path(), e.what());
   }
-  std::map<std::string, at::Tensor> optim, ema;
+  std::map<std::string, at::Tensor> optim, ema, master;
   bool have_rng = false;
   for (const auto& info : state_file.tensors()) {
     const std::string& n = info.name;
@@ -171,6 +202,8 @@ int64_t load_checkpoint(Run& run, const std::string& dir) {
       optim[n.substr(10)] = state_file.get(n);
     } else if (n.rfind("ema.", 0) == 0) {
       ema[n.substr(4)] = state_file.get(n);
+    } else if (n.rfind("master.", 0) == 0) {
+      master[n.substr(7)] = state_file.get(n);
     } else if (n == "rng.cpu") {
       set_cpu_rng_state(state_file.get(n));
       have_rng = true;
@@ -180,6 +213,7 @@ int64_t load_checkpoint(Run& run, const std::string& dir) {
   }
   if (!have_rng) fail("{}: tensor 'rng.cpu' is missing", state_file.path());
   run.optimizer->load_state_tensors(optim);
+  if (run.masters) run.masters->load_state_tensors(master);
   if (run.ema) {
     if (ema.empty()) {
       spdlog::warn("{}: no EMA state saved; EMA restarts from the current weights", state_file.path());
@@ -192,6 +226,16 @@ int64_t load_checkpoint(Run& run, const std::string& dir) {
     run.sampler->set_position({meta.at("data_epoch").get<int64_t>(), meta.at("data_index").get<int64_t>()});
     for (auto& [k, v] : run.counters.items()) {
       if (meta.contains(k)) v = meta[k];
+    }
+    if (run.scaler && run.scaler->enabled() && run.counters["loss_scale"].is_number()) {
+      run.scaler->load_state(run.counters["loss_scale"].get<double>(),
+                             run.counters["loss_scale_growth_tracker"].get<int64_t>());
+    }
+    // Blocks the overflow guard moved to fp32 stay there.
+    const auto upcast = run.counters["precision_upcast"].get<std::vector<std::string>>();
+    if (!upcast.empty()) {
+      if (!run.overflow) fail("{}: the run upcast fp16 blocks but this config has none", state_file.path());
+      run.overflow->upcast(upcast);
     }
     return meta.at("step").get<int64_t>();
   } catch (const nlohmann::json::exception& e) {
@@ -261,10 +305,14 @@ TrainSummary train(const TrainConfig& cfg, const TrainRunOptions& options) {
     spdlog::info("dataset: {} images from {} ({} skipped)", run.dataset.size(), data_dir,
                  run.dataset.skipped().size());
   }
-  if (!resume_from.empty()) {
-    auto meta = SafetensorsFile::open((fs::path(resume_from) / "model.safetensors").string()).metadata();
+  // Base weights of a fine-tune / LoRA run (kohya's pretrained_model_name_or_path): a shoestring
+  // model.safetensors; its tokenizer comes with it.
+  const std::string pretrained = c.pretrained_model_name_or_path.empty() ? "" : expand_path(c.pretrained_model_name_or_path);
+  if (!resume_from.empty() || !pretrained.empty()) {
+    const std::string file = resume_from.empty() ? pretrained : (fs::path(resume_from) / "model.safetensors").string();
+    auto meta = SafetensorsFile::open(file).metadata();
     auto it = meta.find("tokenizer");
-    if (it == meta.end()) fail("{}/model.safetensors: missing 'tokenizer' metadata", resume_from);
+    if (it == meta.end()) fail("{}: missing 'tokenizer' metadata", file);
     run.tokenizer = WordTokenizer::from_json(nlohmann::json::parse(it->second));
   } else {
     run.tokenizer = WordTokenizer::build(run.dataset.captions(), c.max_caption_length);
@@ -276,11 +324,50 @@ TrainSummary train(const TrainConfig& cfg, const TrainRunOptions& options) {
   {
     ScopedMemoryCategory category(MemoryCategory::weights);
     run.model = DiffusionModel(DiffusionModelOptions::from_config(c, run.tokenizer.vocab_size()));
-    if (c.full_bf16) run.model->to(torch::kBFloat16);
+    if (!pretrained.empty()) load_module(*run.model, load_safetensors(pretrained), pretrained);
+  }
+  // ---- precision policy: storage dtypes, trainable, per-block compute and checkpointing ----
+  const precision::Policy policy = precision_policy(c);
+  const std::vector<nn::BlockTable*> block_tables = run.model->block_tables();
+  const precision::Resolution resolution =
+      precision::resolve(*run.model, policy, {block_tables.begin(), block_tables.end()});
+  for (const auto& w : resolution.warnings) spdlog::warn("{}", w);
+  {
+    ScopedMemoryCategory category(MemoryCategory::weights);
+    precision::apply(*run.model, resolution, block_tables);
+  }
+  if (options.on_model_ready) options.on_model_ready(*run.model);
+  bool fp16_training = false;
+  std::map<std::string, bool> wants_master;
+  for (const auto& p : resolution.params) {
+    wants_master[p.path] = p.settings.master_fp32;
+    if (p.settings.trainable && p.settings.storage == precision::Dtype::fp16) fp16_training = true;
+  }
+  for (const auto& m : resolution.modules) {
+    if (m.block && m.settings.compute == precision::Dtype::fp16) fp16_training = true;
+  }
+  if (fp16_training) {
+    precision::OverflowOptions oo;
+    oo.threshold = c.overflow_threshold;
+    oo.auto_upcast = c.auto_upcast;
+    run.overflow = precision::OverflowMonitor::attach(*run.model, block_tables, oo);
   }
   run.model->unet->set_gradient_checkpointing(c.gradient_checkpointing);
+  nn::set_attention_chunk_bytes(c.attention_chunk_mib * (int64_t{1} << 20));
   run.model->train();
-  for (const auto& item : run.model->named_parameters(true)) {
+  if (!c.network_module.empty()) {
+    // LoRA: the base model is frozen; only the adapters train (docs/lora.md).
+    nn::freeze_parameters(*run.model);
+    std::vector<nn::LoraComponent> components = {{"lora_unet", "unet."}};
+    if (!c.network_train_unet_only) components.push_back({"lora_te", "text_encoder."});
+    run.network = nn::LoraNetwork(*run.model, components, lora_options(c));
+    if (!c.network_weights.empty()) run.network->load(expand_path(c.network_weights));
+    if (!options.quiet) {
+      spdlog::info("LoRA: {} modules, rank {}, alpha {}{}", run.network->modules().size(), c.network_dim,
+                   c.network_alpha, c.network_weights.empty() ? "" : ", from " + c.network_weights);
+    }
+  }
+  for (const auto& item : (run.network ? run.network->named_parameters(true) : run.model->named_parameters(true))) {
     if (item.value().requires_grad()) run.trainable.emplace_back(item.key(), item.value());
   }
   int64_t n_params = 0;
@@ -291,7 +378,23 @@ TrainSummary train(const TrainConfig& cfg, const TrainRunOptions& options) {
   oopts.stochastic_rounding = c.stochastic_rounding;
   oopts.seed = static_cast<uint64_t>(c.seed);
   oopts.state_dtype = c.optimizer_state_dtype == "bf16" ? torch::kBFloat16 : torch::kFloat32;
-  run.optimizer = make_optimizer(c.optimizer_type, c.optimizer_args, run.trainable, oopts);
+  oopts.offload_state = c.offload_optimizer_state;
+  precision::LossScalerOptions so;
+  so.enabled = fp16_training;
+  so.init_scale = c.loss_scale_init;
+  so.growth_interval = c.loss_scale_growth_interval;
+  run.scaler = std::make_unique<precision::LossScaler>(so);
+  {
+    std::vector<bool> use_master;
+    for (auto& [n, p] : run.trainable) use_master.push_back(wants_master.count(n) ? wants_master[n] : false);
+    ScopedMemoryCategory category(MemoryCategory::optimizer_state);  // fp32 masters, as ZeRO counts them
+    run.masters = std::make_unique<precision::MasterWeights>(run.trainable, use_master);
+  }
+  // The bridge: gradients are unscaled into fp32 and handed to the masters (or the weights).
+  const bool bridge = run.scaler->enabled() || run.masters->master_count() > 0;
+  if (!bridge) run.masters.reset();
+  run.optimizer = make_optimizer(c.optimizer_type, c.optimizer_args,
+                                 bridge ? run.masters->optimizer_params() : run.trainable, oopts);
   if (c.ema_decay > 0) run.ema = std::make_unique<EMA>(run.trainable, c.ema_decay);
 
   // Gradients are charged to the ledger's "gradients" category the moment
@@ -301,6 +404,9 @@ TrainSummary train(const TrainConfig& cfg, const TrainRunOptions& options) {
   run.grad_hooks.install(params, [&ledger](size_t, at::Tensor& p) {
     if (p.grad().defined()) ledger.recharge(p.grad(), MemoryCategory::gradients);
   });
+
+  nlohmann::json predicted_memory;
+  if (options.predict_memory) predicted_memory = options.predict_memory(c, run.tokenizer.vocab_size());
 
   // ---- run folder ----
   std::string metrics_path = (fs::path(run.run_dir) / "metrics.jsonl").string();
@@ -322,10 +428,19 @@ TrainSummary train(const TrainConfig& cfg, const TrainRunOptions& options) {
   write_bytes_atomic((fs::path(run.run_dir) / "config.toml").string(), to_toml(c));
   if (!options.quiet) {
     spdlog::info("model: {:.2f}M trainable parameters, weights {}, {}, {} threads; optimizer {}{}", n_params / 1e6,
-                 c.full_bf16 ? (c.stochastic_rounding ? "bf16 (stochastic rounding)" : "bf16 (round-to-nearest)")
-                             : "fp32",
-                 c.mixed_precision == "bf16" ? "bf16 autocast compute" : "compute in weight dtype", threads,
+                 c.full_bf16 || c.full_fp16
+                     ? fmt::format("{} ({})", c.full_bf16 ? "bf16" : "fp16",
+                                   c.stochastic_rounding ? "stochastic rounding" : "round-to-nearest")
+                     : std::string("fp32"),
+                 c.mixed_precision == "no" ? "compute in weight dtype" : c.mixed_precision + " compute", threads,
                  c.optimizer_type, c.fused_backward_pass ? " (fused backward)" : "");
+    spdlog::info("precision: {} rule(s) (docs/precision.md){}{}", policy.rules().size(),
+                 run.scaler->enabled() ? fmt::format(", fp16 with dynamic loss scaling (init {})", run.scaler->scale())
+                                       : std::string(),
+                 run.masters && run.masters->master_count() > 0
+                     ? fmt::format(", {} fp32 master weights ({})", run.masters->master_count(),
+                                   format_bytes(run.masters->master_bytes()))
+                     : std::string());
   }
 
   std::FILE* metrics = std::fopen(metrics_path.c_str(), "ab");
@@ -339,7 +454,7 @@ TrainSummary train(const TrainConfig& cfg, const TrainRunOptions& options) {
   // Non-fused accumulation: fp32 weights let autograd sum into their fp32
   // .grad; bf16 weights sum into a GradientAccumulator (fp32 or bf16 + SR).
   std::unique_ptr<GradientAccumulator> accumulator;
-  if (!c.fused_backward_pass && accum > 1 && c.full_bf16) {
+  if (!c.fused_backward_pass && accum > 1 && c.full_bf16 && !bridge) {
     accumulator = std::make_unique<GradientAccumulator>(
         params_list, parse_grad_accumulation_mode(c.gradient_accumulation_dtype), static_cast<uint64_t>(c.seed));
   }
@@ -373,6 +488,7 @@ TrainSummary train(const TrainConfig& cfg, const TrainRunOptions& options) {
     const double lr = learning_rate_at(c.lr_scheduler, c.learning_rate, step - 1, c.lr_warmup_steps,
                                        c.max_train_steps);
     if (fused) fused->begin_step(lr);
+    if (run.overflow) run.overflow->begin_pass();
     double loss_sum = 0;
     for (int64_t micro = 0; micro < accum; ++micro) {
       std::vector<int64_t> idx = run.sampler->next();
@@ -398,12 +514,11 @@ TrainSummary train(const TrainConfig& cfg, const TrainRunOptions& options) {
         at::Tensor loss;
         {
           ScopedMemoryCategory category(MemoryCategory::activations);
-          CpuAutocast autocast(c.mixed_precision == "bf16" && !c.full_bf16);
           at::Tensor v = run.model->forward(xt, t, tokens);
           loss = torch::mse_loss(v.to(torch::kFloat32), target);
         }
         ScopedMemoryCategory category(MemoryCategory::temporaries);
-        (loss / static_cast<double>(accum)).backward();
+        (run.scaler->scale_loss(loss) / static_cast<double>(accum)).backward();
         return loss.item<double>();
       };
       if (fused) fused->begin_micro_batch(micro);
@@ -423,6 +538,24 @@ TrainSummary train(const TrainConfig& cfg, const TrainRunOptions& options) {
     }
     const double loss_value = loss_sum / static_cast<double>(accum);
 
+    // ---- fp16 overflow guard: name the blocks that left fp16's range first ----
+    std::vector<std::string> overflowed;
+    if (run.overflow) {
+      for (const auto& e : run.overflow->events()) {
+        overflowed.push_back(e.nonfinite ? e.path + " (inf/NaN)" : fmt::format("{} (max |x| {:.4g})", e.path, e.max_abs));
+      }
+      if (!overflowed.empty() && c.auto_upcast) {
+        std::vector<std::string> moved = run.overflow->upcast_flagged();
+        for (const auto& m : moved) run.counters["precision_upcast"].push_back(m);
+        spdlog::warn("step {}: fp16 overflow in {}; moved to fp32 compute (precision.auto_upcast)", step,
+                     fmt::join(overflowed, ", "));
+      } else if (!overflowed.empty()) {
+        spdlog::warn("step {}: fp16 overflow (beyond {} x 65504 or inf/NaN) first in {}; set "
+                     "precision.auto_upcast = true, or add a rule with compute = \"fp32\" for these blocks",
+                     step, c.overflow_threshold, fmt::join(overflowed, ", "));
+      }
+    }
+
     // ---- global-norm clipping, the optimizer step, the non-finite guard ----
     double grad_norm = 0;
     bool finite = true;
@@ -434,9 +567,16 @@ TrainSummary train(const TrainConfig& cfg, const TrainRunOptions& options) {
       if (r.params_stepped > 0 && run.ema) run.ema->update();
     } else {
       std::vector<at::Tensor> grads;
-      for (size_t i = 0; i < params_list.size(); ++i) {
-        grads.push_back(accumulator ? (accumulator->has(i) ? accumulator->get(i) : at::Tensor())
-                                    : params_list[i].grad());
+      bool found_inf = false;
+      if (run.masters) {
+        // Unscaled fp32 gradients on the optimizer's tensors (masters or weights).
+        found_inf = run.masters->collect_grads(*run.scaler);
+        for (const auto& [n, p] : run.masters->optimizer_params()) grads.push_back(p.grad());
+      } else {
+        for (size_t i = 0; i < params_list.size(); ++i) {
+          grads.push_back(accumulator ? (accumulator->has(i) ? accumulator->get(i) : at::Tensor())
+                                      : params_list[i].grad());
+        }
       }
       double sq = 0;
       {
@@ -446,7 +586,7 @@ TrainSummary train(const TrainConfig& cfg, const TrainRunOptions& options) {
         }
       }
       grad_norm = std::sqrt(sq);
-      finite = std::isfinite(loss_value) && std::isfinite(grad_norm);
+      finite = std::isfinite(loss_value) && std::isfinite(grad_norm) && !found_inf;
       if (finite) {
         double scale = 1.0;
         if (c.max_grad_norm > 0 && grad_norm > c.max_grad_norm) scale = c.max_grad_norm / (grad_norm + 1e-6);
@@ -455,12 +595,22 @@ TrainSummary train(const TrainConfig& cfg, const TrainRunOptions& options) {
           for (size_t i = 0; i < grads.size(); ++i) params_list[i].mutable_grad() = grads[i];
         }
         run.optimizer->step(lr, scale);
+        if (run.masters) run.masters->write_back();
         if (run.ema) run.ema->update();
       }
       for (auto& p : params_list) p.mutable_grad().reset();
+      if (run.masters) run.masters->zero_grads();
       if (accumulator) accumulator->reset();
+      run.scaler->update(!finite);
     }
-    if (finite) {
+    if (!finite && run.scaler->enabled() && std::isfinite(loss_value)) {
+      // fp16 gradients overflowed at this loss scale: GradScaler's normal
+      // skip-and-back-off, not a divergence.
+      run.counters["skipped_steps"] = run.counters["skipped_steps"].get<int64_t>() + 1;
+      if (!options.quiet) {
+        spdlog::info("step {}: fp16 gradients overflowed; step skipped, loss scale now {}", step, run.scaler->scale());
+      }
+    } else if (finite) {
       run.counters["consecutive_nonfinite"] = 0;
     } else {
       run.counters["skipped_steps"] = run.counters["skipped_steps"].get<int64_t>() + 1;
@@ -470,8 +620,11 @@ TrainSummary train(const TrainConfig& cfg, const TrainRunOptions& options) {
                    loss_value, grad_norm, in_a_row);
       if (in_a_row >= c.max_nonfinite_steps) {
         fail("training stopped at step {}: {} consecutive non-finite steps (max_nonfinite_steps = {}); "
-             "lower learning_rate or use full precision",
-             step, in_a_row, c.max_nonfinite_steps);
+             "lower learning_rate or use full precision{}",
+             step, in_a_row, c.max_nonfinite_steps,
+             overflowed.empty() ? std::string()
+                                : fmt::format("; fp16 overflowed in {} (set precision.auto_upcast = true)",
+                                              fmt::join(overflowed, ", ")));
       }
     }
 
@@ -488,6 +641,7 @@ TrainSummary train(const TrainConfig& cfg, const TrainRunOptions& options) {
                           {"seconds", seconds},
                           {"images_per_second", images / seconds},
                           {"peak_bytes", ledger.peak_total()},
+                          {"peak_device_bytes", ledger.device_peak_total()},
                           {"skipped", !finite}};
     for (int cat = 0; cat < kNumMemoryCategories; ++cat) {
       int64_t peak = ledger.peak_bytes(static_cast<MemoryCategory>(cat));
@@ -504,6 +658,21 @@ TrainSummary train(const TrainConfig& cfg, const TrainRunOptions& options) {
     losses.push_back(loss_value);
     if (std::isfinite(loss_value)) smoothed = std::isnan(smoothed) ? loss_value : 0.95 * smoothed + 0.05 * loss_value;
 
+    if (step == summary.first_step && !predicted_memory.is_null()) {
+      // The plan excludes the dataset held in memory (ledger "other").
+      const int64_t predicted = predicted_memory.value("first_step_peak_bytes", int64_t{0});
+      const int64_t measured = ledger.device_peak_total() - peaks[static_cast<int>(MemoryCategory::other)];
+      if (!options.quiet) {
+        spdlog::info("step {} memory: predicted {} (shoestring plan), measured {} ({:+.1f}%)", step,
+                     format_bytes(predicted), format_bytes(measured),
+                     100.0 * static_cast<double>(measured - predicted) / static_cast<double>(std::max<int64_t>(1, predicted)));
+      }
+    }
+    if (run.network && step == summary.first_step && !run.network->never_called().empty()) {
+      spdlog::warn("LoRA: {} adapters were never used by the forward pass (their layers' forward() is "
+                   "bypassed, so they do not train): {}",
+                   run.network->never_called().size(), fmt::join(run.network->never_called(), ", "));
+    }
     if (!options.quiet && step == summary.first_step) {
       spdlog::info("step {} measured peak {} = {}", step, format_bytes(ledger.peak_total()),
                    fmt::join(
@@ -539,7 +708,9 @@ TrainSummary train(const TrainConfig& cfg, const TrainRunOptions& options) {
     }
     if ((c.sample_every_n_steps > 0 && step % c.sample_every_n_steps == 0) || last) {
       if (tty) fmt::print(stderr, "\n");
+      if (run.overflow) run.overflow->set_enabled(false);
       write_samples(run, step, summary.last_sample);
+      if (run.overflow) run.overflow->set_enabled(true);
       if (!options.quiet) spdlog::info("step {}: sample grid {}", step, summary.last_sample);
     }
     summary.last_step = step;
@@ -549,8 +720,24 @@ TrainSummary train(const TrainConfig& cfg, const TrainRunOptions& options) {
   {
     std::vector<at::Tensor> saved;
     if (run.ema) saved = run.ema->swap_in();
-    save_module((fs::path(run.run_dir) / "model.safetensors").string(), *run.model,
-                model_metadata(run, summary.last_step));
+    const std::string final_path = (fs::path(run.run_dir) / "model.safetensors").string();
+    if (c.save_precision == "auto") {
+      save_module(final_path, *run.model, model_metadata(run, summary.last_step));
+    } else {
+      // kohya's save_precision, behind the save-time range guard (docs/precision.md).
+      const precision::Dtype target = precision::parse_save_precision(c.save_precision);
+      precision::SaveGuardOptions guard;
+      guard.force = c.save_precision_force;
+      auto meta = model_metadata(run, summary.last_step);
+      meta["dtype"] = precision::to_string(target);
+      save_safetensors(final_path,
+                       precision::convert_for_save(module_tensors(*run.model), target, guard,
+                                                   final_path + " (the checkpoints keep full precision)"),
+                       meta);
+    }
+    if (run.network) {
+      save_lora(run, (fs::path(run.run_dir) / "lora.safetensors").string(), summary.last_step, /*final_file=*/true);
+    }
     if (run.ema) run.ema->restore(saved);
   }
 

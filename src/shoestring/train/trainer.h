@@ -10,6 +10,7 @@
 #include <string>
 
 #include <nlohmann/json.hpp>
+#include <torch/nn/module.h>
 
 #include "shoestring/train/config.h"
 
@@ -21,6 +22,15 @@ struct TrainRunOptions {
   bool quiet = false;                     ///< no progress line (tests)
   /// Called after every optimizer step with that step's metrics record.
   std::function<void(const nlohmann::json&)> on_step;
+  /// Optional memory prediction (the planner, plan/memory_plan.h, which sits
+  /// above train/): called once the caption vocabulary is known with the
+  /// config and the vocabulary size; returns MemoryPlan::to_json(). The
+  /// trainer prints its first-step prediction next to the measured peak at the
+  /// first step.
+  std::function<nlohmann::json(const TrainConfig&, int64_t vocab_size)> predict_memory;
+  /// Called once with the model after the precision policy was applied and
+  /// before the optimizer is built (tests use it to plant weights).
+  std::function<void(torch::nn::Module&)> on_model_ready;
 };
 
 /// What a finished run reports.

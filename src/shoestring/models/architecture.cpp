@@ -1,0 +1,192 @@
+#include "shoestring/models/architecture.h"
+
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <unordered_map>
+
+#include <fmt/format.h>
+#include <torch/torch.h>
+
+#include "shoestring/core/error.h"
+#include "shoestring/core/units.h"
+#include "shoestring/models/cascade.h"
+#include "shoestring/models/mmdit.h"
+#include "shoestring/models/tiny_unet.h"
+#include "shoestring/models/unet_ldm.h"
+#include "shoestring/models/vae.h"
+#include "shoestring/nn/key_layout.h"
+
+namespace shoestring::models {
+namespace {
+
+ArchitectureBuilder ldm_unet(LdmUNetOptions (*preset)()) {
+  return [preset](const nn::LayerInit& init, bool tiny) -> std::shared_ptr<torch::nn::Module> {
+    LdmUNetOptions o = preset();
+    if (tiny) o = o.tiny();
+    return LdmUNet(o.init(init)).ptr();
+  };
+}
+
+std::shared_ptr<torch::nn::Module> build_vae(const nn::LayerInit& init, bool tiny) {
+  VaeOptions o;
+  if (tiny) o = o.tiny();
+  return AutoencoderKL(o.init(init)).ptr();
+}
+
+std::shared_ptr<torch::nn::Module> build_tiny_unet(const nn::LayerInit& init, bool tiny) {
+  TinyUNetOptions o;
+  if (tiny) o.base_channels(32).num_heads(2).context_dim(64);
+  return TinyUNet(o.init(init)).ptr();
+}
+
+// The registry. Parameter counts: LDM UNets and the VAE are the counts of the
+// released checkpoints (sum of numel over the tensors under the prefix).
+std::vector<Architecture> make_registry() {
+  return {
+      {"sd15", "Stable Diffusion 1.5 UNet (LDM layout)", "model.diffusion_model.", 859'520'964,
+       "runwayml/stable-diffusion-v1-5 UNet (v1-5-pruned.safetensors; diffusers UNet2DConditionModel.num_parameters())",
+       ldm_unet(&LdmUNetOptions::sd15)},
+      {"sdxl", "Stable Diffusion XL base 1.0 UNet (LDM layout)", "model.diffusion_model.", 2'567'463'684,
+       "stabilityai/stable-diffusion-xl-base-1.0 UNet (sd_xl_base_1.0.safetensors; diffusers "
+       "UNet2DConditionModel.num_parameters())",
+       ldm_unet(&LdmUNetOptions::sdxl)},
+      {"ssd1b", "Segmind SSD-1B UNet (SDXL with blocks removed, LDM layout)", "model.diffusion_model.",
+       1'331'334'404,
+       "segmind/SSD-1B ('1.3B'); exact: the SDXL count minus the removed blocks (34 transformer blocks at "
+       "1280 ch, 2 at 640 ch, middle_block.1 shell and middle_block.2), see tests/models/test_architectures.cpp",
+       ldm_unet(&LdmUNetOptions::ssd1b)},
+      {"vae", "Stable Diffusion VAE (AutoencoderKL, LDM layout; SD 1.x and SDXL)", "first_stage_model.", 83'653'863,
+       "stabilityai/sd-vae-ft-mse / sdxl-vae AutoencoderKL (diffusers num_parameters())", &build_vae},
+      {"cascade-c", "Stable Cascade stage C 3.6B (stage_c.safetensors; keys without prefix)", "", 3'589'103'632,
+       "Stability-AI/StableCascade modules/stage_c.py with stabilityai/stable-cascade-prior prior/config.json (no "
+       "exact public count; agrees with '3.6B' and the 14.4 GB fp32 file)",
+       [](const nn::LayerInit& i, bool tiny) -> std::shared_ptr<torch::nn::Module> {
+         return StageC(tiny ? StageCOptions::tiny() : StageCOptions::cascade_c(), i).ptr();
+       }},
+      {"cascade-c-lite", "Stable Cascade stage C lite 1B (stage_c_lite.safetensors; keys without prefix)", "",
+       1'030'785'040,
+       "StableCascade train/train_c.py '1B' = stable-cascade-prior prior_lite/config.json (no exact public count; "
+       "agrees with '1B' and the 4.12 GB fp32 file)",
+       [](const nn::LayerInit& i, bool tiny) -> std::shared_ptr<torch::nn::Module> {
+         return StageC(tiny ? StageCOptions::tiny() : StageCOptions::cascade_c_lite(), i).ptr();
+       }},
+      {"sd35m", "Stable Diffusion 3.5 Medium MMDiT-X", "model.diffusion_model.", 2'243'171'520,
+       "stabilityai/stable-diffusion-3.5-medium SD3Transformer2DModel parameter count; the file adds the "
+       "226,492,416-element pos_embed buffer",
+       [](const nn::LayerInit& i, bool tiny) -> std::shared_ptr<torch::nn::Module> {
+         return MMDiT(tiny ? MMDiTOptions::tiny() : MMDiTOptions::sd35_medium(), i).ptr();
+       }},
+      {"tiny-unet", "shoestring TinyUNet with default options (the emoji example's model)", "unet.", 24'805'379,
+       "this project's TinyUNetOptions defaults (printed by TinyUNet.DefaultsHaveTenToFortyMillionParameters)",
+       &build_tiny_unet},
+  };
+}
+
+std::vector<TensorShape> shapes_of(const torch::nn::Module& m) {
+  std::vector<TensorShape> out;
+  for (const auto& p : m.named_parameters(/*recurse=*/true)) out.push_back({p.key(), p.value().sizes().vec(), true});
+  for (const auto& b : m.named_buffers(/*recurse=*/true)) out.push_back({b.key(), b.value().sizes().vec(), false});
+  return out;
+}
+
+}  // namespace
+
+const std::vector<Architecture>& architectures() {
+  static const std::vector<Architecture> registry = make_registry();
+  return registry;
+}
+
+const Architecture& find_architecture(const std::string& name) {
+  std::string known;
+  for (const auto& a : architectures()) {
+    if (a.name == name) return a;
+    known += (known.empty() ? "" : ", ") + a.name;
+  }
+  fail("unknown architecture '{}'; known: {}", name, known);
+}
+
+std::shared_ptr<torch::nn::Module> build_architecture(const std::string& name, const nn::LayerInit& init, bool tiny) {
+  return find_architecture(name).build(init, tiny);
+}
+
+std::shared_ptr<torch::nn::Module> build_checkpoint_root(const std::string& name, const nn::LayerInit& init,
+                                                         bool tiny) {
+  const Architecture& a = find_architecture(name);
+  auto root = std::make_shared<torch::nn::Module>("CheckpointRoot");
+  std::string path = a.prefix;
+  if (!path.empty() && path.back() == '.') path.pop_back();
+  if (path.empty()) fail("architecture '{}' has no key prefix to register under", name);
+  nn::register_at(*root, path, a.build(init, tiny));
+  return root;
+}
+
+const std::vector<TensorShape>& architecture_tensors(const std::string& name, bool tiny) {
+  static std::mutex mutex;
+  static std::map<std::pair<std::string, bool>, std::vector<TensorShape>> cache;
+  const Architecture& a = find_architecture(name);
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = cache.find({name, tiny});
+  if (it == cache.end()) it = cache.emplace(std::make_pair(name, tiny), shapes_of(*a.build(torch::kMeta, tiny))).first;
+  return it->second;
+}
+
+std::vector<Detection> detect_architectures(const std::vector<TensorShape>& tensors) {
+  std::unordered_map<std::string, const std::vector<int64_t>*> by_name;
+  for (const auto& t : tensors) by_name[t.name] = &t.shape;
+
+  // Matches `arch` against the tensors stored under `prefix` ("" = bare file).
+  auto match = [&](const Architecture& arch, bool tiny, const std::string& prefix) {
+    Detection d;
+    d.architecture = arch.name;
+    d.tiny = tiny;
+    d.prefix = prefix;
+    const auto& expected = architecture_tensors(arch.name, tiny);
+    std::unordered_map<std::string, const std::vector<int64_t>*> want;
+    for (const auto& e : expected) want[e.name] = &e.shape;
+    for (const auto& t : tensors) {
+      if (t.name.compare(0, prefix.size(), prefix) != 0) continue;
+      auto w = want.find(t.name.substr(prefix.size()));
+      if (w == want.end()) {
+        d.unexpected.push_back(t.name);
+      } else if (*w->second == t.shape) {
+        ++d.matched;
+      } else {
+        d.mismatched.push_back(
+            fmt::format("{}: expected {}, got {}", t.name, format_shape(*w->second), format_shape(t.shape)));
+      }
+    }
+    for (const auto& e : expected) {
+      if (!by_name.count(prefix + e.name)) d.missing.push_back(prefix + e.name);
+    }
+    return d;
+  };
+  auto errors = [](const Detection& d) { return d.missing.size() + d.unexpected.size() + d.mismatched.size(); };
+
+  std::vector<std::string> prefixes;
+  for (const auto& a : architectures()) {
+    if (std::find(prefixes.begin(), prefixes.end(), a.prefix) == prefixes.end()) prefixes.push_back(a.prefix);
+  }
+  std::vector<Detection> found;
+  for (const auto& prefix : prefixes) {
+    std::optional<Detection> best;
+    for (const auto& a : architectures()) {
+      if (a.prefix != prefix) continue;
+      for (bool tiny : {false, true}) {
+        const int64_t n = static_cast<int64_t>(architecture_tensors(a.name, tiny).size());
+        for (const std::string& p : {prefix, std::string()}) {
+          Detection d = match(a, tiny, p);
+          if (d.matched * 2 < n) continue;
+          if (!best || errors(d) < errors(*best) || (errors(d) == errors(*best) && d.matched > best->matched)) {
+            best = std::move(d);
+          }
+        }
+      }
+    }
+    if (best) found.push_back(std::move(*best));
+  }
+  return found;
+}
+
+}  // namespace shoestring::models

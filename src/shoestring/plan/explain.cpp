@@ -1,0 +1,34 @@
+#include "shoestring/plan/explain.h"
+
+#include <fmt/format.h>
+#include <torch/torch.h>
+
+#include "shoestring/precision/policy.h"
+#include "shoestring/train/diffusion_model.h"
+
+namespace shoestring::plan {
+
+std::string explain_precision(const TrainConfig& c, int64_t vocab_size) {
+  DiffusionModelOptions o = DiffusionModelOptions::from_config(c, vocab_size);
+  o.unet.init(nn::LayerInit{torch::kMeta});
+  o.text.init(nn::LayerInit{torch::kMeta});
+  DiffusionModel model(o);
+  const precision::Policy policy = precision_policy(c);
+  const std::vector<nn::BlockTable*> tables = model->block_tables();
+  const precision::Resolution resolution = precision::resolve(*model, policy, {tables.begin(), tables.end()});
+  std::string out = precision::format_explain(resolution, policy);
+  std::string state;
+  if (c.optimizer_type == "AdamW8bit") {
+    state = "8-bit blockwise (fp32 for tensors under min_8bit_size)";
+  } else if (c.optimizer_type == "Adafactor") {
+    state = "fp32 row/column factors (matrices), " + c.optimizer_state_dtype + " (vectors)";
+  } else {
+    state = c.optimizer_state_dtype;
+  }
+  out += fmt::format("optimizer state ({}): {}{}\n", c.optimizer_type, state,
+                     c.offload_optimizer_state ? ", in host memory (offload_optimizer_state)" : "");
+  if (c.ema_decay > 0) out += "EMA copy: fp32\n";
+  return out;
+}
+
+}  // namespace shoestring::plan

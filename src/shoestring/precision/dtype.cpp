@@ -1,0 +1,117 @@
+#include "shoestring/precision/dtype.h"
+
+#include <cfloat>
+#include <cmath>
+#include <limits>
+
+#include <torch/torch.h>
+
+#include "shoestring/core/error.h"
+
+namespace shoestring::precision {
+namespace {
+
+struct Fp8Format {
+  int mantissa_bits;
+  int min_exponent;  // exponent of the smallest normal (1 - bias)
+  double max;
+  bool saturate;     // e4m3fn has no inf: saturate at max
+};
+
+Fp8Format fp8_format(Dtype d) {
+  if (d == Dtype::fp8_e4m3) return {3, -6, 448.0, true};
+  if (d == Dtype::fp8_e5m2) return {2, -14, 57344.0, false};
+  fail("fp8 format expected, got {}", to_string(d));
+}
+
+float round_fp8_scalar(float x, const Fp8Format& f) {
+  if (std::isnan(x)) return x;
+  const double a = std::fabs(static_cast<double>(x));
+  if (a == 0.0) return x;
+  if (std::isinf(a)) return f.saturate ? std::copysign(static_cast<float>(f.max), x) : x;
+  int e = std::ilogb(a);  // a = m * 2^e with 1 <= m < 2
+  if (e < f.min_exponent) e = f.min_exponent;
+  const double ulp = std::ldexp(1.0, e - f.mantissa_bits);
+  double q = std::nearbyint(a / ulp) * ulp;  // round half to even (default rounding mode)
+  if (q > f.max) q = f.saturate ? f.max : std::numeric_limits<double>::infinity();
+  return static_cast<float>(std::copysign(q, static_cast<double>(x)));
+}
+
+}  // namespace
+
+const char* to_string(Dtype d) {
+  switch (d) {
+    case Dtype::fp32: return "fp32";
+    case Dtype::bf16: return "bf16";
+    case Dtype::fp16: return "fp16";
+    case Dtype::fp8_e4m3: return "fp8_e4m3";
+    case Dtype::fp8_e5m2: return "fp8_e5m2";
+  }
+  return "?";
+}
+
+bool parse_dtype(const std::string& s, Dtype& out) {
+  for (Dtype d : {Dtype::fp32, Dtype::bf16, Dtype::fp16, Dtype::fp8_e4m3, Dtype::fp8_e5m2}) {
+    if (s == to_string(d)) {
+      out = d;
+      return true;
+    }
+  }
+  return false;
+}
+
+double max_finite(Dtype d) {
+  switch (d) {
+    case Dtype::fp32: return FLT_MAX;
+    case Dtype::bf16: return 3.3895313892515355e38;  // 0x7F7F
+    case Dtype::fp16: return 65504.0;
+    case Dtype::fp8_e4m3: return 448.0;
+    case Dtype::fp8_e5m2: return 57344.0;
+  }
+  return 0;
+}
+
+double min_positive(Dtype d) {
+  switch (d) {
+    case Dtype::fp32: return std::ldexp(1.0, -149);
+    case Dtype::bf16: return std::ldexp(1.0, -133);
+    case Dtype::fp16: return std::ldexp(1.0, -24);
+    case Dtype::fp8_e4m3: return std::ldexp(1.0, -9);
+    case Dtype::fp8_e5m2: return std::ldexp(1.0, -16);
+  }
+  return 0;
+}
+
+at::ScalarType container_dtype(Dtype d) {
+  switch (d) {
+    case Dtype::fp32: return at::kFloat;
+    case Dtype::fp16: return at::kHalf;
+    default: return at::kBFloat16;
+  }
+}
+
+int64_t container_bytes(Dtype d) { return d == Dtype::fp32 ? 4 : 2; }
+
+at::Tensor round_to_fp8(const at::Tensor& x, Dtype d) {
+  const Fp8Format f = fp8_format(d);
+  at::Tensor src = x.detach().to(at::kFloat).contiguous().cpu();
+  at::Tensor out = torch::empty_like(src);
+  const float* in = src.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const int64_t n = src.numel();
+  for (int64_t i = 0; i < n; ++i) o[i] = round_fp8_scalar(in[i], f);
+  return out;
+}
+
+Fp8Quantized quantize_fp8(const at::Tensor& x, Dtype d) {
+  const Fp8Format f = fp8_format(d);
+  at::Tensor src = x.detach().to(at::kFloat).contiguous().cpu();
+  const double amax = src.numel() ? src.abs().max().item<double>() : 0.0;
+  Fp8Quantized q;
+  if (amax > 0 && std::isfinite(amax)) q.scale = std::ldexp(1.0, static_cast<int>(std::floor(std::log2(f.max / amax))));
+  q.dequantized = round_to_fp8(src * q.scale, d) / q.scale;
+  q.flushed = (src.ne(0) & q.dequantized.eq(0)).sum().item<int64_t>();
+  return q;
+}
+
+}  // namespace shoestring::precision

@@ -1,0 +1,338 @@
+#include "shoestring/precision/policy.h"
+
+#include <map>
+#include <set>
+
+#include <spdlog/spdlog.h>
+#include <torch/torch.h>
+
+#include "shoestring/core/error.h"
+#include "shoestring/core/units.h"
+
+namespace shoestring::precision {
+namespace {
+
+std::vector<std::string> prefixes(const std::string& path) {
+  // "", "a", "a.b", ..., path
+  std::vector<std::string> out{""};
+  for (size_t i = 0; i < path.size(); ++i) {
+    if (path[i] == '.') out.push_back(path.substr(0, i));
+  }
+  if (!path.empty()) out.push_back(path);
+  return out;
+}
+
+std::string rule_label(int index, const std::vector<Rule>& rules) {
+  if (index <= 0) return "default";
+  return rules[index - 1].describe();
+}
+
+}  // namespace
+
+std::string Rule::describe() const {
+  return origin.empty() ? fmt::format("rule {} ('{}')", index, match)
+                        : fmt::format("rule {} ('{}', {})", index, match, origin);
+}
+
+std::string Settings::describe() const {
+  return fmt::format("storage {}, compute {}, {}{}, master {}", to_string(storage), to_string(compute),
+                     trainable ? "trainable" : "frozen", checkpoint ? ", checkpoint" : "",
+                     master_fp32 ? "fp32" : "none");
+}
+
+bool glob_match(const std::string& pattern, const std::string& path) {
+  // Iterative wildcard matching with backtracking to the last '*'.
+  size_t p = 0, s = 0, star = std::string::npos, mark = 0;
+  while (s < path.size()) {
+    if (p < pattern.size() && (pattern[p] == '?' || pattern[p] == path[s])) {
+      ++p;
+      ++s;
+    } else if (p < pattern.size() && pattern[p] == '*') {
+      star = p++;
+      mark = s;
+    } else if (star != std::string::npos) {
+      p = star + 1;
+      s = ++mark;
+    } else {
+      return false;
+    }
+  }
+  while (p < pattern.size() && pattern[p] == '*') ++p;
+  return p == pattern.size();
+}
+
+std::vector<RuleSpec> shorthand_rules(const std::string& mixed_precision, bool full_bf16, bool full_fp16,
+                                      bool gradient_checkpointing) {
+  if (full_bf16 && full_fp16) fail("full_bf16 and full_fp16 cannot both be true");
+  std::vector<RuleSpec> out;
+  if (mixed_precision == "bf16" || mixed_precision == "fp16") {
+    RuleSpec r;
+    r.match = "*";
+    r.compute = mixed_precision;
+    r.origin = "shorthand mixed_precision = \"" + mixed_precision + "\"";
+    out.push_back(r);
+  } else if (mixed_precision != "no") {
+    fail("mixed_precision: expected \"no\", \"bf16\" or \"fp16\", got \"{}\"", mixed_precision);
+  }
+  if (full_bf16 || full_fp16) {
+    RuleSpec r;
+    r.match = "*";
+    r.storage = r.compute = full_bf16 ? "bf16" : "fp16";
+    r.master = "none";
+    r.origin = full_bf16 ? "shorthand full_bf16" : "shorthand full_fp16";
+    out.push_back(r);
+  }
+  if (gradient_checkpointing) {
+    RuleSpec r;
+    r.match = "*";
+    r.checkpoint = true;
+    r.origin = "shorthand gradient_checkpointing";
+    out.push_back(r);
+  }
+  return out;
+}
+
+Policy Policy::from_specs(const std::vector<RuleSpec>& specs) {
+  Policy policy;
+  int index = 0;
+  for (const auto& s : specs) {
+    Rule r;
+    r.index = ++index;
+    r.match = s.match;
+    r.origin = s.origin;
+    const std::string who = r.describe();
+    if (s.match.empty()) fail("precision {}: 'match' must be a non-empty glob (e.g. \"*\" or \"unet.down.*\")", who);
+    if (s.storage) {
+      Dtype d;
+      if (!parse_dtype(*s.storage, d)) {
+        fail("precision {}: storage = \"{}\" is not a dtype; expected one of fp32, bf16, fp16, fp8_e4m3, fp8_e5m2",
+             who, *s.storage);
+      }
+      r.storage = d;
+    }
+    if (s.compute) {
+      Dtype d;
+      if (!parse_dtype(*s.compute, d) || is_fp8(d)) {
+        fail("precision {}: compute = \"{}\" is not a compute dtype; expected one of fp32, bf16, fp16", who,
+             *s.compute);
+      }
+      r.compute = d;
+    }
+    if (s.master) {
+      if (*s.master == "fp32") {
+        r.master_fp32 = true;
+      } else if (*s.master == "none") {
+        r.master_fp32 = false;
+      } else {
+        fail("precision {}: master = \"{}\" is not allowed; expected \"none\" or \"fp32\"", who, *s.master);
+      }
+    }
+    r.trainable = s.trainable;
+    r.checkpoint = s.checkpoint;
+    if (r.storage && is_fp8(*r.storage)) {
+      if (r.trainable && *r.trainable) {
+        fail("precision {}: storage = \"{}\" with trainable = true is contradictory: fp8 storage is for frozen "
+             "weights only (set trainable = false, or store in bf16/fp16)",
+             who, to_string(*r.storage));
+      }
+      if (r.master_fp32 && *r.master_fp32) {
+        fail("precision {}: storage = \"{}\" with master = \"fp32\" is contradictory: fp8 weights are frozen and "
+             "have no master copy",
+             who, to_string(*r.storage));
+      }
+    }
+    policy.rules_.push_back(r);
+  }
+  return policy;
+}
+
+bool Policy::applies(const Rule& rule, const std::string& path) const {
+  for (const auto& p : prefixes(path)) {
+    if (glob_match(rule.match, p)) return true;
+  }
+  return false;
+}
+
+Settings Policy::resolve(const std::string& path) const {
+  Settings s;
+  const auto pre = prefixes(path);
+  for (const auto& r : rules_) {
+    bool hit = false;
+    for (const auto& p : pre) {
+      if (glob_match(r.match, p)) {
+        hit = true;
+        break;
+      }
+    }
+    if (!hit) continue;
+    if (r.storage) s.storage = *r.storage, s.storage_rule = r.index;
+    if (r.compute) s.compute = *r.compute, s.compute_rule = r.index;
+    if (r.trainable) s.trainable = *r.trainable, s.trainable_rule = r.index;
+    if (r.checkpoint) s.checkpoint = *r.checkpoint, s.checkpoint_rule = r.index;
+    if (r.master_fp32) s.master_fp32 = *r.master_fp32, s.master_rule = r.index;
+  }
+  return s;
+}
+
+Resolution resolve(const torch::nn::Module& model, const Policy& policy,
+                   const std::vector<const nn::BlockTable*>& tables) {
+  Resolution res;
+  std::map<std::string, size_t> row_of;
+  for (const auto& item : model.named_modules("", /*include_self=*/true)) {
+    ModuleRow row;
+    row.path = item.key();
+    row.settings = policy.resolve(row.path);
+    for (const auto* t : tables) {
+      if (t && t->is_block(item.value().get())) {
+        row.block = true;
+        row.checkpointable = row.checkpointable || t->is_checkpointable(item.value().get());
+      }
+    }
+    row_of[row.path] = res.modules.size();
+    res.modules.push_back(row);
+  }
+  const auto& rules = policy.rules();
+  for (const auto& item : model.named_parameters(/*recurse=*/true)) {
+    ParamRow p;
+    p.path = item.key();
+    p.settings = policy.resolve(p.path);
+    p.numel = item.value().numel();
+    p.shape = item.value().sizes().vec();
+    const Settings& s = p.settings;
+    if (is_fp8(s.storage) && s.trainable) {
+      fail("precision: {} sets storage = \"{}\" on parameter '{}', which is trainable ({}); fp8 storage is for "
+           "frozen weights only: add trainable = false to that rule or a later one",
+           rule_label(s.storage_rule, rules), to_string(s.storage), p.path,
+           s.trainable_rule ? "set by " + rule_label(s.trainable_rule, rules) : std::string("the default"));
+    }
+    const bool master = s.master_fp32 && s.trainable && s.storage != Dtype::fp32;
+    // Charge the parameter to its module and every ancestor.
+    for (const auto& pre : prefixes(p.path)) {
+      auto it = row_of.find(pre);
+      if (it == row_of.end()) continue;
+      ModuleRow& m = res.modules[it->second];
+      m.parameters += p.numel;
+      if (s.trainable) m.trainable_parameters += p.numel;
+      m.weight_bytes += p.numel * container_bytes(s.storage);
+      if (master) m.master_bytes += p.numel * 4;
+    }
+    res.params.push_back(std::move(p));
+  }
+  // Rules that match nothing.
+  for (const auto& r : rules) {
+    bool any = false;
+    for (const auto& m : res.modules) {
+      if (glob_match(r.match, m.path)) { any = true; break; }
+    }
+    for (size_t i = 0; !any && i < res.params.size(); ++i) any = glob_match(r.match, res.params[i].path);
+    if (any) continue;
+    std::string hint;
+    for (const std::string& alt : {"*." + r.match, "*" + r.match + "*"}) {
+      bool alt_hits = false;
+      for (const auto& m : res.modules) alt_hits = alt_hits || glob_match(alt, m.path);
+      for (size_t i = 0; !alt_hits && i < res.params.size(); ++i) alt_hits = glob_match(alt, res.params[i].path);
+      if (alt_hits) {
+        hint = fmt::format(" (paths are matched whole; did you mean \"{}\"?)", alt);
+        break;
+      }
+    }
+    std::string example = res.modules.size() > 1 ? fmt::format("; module paths look like '{}'", res.modules[1].path) : "";
+    res.warnings.push_back(
+        fmt::format("precision {} matches no module or parameter{}{}", r.describe(), hint, hint.empty() ? example : ""));
+  }
+  return res;
+}
+
+std::string format_explain(const Resolution& r, const Policy& policy) {
+  std::string out = fmt::format("{:<56} {:>11} {:>10} {:>8} {:>8} {:>6} {:>5} {:>6}  {}\n", "module", "params",
+                                "bytes", "storage", "compute", "train", "ckpt", "master", "rules");
+  for (const auto& m : r.modules) {
+    const int depth = m.path.empty() ? 0 : 1 + static_cast<int>(std::count(m.path.begin(), m.path.end(), '.'));
+    std::string name = std::string(2 * depth, ' ') + (m.path.empty() ? "(model)" : m.path) +
+                       (m.block ? (m.checkpointable ? " [block]" : " [scope]") : "");
+    const Settings& s = m.settings;
+    std::set<int> used{s.storage_rule, s.compute_rule, s.trainable_rule, s.checkpoint_rule, s.master_rule};
+    used.erase(0);
+    std::vector<std::string> ids;
+    for (int i : used) ids.push_back(std::to_string(i));
+    out += fmt::format("{:<56} {:>11} {:>10} {:>8} {:>8} {:>6} {:>5} {:>6}  {}\n", name, m.parameters,
+                       format_bytes(m.weight_bytes + m.master_bytes), to_string(s.storage), to_string(s.compute),
+                       s.trainable ? "yes" : "no", m.checkpointable ? (s.checkpoint ? "yes" : "no") : "-",
+                       s.master_fp32 ? "fp32" : "none",
+                       ids.empty() ? "-" : fmt::format("{}", fmt::join(ids, ",")));
+  }
+  out += "rules (later rules win, key by key):\n";
+  for (const auto& rule : policy.rules()) {
+    int64_t governed = 0;
+    for (const auto& p : r.params) {
+      if (policy.applies(rule, p.path)) governed += p.numel;
+    }
+    out += fmt::format("  {}: applies to {} parameters\n", rule.describe(), governed);
+  }
+  if (policy.rules().empty()) out += "  (none: everything fp32, trainable)\n";
+  for (const auto& w : r.warnings) out += "warning: " + w + "\n";
+  return out;
+}
+
+nn::BlockPrecision block_precision(const Settings& s, const c10::Device& device) {
+  nn::BlockPrecision b;
+  b.checkpoint = s.checkpoint;
+  switch (s.compute) {
+    case Dtype::bf16: b.compute = at::kBFloat16; break;
+    case Dtype::fp16:
+      if (device.is_cpu()) {
+        b.compute = at::kFloat;
+        b.emulate_fp16 = true;
+      } else {
+        b.compute = at::kHalf;
+      }
+      break;
+    default: b.compute = at::kFloat; break;
+  }
+  return b;
+}
+
+int64_t apply(torch::nn::Module& model, const Resolution& resolution, const std::vector<nn::BlockTable*>& tables) {
+  torch::NoGradGuard no_grad;
+  std::map<std::string, const ParamRow*> by_path;
+  for (const auto& p : resolution.params) by_path[p.path] = &p;
+  int64_t changed = 0;
+  c10::Device device(c10::kCPU);
+  for (auto& item : model.named_parameters(/*recurse=*/true)) {
+    auto it = by_path.find(item.key());
+    if (it == by_path.end()) fail("precision::apply: parameter '{}' is not in the resolution (model changed?)", item.key());
+    const Settings& s = it->second->settings;
+    at::Tensor p = item.value();
+    device = p.device();
+    const at::ScalarType target = container_dtype(s.storage);
+    if (is_fp8(s.storage)) {
+      Fp8Quantized q = quantize_fp8(p, s.storage);
+      if (q.flushed > 0) {
+        spdlog::warn("precision: {} of {} nonzero values of '{}' flush to zero in {} (per-tensor scale {})", q.flushed,
+                     p.ne(0).sum().item<int64_t>(), item.key(), to_string(s.storage), q.scale);
+      }
+      p.set_data(q.dequantized.to(target).to(p.device()));
+      ++changed;
+    } else if (p.scalar_type() != target) {
+      p.set_data(p.data().to(target));
+      ++changed;
+    }
+    p.requires_grad_(s.trainable);
+  }
+  std::map<const torch::nn::Module*, std::string> path_of;
+  for (const auto& item : model.named_modules("", true)) path_of[item.value().get()] = item.key();
+  std::map<std::string, const ModuleRow*> row_of;
+  for (const auto& m : resolution.modules) row_of[m.path] = &m;
+  for (const auto& item : model.named_modules("", true)) {
+    const torch::nn::Module* mod = item.value().get();
+    for (auto* t : tables) {
+      if (!t || !t->is_block(mod)) continue;
+      auto it = row_of.find(item.key());
+      if (it == row_of.end()) fail("precision::apply: module '{}' is not in the resolution", item.key());
+      t->set(mod, block_precision(it->second->settings, device));
+    }
+  }
+  return changed;
+}
+
+}  // namespace shoestring::precision

@@ -1,0 +1,90 @@
+#include "shoestring/precision/save_guard.h"
+
+#include <spdlog/spdlog.h>
+#include <torch/torch.h>
+
+#include "shoestring/core/error.h"
+
+namespace shoestring::precision {
+
+bool NarrowingReport::bad(const SaveGuardOptions& o) const {
+  return overflow > 0 || (nonzero > 0 && static_cast<double>(flushed) > o.max_flush_fraction * nonzero);
+}
+
+std::string NarrowingReport::describe(Dtype target) const {
+  std::vector<std::string> parts;
+  if (overflow > 0) {
+    parts.push_back(fmt::format("{} of {} values overflow {} (max |x| {:.4g} > {:.6g})", overflow, numel,
+                                to_string(target), max_abs, max_finite(target)));
+  }
+  if (flushed > 0) {
+    parts.push_back(fmt::format("{} of {} nonzero values ({:.2f}%) flush to zero in {}", flushed, nonzero,
+                                100.0 * flushed / std::max<int64_t>(1, nonzero), to_string(target)));
+  }
+  return fmt::format("{}: {}", name, parts.empty() ? "ok" : fmt::format("{}", fmt::join(parts, "; ")));
+}
+
+NarrowingReport check_narrowing(const std::string& name, const at::Tensor& t, Dtype target) {
+  NarrowingReport r;
+  r.name = name;
+  r.numel = t.numel();
+  if (!t.is_floating_point() || t.numel() == 0) return r;
+  torch::NoGradGuard no_grad;
+  at::Tensor x = t.detach().to(at::kFloat);
+  at::Tensor finite = x.isfinite();
+  at::Tensor nz = x.ne(0) & finite;
+  r.nonzero = nz.sum().item<int64_t>();
+  at::Tensor fin_abs = torch::where(finite, x.abs(), torch::zeros_like(x));
+  r.max_abs = fin_abs.max().item<double>();
+  if (target == Dtype::fp32) return r;
+  at::Tensor y;
+  if (is_fp8(target)) {
+    y = quantize_fp8(x, target).dequantized;
+  } else {
+    y = x.to(container_dtype(target)).to(at::kFloat);
+  }
+  r.overflow = (finite & y.isfinite().logical_not()).sum().item<int64_t>();
+  r.flushed = (nz & y.eq(0)).sum().item<int64_t>();
+  return r;
+}
+
+std::vector<NamedTensor> convert_for_save(const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                                          Dtype target, const SaveGuardOptions& options, const std::string& what) {
+  if (is_fp8(target)) fail("{}: saving weights as {} is not supported by this build", what, to_string(target));
+  std::vector<std::string> problems;
+  for (const auto& [name, t] : tensors) {
+    if (!t.is_floating_point() || t.scalar_type() == container_dtype(target)) continue;
+    NarrowingReport r = check_narrowing(name, t, target);
+    if (r.bad(options)) problems.push_back(r.describe(target));
+  }
+  if (!problems.empty()) {
+    const size_t shown = std::min<size_t>(problems.size(), 20);
+    std::string list = fmt::format("{}", fmt::join(problems.begin(), problems.begin() + shown, "\n  "));
+    if (problems.size() > shown) list += fmt::format("\n  ... and {} more tensors", problems.size() - shown);
+    if (!options.force) {
+      fail("{}: saving in {} would damage {} tensor(s) (overflow, or more than {:.3g}% of nonzero values flushed "
+           "to zero):\n  {}\nSave in a wider dtype (save_precision = \"fp32\" or \"bf16\"), or set "
+           "save_precision_force = true to save anyway",
+           what, to_string(target), problems.size(), 100 * options.max_flush_fraction, list);
+    }
+    spdlog::warn("{}: saving in {} anyway (save_precision_force) although {} tensor(s) lose values:\n  {}", what,
+                 to_string(target), problems.size(), list);
+  }
+  std::vector<NamedTensor> out;
+  out.reserve(tensors.size());
+  for (const auto& [name, t] : tensors) {
+    at::Tensor v = t.detach();
+    if (v.is_floating_point() && v.scalar_type() != container_dtype(target)) v = v.to(container_dtype(target));
+    out.push_back({name, v, std::nullopt});
+  }
+  return out;
+}
+
+Dtype parse_save_precision(const std::string& s) {
+  if (s == "fp32" || s == "float") return Dtype::fp32;
+  if (s == "fp16") return Dtype::fp16;
+  if (s == "bf16") return Dtype::bf16;
+  fail("save_precision: expected \"fp32\" (or kohya's \"float\"), \"fp16\" or \"bf16\", got \"{}\"", s);
+}
+
+}  // namespace shoestring::precision

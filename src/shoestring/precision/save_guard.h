@@ -1,0 +1,61 @@
+// Save-time range guard: before weights are written in a narrower dtype
+// (fp32 -> fp16 / bf16 / fp8), every value is checked. Converting is an
+// error, naming each offending tensor and its counts, when
+//  - any finite value would overflow (|x| beyond the target's largest finite
+//    value: fp16 65504, bf16 3.39e38; fp8 cannot overflow because it is saved
+//    with a per-tensor scale), or
+//  - more than `max_flush_fraction` (default 1%) of a tensor's nonzero values
+//    would flush to zero (fp16 flushes |x| < 2^-25, i.e. below half its
+//    smallest subnormal 5.96e-8),
+// unless `force` is set (config `save_precision_force = true`), in which case
+// the same findings are logged as warnings and the tensors are converted.
+// The 1% threshold: a handful of underflowing values is normal for small
+// weights in fp16 (they were negligible anyway); one in a hundred means the
+// tensor's scale does not fit fp16 and the saved model will differ.
+#pragma once
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "shoestring/io/safetensors.h"
+#include "shoestring/precision/dtype.h"
+
+namespace shoestring::precision {
+
+struct SaveGuardOptions {
+  double max_flush_fraction = 0.01;
+  bool force = false;
+};
+
+/// What converting one tensor would do.
+struct NarrowingReport {
+  std::string name;
+  int64_t numel = 0;
+  int64_t nonzero = 0;   ///< nonzero values before conversion
+  int64_t overflow = 0;  ///< finite values that would become inf
+  int64_t flushed = 0;   ///< nonzero values that would become 0
+  double max_abs = 0;    ///< largest finite |x|
+  /// True when this tensor breaks the guard's limits.
+  bool bad(const SaveGuardOptions& o) const;
+  /// "unet.conv_in.weight: 3 of 432 values overflow fp16 (max |x| 7.1e+04)".
+  std::string describe(Dtype target) const;
+};
+
+/// Checks one tensor (any float dtype) against `target`. Non-float tensors
+/// give an empty report.
+NarrowingReport check_narrowing(const std::string& name, const at::Tensor& t, Dtype target);
+
+/// Converts floating tensors to `target` (fp32, bf16 or fp16) for saving,
+/// leaving other tensors as they are. fp8 targets are rejected (this build
+/// writes no scaled fp8 files; check_narrowing() still checks fp8).
+/// Throws shoestring::Error listing every offending tensor (up to 20, then a
+/// count) unless options.force; `what` names the file being written.
+std::vector<NamedTensor> convert_for_save(const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                                          Dtype target, const SaveGuardOptions& options, const std::string& what);
+
+/// Parses a save_precision value: "fp32" / "float", "fp16", "bf16" (kohya's
+/// names plus fp32). Throws shoestring::Error otherwise.
+Dtype parse_save_precision(const std::string& s);
+
+}  // namespace shoestring::precision
