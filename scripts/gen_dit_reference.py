@@ -34,6 +34,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import reference_data  # scripts/reference_data.py
+
 OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "data", "models")
 
 
@@ -364,19 +366,8 @@ def write_keys(name, module):
 
 
 def write_case(name, tensors):
-    os.makedirs(OUT_DIR, exist_ok=True)
-    index, chunks, offset = [], [], 0
-    for key, t in tensors.items():
-        a = t.detach().to(torch.float32).contiguous().numpy().astype("<f4")
-        index.append({"name": key, "shape": list(a.shape), "offset": offset})
-        chunks.append(a.tobytes())
-        offset += a.size
-    with open(os.path.join(OUT_DIR, name + ".bin"), "wb") as f:
-        f.write(b"".join(chunks))
-    with open(os.path.join(OUT_DIR, name + ".json"), "w") as f:
-        json.dump({"case": name, "generator": "scripts/gen_dit_reference.py", "torch": torch.__version__,
-                   "tensors": index}, f, indent=1)
-    print(name, offset * 4, "bytes")
+    nbytes = reference_data.write_case(OUT_DIR, name, tensors, "scripts/gen_dit_reference.py")
+    print(name, nbytes, "bytes")
 
 
 def randomize(module):

@@ -3,6 +3,8 @@
 // models, small channels), dtype conversion through the range guard, and the
 // errors a user meets.
 #include <gtest/gtest.h>
+
+#include "run_cli.h"
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -20,23 +22,9 @@ namespace fs = std::filesystem;
 
 namespace {
 
-struct Result {
-  int code;
-  std::string output;
-};
+using Result = shoestring::testing::CliResult;
 
-Result run(const std::string& args) {
-  std::string cmd = std::string(SHOESTRING_BINARY) + " " + args + " 2>&1";
-  std::FILE* pipe = ::popen(cmd.c_str(), "r");
-  Result r{-1, ""};
-  if (!pipe) return r;
-  std::array<char, 4096> buf{};
-  size_t n;
-  while ((n = std::fread(buf.data(), 1, buf.size(), pipe)) > 0) r.output.append(buf.data(), n);
-  int status = ::pclose(pipe);
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
-}
+Result run(const std::string& args) { return shoestring::testing::run_cli(args); }
 
 struct Dir {
   fs::path path;
