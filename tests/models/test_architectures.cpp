@@ -535,3 +535,40 @@ TEST(KeyMap, VaeRoundTripsAndKnownNames) {
   EXPECT_EQ(io::vae_ldm_to_diffusers("quant_conv.weight"), "quant_conv.weight");
   EXPECT_THROW(io::vae_ldm_to_diffusers("encoder.down.4.block.0.norm1.weight"), Error);
 }
+
+namespace {
+
+// Parameter gradients of one tiny-width step with or without checkpointing.
+std::vector<torch::Tensor> tiny_unet_grads(const std::string& arch, bool checkpointing) {
+  torch::manual_seed(11);
+  auto unet = std::dynamic_pointer_cast<models::LdmUNetImpl>(models::build_architecture(arch, {}, /*tiny=*/true));
+  {
+    torch::NoGradGuard g;
+    for (auto& p : unet->parameters()) p.add_(torch::randn_like(p) * 0.02);
+  }
+  unet->set_gradient_checkpointing(checkpointing);
+  unet->train();
+  const auto& o = unet->options();
+  torch::Tensor x = torch::randn({2, 4, 16, 16}), t = torch::tensor({10.0, 900.0});
+  torch::Tensor ctx = torch::randn({2, 7, o.context_dim()});
+  torch::Tensor y = o.adm_in_channels() > 0 ? torch::randn({2, o.adm_in_channels()}) : torch::Tensor();
+  unet->forward(x, t, ctx, y).pow(2).mean().backward();
+  std::vector<torch::Tensor> grads;
+  for (const auto& p : unet->parameters()) grads.push_back(p.grad().clone());
+  return grads;
+}
+
+}  // namespace
+
+// SDXL's deep blocks (transformer depth 2 and 10) are checkpointed layer by
+// layer, SD 1.5's depth-1 blocks whole; both must give the gradients of the
+// plain backward (no dropout, so bit-equal up to recompute order: 1e-6).
+TEST(Architectures, GradientCheckpointingKeepsGradients) {
+  for (const std::string arch : {"sd15", "sdxl"}) {
+    auto plain = tiny_unet_grads(arch, false), ckpt = tiny_unet_grads(arch, true);
+    ASSERT_EQ(plain.size(), ckpt.size());
+    for (size_t i = 0; i < plain.size(); ++i) {
+      EXPECT_TRUE(torch::allclose(plain[i], ckpt[i], 1e-5, 1e-7)) << arch << " parameter " << i;
+    }
+  }
+}

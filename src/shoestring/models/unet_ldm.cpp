@@ -91,6 +91,37 @@ torch::Tensor LdmBlockImpl::forward(const torch::Tensor& x, const torch::Tensor&
   return h;
 }
 
+int64_t LdmBlockImpl::transformer_depth() const {
+  int64_t depth = 0;
+  for (const auto& layer : layers_) {
+    if (auto* st = dynamic_cast<nn::SpatialTransformerImpl*>(layer.get())) depth += st->options().depth();
+  }
+  return depth;
+}
+
+torch::Tensor LdmBlockImpl::forward_checkpointed(const torch::Tensor& x, const torch::Tensor& emb,
+                                                 const torch::Tensor& context) {
+  torch::Tensor h = x;
+  for (const auto& layer : layers_) {
+    if (auto res = std::dynamic_pointer_cast<nn::ResBlockImpl>(layer)) {
+      h = nn::checkpoint(
+          [res](const std::vector<torch::Tensor>& in) { return std::vector<torch::Tensor>{res->forward(in[0], in[1])}; },
+          {h, emb})[0];
+    } else if (auto* st = dynamic_cast<nn::SpatialTransformerImpl*>(layer.get())) {
+      st->set_checkpoint_blocks(true);
+      h = st->forward(h, context);
+      st->set_checkpoint_blocks(false);
+    } else if (auto* rs = dynamic_cast<LdmResampleImpl*>(layer.get())) {
+      h = rs->forward(h);
+    } else if (auto* conv = dynamic_cast<nn::Conv2dImpl*>(layer.get())) {
+      h = conv->forward(h);
+    } else {
+      fail("LdmBlock: unsupported layer type {}", layer->name());
+    }
+  }
+  return h;
+}
+
 LdmUNetImpl::LdmUNetImpl(const LdmUNetOptions& options) : options_(options) {
   const auto& o = options_;
   const auto& mult = o.channel_mult();
@@ -206,6 +237,7 @@ LdmUNetImpl::LdmUNetImpl(const LdmUNetOptions& options) : options_(options) {
 torch::Tensor LdmUNetImpl::run_block(LdmBlockImpl& block, const torch::Tensor& h, const torch::Tensor& emb,
                                      const torch::Tensor& context) {
   if (!(gradient_checkpointing_ && is_training())) return block.forward(h, emb, context);
+  if (block.transformer_depth() > 1) return block.forward_checkpointed(h, emb, context);
   auto self = std::static_pointer_cast<LdmBlockImpl>(block.shared_from_this());
   return nn::checkpoint(
       [self](const std::vector<torch::Tensor>& in) {

@@ -1,5 +1,7 @@
 #include "shoestring/nn/transformer.h"
 
+#include "shoestring/nn/checkpoint.h"
+
 #include <torch/torch.h>
 
 #include "shoestring/core/error.h"
@@ -106,8 +108,21 @@ torch::Tensor SpatialTransformerImpl::forward(const torch::Tensor& x, const torc
   } else {
     h = proj_in_linear->forward(h.flatten(2).transpose(1, 2));
   }
+  const bool per_block = checkpoint_blocks_ && is_training();
   for (const auto& block : *blocks) {
-    h = block->as<TransformerBlockImpl>()->forward(h, context, context_mask);
+    if (per_block) {
+      auto self = std::static_pointer_cast<TransformerBlockImpl>(block);
+      const torch::Tensor mask = context_mask;  // captured by value: used again in backward
+      std::vector<torch::Tensor> in{h};
+      if (context.defined()) in.push_back(context);
+      h = checkpoint(
+          [self, mask](const std::vector<torch::Tensor>& x) {
+            return std::vector<torch::Tensor>{self->forward(x[0], x.size() > 1 ? x[1] : torch::Tensor(), mask)};
+          },
+          in)[0];
+    } else {
+      h = block->as<TransformerBlockImpl>()->forward(h, context, context_mask);
+    }
   }
   if (proj_out_linear) h = proj_out_linear->forward(h);
   h = h.transpose(1, 2).reshape({B, C, H, W});  // a channels-last view of contiguous tokens

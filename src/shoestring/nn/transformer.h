@@ -106,6 +106,11 @@ class SpatialTransformerImpl : public torch::nn::Module {
 
   const TransformerOptions& options() const { return options_; }
 
+  /// When on and in training mode, each transformer block runs through
+  /// nn::checkpoint on its own, so a deep stack (SDXL: 10 blocks) recomputes
+  /// one block's activations at a time in backward instead of all of them.
+  void set_checkpoint_blocks(bool on) { checkpoint_blocks_ = on; }
+
   GroupNorm norm{nullptr};
   /// The projections: proj_in/proj_out (1x1 convs) unless linear_proj, then
   /// proj_in_linear/proj_out_linear (registered as "proj_in"/"proj_out").
@@ -115,6 +120,7 @@ class SpatialTransformerImpl : public torch::nn::Module {
 
  private:
   TransformerOptions options_;
+  bool checkpoint_blocks_ = false;
 };
 TORCH_MODULE(SpatialTransformer);
 
