@@ -169,7 +169,7 @@ TEST(Cli, InspectArchitectureAndDetection) {
   std::vector<shoestring::NamedTensor> tensors;
   for (const auto& t : shoestring::models::architecture_tensors("vae", /*tiny=*/true)) {
     if (t.name == "decoder.conv_out.bias") continue;
-    tensors.push_back({t.name, torch::zeros({1}, torch::kBFloat16).expand(t.shape)});
+    tensors.push_back({t.name, torch::zeros({1}, torch::kBFloat16).expand(t.shape), {}});
   }
   const std::string file = temp_path("vae") + ".safetensors";
   shoestring::save_safetensors(file, tensors);

@@ -136,6 +136,16 @@ TEST(Convert, BadInputsAreClearErrors) {
   r = run("convert " + (dir / "junk.safetensors") + " --to onnx " + (dir / "o.safetensors"));
   EXPECT_NE(r.code, 0);
   EXPECT_NE(r.output.find("ldm or diffusers"), std::string::npos) << r.output;
+  // The same file spelled another way is still the same file: never overwritten.
+  const std::string before = shoestring::load_safetensors(dir / "junk.safetensors").begin()->first;
+  r = run("convert " + (dir / "junk.safetensors") + " " + dir.path.string() + "/./junk.safetensors --to diffusers");
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.output.find("same file"), std::string::npos) << r.output;
+  EXPECT_EQ(shoestring::load_safetensors(dir / "junk.safetensors").begin()->first, before);
+  r = run("convert " + (dir / "junk.safetensors") + " --to diffusers --dtype fp12 " + (dir / "o.safetensors"));
+  EXPECT_NE(r.output.find("--dtype must be keep, fp32, bf16 or fp16"), std::string::npos) << r.output;
+  r = run("convert " + (dir / "junk.safetensors") + " --to diffusers " + (dir / "no/such/o.safetensors"));
+  EXPECT_NE(r.output.find("output folder"), std::string::npos) << r.output;
   r = run("convert " + (dir / "missing.safetensors") + " --to ldm " + (dir / "o.safetensors"));
   EXPECT_NE(r.code, 0);
   EXPECT_NE(r.output.find("missing.safetensors"), std::string::npos) << r.output;

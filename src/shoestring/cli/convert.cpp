@@ -14,6 +14,7 @@
 // in bulk are an error naming the tensors unless --force. OUT is written
 // atomically, tensor by tensor (no converted copy of the whole model in
 // memory).
+#include <filesystem>
 #include <iostream>
 #include <map>
 #include <string>
@@ -36,6 +37,8 @@
 namespace shoestring::cli {
 
 namespace {
+
+namespace fs = std::filesystem;
 
 struct ConvertOptions {
   std::string in, out, to, dtype = "keep", component, arch;
@@ -79,9 +82,17 @@ std::vector<Planned> plan_to_diffusers(const WeightFiles& files, const ConvertOp
     if (o.component == "vae" && d.architecture != "vae") continue;
     usable.push_back(d);
   }
-  if (usable.empty())
-    fail("convert: {} holds no SD 1.5 / SDXL / SSD-1B UNet or SD VAE in the LDM layout{} (see `shoestring inspect {}`)",
-         files.path(), o.arch.empty() ? "" : fmt::format(" matching --arch {}", o.arch), files.path());
+  if (usable.empty()) {
+    bool diffusers_names = false;
+    for (const auto& n : files.names()) {
+      if (n.rfind("down_blocks.", 0) == 0 || n.rfind("encoder.down_blocks.", 0) == 0) diffusers_names = true;
+    }
+    fail("convert: {} holds no SD 1.5 / SDXL / SSD-1B UNet or SD VAE in the LDM layout{}{} (see `shoestring inspect "
+         "{}`)",
+         files.path(), o.arch.empty() ? "" : fmt::format(" matching --arch {}", o.arch),
+         diffusers_names ? "; its names look like the diffusers layout already (use --to ldm to convert it back)" : "",
+         files.path());
+  }
   if (usable.size() > 1)
     fail("convert: {} holds several models ({} and {}); pick one with --component unet|vae (diffusers keeps one "
          "component per file)",
@@ -154,7 +165,15 @@ void run_convert(const ConvertOptions& o) {
   if (o.to != "ldm" && o.to != "diffusers") fail("convert: --to must be ldm or diffusers, got '{}'", o.to);
   if (!o.component.empty() && o.component != "unet" && o.component != "vae")
     fail("convert: --component must be unet or vae, got '{}'", o.component);
-  if (o.in == o.out) fail("convert: input and output are the same file ({})", o.in);
+  if (o.dtype != "keep" && o.dtype != "fp32" && o.dtype != "bf16" && o.dtype != "fp16")
+    fail("convert: --dtype must be keep, fp32, bf16 or fp16, got '{}'", o.dtype);
+  if (!o.arch.empty()) models::find_architecture(o.arch);  // unknown names: error listing the known ones
+  {
+    const fs::path parent = fs::path(o.out).parent_path();
+    if (!parent.empty() && !fs::is_directory(parent))
+      fail("convert: output folder '{}' does not exist", parent.string());
+    if (fs::is_directory(o.out)) fail("convert: output '{}' is a folder, expected a .safetensors file path", o.out);
+  }
   std::optional<at::ScalarType> cast;
   precision::Dtype target = precision::Dtype::fp32;
   if (o.dtype != "keep") {
@@ -162,6 +181,16 @@ void run_convert(const ConvertOptions& o) {
     cast = target == precision::Dtype::fp16 ? at::kHalf : target == precision::Dtype::bf16 ? at::kBFloat16 : at::kFloat;
   }
   WeightFiles files = WeightFiles::open(o.in);
+  // Never overwrite what is being read, however the path is spelled (./x, a
+  // symlink, the shard of an index).
+  if (fs::exists(o.out)) {
+    std::error_code ec;
+    if (fs::equivalent(o.out, o.in, ec)) fail("convert: input and output are the same file ({})", o.in);
+    for (const auto& n : files.names()) {
+      if (fs::equivalent(o.out, files.file_of(n), ec))
+        fail("convert: output {} is a shard of the input {}", o.out, o.in);
+    }
+  }
   std::string arch;
   int64_t dropped = 0;
   std::vector<Planned> plan = o.to == "diffusers" ? plan_to_diffusers(files, o, arch, dropped) : plan_to_ldm(files, o, arch);

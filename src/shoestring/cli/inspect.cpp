@@ -7,6 +7,7 @@
 // architecture on the meta device (nothing allocated) and prints its
 // parameter count and the bytes its weights take in fp32 / bf16 / fp16 / fp8.
 #include <iostream>
+#include <map>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -20,6 +21,7 @@
 #include "shoestring/core/units.h"
 #include "shoestring/io/inspect.h"
 #include "shoestring/io/safetensors.h"
+#include "shoestring/io/weight_files.h"
 #include "shoestring/models/architecture.h"
 
 namespace shoestring::cli {
@@ -103,6 +105,41 @@ std::string detection_text(const std::vector<models::Detection>& found) {
   return out.str();
 }
 
+// A sharded checkpoint (*.safetensors.index.json): every shard is opened and
+// validated; prints the shards, tensor count, parameters and the detection.
+void inspect_sharded(const InspectOptions& o) {
+  const WeightFiles files = WeightFiles::open(o.file);
+  std::vector<models::TensorShape> shapes;
+  std::map<std::string, int64_t> per_file;
+  int64_t params = 0;
+  for (const auto& name : files.names()) {
+    const TensorInfo* info = files.find(name);
+    shapes.push_back({name, info->shape});
+    params += info->numel();
+    ++per_file[files.file_of(name)];
+  }
+  const std::vector<models::Detection> found = models::detect_architectures(shapes);
+  if (o.json) {
+    nlohmann::json j;
+    j["path"] = o.file;
+    j["sharded"] = true;
+    j["shards"] = per_file;
+    j["tensors"] = shapes.size();
+    j["parameters"] = params;
+    j["data_bytes"] = files.data_bytes();
+    j["metadata"] = files.metadata();
+    j["architectures"] = nlohmann::json::array();
+    for (const auto& d : found) j["architectures"].push_back(detection_json(d));
+    std::cout << j.dump(2) << '\n';
+  } else {
+    std::cout << fmt::format("{}: sharded checkpoint, {} shards, {} tensors, {} parameters, {} of data\n", o.file,
+                             per_file.size(), shapes.size(), params, format_bytes(static_cast<int64_t>(files.data_bytes())));
+    for (const auto& [f, n] : per_file) std::cout << fmt::format("  {}: {} tensors\n", f, n);
+    std::cout << detection_text(found);
+  }
+  std::cout.flush();
+}
+
 }  // namespace
 
 void register_inspect(CLI::App& app) {
@@ -110,7 +147,7 @@ void register_inspect(CLI::App& app) {
   CLI::App* sub = app.add_subcommand(
       "inspect", "Validate a .safetensors file and list its tensors, dtypes, shapes, parameter count, bytes per "
                  "dtype, metadata and detected architecture; or, with --arch, size a registered architecture");
-  sub->add_option("file", opts->file, "path to a .safetensors file");
+  sub->add_option("file", opts->file, "path to a .safetensors file or a sharded *.safetensors.index.json");
   sub->add_option("--arch", opts->arch, "a registered architecture (sd15, sdxl, ssd1b, vae, tiny-unet, ...)");
   sub->add_flag("--tiny", opts->tiny, "with --arch: the test-size variant of the architecture");
   sub->add_flag("--json", opts->json, "print one JSON object instead of a table");
@@ -119,6 +156,10 @@ void register_inspect(CLI::App& app) {
     if (!opts->arch.empty()) {
       print_architecture(*opts);
       std::cout.flush();
+      return;
+    }
+    if (opts->file.size() > 5 && opts->file.compare(opts->file.size() - 5, 5, ".json") == 0) {
+      inspect_sharded(*opts);
       return;
     }
     // Throws shoestring::Error naming the file and the rule broken; main() prints it.

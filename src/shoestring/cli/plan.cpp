@@ -59,19 +59,20 @@ void register_plan(CLI::App& app) {
   cmd->add_option("config", args->config, "run config (TOML)")->required();
   cmd->add_option("--set", args->sets, "override a config key: --set train_batch_size=8 (repeatable)")
       ->allow_extra_args(false);
-  cmd->add_option("--budget", args->budget, "memory budget (e.g. 8GiB): propose the cheapest switches that fit");
+  CLI::Option* budget_option = cmd->add_option("--budget", args->budget, "memory budget (e.g. 8GiB): propose the cheapest switches that fit");
   cmd->add_option("--vocab-size", args->vocab_size,
                   "caption vocabulary size (sets the token embedding; the trainer builds it from the dataset)")
       ->check(CLI::Range(int64_t{1}, int64_t{100000000}));
   cmd->add_flag("--json", args->json, "one JSON object on stdout");
   cmd->add_flag("--explain", args->explain, "list every module with its precision rule (precision/policy.h)");
-  cmd->callback([args] {
+  cmd->callback([args, budget_option] {
     if (!fs::exists(args->config)) fail("config file '{}' does not exist", args->config);
     if (fs::is_directory(args->config)) fail("config '{}' is a directory, expected a TOML file", args->config);
     TrainConfig config = load_config(args->config, args->sets);
     plan::MemoryPlan p = plan::plan_memory(config, args->vocab_size);
     nlohmann::json out = p.to_json();
     std::optional<plan::Advice> advice;
+    if (budget_option->count() > 0 && args->budget.empty()) fail("--budget: expected a memory size such as 8GiB, got ''");
     if (!args->budget.empty()) {
       const int64_t budget = plan::parse_byte_size(args->budget);
       advice = plan::advise(config, args->vocab_size, budget);
@@ -83,8 +84,10 @@ void register_plan(CLI::App& app) {
       if (!advice->found) a["floor_reason"] = advice->floor_reason;
       out["advice"] = a;
     }
-    std::string explanation;
-    if (args->explain) explanation = plan::explain_precision(config, args->vocab_size);
+    // Always resolve the precision rules (on the meta device: nothing is
+    // allocated), so plan refuses what train would refuse and prints the same
+    // warnings; the table is shown only with --explain.
+    const std::string explanation = plan::explain_precision(config, args->vocab_size);
     if (args->json) {
       if (args->explain) out["explain"] = explanation;
       std::cout << out.dump(2) << "\n";

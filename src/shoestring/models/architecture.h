@@ -9,6 +9,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <torch/nn/module.h>
@@ -58,6 +59,9 @@ std::shared_ptr<torch::nn::Module> build_checkpoint_root(const std::string& name
 
 /// A tensor's name and shape (from a checkpoint header or a module).
 struct TensorShape {
+  TensorShape() = default;
+  TensorShape(std::string n, std::vector<int64_t> s, bool is_parameter = true)
+      : name(std::move(n)), shape(std::move(s)), parameter(is_parameter) {}
   std::string name;
   std::vector<int64_t> shape;
   /// False for buffers stored in checkpoints but not trained (e.g. MMDiT's pos_embed).

@@ -756,6 +756,7 @@ int64_t parse_byte_size(const std::string& text) {
   else if (unit == "t" || unit == "tib" || unit == "tb") mult = 1024.0 * 1024 * 1024 * 1024;
   else fail("'{}': unknown unit '{}' (use B, KiB, MiB, GiB or TiB)", text, unit);
   if (!(v > 0) || !std::isfinite(v * mult)) fail("'{}' is not a positive memory size", text);
+  if (v * mult >= 9.0e18) fail("'{}' is too large (at most 8 EiB)", text);
   return static_cast<int64_t>(v * mult);
 }
 
