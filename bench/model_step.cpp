@@ -10,11 +10,11 @@
 // allocations) and the memory ledger's measured peak: total, and each
 // category's bytes at that peak and its own peak. Weights are random (the
 // numbers do not depend on values); inputs are random latents, timesteps
-// and text-encoder states of the architecture's shapes (SD 1.5: 77 x 768;
-// SDXL / SSD-1B: 77 x 2048 plus the 2816-wide vector condition).
+// and text-encoder states of the architecture's shapes (see make_runner).
 // With --json: one object with arch, resolution, batch, seconds_per_step,
 // peak_bytes and <category>_bytes (at the peak) and <category>_peak_bytes.
 #include <chrono>
+#include <functional>
 #include <cstdio>
 
 #include <CLI/CLI.hpp>
@@ -27,6 +27,8 @@
 #include "shoestring/core/threads.h"
 #include "shoestring/core/units.h"
 #include "shoestring/models/architecture.h"
+#include "shoestring/models/cascade.h"
+#include "shoestring/models/mmdit.h"
 #include "shoestring/models/unet_ldm.h"
 #include "shoestring/optim/factory.h"
 #include "shoestring/optim/fused_backward.h"
@@ -36,19 +38,54 @@ namespace {
 using namespace shoestring;
 using Clock = std::chrono::steady_clock;
 
-struct Inputs {
-  at::Tensor x, t, context, y;
+// One architecture's training forward on random inputs of its shapes.
+// LDM UNets: latents [B,4,R/8,R/8], DDPM timesteps, text states [B,77,768|2048]
+// (+ the 2816-wide vector for SDXL). SD3.5M: latents [B,16,R/8,R/8], t in
+// [0,1], T5+CLIP states [B,154,4096], pooled [B,2048]. Stable Cascade stage
+// C: its 24x24 latents at 1024 px (R/42.67), r in [0,1], CLIP text
+// [B,77,1280], pooled [B,1,1280], image [B,1,768].
+struct Runner {
+  std::function<at::Tensor()> forward;
+  at::Tensor target;
 };
 
-// Random inputs of the architecture's shapes (latent channels 4, 8x VAE).
-Inputs make_inputs(models::LdmUNetImpl& unet, int64_t batch, int64_t resolution, at::ScalarType dtype) {
-  const auto& o = unet.options();
-  Inputs in;
-  in.x = torch::randn({batch, o.in_channels(), resolution / 8, resolution / 8}).to(dtype);
-  in.t = torch::randint(0, 1000, {batch}).to(torch::kFloat32);
-  in.context = torch::randn({batch, 77, o.context_dim()}).to(dtype);
-  if (o.adm_in_channels() > 0) in.y = torch::randn({batch, o.adm_in_channels()}).to(dtype);
-  return in;
+Runner make_runner(torch::nn::Module& module, int64_t batch, int64_t resolution, at::ScalarType dtype,
+                   bool checkpointing) {
+  auto randn = [&](std::vector<int64_t> shape) { return torch::randn(shape).to(dtype); };
+  Runner r;
+  if (auto* unet = dynamic_cast<models::LdmUNetImpl*>(&module)) {
+    unet->set_gradient_checkpointing(checkpointing);
+    const auto& o = unet->options();
+    at::Tensor x = randn({batch, o.in_channels(), resolution / 8, resolution / 8});
+    at::Tensor t = torch::randint(0, 1000, {batch}).to(torch::kFloat32);
+    at::Tensor ctx = randn({batch, 77, o.context_dim()});
+    at::Tensor y = o.adm_in_channels() > 0 ? randn({batch, o.adm_in_channels()}) : at::Tensor();
+    r.forward = [unet, x, t, ctx, y] { return unet->forward(x, t, ctx, y); };
+    r.target = x;
+  } else if (auto* dit = dynamic_cast<models::MMDiTImpl*>(&module)) {
+    dit->set_gradient_checkpointing(checkpointing);
+    const auto& o = dit->options();
+    at::Tensor x = randn({batch, o.in_channels(), resolution / 8, resolution / 8});
+    at::Tensor t = torch::rand({batch});
+    at::Tensor ctx = randn({batch, 154, o.context_dim()});
+    at::Tensor y = randn({batch, o.adm_in_channels()});
+    r.forward = [dit, x, t, ctx, y] { return dit->forward(x, t, ctx, y); };
+    r.target = x;
+  } else if (auto* c = dynamic_cast<models::StageCImpl*>(&module)) {
+    c->set_gradient_checkpointing(checkpointing);
+    const auto& o = c->options();
+    const int64_t side = std::max<int64_t>(8, (resolution * 3) / 128);  // 24 at 1024 px (compression 42.67)
+    at::Tensor x = randn({batch, o.in_channels(), side, side});
+    at::Tensor rr = torch::rand({batch});
+    at::Tensor text = randn({batch, 77, o.clip_text_dim()});
+    at::Tensor pooled = randn({batch, 1, o.clip_text_pooled_dim()});
+    at::Tensor img = randn({batch, 1, o.clip_image_dim()});
+    r.forward = [c, x, rr, text, pooled, img] { return c->forward(x, rr, text, pooled, img); };
+    r.target = x;
+  } else {
+    fail("model_step: no example inputs for this architecture (LDM UNets, sd35m, cascade-c, cascade-c-lite)");
+  }
+  return r;
 }
 
 }  // namespace
@@ -58,7 +95,7 @@ int main(int argc, char** argv) {
   std::string arch = "sd15", optimizer_type = "Adafactor";
   int64_t resolution = 512, batch = 1, steps = 2, threads = 0;
   bool no_checkpointing = false, tiny = false, json = false;
-  app.add_option("--arch", arch, "architecture (sd15, sdxl, ssd1b)");
+  app.add_option("--arch", arch, "architecture (sd15, sdxl, ssd1b, sd35m, cascade-c, cascade-c-lite)");
   app.add_option("--resolution", resolution, "image side in pixels (latents are /8)")->check(CLI::Range(64, 4096));
   app.add_option("--batch", batch, "images per step")->check(CLI::Range(1, 64));
   app.add_option("--steps", steps, "training steps (the last one is reported)")->check(CLI::Range(1, 100));
@@ -80,9 +117,6 @@ int main(int argc, char** argv) {
       nn::LayerInit init{torch::TensorOptions().dtype(dtype)};
       module = models::build_architecture(arch, init, tiny);
     }
-    auto* unet = dynamic_cast<models::LdmUNetImpl*>(module.get());
-    if (!unet) fail("model_step: --arch {} is not an LDM UNet (sd15, sdxl, ssd1b); others are not wired yet", arch);
-    unet->set_gradient_checkpointing(!no_checkpointing);
     module->train();
 
     std::vector<std::pair<std::string, at::Tensor>> params;
@@ -100,10 +134,10 @@ int main(int argc, char** argv) {
     std::unique_ptr<Optimizer> optimizer = make_optimizer(optimizer_type, optimizer_args, params, oo);
     FusedBackward fused(*optimizer, FusedBackwardOptions{});
 
-    Inputs in;
+    Runner runner;
     {
       ScopedMemoryCategory category(MemoryCategory::activations);
-      in = make_inputs(*unet, batch, resolution, dtype);
+      runner = make_runner(*module, batch, resolution, dtype, !no_checkpointing);
     }
     double seconds = 0, loss_value = 0;
     for (int64_t s = 0; s < steps; ++s) {
@@ -114,8 +148,8 @@ int main(int argc, char** argv) {
       at::Tensor loss;
       {
         ScopedMemoryCategory category(MemoryCategory::activations);
-        at::Tensor out = unet->forward(in.x, in.t, in.context, in.y);
-        loss = torch::mse_loss(out.to(torch::kFloat32), in.x.to(torch::kFloat32));
+        at::Tensor out = runner.forward();
+        loss = torch::mse_loss(out.to(torch::kFloat32), runner.target.to(torch::kFloat32));
       }
       {
         ScopedMemoryCategory category(MemoryCategory::temporaries);
