@@ -20,6 +20,7 @@
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
+#include "model_testing.h"
 #include "shoestring/core/error.h"
 #include "shoestring/models/cascade.h"
 
@@ -29,58 +30,10 @@ using models::StageCOptions;
 
 namespace {
 
-std::string read_file(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) throw std::runtime_error("cannot open " + path);
-  std::ostringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
-
-// tests/data/models/<name>.{json,bin} -> name -> float32 tensor.
-std::map<std::string, torch::Tensor> load_case(const std::string& name) {
-  const std::string base = std::string(SHOESTRING_TEST_DATA) + "/models/" + name;
-  const auto index = nlohmann::json::parse(read_file(base + ".json"));
-  const std::string bin = read_file(base + ".bin");
-  std::map<std::string, torch::Tensor> out;
-  for (const auto& e : index.at("tensors")) {
-    torch::Tensor t = torch::empty(e.at("shape").get<std::vector<int64_t>>(), torch::kFloat32);
-    const size_t offset = e.at("offset").get<size_t>() * 4, bytes = static_cast<size_t>(t.numel()) * 4;
-    if (offset + bytes > bin.size()) throw std::runtime_error("truncated " + base + ".bin");
-    std::memcpy(t.data_ptr<float>(), bin.data() + offset, bytes);
-    out[e.at("name").get<std::string>()] = t;
-  }
-  return out;
-}
-
-// tests/data/models/<name>.keys.txt -> tensor name -> shape.
-std::map<std::string, std::vector<int64_t>> load_keys(const std::string& name) {
-  std::istringstream in(read_file(std::string(SHOESTRING_TEST_DATA) + "/models/" + name + ".keys.txt"));
-  std::map<std::string, std::vector<int64_t>> keys;
-  for (std::string line; std::getline(in, line);) {
-    if (line.empty() || line[0] == '#') continue;
-    const size_t space = line.find(' ');
-    std::vector<int64_t> shape;
-    std::istringstream dims(line.substr(space + 1));
-    for (std::string d; std::getline(dims, d, ',');) shape.push_back(std::stoll(d));
-    keys[line.substr(0, space)] = shape;
-  }
-  return keys;
-}
-
-std::map<std::string, std::vector<int64_t>> module_keys(const torch::nn::Module& m) {
-  std::map<std::string, std::vector<int64_t>> keys;
-  for (const auto& p : m.named_parameters()) keys[p.key()] = p.value().sizes().vec();
-  for (const auto& b : m.named_buffers()) keys[b.key()] = b.value().sizes().vec();
-  return keys;
-}
-
-int64_t resident_bytes() {
-  std::ifstream f("/proc/self/statm");
-  int64_t size = 0, resident = 0;
-  f >> size >> resident;
-  return resident * sysconf(_SC_PAGESIZE);
-}
+using shoestring::testing::load_case;
+using shoestring::testing::load_keys;
+using shoestring::testing::module_keys;
+using shoestring::testing::resident_bytes;
 
 // The configuration of cascade_small in scripts/gen_dit_reference.py.
 StageCOptions small_options() {

@@ -22,9 +22,10 @@ inline std::string slurp(const std::string& path) {
   return ss.str();
 }
 
-/// Loads tests/data/nn/<name>.{json,bin} into a name -> float32 tensor map.
-inline std::map<std::string, torch::Tensor> load_reference(const std::string& name) {
-  const std::string base = std::string(SHOESTRING_TEST_DATA) + "/nn/" + name;
+/// Loads tests/data/<folder>/<name>.{json,bin} (scripts/reference_data.py's
+/// format) into a name -> float32 tensor map.
+inline std::map<std::string, torch::Tensor> load_reference(const std::string& name, const std::string& folder = "nn") {
+  const std::string base = std::string(SHOESTRING_TEST_DATA) + "/" + folder + "/" + name;
   const auto index = nlohmann::json::parse(slurp(base + ".json"));
   const std::string bin = slurp(base + ".bin");
   std::map<std::string, torch::Tensor> out;
