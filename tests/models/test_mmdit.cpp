@@ -17,6 +17,8 @@
 #include <unistd.h>
 
 #include <gtest/gtest.h>
+
+#include "../nn/graph_testing.h"
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
@@ -73,18 +75,7 @@ void expect_shape(const std::map<std::string, std::vector<int64_t>>& keys, const
   EXPECT_EQ(it->second, shape) << name;
 }
 
-// Nodes of the autograd graph behind `t` (fewer when blocks are checkpointed).
-size_t count_graph_nodes(const torch::Tensor& t) {
-  std::unordered_set<torch::autograd::Node*> seen;
-  std::vector<torch::autograd::Node*> stack{t.grad_fn().get()};
-  while (!stack.empty()) {
-    auto* n = stack.back();
-    stack.pop_back();
-    if (!n || !seen.insert(n).second) continue;
-    for (const auto& e : n->next_edges()) stack.push_back(e.function.get());
-  }
-  return seen.size();
-}
+using shoestring::testing::count_graph_nodes;
 
 }  // namespace
 

@@ -4,6 +4,8 @@
 #include <unordered_set>
 
 #include <gtest/gtest.h>
+
+#include "../nn/graph_testing.h"
 #include <torch/torch.h>
 
 #include "shoestring/core/error.h"
@@ -48,17 +50,7 @@ Inputs make_inputs(const TinyUNetOptions& o, int64_t B, int64_t H, torch::Scalar
   return in;
 }
 
-size_t count_graph_nodes(const torch::Tensor& t) {
-  std::unordered_set<torch::autograd::Node*> seen;
-  std::vector<torch::autograd::Node*> stack{t.grad_fn().get()};
-  while (!stack.empty()) {
-    auto* n = stack.back();
-    stack.pop_back();
-    if (!n || !seen.insert(n).second) continue;
-    for (const auto& e : n->next_edges()) stack.push_back(e.function.get());
-  }
-  return seen.size();
-}
+using shoestring::testing::count_graph_nodes;
 
 }  // namespace
 

@@ -2,6 +2,8 @@
 #include <unordered_set>
 
 #include <gtest/gtest.h>
+
+#include "graph_testing.h"
 #include <torch/torch.h>
 
 #include "shoestring/core/error.h"
@@ -57,17 +59,7 @@ void expect_bitwise_equal(const Grads& a, const Grads& b) {
   for (size_t i = 0; i < a.params.size(); ++i) EXPECT_TRUE(torch::equal(a.params[i], b.params[i])) << "param " << i;
 }
 
-size_t count_graph_nodes(const torch::Tensor& t) {
-  std::unordered_set<torch::autograd::Node*> seen;
-  std::vector<torch::autograd::Node*> stack{t.grad_fn().get()};
-  while (!stack.empty()) {
-    auto* n = stack.back();
-    stack.pop_back();
-    if (!n || !seen.insert(n).second) continue;
-    for (const auto& e : n->next_edges()) stack.push_back(e.function.get());
-  }
-  return seen.size();
-}
+using shoestring::testing::count_graph_nodes;
 
 }  // namespace
 
