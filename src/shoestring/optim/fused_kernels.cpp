@@ -107,14 +107,36 @@ SHOESTRING_ALWAYS_INLINE void store(bf16_bits* p, int64_t i, float x, uint64_t k
   }
 }
 
+// The scalars of one AdamW step as the op chain passes them to libtorch:
+// computed in double, then rounded to fp32 once (shared by the fp32/bf16 and
+// the 8-bit kernels).
+struct AdamConstants {
+  float grad_scale, decay, beta1, one_minus_beta1, beta2, one_minus_beta2, bias_correction2_sqrt, eps,
+      neg_step_size;
+};
+
+AdamConstants adam_constants(const FusedAdamWScalars& s) {
+  const double bias_correction1 = 1.0 - std::pow(s.beta1, static_cast<double>(s.step));
+  const double bias_correction2 = 1.0 - std::pow(s.beta2, static_cast<double>(s.step));
+  AdamConstants c;
+  c.grad_scale = static_cast<float>(s.grad_scale);
+  c.decay = static_cast<float>(1.0 - s.lr * s.weight_decay);
+  c.beta1 = static_cast<float>(s.beta1);
+  c.one_minus_beta1 = static_cast<float>(1.0 - s.beta1);
+  c.beta2 = static_cast<float>(s.beta2);
+  c.one_minus_beta2 = static_cast<float>(1.0 - s.beta2);
+  c.bias_correction2_sqrt = static_cast<float>(std::sqrt(bias_correction2));
+  c.eps = static_cast<float>(s.eps);
+  c.neg_step_size = static_cast<float>(-(s.lr / bias_correction1));  // = -float(lr / bc1): rounding is symmetric
+  return c;
+}
+
 // Everything a range kernel needs; constants already rounded to fp32.
-struct AdamWArgs {
+struct AdamWArgs : AdamConstants {
   void* param;
   const void* grad;
   void* exp_avg;
   void* exp_avg_sq;
-  float grad_scale, decay, beta1, one_minus_beta1, beta2, one_minus_beta2, bias_correction2_sqrt, eps,
-      neg_step_size;
   uint64_t param_key, exp_avg_key, exp_avg_sq_key;  // counter_rng_key(...) of each tensor
 };
 
@@ -191,7 +213,7 @@ SHOESTRING_FUSED_VARIANTS(lion_range, LionArgs, lion)
 
 // ---- AdamW8bit ---------------------------------------------------------------
 
-struct AdamW8bitArgs {
+struct AdamW8bitArgs : AdamConstants {
   void* param;
   const void* grad;
   uint8_t* exp_avg_q;
@@ -204,8 +226,6 @@ struct AdamW8bitArgs {
   const uint32_t* m_table;  // QuantizationMap::fast_table()
   const uint32_t* v_table;
   uint8_t m_zero, v_zero;
-  float grad_scale, decay, beta1, one_minus_beta1, beta2, one_minus_beta2, bias_correction2_sqrt, eps,
-      neg_step_size;
   uint64_t param_key;
 };
 
@@ -682,24 +702,12 @@ void fused_adamw_step(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp
   const int64_t n = param.numel();
   if (n == 0) return;
 
-  // Constants exactly as the op chain passes them to libtorch (double
-  // arithmetic, then one rounding to fp32).
-  const double bias_correction1 = 1.0 - std::pow(s.beta1, static_cast<double>(s.step));
-  const double bias_correction2 = 1.0 - std::pow(s.beta2, static_cast<double>(s.step));
   AdamWArgs a;
+  static_cast<AdamConstants&>(a) = adam_constants(s);
   a.param = param.data_ptr();
   a.grad = grad.data_ptr();
   a.exp_avg = exp_avg.data_ptr();
   a.exp_avg_sq = exp_avg_sq.data_ptr();
-  a.grad_scale = static_cast<float>(s.grad_scale);
-  a.decay = static_cast<float>(1.0 - s.lr * s.weight_decay);
-  a.beta1 = static_cast<float>(s.beta1);
-  a.one_minus_beta1 = static_cast<float>(1.0 - s.beta1);
-  a.beta2 = static_cast<float>(s.beta2);
-  a.one_minus_beta2 = static_cast<float>(1.0 - s.beta2);
-  a.bias_correction2_sqrt = static_cast<float>(std::sqrt(bias_correction2));
-  a.eps = static_cast<float>(s.eps);
-  a.neg_step_size = static_cast<float>(-(s.lr / bias_correction1));
   a.param_key = stream_key(keys.param);
   a.exp_avg_key = stream_key(keys.state1);
   a.exp_avg_sq_key = stream_key(keys.state2);
@@ -782,9 +790,8 @@ void fused_adamw8bit_step(at::Tensor& param, const at::Tensor& grad, at::Tensor&
   if (n == 0) return;
   const QuantizationMap& smap = signed_dynamic_map();
   const QuantizationMap& umap = unsigned_dynamic_map();
-  const double bias_correction1 = 1.0 - std::pow(s.beta1, static_cast<double>(s.step));
-  const double bias_correction2 = 1.0 - std::pow(s.beta2, static_cast<double>(s.step));
   AdamW8bitArgs a;
+  static_cast<AdamConstants&>(a) = adam_constants(s);
   a.param = param.data_ptr();
   a.grad = grad.data_ptr();
   a.exp_avg_q = exp_avg_q.data_ptr<uint8_t>();
@@ -799,15 +806,6 @@ void fused_adamw8bit_step(at::Tensor& param, const at::Tensor& grad, at::Tensor&
   a.v_table = umap.fast_table();
   a.m_zero = smap.zero_code();
   a.v_zero = umap.zero_code();
-  a.grad_scale = static_cast<float>(s.grad_scale);
-  a.decay = static_cast<float>(1.0 - s.lr * s.weight_decay);
-  a.beta1 = static_cast<float>(s.beta1);
-  a.one_minus_beta1 = static_cast<float>(1.0 - s.beta1);
-  a.beta2 = static_cast<float>(s.beta2);
-  a.one_minus_beta2 = static_cast<float>(1.0 - s.beta2);
-  a.bias_correction2_sqrt = static_cast<float>(std::sqrt(bias_correction2));
-  a.eps = static_cast<float>(s.eps);
-  a.neg_step_size = -static_cast<float>(s.lr / bias_correction1);
   a.param_key = stream_key(keys.param);
   const int kind = param.scalar_type() == at::kFloat ? 0 : (keys.stochastic_rounding ? 1 : 2);
   const int variant = kind * 2 + (grad.scalar_type() == at::kBFloat16 ? 1 : 0);
