@@ -100,3 +100,32 @@ TEST(PlanTrace, PassthroughSharesTheGradient) {
   EXPECT_EQ(r.forward_kept, 100);  // x1, x2 freed (not saved)
   EXPECT_EQ(r.peak_per_category[kT], 100);
 }
+
+TEST(PlanTrace, BroadcastOperandGetsItsOwnReducedGradient) {
+  // y = x + b with b broadcast (10 bytes against 100): x's gradient is y's
+  // (shared), b's a new 10-byte reduction; so backward holds 100 + 10.
+  Trace t;
+  const int x = t.tensor(100), b = t.tensor(10), y = t.tensor(100);
+  TraceOp mk;
+  mk.name = "make";
+  mk.outputs = {x, b};
+  t.op(mk);
+  TraceOp add;
+  add.name = "add";
+  add.inputs = {x, b};
+  add.outputs = {y};
+  add.passthrough = true;
+  add.broadcast = true;
+  add.grad_inputs = {x, b};
+  t.op(add);
+  t.keep(y);
+  TraceResult r = t.simulate({});
+  EXPECT_EQ(r.peak_per_category[kT], 110);
+  add.broadcast = false;  // plain passthrough would alias b's gradient to y's
+  Trace t2;
+  t2.tensor(100), t2.tensor(10), t2.tensor(100);
+  t2.op(mk);
+  t2.op(add);
+  t2.keep(y);
+  EXPECT_EQ(t2.simulate({}).peak_per_category[kT], 100);
+}

@@ -22,7 +22,8 @@ constexpr MemoryCategory kShown[] = {MemoryCategory::weights, MemoryCategory::gr
                                      MemoryCategory::temporaries};
 
 void print_plan(const TrainConfig& c, const plan::MemoryPlan& p) {
-  fmt::print("model: {:.2f}M parameters, weights {}, optimizer {}{}{}\n", p.parameters / 1e6,
+  fmt::print("model: {}{}, {:.2f}M parameters, weights {}, optimizer {}{}{}\n", c.architecture,
+             c.architecture != "tiny-unet" ? (c.tiny ? " (tiny) denoiser" : " denoiser") : "", p.parameters / 1e6,
              c.full_bf16 ? "bf16" : (c.mixed_precision == "bf16" ? "fp32 (bf16 autocast)" : "fp32"),
              c.optimizer_type, c.optimizer_state_dtype == "bf16" ? " (bf16 state)" : "",
              c.fused_backward_pass ? ", fused backward" : "");
@@ -84,10 +85,13 @@ void register_plan(CLI::App& app) {
       if (!advice->found) a["floor_reason"] = advice->floor_reason;
       out["advice"] = a;
     }
-    // Always resolve the precision rules (on the meta device: nothing is
-    // allocated), so plan refuses what train would refuse and prints the same
-    // warnings; the table is shown only with --explain.
-    const std::string explanation = plan::explain_precision(config, args->vocab_size);
+    // Resolve the precision rules (on the meta device: nothing is allocated),
+    // so plan refuses what train would refuse and prints the same warnings;
+    // the table is shown only with --explain. For the registered real
+    // architectures (whose memory plan covers the denoiser only) only when
+    // asked for.
+    const bool resolve_rules = args->explain || config.architecture == "tiny-unet";
+    const std::string explanation = resolve_rules ? plan::explain_precision(config, args->vocab_size) : "";
     if (args->json) {
       if (args->explain) out["explain"] = explanation;
       std::cout << out.dump(2) << "\n";

@@ -61,6 +61,13 @@ void register_sample(CLI::App& app) {
     if (out.extension() != ".png") fail("--out '{}': the output is a PNG; use a .png file name", args->out);
     configure_threads(0);
     auto file = SafetensorsFile::open(args->checkpoint);
+    auto arch = file.metadata().find("architecture");
+    if (arch != file.metadata().end() && arch->second != "tiny-unet") {
+      fail("{}: a {} checkpoint; `shoestring sample` draws from the emoji example's tiny-unet only — for {} the "
+           "trainer writes sample grids during training (sample_prompts, sample_every_n_steps), and the file loads "
+           "in ComfyUI / A1111 as it is",
+           file.path(), arch->second, arch->second);
+    }
     auto options = DiffusionModelOptions::from_json(metadata_json(file, "model_config"));
     auto tokenizer = WordTokenizer::from_json(metadata_json(file, "tokenizer"));
     DiffusionModel model(options);

@@ -12,6 +12,7 @@
 #include "shoestring/core/error.h"
 #include "shoestring/core/units.h"
 #include "shoestring/models/cascade.h"
+#include "shoestring/models/clip_text.h"
 #include "shoestring/models/mmdit.h"
 #include "shoestring/models/tiny_unet.h"
 #include "shoestring/models/unet_ldm.h"
@@ -33,6 +34,14 @@ std::shared_ptr<torch::nn::Module> build_vae(const nn::LayerInit& init, bool tin
   VaeOptions o;
   if (tiny) o = o.tiny();
   return AutoencoderKL(o.init(init)).ptr();
+}
+
+ArchitectureBuilder clip_text(ClipTextOptions (*preset)()) {
+  return [preset](const nn::LayerInit& init, bool tiny) -> std::shared_ptr<torch::nn::Module> {
+    ClipTextOptions o = preset();
+    if (tiny) o = o.tiny();
+    return ClipTextModel(o.init(init)).ptr();
+  };
 }
 
 std::shared_ptr<torch::nn::Module> build_tiny_unet(const nn::LayerInit& init, bool tiny) {
@@ -81,6 +90,18 @@ std::vector<Architecture> make_registry() {
       {"tiny-unet", "shoestring TinyUNet with default options (the emoji example's model)", "unet.", 24'805'379,
        "this project's TinyUNetOptions defaults (printed by TinyUNet.DefaultsHaveTenToFortyMillionParameters)",
        &build_tiny_unet},
+      {"clip-l", "OpenAI CLIP ViT-L/14 text encoder (Hugging Face CLIPTextModel layout; SD 1.x, SDXL embedder 0)",
+       kSd15ClipPrefix, 123'060'480,
+       "openai/clip-vit-large-patch14 text config (width 768, 12 layers, MLP 3072, vocab 49408, 77 positions); "
+       "= diffusers text_encoder.num_parameters() of runwayml/stable-diffusion-v1-5; files may add the 77-element "
+       "position_ids buffer",
+       clip_text(&ClipTextOptions::clip_l), {kSdxlClipLPrefix}},
+      {"clip-g", "OpenCLIP ViT-bigG-14 text encoder (OpenCLIP layout; SDXL embedder 1)", kSdxlClipGPrefix,
+       694'659'840,
+       "open_clip ViT-bigG-14.json text_cfg (width 1280, 32 layers, MLP 5120) with the 1280x1280 text_projection; "
+       "= diffusers text_encoder_2 (CLIPTextModelWithProjection) of stabilityai/stable-diffusion-xl-base-1.0; the "
+       "file adds the scalar logit_scale",
+       clip_text(&ClipTextOptions::clip_g)},
   };
 }
 
@@ -164,15 +185,23 @@ std::vector<Detection> detect_architectures(const std::vector<TensorShape>& tens
   };
   auto errors = [](const Detection& d) { return d.missing.size() + d.unexpected.size() + d.mismatched.size(); };
 
+  auto stored_under = [](const Architecture& a, const std::string& prefix) {
+    return a.prefix == prefix ||
+           std::find(a.other_prefixes.begin(), a.other_prefixes.end(), prefix) != a.other_prefixes.end();
+  };
   std::vector<std::string> prefixes;
   for (const auto& a : architectures()) {
-    if (std::find(prefixes.begin(), prefixes.end(), a.prefix) == prefixes.end()) prefixes.push_back(a.prefix);
+    std::vector<std::string> all{a.prefix};
+    all.insert(all.end(), a.other_prefixes.begin(), a.other_prefixes.end());
+    for (const auto& p : all) {
+      if (std::find(prefixes.begin(), prefixes.end(), p) == prefixes.end()) prefixes.push_back(p);
+    }
   }
   std::vector<Detection> found;
   for (const auto& prefix : prefixes) {
     std::optional<Detection> best;
     for (const auto& a : architectures()) {
-      if (a.prefix != prefix) continue;
+      if (!stored_under(a, prefix)) continue;
       for (bool tiny : {false, true}) {
         const int64_t n = static_cast<int64_t>(architecture_tensors(a.name, tiny).size());
         for (const std::string& p : {prefix, std::string()}) {
@@ -184,7 +213,11 @@ std::vector<Detection> detect_architectures(const std::vector<TensorShape>& tens
         }
       }
     }
-    if (best) found.push_back(std::move(*best));
+    // A bare file matches under every prefix of its architecture: report it once.
+    const bool seen = best && std::any_of(found.begin(), found.end(), [&](const Detection& f) {
+      return f.architecture == best->architecture && f.prefix == best->prefix;
+    });
+    if (best && !seen) found.push_back(std::move(*best));
   }
   return found;
 }

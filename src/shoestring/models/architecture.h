@@ -37,6 +37,10 @@ struct Architecture {
   /// Where that number comes from.
   std::string parameters_source;
   ArchitectureBuilder build;
+  /// Further prefixes the same model is stored under in other checkpoints
+  /// (CLIP-L: SD 1.5's "cond_stage_model.transformer." and SDXL's
+  /// "conditioner.embedders.0.transformer."); detection tries each.
+  std::vector<std::string> other_prefixes{};
 };
 
 /// Every registered architecture, in table order.
@@ -96,7 +100,9 @@ struct Detection {
 /// the UNet and the VAE of an SD single file) reports the best-matching
 /// architecture and width, if it matches at least half of that architecture's
 /// tensors; best match = fewest missing + unexpected + mismatched tensors.
-/// Results are ordered by prefix as registered (UNets before the VAE).
+/// Prefixes are the registered ones plus each architecture's other_prefixes;
+/// a bare file (no prefix) is reported once. Results are ordered by prefix as
+/// registered (UNets before the VAE, the text encoders last).
 std::vector<Detection> detect_architectures(const std::vector<TensorShape>& tensors);
 
 }  // namespace shoestring::models

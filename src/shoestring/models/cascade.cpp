@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <numeric>
+#include <optional>
 
 #include <torch/torch.h>
 
@@ -175,16 +176,31 @@ torch::Tensor PackedMultiheadAttentionImpl::forward(const torch::Tensor& q_in, c
   if (q_in.dim() != 3 || q_in.size(2) != c || kv.dim() != 3 || kv.size(0) != B || kv.size(2) != c)
     fail("StageC attention: expected q [B, L, {0}] and kv [B, S, {0}], got {1} and {2}", c,
          format_shape(q_in.sizes()), format_shape(kv.sizes()));
-  auto w = in_proj_weight.chunk(3, 0);
-  auto b = in_proj_bias.chunk(3, 0);
-  torch::Tensor q = torch::linear(q_in, w[0], b[0]).view({B, L, heads, d}).transpose(1, 2);
-  torch::Tensor k = torch::linear(kv, w[1], b[1]).view({B, S, heads, d}).transpose(1, 2);
-  torch::Tensor v = torch::linear(kv, w[2], b[2]).view({B, S, heads, d}).transpose(1, 2);
+  // (precision: nn/block_precision.h; in_proj is a raw parameter, not an nn::Linear)
+  auto w = nn::to_compute_dtype(in_proj_weight).chunk(3, 0);
+  auto b = nn::to_compute_dtype(in_proj_bias).chunk(3, 0);
+  auto project = [&](const torch::Tensor& x, int i) {
+    torch::Tensor y = torch::linear(x, w[i], b[i]);
+    return adapters_[i] ? y + adapters_[i](x) : y;
+  };
+  torch::Tensor q = project(q_in, 0).view({B, L, heads, d}).transpose(1, 2);
+  torch::Tensor k = project(kv, 1).view({B, S, heads, d}).transpose(1, 2);
+  torch::Tensor v = project(kv, 2).view({B, S, heads, d}).transpose(1, 2);
   torch::Tensor scores = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(d)));
   torch::Tensor attn = torch::softmax(scores, -1, torch::kFloat32).to(q.scalar_type());
   if (dropout > 0) attn = torch::dropout(attn, dropout, is_training());
   torch::Tensor out = torch::matmul(attn, v).transpose(1, 2).reshape({B, L, c});
   return out_proj->forward(out);
+}
+
+torch::Tensor PackedMultiheadAttentionImpl::packed_weight(size_t i) const {
+  if (i >= 3) fail("StageC attention: packed map {} out of range (q, k, v)", i);
+  return in_proj_weight.narrow(0, static_cast<int64_t>(i) * c, c);
+}
+
+nn::LayerAdapter& PackedMultiheadAttentionImpl::packed_adapter(size_t i) {
+  if (i >= 3) fail("StageC attention: packed map {} out of range (q, k, v)", i);
+  return adapters_[i];
 }
 
 CascadeAttnBlockImpl::CascadeAttnBlockImpl(int64_t c, int64_t cond_dim, int64_t heads, bool self, double p,
@@ -301,6 +317,10 @@ StageCImpl::StageCImpl(const StageCOptions& o, const nn::LayerInit& init) : opti
   clf_conv = container(*this, "clf")
                  ->register_module("1", nn::Conv2d(o.hidden()[0], o.out_channels() * p2, 1, 1, 0, true, init));
   if (init.fills_values()) reset_parameters();
+  block_table_->declare(this, /*checkpointable=*/false);
+  for (const auto* levels : {&down_levels_, &up_levels_})
+    for (const auto& level : *levels)
+      for (const auto& block : *level) block_table_->declare(block.get());
 }
 
 void StageCImpl::reset_parameters() {
@@ -369,8 +389,21 @@ torch::Tensor StageCImpl::run_level(const torch::nn::ModuleList& blocks, const t
                                     torch::Tensor x, const torch::Tensor& r_embed, const torch::Tensor& cond,
                                     const torch::Tensor& skip) {
   const bool ckpt = gradient_checkpointing_ && is_training() && torch::GradMode::is_enabled();
-  // Runs block->forward(x, extra) directly, or as a checkpointed segment.
-  auto run = [ckpt](auto block, const torch::Tensor& x, const torch::Tensor& extra) -> torch::Tensor {
+  const nn::BlockTable* table = block_table_->configured() ? block_table_.get() : nullptr;
+  const bool legacy = gradient_checkpointing_;
+  // Runs block->forward(x, extra) directly, or as a checkpointed segment;
+  // with a configured table per block, as the precision rules say.
+  auto run = [ckpt, table, legacy](auto block, const torch::Tensor& x, const torch::Tensor& extra) -> torch::Tensor {
+    if (table) {
+      std::vector<torch::Tensor> in{x};
+      if (extra.defined()) in.push_back(extra);
+      return nn::run_block(
+          table, block,
+          [block](const std::vector<torch::Tensor>& v) {
+            return std::vector<torch::Tensor>{block->forward(v[0], v.size() > 1 ? v[1] : torch::Tensor())};
+          },
+          in, legacy)[0];
+    }
     if (!ckpt) return block->forward(x, extra);
     if (!extra.defined())
       return nn::checkpoint([block](const torch::Tensor& in) { return block->forward(in, torch::Tensor()); }, x);
@@ -393,7 +426,13 @@ torch::Tensor StageCImpl::run_level(const torch::nn::ModuleList& blocks, const t
         x = run(ts, x, r_embed);
       } else {
         auto ff = std::dynamic_pointer_cast<CascadeFeedForwardBlockImpl>(block);
-        x = ckpt ? nn::checkpoint([ff](const torch::Tensor& in) { return ff->forward(in); }, x) : ff->forward(x);
+        if (table) {
+          x = nn::run_block(
+              table, ff, [ff](const std::vector<torch::Tensor>& v) { return std::vector<torch::Tensor>{ff->forward(v[0])}; },
+              {x}, legacy)[0];
+        } else {
+          x = ckpt ? nn::checkpoint([ff](const torch::Tensor& in) { return ff->forward(in); }, x) : ff->forward(x);
+        }
       }
     }
     if (j + 1 < repeats) x = repeat_mappers->ptr<nn::Conv2dImpl>(j)->forward(x);
@@ -401,9 +440,29 @@ torch::Tensor StageCImpl::run_level(const torch::nn::ModuleList& blocks, const t
   return x;
 }
 
-torch::Tensor StageCImpl::forward(const torch::Tensor& x_in, const torch::Tensor& r, const torch::Tensor& clip_text,
+torch::Tensor StageCImpl::forward(const torch::Tensor& x, const torch::Tensor& r, const torch::Tensor& clip_text,
                                   const torch::Tensor& clip_text_pooled, const torch::Tensor& clip_img,
                                   const std::vector<torch::Tensor>& t_cond_values) {
+  if (!block_table_->configured()) return forward_impl(x, r, clip_text, clip_text_pooled, clip_img, t_cond_values);
+  if (block_table_->find(this)) {
+    auto self = std::static_pointer_cast<StageCImpl>(shared_from_this());
+    const torch::Tensor rr = r;  // captured: never rounded to the compute dtype
+    const std::vector<torch::Tensor> conds = t_cond_values;
+    return nn::run_block(
+        block_table_.get(), self,
+        [self, rr, conds](const std::vector<torch::Tensor>& in) {
+          return std::vector<torch::Tensor>{self->forward_impl(in[0], rr, in[1], in[2], in[3], conds)};
+        },
+        {x, clip_text, clip_text_pooled, clip_img})[0];
+  }
+  std::optional<nn::ComputeDtypeGuard> guard;
+  if (!nn::current_compute_dtype()) guard.emplace(clip_txt_mapper->weight.scalar_type());
+  return forward_impl(x, r, clip_text, clip_text_pooled, clip_img, t_cond_values);
+}
+
+torch::Tensor StageCImpl::forward_impl(const torch::Tensor& x_in, const torch::Tensor& r,
+                                       const torch::Tensor& clip_text, const torch::Tensor& clip_text_pooled,
+                                       const torch::Tensor& clip_img, const std::vector<torch::Tensor>& t_cond_values) {
   const auto& o = options_;
   const int64_t p = o.patch_size();
   if (x_in.dim() != 4 || x_in.size(1) != o.in_channels() || x_in.size(2) % p != 0 || x_in.size(3) % p != 0)
@@ -416,7 +475,8 @@ torch::Tensor StageCImpl::forward(const torch::Tensor& x_in, const torch::Tensor
   if (t_cond_values.size() > o.t_conds().size())
     fail("StageC: {} t_cond values given for {} conditions", t_cond_values.size(), o.t_conds().size());
 
-  const auto dtype = clip_txt_mapper->weight.scalar_type();
+  // Inside a precision scope the model computes in the scope's dtype.
+  const auto dtype = nn::current_compute_dtype().value_or(clip_txt_mapper->weight.scalar_type());
   std::vector<torch::Tensor> embeds{r_embedding(r)};
   for (size_t i = 0; i < o.t_conds().size(); ++i) {
     torch::Tensor v = i < t_cond_values.size() && t_cond_values[i].defined() ? t_cond_values[i] : torch::zeros_like(r);

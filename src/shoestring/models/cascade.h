@@ -36,7 +36,9 @@
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/pimpl.h>
 
+#include "shoestring/nn/block_precision.h"
 #include "shoestring/nn/layers.h"
+#include "shoestring/nn/lora.h"
 
 namespace shoestring::models {
 
@@ -154,15 +156,29 @@ TORCH_MODULE(CascadeTimestepBlock);
 /// with its parameter names: in_proj_weight [3c, c] (q, k, v rows),
 /// in_proj_bias [3c], out_proj.{weight,bias}. Dropout applies to the
 /// attention weights in training mode.
-class PackedMultiheadAttentionImpl : public torch::nn::Module {
+/// For LoRA the q, k and v thirds of in_proj_weight are the Linear maps
+/// `to_q`, `to_k`, `to_v` (nn::PackedLinearHost; the names kohya's
+/// stable-cascade code, ComfyUI and OneTrainer give them); out_proj is an
+/// ordinary nn::Linear.
+class PackedMultiheadAttentionImpl : public torch::nn::Module, public nn::PackedLinearHost {
  public:
   PackedMultiheadAttentionImpl(int64_t c, int64_t heads, double dropout, const nn::LayerInit& init);
   /// q: [B, L, c]; kv: [B, S, c] -> [B, L, c].
   torch::Tensor forward(const torch::Tensor& q, const torch::Tensor& kv);
+
+  /// {"to_q", "to_k", "to_v"}.
+  std::vector<std::string> packed_names() const override { return {"to_q", "to_k", "to_v"}; }
+  /// Rows [i c, (i + 1) c) of in_proj_weight: [c, c] (a view).
+  torch::Tensor packed_weight(size_t i) const override;
+  nn::LayerAdapter& packed_adapter(size_t i) override;
+
   int64_t c, heads;
   double dropout;
   torch::Tensor in_proj_weight, in_proj_bias;
   nn::Linear out_proj{nullptr};
+
+ private:
+  nn::LayerAdapter adapters_[3];  // q, k, v (LoRA, see nn/lora.h)
 };
 TORCH_MODULE(PackedMultiheadAttention);
 
@@ -213,8 +229,25 @@ class StageCImpl : public torch::nn::Module {
   /// When on and the module is in training mode, every block runs through
   /// nn::checkpoint (Chen et al. 2016): its activations are recomputed in
   /// backward instead of stored.
+  /// Used only while block_table() is not configured; a configured table
+  /// decides per block (precision rules, nn/block_precision.h), and this flag
+  /// then applies only to blocks that have no entry.
   void set_gradient_checkpointing(bool on) { gradient_checkpointing_ = on; }
   bool gradient_checkpointing() const { return gradient_checkpointing_; }
+
+  /// The blocks of this model for per-block compute dtype and checkpointing
+  /// (precision::resolve / apply, OverflowMonitor): every ResBlock,
+  /// TimestepBlock, AttnBlock and FeedForwardBlock (`down_blocks.<l>.<i>`,
+  /// `up_blocks.<k>.<i>`) is a checkpointable block, as with the legacy flag;
+  /// the model itself (the root) is a scope that carries the compute dtype of
+  /// the CLIP mappers, embedding, level transitions, repeat mappers and clf,
+  /// never checkpointed.
+  /// Unconfigured (the default), forward() is exactly the legacy path. Once
+  /// configured, forward() runs as its root scope (x and the CLIP inputs cast
+  /// to the scope's compute dtype; r and the t_conds never); if the root has
+  /// no entry, layers outside blocks compute in the enclosing scope's dtype,
+  /// or in the parameters' dtype when there is none.
+  nn::BlockTable* block_table() const { return block_table_.get(); }
 
   const StageCOptions& options() const { return options_; }
 
@@ -229,9 +262,13 @@ class StageCImpl : public torch::nn::Module {
                           torch::Tensor x, const torch::Tensor& r_embed, const torch::Tensor& cond,
                           const torch::Tensor& skip);
   void reset_parameters();
+  torch::Tensor forward_impl(const torch::Tensor& x, const torch::Tensor& r, const torch::Tensor& clip_text,
+                             const torch::Tensor& clip_text_pooled, const torch::Tensor& clip_img,
+                             const std::vector<torch::Tensor>& t_cond_values);
 
   StageCOptions options_;
   bool gradient_checkpointing_ = false;
+  std::shared_ptr<nn::BlockTable> block_table_ = std::make_shared<nn::BlockTable>();
   // Per level: the 1x1 convs between levels (nullptr where there is none).
   std::vector<nn::Conv2d> downscale_convs_, upscale_convs_;
   // Typed views of down_blocks.<i> / down_repeat_mappers.<i> and the up ones.

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 
 #include <torch/torch.h>
 
@@ -185,6 +186,8 @@ MMDiTImpl::MMDiTImpl(const MMDiTOptions& o, const nn::LayerInit& init) : options
       fl->register_module("linear", nn::Linear(H, o.patch_size() * o.patch_size() * o.out_channels(), true, init));
   final_adaLN = container(*fl, "adaLN_modulation")->register_module("1", nn::Linear(H, 2 * H, true, init));
   if (init.fills_values()) reset_parameters();
+  block_table_->declare(this, /*checkpointable=*/false);
+  for (const auto& b : blocks_) block_table_->declare(b.get());
 }
 
 void MMDiTImpl::reset_parameters() {
@@ -218,8 +221,26 @@ torch::Tensor MMDiTImpl::cropped_pos_embed(int64_t h, int64_t w) const {
   return pos_embed.view({1, M, M, -1}).slice(1, top, top + h).slice(2, left, left + w).reshape({1, h * w, -1});
 }
 
-torch::Tensor MMDiTImpl::forward(const torch::Tensor& x_in, const torch::Tensor& t, const torch::Tensor& context_in,
+torch::Tensor MMDiTImpl::forward(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& context,
                                  const torch::Tensor& y) {
+  if (!block_table_->configured()) return forward_impl(x, t, context, y);
+  if (block_table_->find(this)) {
+    auto self = std::static_pointer_cast<MMDiTImpl>(shared_from_this());
+    const torch::Tensor time = t;  // captured: never rounded to the compute dtype
+    return nn::run_block(
+        block_table_.get(), self,
+        [self, time](const std::vector<torch::Tensor>& in) {
+          return std::vector<torch::Tensor>{self->forward_impl(in[0], time, in[1], in[2])};
+        },
+        {x, context, y})[0];
+  }
+  std::optional<nn::ComputeDtypeGuard> guard;
+  if (!nn::current_compute_dtype()) guard.emplace(context_embedder->weight.scalar_type());
+  return forward_impl(x, t, context, y);
+}
+
+torch::Tensor MMDiTImpl::forward_impl(const torch::Tensor& x_in, const torch::Tensor& t,
+                                      const torch::Tensor& context_in, const torch::Tensor& y) {
   const auto& o = options_;
   const int64_t p = o.patch_size();
   if (x_in.dim() != 4 || x_in.size(1) != o.in_channels() || x_in.size(2) % p != 0 || x_in.size(3) % p != 0)
@@ -232,7 +253,8 @@ torch::Tensor MMDiTImpl::forward(const torch::Tensor& x_in, const torch::Tensor&
   if (y.dim() != 2 || y.size(0) != B || y.size(1) != o.adm_in_channels())
     fail("MMDiT: expected y [{}, {}], got {}", B, o.adm_in_channels(), format_shape(y.sizes()));
 
-  const auto dtype = context_embedder->weight.scalar_type();
+  // Inside a precision scope the model computes in the scope's dtype.
+  const auto dtype = nn::current_compute_dtype().value_or(context_embedder->weight.scalar_type());
   torch::Tensor x = x_embedder->forward(x_in).flatten(2).transpose(1, 2) + cropped_pos_embed(h, w).to(dtype);
   torch::Tensor tf = timestep_features(t * 1000.0, o.frequency_embedding_size()).to(dtype);
   torch::Tensor c = t_embedder_2->forward(torch::silu(t_embedder_0->forward(tf)));
@@ -244,7 +266,17 @@ torch::Tensor MMDiTImpl::forward(const torch::Tensor& x_in, const torch::Tensor&
     MMDiTJointBlock block = blocks_[i];
     const bool last = i + 1 == blocks_.size();  // its context output is undefined
     std::vector<torch::Tensor> out;
-    if (ckpt) {
+    if (block_table_->configured()) {
+      // Per block, as the precision rules say; the legacy flag covers blocks without an entry.
+      out = nn::run_block(
+          block_table_.get(), block.ptr(),
+          [impl = block.ptr(), last](const std::vector<torch::Tensor>& in) {
+            auto r = impl->forward(in[0], in[1], in[2]);
+            return last ? std::vector<torch::Tensor>{r[1]} : r;
+          },
+          {context, x, c}, gradient_checkpointing_);
+      if (last) out = {torch::Tensor(), out[0]};
+    } else if (ckpt) {
       out = nn::checkpoint(
           [impl = block.ptr(), last](const std::vector<torch::Tensor>& in) {
             auto r = impl->forward(in[0], in[1], in[2]);

@@ -1,5 +1,7 @@
 #include "shoestring/models/unet_ldm.h"
 
+#include <optional>
+
 #include <torch/torch.h>
 
 #include "shoestring/core/error.h"
@@ -232,10 +234,54 @@ LdmUNetImpl::LdmUNetImpl(const LdmUNetOptions& options) : options_(options) {
     out_conv->weight.zero_();
     out_conv->bias.zero_();
   }
+
+  // Blocks for precision rules (see block_table()).
+  block_table_->declare(this, /*checkpointable=*/false);
+  auto declare_layers = [this](const LdmBlockImpl& block) {
+    for (const auto& layer : block.layers()) {
+      if (auto* res = dynamic_cast<nn::ResBlockImpl*>(layer.get())) {
+        block_table_->declare(res);
+      } else if (auto* st = dynamic_cast<nn::SpatialTransformerImpl*>(layer.get())) {
+        block_table_->declare(st, /*checkpointable=*/false);
+        for (const auto& tb : *st->blocks) block_table_->declare(tb.get());
+        st->set_block_table(block_table_.get());
+      }
+    }
+  };
+  for (const auto& b : *input_blocks) declare_layers(*b->as<LdmBlockImpl>());
+  declare_layers(*middle_block);
+  for (const auto& b : *output_blocks) declare_layers(*b->as<LdmBlockImpl>());
 }
 
-torch::Tensor LdmUNetImpl::run_block(LdmBlockImpl& block, const torch::Tensor& h, const torch::Tensor& emb,
-                                     const torch::Tensor& context) {
+torch::Tensor LdmUNetImpl::run_ldm_block(LdmBlockImpl& block, const torch::Tensor& h, const torch::Tensor& emb,
+                                         const torch::Tensor& context) {
+  if (block_table_->configured()) {
+    // Per block, as the precision rules say; the legacy flag covers blocks without an entry.
+    const nn::BlockTable* table = block_table_.get();
+    torch::Tensor x = h;
+    for (const auto& layer : block.layers()) {
+      if (auto res = std::dynamic_pointer_cast<nn::ResBlockImpl>(layer)) {
+        x = nn::run_block(
+            table, res,
+            [res](const std::vector<torch::Tensor>& in) { return std::vector<torch::Tensor>{res->forward(in[0], in[1])}; },
+            {x, emb}, gradient_checkpointing_)[0];
+      } else if (auto st = std::dynamic_pointer_cast<nn::SpatialTransformerImpl>(layer)) {
+        st->set_checkpoint_blocks(gradient_checkpointing_);
+        x = nn::run_block(
+            table, st,
+            [st](const std::vector<torch::Tensor>& in) { return std::vector<torch::Tensor>{st->forward(in[0], in[1])}; },
+            {x, context})[0];
+        st->set_checkpoint_blocks(false);
+      } else if (auto* rs = dynamic_cast<LdmResampleImpl*>(layer.get())) {
+        x = rs->forward(x);
+      } else if (auto* conv = dynamic_cast<nn::Conv2dImpl*>(layer.get())) {
+        x = conv->forward(x);
+      } else {
+        fail("LdmBlock: unsupported layer type {}", layer->name());
+      }
+    }
+    return x;
+  }
   if (!(gradient_checkpointing_ && is_training())) return block.forward(h, emb, context);
   if (block.transformer_depth() > 1) return block.forward_checkpointed(h, emb, context);
   auto self = std::static_pointer_cast<LdmBlockImpl>(block.shared_from_this());
@@ -248,10 +294,31 @@ torch::Tensor LdmUNetImpl::run_block(LdmBlockImpl& block, const torch::Tensor& h
 
 torch::Tensor LdmUNetImpl::forward(const torch::Tensor& x, const torch::Tensor& timesteps,
                                    const torch::Tensor& context, const torch::Tensor& y) {
+  if (!block_table_->configured()) return forward_impl(x, timesteps, context, y);
+  if (block_table_->find(this)) {
+    // The UNet as its root scope: x, context and y are cast to its compute
+    // dtype; timesteps are not an input (captured, never rounded to bf16).
+    auto self = std::static_pointer_cast<LdmUNetImpl>(shared_from_this());
+    const torch::Tensor t = timesteps;
+    return nn::run_block(
+        block_table_.get(), self,
+        [self, t](const std::vector<torch::Tensor>& in) {
+          return std::vector<torch::Tensor>{self->forward_impl(in[0], t, in[1], in[2])};
+        },
+        {x, context, y})[0];
+  }
+  std::optional<nn::ComputeDtypeGuard> guard;
+  if (!nn::current_compute_dtype()) guard.emplace(out_conv->weight.scalar_type());
+  return forward_impl(x, timesteps, context, y);
+}
+
+torch::Tensor LdmUNetImpl::forward_impl(const torch::Tensor& x, const torch::Tensor& timesteps,
+                                        const torch::Tensor& context, const torch::Tensor& y) {
   const auto& o = options_;
   const int64_t levels = static_cast<int64_t>(o.channel_mult().size());
   const int64_t factor = int64_t{1} << (levels - 1);
-  const auto dtype = out_conv->weight.scalar_type();
+  // Inside a precision scope the UNet computes in the scope's dtype.
+  const auto dtype = nn::current_compute_dtype().value_or(out_conv->weight.scalar_type());
   if (!x.defined() || x.dim() != 4 || x.size(1) != o.in_channels() || x.size(2) % factor != 0 ||
       x.size(3) % factor != 0) {
     fail("LdmUNet: x must be [B, {}, H, W] with H, W divisible by {}, got {}", o.in_channels(), factor,
@@ -283,14 +350,14 @@ torch::Tensor LdmUNetImpl::forward(const torch::Tensor& x, const torch::Tensor& 
   std::vector<torch::Tensor> skips;
   torch::Tensor h = x;
   for (size_t i = 0; i < input_blocks->size(); ++i) {
-    h = run_block(*input_blocks->ptr<LdmBlockImpl>(i), h, emb, context);
+    h = run_ldm_block(*input_blocks->ptr<LdmBlockImpl>(i), h, emb, context);
     skips.push_back(h);
   }
-  h = run_block(*middle_block, h, emb, context);
+  h = run_ldm_block(*middle_block, h, emb, context);
   for (size_t i = 0; i < output_blocks->size(); ++i) {
     h = torch::cat({h, skips.back()}, 1);
     skips.pop_back();
-    h = run_block(*output_blocks->ptr<LdmBlockImpl>(i), h, emb, context);
+    h = run_ldm_block(*output_blocks->ptr<LdmBlockImpl>(i), h, emb, context);
   }
   return out_conv->forward(torch::silu(out_norm->forward(h)));
 }

@@ -26,6 +26,7 @@
 #include <torch/nn/pimpl.h>
 
 #include "shoestring/io/key_map.h"
+#include "shoestring/nn/block_precision.h"
 #include "shoestring/nn/layers.h"
 #include "shoestring/nn/resblock.h"
 #include "shoestring/nn/timestep.h"
@@ -124,6 +125,8 @@ class LdmBlockImpl : public torch::nn::Module {
   /// layer's recomputed activations at a time (for SDXL's 10-deep blocks at
   /// 1024 px about 1.4 GiB less than checkpointing the whole block).
   torch::Tensor forward_checkpointed(const torch::Tensor& h, const torch::Tensor& emb, const torch::Tensor& context);
+  /// The layers "0", "1", ... in order.
+  const std::vector<std::shared_ptr<torch::nn::Module>>& layers() const { return layers_; }
 
  private:
   std::vector<std::shared_ptr<torch::nn::Module>> layers_;
@@ -150,7 +153,28 @@ class LdmUNetImpl : public torch::nn::Module {
   /// through nn::checkpoint (activations recomputed in backward); blocks with
   /// more than one transformer block are checkpointed layer by layer instead
   /// (LdmBlockImpl::forward_checkpointed).
+  /// Used only while block_table() is not configured; a configured table
+  /// decides per block (precision rules, nn/block_precision.h), and this flag
+  /// then applies only to blocks that have no entry.
   void set_gradient_checkpointing(bool on) { gradient_checkpointing_ = on; }
+  bool gradient_checkpointing() const { return gradient_checkpointing_; }
+
+  /// The blocks of this UNet for per-block compute dtype and checkpointing
+  /// (precision::resolve / apply, OverflowMonitor):
+  ///  - every ResBlock (`input_blocks.4.0`, `middle_block.0`, ...) and every
+  ///    transformer block (`input_blocks.4.1.transformer_blocks.0`, ...):
+  ///    checkpointable blocks, so SDXL's 10-deep SpatialTransformers are
+  ///    checkpointed layer by layer, as with the legacy flag;
+  ///  - every SpatialTransformer (`input_blocks.4.1`) and the UNet itself
+  ///    (the root): scopes that carry a compute dtype (for norm, proj_in /
+  ///    proj_out, resp. time/label embedding, input_blocks.0.0, resamplers and
+  ///    out.*) but are never checkpointed as a whole.
+  /// Unconfigured (the default), forward() is exactly the legacy path. Once
+  /// configured, forward() runs the UNet as its root scope (inputs cast to
+  /// the scope's compute dtype, output returned in it); if the root has no
+  /// entry, layers outside blocks compute in the enclosing scope's dtype, or
+  /// in the parameters' dtype when there is none.
+  nn::BlockTable* block_table() const { return block_table_.get(); }
 
   const LdmUNetOptions& options() const { return options_; }
 
@@ -161,11 +185,14 @@ class LdmUNetImpl : public torch::nn::Module {
   nn::Conv2d out_conv{nullptr};
 
  private:
-  torch::Tensor run_block(LdmBlockImpl& block, const torch::Tensor& h, const torch::Tensor& emb,
-                          const torch::Tensor& context);
+  torch::Tensor forward_impl(const torch::Tensor& x, const torch::Tensor& timesteps, const torch::Tensor& context,
+                             const torch::Tensor& y);
+  torch::Tensor run_ldm_block(LdmBlockImpl& block, const torch::Tensor& h, const torch::Tensor& emb,
+                              const torch::Tensor& context);
 
   LdmUNetOptions options_;
   bool gradient_checkpointing_ = false;
+  std::shared_ptr<nn::BlockTable> block_table_ = std::make_shared<nn::BlockTable>();
 };
 TORCH_MODULE(LdmUNet);
 

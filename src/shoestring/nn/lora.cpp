@@ -59,8 +59,12 @@ bool select(const LoraLayerRef& l, const LoraOptions& o, int64_t& rank, double& 
   const std::string prev = parts.size() >= 2 ? parts[parts.size() - 2] : "";
   const bool one_by_one = l.kind == LoraLayerKind::kLinear || l.kernel == 1;
 
-  static const std::set<std::string> attn = {"to_q", "to_k", "to_v", "to_out", "q_proj", "k_proj", "v_proj", "out_proj"};
-  const bool is_attn = l.kind == LoraLayerKind::kLinear && (attn.count(last) || (last == "0" && prev == "to_out"));
+  static const std::set<std::string> attn = {"to_q",   "to_k",   "to_v",   "to_out", "q_proj",
+                                             "k_proj", "v_proj", "out_proj", "qkv"};
+  // MMDiT: attn.qkv / attn.proj, attn2.qkv / attn2.proj (kohya lora_sd3 names).
+  const bool mmdit_proj = last == "proj" && (prev == "attn" || prev == "attn2");
+  const bool is_attn =
+      l.kind == LoraLayerKind::kLinear && (attn.count(last) || mmdit_proj || (last == "0" && prev == "to_out"));
   if (is_attn) {
     if (!o.attention) return false;
     rank = o.rank;
@@ -68,7 +72,14 @@ bool select(const LoraLayerRef& l, const LoraOptions& o, int64_t& rank, double& 
     return true;
   }
   bool is_ff = (last == "proj_in" || last == "proj_out");
-  for (const auto& p : parts) is_ff = is_ff || p == "ff" || p == "mlp";
+  bool in_stream = false;    // inside an MMDiT stream block
+  bool in_embedder = false;  // MMDiT's t_embedder.mlp / y_embedder.mlp: conditioning, not feed-forward
+  for (const auto& p : parts) {
+    is_ff = is_ff || p == "ff" || p == "mlp";
+    in_stream = in_stream || p == "context_block" || p == "x_block";
+    in_embedder = in_embedder || p == "t_embedder" || p == "y_embedder";
+  }
+  is_ff = (is_ff && !in_embedder) || (in_stream && prev == "adaLN_modulation");
   if (is_ff && one_by_one) {
     if (!o.feed_forward) return false;
     rank = o.rank;
@@ -110,6 +121,7 @@ double parse_number(const std::string& entry, const std::string& value) {
 torch::Tensor LoraLayerRef::weight() const {
   if (linear) return linear->weight;
   if (conv) return conv->weight;
+  if (packed) return packed->packed_weight(packed_index);
   return {};
 }
 
@@ -129,8 +141,39 @@ KohyaNameTable KohyaNameTable::build(torch::nn::Module& root, const std::vector<
       }
     }
     if (!owner) continue;
+    // Names `ref` (path relative to the owner) and adds it to the table.
+    auto add = [&](LoraLayerRef ref, const std::string& ref_path) {
+      ref.path = ref_path;
+      ref.local_path = ref_path.substr(owner->module_prefix.size());
+      ref.kohya_prefix = owner->kohya_prefix;
+      std::string local = ref.local_path;
+      std::replace(local.begin(), local.end(), '.', '_');
+      ref.kohya_name = owner->kohya_prefix + "_" + local;
+      auto [it, inserted] = table.index_.emplace(ref.kohya_name, table.layers_.size());
+      if (!inserted) {
+        fail("LoRA: modules '{}' and '{}' both get the kohya name '{}'", table.layers_[it->second].path, ref_path,
+             ref.kohya_name);
+      }
+      table.layers_.push_back(std::move(ref));
+    };
     LoraLayerRef ref;
     torch::nn::Module* m = item.value().get();
+    if (auto* host = dynamic_cast<PackedLinearHost*>(m)) {
+      // Each packed map is a Linear layer of its own (see PackedLinearHost).
+      std::shared_ptr<PackedLinearHost> shared(item.value(), host);
+      const std::vector<std::string> names = host->packed_names();
+      for (size_t i = 0; i < names.size(); ++i) {
+        LoraLayerRef r;
+        r.kind = LoraLayerKind::kLinear;
+        const torch::Tensor w = host->packed_weight(i);
+        r.out = w.size(0);
+        r.in = w.size(1);
+        r.packed = shared;
+        r.packed_index = i;
+        add(std::move(r), path + "." + names[i]);
+      }
+      continue;
+    }
     if (auto* l = dynamic_cast<LinearImpl*>(m)) {
       ref.kind = LoraLayerKind::kLinear;
       ref.in = l->in_features;
@@ -162,18 +205,7 @@ KohyaNameTable KohyaNameTable::build(torch::nn::Module& root, const std::vector<
     } else {
       continue;
     }
-    ref.path = path;
-    ref.local_path = path.substr(owner->module_prefix.size());
-    ref.kohya_prefix = owner->kohya_prefix;
-    std::string local = ref.local_path;
-    std::replace(local.begin(), local.end(), '.', '_');
-    ref.kohya_name = owner->kohya_prefix + "_" + local;
-    auto [it, inserted] = table.index_.emplace(ref.kohya_name, table.layers_.size());
-    if (!inserted) {
-      fail("LoRA: modules '{}' and '{}' both get the kohya name '{}'", table.layers_[it->second].path, path,
-           ref.kohya_name);
-    }
-    table.layers_.push_back(std::move(ref));
+    add(std::move(ref), path);
   }
   return table;
 }
@@ -293,7 +325,9 @@ torch::Tensor LoraModuleImpl::delta_weight() const {
 
 void LoraModuleImpl::attach() {
   if (attached_) return;
-  LayerAdapter& slot = layer_.linear ? layer_.linear->adapter : layer_.conv->adapter;
+  LayerAdapter& slot = layer_.linear ? layer_.linear->adapter
+                      : layer_.conv  ? layer_.conv->adapter
+                                     : layer_.packed->packed_adapter(layer_.packed_index);
   if (slot) fail("LoRA: layer '{}' already carries an adapter", layer_.path);
   // A raw pointer: the layer must not own its adapter (that would be a
   // reference cycle); the destructor detaches.
@@ -305,6 +339,7 @@ void LoraModuleImpl::detach() {
   if (!attached_) return;
   if (layer_.linear) layer_.linear->adapter = nullptr;
   if (layer_.conv) layer_.conv->adapter = nullptr;
+  if (layer_.packed) layer_.packed->packed_adapter(layer_.packed_index) = nullptr;
   attached_ = false;
 }
 

@@ -55,6 +55,33 @@ struct LoraComponent {
 
 enum class LoraLayerKind { kLinear, kConv2d };
 
+/// A module that packs several Linear maps of the same input into one weight,
+/// like torch.nn.MultiheadAttention's in_proj_weight [3c, c] = [W_q; W_k; W_v]
+/// (Stable Cascade's attention, models/cascade.h). KohyaNameTable lists map i
+/// as a Linear layer at "<module path>.<packed_names()[i]>" that carries its
+/// own adapter: LoRA on a slice of the packed weight, merged into those rows.
+/// This is how the public Stable Cascade trainers name and train these maps:
+/// kohya sd-scripts' stable-cascade branch and ComfyUI replace
+/// nn.MultiheadAttention by separate to_q / to_k / to_v / out_proj Linears
+/// (the packed checkpoint tensors split into thirds on load), and OneTrainer
+/// saves Stable Cascade LoRAs in that kohya form
+/// (`lora_prior_unet_<block>_attention_attn_to_q`, ..., `..._attention_attn_out_proj`;
+/// OneTrainer modules/util/convert/lora/convert_stable_cascade_lora.py).
+/// (Stability's own StableCascade modules/lora.py instead puts one LoRA on the
+/// whole packed in_proj_weight; its files are not in kohya's format.)
+class PackedLinearHost {
+ public:
+  virtual ~PackedLinearHost() = default;
+  /// Local names of the packed maps, in packing order ("to_q", "to_k", "to_v").
+  virtual std::vector<std::string> packed_names() const = 0;
+  /// Map i's weight [out_i, in]: a view of the packed parameter, so writing
+  /// it (LoraNetwork::merge) writes the parameter.
+  virtual torch::Tensor packed_weight(size_t i) const = 0;
+  /// Map i's adapter slot: when set, the module adds slot(x) to map i's
+  /// output, x being map i's input (see LayerAdapter).
+  virtual LayerAdapter& packed_adapter(size_t i) = 0;
+};
+
 /// One Linear or Conv2d layer of the tree, with its kohya name.
 struct LoraLayerRef {
   std::string path;        ///< full module path under the root ("unet.mid.attn.blocks.0.attn1.to_q")
@@ -68,9 +95,13 @@ struct LoraLayerRef {
   /// the only ones that can carry an adapter.
   std::shared_ptr<LinearImpl> linear;
   std::shared_ptr<Conv2dImpl> conv;
-  std::string not_adaptable_reason;  ///< why linear/conv are null, else empty
-  bool adaptable() const { return linear || conv; }
-  /// The layer's weight ([out, in] or [out, in, k, k]); undefined if not adaptable.
+  /// Non-null for map `packed_index` of a PackedLinearHost (kind kLinear).
+  std::shared_ptr<PackedLinearHost> packed;
+  size_t packed_index = 0;
+  std::string not_adaptable_reason;  ///< why linear/conv/packed are null, else empty
+  bool adaptable() const { return linear || conv || packed; }
+  /// The layer's weight ([out, in] or [out, in, k, k]; for a packed map a view
+  /// of its rows of the packed weight); undefined if not adaptable.
   torch::Tensor weight() const;
 };
 
@@ -101,11 +132,24 @@ struct LoraOptions {
   int64_t rank = 4;        ///< network_dim
   double alpha = 1.0;      ///< network_alpha; 0 means alpha = rank (scale 1), as kohya
   double multiplier = 1.0; ///< strength of the delta
-  /// Attention projections: to_q, to_k, to_v, to_out / to_out.0 (and CLIP's
-  /// q_proj, k_proj, v_proj, out_proj).
+  /// Attention projections, per architecture as its public trainers name them:
+  ///  - LDM / diffusers UNets: to_q, to_k, to_v, to_out / to_out.0 (and CLIP's
+  ///    q_proj, k_proj, v_proj, out_proj) — kohya networks/lora.py;
+  ///  - SD3 / SD3.5 MMDiT(-X): the fused attn.qkv and attn.proj Linears of
+  ///    both streams, and attn2.qkv / attn2.proj in MMDiT-X blocks, one LoRA on
+  ///    each whole fused Linear (kohya networks/lora_sd3.py adapts every
+  ///    Linear of each stream block, qkv unsplit by default; its names are
+  ///    `lora_unet_joint_blocks_0_x_block_attn_qkv`, ...);
+  ///  - Stable Cascade stage C: attention.attn.to_q / to_k / to_v (the thirds
+  ///    of the packed in_proj_weight, see PackedLinearHost) and
+  ///    attention.attn.out_proj — OneTrainer's Stable Cascade LoRA targets
+  ///    (module filter "attention") under kohya names with prefix
+  ///    "lora_prior_unet".
   bool attention = true;
   /// Transformer feed-forward and projections: every Linear / 1x1 Conv2d under
-  /// a path component `ff` or `mlp`, and proj_in / proj_out. (kohya's
+  /// a path component `ff` or `mlp`, proj_in / proj_out, and MMDiT's
+  /// per-stream adaLN_modulation.1 (under context_block / x_block; with
+  /// `attention` this is kohya lora_sd3's default set for SD3). (kohya's
   /// networks.lora adapts these too; shoestring makes them opt-in.)
   bool feed_forward = false;
   /// conv_dim: rank of LoRA on the remaining Conv2d layers (ResBlock convs,

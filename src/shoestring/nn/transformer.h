@@ -11,6 +11,7 @@
 #include <torch/nn/pimpl.h>
 
 #include "shoestring/nn/attention.h"
+#include "shoestring/nn/block_precision.h"
 #include "shoestring/nn/key_layout.h"
 #include "shoestring/nn/layers.h"
 
@@ -111,6 +112,14 @@ class SpatialTransformerImpl : public torch::nn::Module {
   /// one block's activations at a time in backward instead of all of them.
   void set_checkpoint_blocks(bool on) { checkpoint_blocks_ = on; }
 
+  /// Routes each transformer block through nn::run_block(table, ...) while
+  /// `table` is configured (per-block compute dtype / checkpoint from
+  /// precision rules, nn/block_precision.h); set_checkpoint_blocks() is then
+  /// the legacy flag for blocks without an entry. The owning model declares
+  /// the blocks in `table` and keeps it alive; nullptr (default) or an
+  /// unconfigured table leaves forward() as without this call.
+  void set_block_table(const BlockTable* table) { block_table_ = table; }
+
   GroupNorm norm{nullptr};
   /// The projections: proj_in/proj_out (1x1 convs) unless linear_proj, then
   /// proj_in_linear/proj_out_linear (registered as "proj_in"/"proj_out").
@@ -121,6 +130,7 @@ class SpatialTransformerImpl : public torch::nn::Module {
  private:
   TransformerOptions options_;
   bool checkpoint_blocks_ = false;
+  const BlockTable* block_table_ = nullptr;
 };
 TORCH_MODULE(SpatialTransformer);
 

@@ -3,9 +3,24 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <filesystem>
+#include <functional>
 
+#include <torch/torch.h>
+
+#include "shoestring/core/error.h"
 #include "shoestring/core/memory_ledger.h"
+#include "shoestring/models/architecture.h"
+#include "shoestring/models/cascade.h"
+#include "shoestring/models/mmdit.h"
+#include "shoestring/models/unet_ldm.h"
+#include "shoestring/nn/chunked_attention.h"
+#include "shoestring/optim/factory.h"
+#include "shoestring/optim/fused_backward.h"
+#include "shoestring/optim/grad_hooks.h"
+#include "shoestring/precision/policy.h"
+#include "shoestring/train/config.h"
 #include "shoestring/train/trainer.h"
 
 namespace shoestring::plan {
@@ -52,6 +67,188 @@ Measurement measure_training(TrainConfig config, int64_t steps) {
   }
   fs::remove_all(dir);
   return m;
+}
+
+}  // namespace shoestring::plan
+
+// ---- one denoiser step (bench/model_step, tests/plan) ----
+
+namespace shoestring::plan {
+namespace {
+
+std::vector<std::string> optimizer_args_for(const std::string& type) {
+  if (type == "Adafactor") return {"scale_parameter=False", "relative_step=False", "warmup_init=False"};
+  return {};
+}
+
+// The architecture's training forward on random inputs of its shapes, and
+// the regression target.
+struct Runner {
+  std::function<at::Tensor()> forward;
+  at::Tensor target;
+};
+
+Runner make_runner(torch::nn::Module& module, const std::string& arch, int64_t batch, int64_t resolution,
+                   at::ScalarType dtype, bool checkpointing) {
+  const DenoiserInputs in = denoiser_inputs(arch, resolution);
+  const int64_t S = in.latent_side, L = in.context_tokens;
+  auto randn = [&](std::vector<int64_t> shape) { return torch::randn(shape).to(dtype); };
+  Runner r;
+  if (auto* unet = dynamic_cast<models::LdmUNetImpl*>(&module)) {
+    unet->set_gradient_checkpointing(checkpointing);
+    const auto& o = unet->options();
+    at::Tensor x = randn({batch, o.in_channels(), S, S});
+    at::Tensor t = torch::randint(0, 1000, {batch}).to(torch::kFloat32);
+    at::Tensor ctx = randn({batch, L, o.context_dim()});
+    at::Tensor y = o.adm_in_channels() > 0 ? randn({batch, o.adm_in_channels()}) : at::Tensor();
+    r.forward = [unet, x, t, ctx, y] { return unet->forward(x, t, ctx, y); };
+    r.target = x;
+  } else if (auto* dit = dynamic_cast<models::MMDiTImpl*>(&module)) {
+    dit->set_gradient_checkpointing(checkpointing);
+    const auto& o = dit->options();
+    at::Tensor x = randn({batch, o.in_channels(), S, S});
+    at::Tensor t = torch::rand({batch});
+    at::Tensor ctx = randn({batch, L, o.context_dim()});
+    at::Tensor y = randn({batch, o.adm_in_channels()});
+    r.forward = [dit, x, t, ctx, y] { return dit->forward(x, t, ctx, y); };
+    r.target = x;
+  } else if (auto* c = dynamic_cast<models::StageCImpl*>(&module)) {
+    c->set_gradient_checkpointing(checkpointing);
+    const auto& o = c->options();
+    at::Tensor x = randn({batch, o.in_channels(), S, S});
+    at::Tensor rr = torch::rand({batch});
+    at::Tensor text = randn({batch, L, o.clip_text_dim()});
+    at::Tensor pooled = randn({batch, 1, o.clip_text_pooled_dim()});
+    at::Tensor img = randn({batch, 1, o.clip_image_dim()});
+    r.forward = [c, x, rr, text, pooled, img] { return c->forward(x, rr, text, pooled, img); };
+    r.target = x;
+  } else {
+    fail("model step: no example inputs for architecture '{}' (LDM UNets, sd35m, cascade-c, cascade-c-lite)", arch);
+  }
+  return r;
+}
+
+}  // namespace
+
+TrainConfig model_step_config(const ModelStepOptions& o) {
+  TrainConfig c;
+  c.architecture = o.architecture;
+  c.tiny = o.tiny;
+  c.resolution = o.resolution;
+  c.train_batch_size = o.batch;
+  c.gradient_accumulation_steps = 1;
+  c.optimizer_type = o.optimizer;
+  c.optimizer_args = optimizer_args_for(o.optimizer);
+  c.optimizer_state_dtype = o.bf16 ? "bf16" : "fp32";
+  c.full_bf16 = o.bf16;
+  c.full_fp16 = false;
+  c.mixed_precision = "no";
+  c.fused_backward_pass = o.fused;
+  c.gradient_checkpointing = o.checkpointing;
+  c.ema_decay = 0;
+  c.offload_optimizer_state = false;
+  c.attention_chunk_mib = o.attention_chunk_mib;
+  c.network_module.clear();
+  c.precision_rules.clear();
+  return c;
+}
+
+ModelStepResult measure_model_step(const ModelStepOptions& o) {
+  using Clock = std::chrono::steady_clock;
+  MemoryLedger& ledger = MemoryLedger::global();
+  ledger.install();
+  const at::ScalarType dtype = o.bf16 ? at::kBFloat16 : at::kFloat;
+  ModelStepResult result;
+  std::shared_ptr<torch::nn::Module> module;
+  {
+    ScopedMemoryCategory category(MemoryCategory::weights);
+    module = models::build_architecture(o.architecture, nn::LayerInit{torch::TensorOptions().dtype(dtype)}, o.tiny);
+  }
+  // The precision policy as the trainer applies it: the config's shorthand
+  // rules (full_bf16, gradient_checkpointing) on the model's block table, so
+  // blocks are checkpointed the way a training run checkpoints them.
+  {
+    std::vector<nn::BlockTable*> tables;
+    if (auto* u = dynamic_cast<models::LdmUNetImpl*>(module.get())) tables.push_back(u->block_table());
+    if (auto* d = dynamic_cast<models::MMDiTImpl*>(module.get())) tables.push_back(d->block_table());
+    if (auto* c = dynamic_cast<models::StageCImpl*>(module.get())) tables.push_back(c->block_table());
+    const precision::Resolution resolution =
+        precision::resolve(*module, precision_policy(model_step_config(o)), {tables.begin(), tables.end()});
+    ScopedMemoryCategory category(MemoryCategory::weights);
+    precision::apply(*module, resolution, tables);
+  }
+  module->train();
+  std::vector<std::pair<std::string, at::Tensor>> params;
+  for (const auto& p : module->named_parameters()) {
+    params.emplace_back(p.key(), p.value());
+    result.parameters += p.value().numel();
+  }
+  OptimizerOptions oo;
+  oo.stochastic_rounding = o.bf16;
+  oo.state_dtype = o.bf16 ? at::kBFloat16 : at::kFloat;
+  std::unique_ptr<Optimizer> optimizer = make_optimizer(o.optimizer, optimizer_args_for(o.optimizer), params, oo);
+  std::unique_ptr<FusedBackward> fused;
+  // Without fusion, gradients are charged to `gradients` the moment autograd
+  // accumulates them, as the trainer does.
+  PostAccumulateGradHooks grad_hooks;
+  if (o.fused) {
+    fused = std::make_unique<FusedBackward>(*optimizer, FusedBackwardOptions{});
+  } else {
+    std::vector<at::Tensor> tensors;
+    for (auto& [name, p] : params) tensors.push_back(p);
+    grad_hooks.install(tensors, [&ledger](size_t, at::Tensor& p) {
+      if (p.grad().defined()) ledger.recharge(p.grad(), MemoryCategory::gradients);
+    });
+  }
+
+  Runner runner;
+  {
+    ScopedMemoryCategory category(MemoryCategory::activations);
+    runner = make_runner(*module, o.architecture, o.batch, o.resolution, dtype, o.checkpointing);
+  }
+  const double lr = 1e-5;
+  struct RestoreChunk {
+    int64_t bytes = nn::attention_chunk_bytes();
+    ~RestoreChunk() { nn::set_attention_chunk_bytes(bytes); }
+  } restore_chunk;
+  nn::set_attention_chunk_bytes(o.attention_chunk_mib << 20);
+  for (int64_t s = 0; s < o.steps; ++s) {
+    ledger.reset_peaks();
+    const auto t0 = Clock::now();
+    if (fused) {
+      fused->begin_step(lr);
+      fused->begin_micro_batch(0);
+    }
+    at::Tensor loss;
+    {
+      ScopedMemoryCategory category(MemoryCategory::activations);
+      at::Tensor out = runner.forward();
+      loss = torch::mse_loss(out.to(torch::kFloat32), runner.target.to(torch::kFloat32));
+    }
+    {
+      ScopedMemoryCategory category(MemoryCategory::temporaries);
+      loss.backward();
+    }
+    if (fused) {
+      fused->end_step();
+    } else {
+      {
+        ScopedMemoryCategory category(MemoryCategory::temporaries);
+        optimizer->step(lr);
+      }
+      for (auto& [name, p] : params) p.mutable_grad().reset();
+    }
+    result.loss = loss.item<double>();
+    loss = at::Tensor();
+    result.seconds_per_step = std::chrono::duration<double>(Clock::now() - t0).count();
+  }
+  const auto breakdown = ledger.peak_breakdown();
+  result.step.peak_bytes = ledger.device_peak_total();
+  for (int c = 0; c < kNumMemoryCategories; ++c) {
+    result.step.at_peak[c] = breakdown[c];
+    result.step.peak_per_category[c] = ledger.peak_bytes(static_cast<MemoryCategory>(c));
+  }
+  return result;
 }
 
 }  // namespace shoestring::plan

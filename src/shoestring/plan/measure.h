@@ -1,9 +1,11 @@
 // Measures what the memory planner predicts: runs real training steps of a
-// config through the trainer (train/trainer.h) and reads the memory ledger
-// after each step. Used by tests/plan (accuracy of plan_memory) and
-// bench/plan_accuracy.
+// config through the trainer (train/trainer.h), or one denoiser step of a
+// registered real architecture (measure_model_step), and reads the memory
+// ledger after each step. Used by tests/plan (accuracy of plan_memory),
+// bench/plan_accuracy and bench/model_step.
 #pragma once
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "shoestring/plan/memory_plan.h"
@@ -33,5 +35,47 @@ struct Measurement {
 /// which happen after the last measurement) and returns the ledger readings
 /// per step. Throws whatever train() throws (dataset missing, bad config).
 Measurement measure_training(TrainConfig config, int64_t steps);
+
+/// One training step of a registered architecture's denoiser, as a user
+/// fine-tunes it with latents and text embeddings cached: random weights
+/// (the memory does not depend on values), random inputs of the shapes of
+/// plan::denoiser_inputs(), mse loss on an fp32 copy of the output, backward,
+/// optimizer update. Shared by bench/model_step and tests/plan.
+struct ModelStepOptions {
+  std::string architecture = "sd15";  ///< a registered denoiser (plan::denoiser_inputs)
+  bool tiny = false;                  ///< the architecture's tiny-width variant
+  int64_t resolution = 512;           ///< image side in pixels
+  int64_t batch = 1;
+  int64_t steps = 2;                  ///< steps run; the last one is reported
+  std::string optimizer = "Adafactor";  ///< optimizer_type (Adafactor gets scale_parameter etc. off)
+  bool checkpointing = true;          ///< gradient checkpointing
+  bool fused = true;                  ///< fused backward pass (else backward, then Optimizer::step)
+  bool bf16 = true;                   ///< bf16 weights + stochastic rounding and bf16 state (else fp32)
+  /// Attention score matrices above this many MiB are computed in query
+  /// blocks (nn/chunked_attention.h; 64 is libshoestring's default, 0 = never).
+  int64_t attention_chunk_mib = 64;
+};
+
+/// Result of measure_model_step().
+struct ModelStepResult {
+  int64_t parameters = 0;
+  double seconds_per_step = 0;  ///< of the last step
+  double loss = 0;              ///< of the last step
+  /// Ledger readings of the last step (peaks reset at each step's start).
+  MeasuredStep step;
+};
+
+/// Runs `o.steps` steps, each measured by the memory ledger (installed here
+/// if it is not), with nn::attention_chunk_bytes() set from
+/// o.attention_chunk_mib (restored afterwards). Weights are charged to `weights`, inputs and forward to
+/// `activations`, backward to `temporaries`. Throws shoestring::Error for an
+/// unknown architecture or optimizer.
+ModelStepResult measure_model_step(const ModelStepOptions& o);
+
+/// The config plan_memory needs to predict measure_model_step(o): the
+/// architecture, resolution, batch, precision (full_bf16, bf16 state),
+/// optimizer, fused backward, checkpointing and attention chunking of `o`;
+/// no EMA, accumulation or offload.
+TrainConfig model_step_config(const ModelStepOptions& o);
 
 }  // namespace shoestring::plan

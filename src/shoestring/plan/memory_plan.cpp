@@ -4,10 +4,17 @@
 #include <cctype>
 #include <cmath>
 #include <functional>
+#include <map>
+#include <mutex>
 
 #include "shoestring/core/error.h"
+#include "shoestring/models/architecture.h"
+#include "shoestring/models/cascade.h"
+#include "shoestring/models/mmdit.h"
+#include "shoestring/models/unet_ldm.h"
 #include "shoestring/nn/chunked_attention.h"
 #include "shoestring/nn/resblock.h"
+#include "shoestring/nn/transformer.h"
 #include "shoestring/optim/adafactor.h"
 #include "shoestring/optim/adamw8bit.h"
 
@@ -132,9 +139,9 @@ class ModelTracer {
     for (int64_t l = 0; l < levels; ++l) {
       const int64_t out = base * mult[l];
       for (int64_t i = 0; i < c_.num_res_blocks; ++i) {
-        h = res_block(h, out, temb);
+        h = emoji_res(h, out, temb);
         ch = out;
-        if (has_attn[l]) h = spatial_transformer(h, context, mask);
+        if (has_attn[l]) h = emoji_attn(h, context, mask);
         skips.push_back(h);
       }
       if (l + 1 < levels) {
@@ -142,18 +149,18 @@ class ModelTracer {
         skips.push_back(h);
       }
     }
-    h = res_block(h, ch, temb);
-    h = spatial_transformer(h, context, mask);
-    h = res_block(h, ch, temb);
+    h = emoji_res(h, ch, temb);
+    h = emoji_attn(h, context, mask);
+    h = emoji_res(h, ch, temb);
     for (int64_t l = levels - 1; l >= 0; --l) {
       const int64_t out = base * mult[l];
       for (int64_t i = 0; i <= c_.num_res_blocks; ++i) {
         Sym skip = skips.back();
         skips.pop_back();
         h = cat(h, skip);
-        h = res_block(h, out, temb);
+        h = emoji_res(h, out, temb);
         ch = out;
-        if (has_attn[l]) h = spatial_transformer(h, context, mask);
+        if (has_attn[l]) h = emoji_attn(h, context, mask);
       }
       if (l > 0) {
         h = upsample(h);
@@ -164,19 +171,381 @@ class ModelTracer {
     h = unary(h, "silu");
     h = conv(h, 3, 3, 1);
     h = copy(h, h.shape, "contiguous output");
-    // Loss: v.to(fp32), mse_loss saves both operands.
-    if (h.elem != 4) h = cast(h, 4);
-    Sym loss = make({1}, 4, true);
-    TraceOp m;
-    m.name = "mse_loss";
-    m.inputs = {h.id, target.id};
-    m.outputs = {loss.id};
-    m.saved = {h.id, target.id};
-    m.grad_inputs = {h.id};
-    trace.op(m);
-    trace.keep(loss.id);
+    mse_loss(h, target);
   }
 
+
+  // ---- registered real architectures (models/architecture.h), the denoiser
+  // only, on the inputs bench/model_step feeds (plan/memory_plan.h:
+  // denoiser_inputs). Shapes are read from the model built on the meta device.
+
+  /// models::LdmUNetImpl::forward (SD 1.5, SDXL, SSD-1B) on [B, C, R/8, R/8]
+  /// latents, context [B, 77, context_dim] and (SDXL) y [B, adm_in_channels].
+  void build_ldm(models::LdmUNetImpl& u, int64_t B, int64_t R) {
+    const auto& o = u.options();
+    const DenoiserInputs in = denoiser_inputs(c_.architecture, R);
+    const int pe = param_elem_;
+    Sym x = input({B, o.in_channels(), in.latent_side, in.latent_side}, pe);
+    Sym t = input({B}, 4);
+    Sym ctx = input({B, in.context_tokens, o.context_dim()}, pe);
+    const int64_t mc = o.model_channels(), temb_dim = u.time_embed->linear_1->out_features;
+    Sym temb = embed_mlp(constant({B, mc}, 4, "timestep_embedding"), temb_dim, temb_dim);
+    if (o.adm_in_channels() > 0) {
+      Sym y = input({B, o.adm_in_channels()}, pe);
+      temb = add(temb, embed_mlp(y, temb_dim, temb_dim), "add label_emb");
+    }
+    std::vector<Sym> skips;
+    Sym h = x;
+    for (size_t i = 0; i < u.input_blocks->size(); ++i) {
+      h = ldm_block(*u.input_blocks->ptr<models::LdmBlockImpl>(i), h, temb, ctx);
+      skips.push_back(h);
+    }
+    h = ldm_block(*u.middle_block, h, temb, ctx);
+    for (size_t i = 0; i < u.output_blocks->size(); ++i) {
+      h = cat(h, skips.back());
+      skips.pop_back();
+      h = ldm_block(*u.output_blocks->ptr<models::LdmBlockImpl>(i), h, temb, ctx);
+    }
+    h = group_norm(h, h.shape[1], u.out_norm->groups, 1e-5);
+    h = unary(h, "silu");
+    h = conv(h, o.out_channels(), 3, 1);
+    mse_loss(h, x);
+  }
+
+  /// models::MMDiTImpl::forward (SD 3.5 Medium) on [B, 16, R/8, R/8] latents,
+  /// context [B, 154, context_dim], pooled y [B, adm_in_channels].
+  void build_mmdit(models::MMDiTImpl& m, int64_t B, int64_t R) {
+    const auto& o = m.options();
+    const DenoiserInputs in = denoiser_inputs(c_.architecture, R);
+    const int pe = param_elem_;
+    const int64_t S = in.latent_side, p = o.patch_size(), gh = S / p, Hd = o.hidden();
+    if (S % p != 0 || gh > o.pos_embed_max_size()) {
+      fail("plan: {} latents of {}x{} do not fit patch {} and pos_embed_max_size {}", c_.architecture, S, S, p,
+           o.pos_embed_max_size());
+    }
+    Sym x_in = input({B, o.in_channels(), S, S}, pe);
+    Sym t = input({B}, 4);
+    Sym ctx_in = input({B, in.context_tokens, o.context_dim()}, pe);
+    Sym y = input({B, o.adm_in_channels()}, pe);
+    Sym x = conv(x_in, Hd, p, p, 0);
+    x = view(x, {B, gh * gh, Hd});
+    x = add_bcast(x, constant({1, gh * gh, Hd}, pe, "pos_embed crop"), "add pos_embed");
+    Sym c = embed_mlp(constant({B, o.frequency_embedding_size()}, 4, "timestep features"), Hd, Hd);
+    c = add(c, embed_mlp(y, Hd, Hd), "add y embedding");
+    Sym context = linear(ctx_in, Hd, true);
+    const bool ckpt = c_.gradient_checkpointing;
+    for (size_t i = 0; i < m.joint_blocks->size(); ++i) {
+      auto& block = *m.joint_blocks->ptr<models::MMDiTJointBlockImpl>(i);
+      Sym ctx_out;
+      x = checkpointed(ckpt, {context.id, x.id, c.id}, [&] { return joint_block(block, context, x, c, ctx_out); });
+      context = ctx_out;
+    }
+    Sym mod = linear(unary(c, "silu"), 2 * Hd, true);
+    auto parts = split(mod, {{B, Hd}, {B, Hd}});
+    x = modulate(layer_norm(x, false), parts[0], parts[1]);
+    x = linear(x, m.final_linear->out_features, true);
+    x = copy(x, {B, o.out_channels(), S, S}, "unpatchify");
+    mse_loss(x, x_in);
+  }
+
+  /// models::StageCImpl::forward (Stable Cascade stage C) on [B, 16, s, s]
+  /// latents (plan/memory_plan.h: denoiser_inputs), CLIP text [B, 77, 1280],
+  /// pooled [B, 1, 1280], image [B, 1, 768].
+  void build_stage_c(models::StageCImpl& m, int64_t B, int64_t R) {
+    const auto& o = m.options();
+    const DenoiserInputs in = denoiser_inputs(c_.architecture, R);
+    const int pe = param_elem_;
+    const int64_t S = in.latent_side;
+    if (o.patch_size() != 1) fail("plan: stage C with patch_size {} is not modelled", o.patch_size());
+    Sym x_in = input({B, o.in_channels(), S, S}, pe);
+    input({B}, 4);
+    Sym text = input({B, in.context_tokens, o.clip_text_dim()}, pe);
+    Sym pooled = input({B, 1, o.clip_text_pooled_dim()}, pe);
+    Sym img = input({B, 1, o.clip_image_dim()}, pe);
+    const int64_t conds = static_cast<int64_t>(o.t_conds().size());
+    Sym r_embed = constant({B, o.r_dim() * (1 + conds)}, pe, "r embedding");
+    const int64_t cd = o.cond_dim(), seq = o.clip_seq();
+    Sym txt = linear(text, cd, true);
+    Sym pool = view(linear(pooled, cd * seq, true), {B, seq, cd});
+    Sym im = view(linear(img, cd * seq, true), {B, seq, cd});
+    Sym cond = layer_norm(cat({txt, pool, im}), false);
+    Sym x = layer_norm_2d(conv(x_in, o.hidden()[0], 1, 1, 0));
+    const size_t levels = o.hidden().size();
+    std::vector<Sym> level_outputs;
+    for (size_t i = 0; i < levels; ++i) {
+      if (i > 0) {
+        x = conv(layer_norm_2d(x), o.hidden()[i], 1, 1, 0);
+        if (o.switch_level()[i - 1]) fail("plan: stage C with switch_level (resampling) is not modelled");
+      }
+      x = stage_c_level(*m.down_blocks->ptr<torch::nn::ModuleListImpl>(i),
+                        *m.down_repeat_mappers->ptr<torch::nn::ModuleListImpl>(i), x, r_embed, cond, nullptr, o);
+      level_outputs.insert(level_outputs.begin(), x);
+    }
+    x = level_outputs[0];
+    for (size_t k = 0; k < levels; ++k) {
+      x = stage_c_level(*m.up_blocks->ptr<torch::nn::ModuleListImpl>(k),
+                        *m.up_repeat_mappers->ptr<torch::nn::ModuleListImpl>(k), x, r_embed, cond,
+                        k > 0 ? &level_outputs[k] : nullptr, o);
+      if (k + 1 < levels) x = conv(layer_norm_2d(x), o.hidden()[levels - 2 - k], 1, 1, 0);
+    }
+    x = conv(layer_norm_2d(x), o.out_channels(), 1, 1, 0);
+    mse_loss(x, x_in);
+  }
+
+ private:
+  // One LdmBlock (TimestepEmbedSequential) as a training run executes it:
+  // the trainer applies the precision policy to the UNet's block table, so
+  // with gradient checkpointing each ResBlock and each transformer block is
+  // its own segment (the SpatialTransformer's norm and projections, and the
+  // resampling convs, are not checkpointed).
+  Sym ldm_block(models::LdmBlockImpl& block, const Sym& x, const Sym& emb, const Sym& ctx) {
+    const bool ckpt = c_.gradient_checkpointing;
+    const bool per_layer = ckpt;
+    return checkpointed(ckpt && !per_layer, {x.id, emb.id, ctx.id}, [&] {
+      Sym h = x;
+      for (const auto& child : block.children()) {
+        if (auto* res = dynamic_cast<nn::ResBlockImpl*>(child.get())) {
+          const int64_t out = res->options().out_channels(), groups = res->options().groups();
+          h = checkpointed(per_layer, {h.id, emb.id}, [&] { return res_block(h, out, emb, groups); });
+        } else if (auto* st = dynamic_cast<nn::SpatialTransformerImpl*>(child.get())) {
+          const auto& to = st->options();
+          StSpec sp;
+          sp.heads = to.heads();
+          sp.head_dim = to.head_dim();
+          sp.depth = to.depth();
+          sp.ff_mult = to.ff_mult();
+          sp.groups = to.groups();
+          sp.linear_proj = to.linear_proj();
+          sp.gated = to.gated_ff();
+          if (to.num_kv_heads() > 0 && to.num_kv_heads() != to.heads()) {
+            fail("plan: grouped-query attention in an LDM UNet is not modelled");
+          }
+          h = spatial_transformer(h, ctx, nullptr, sp, per_layer);
+        } else if (auto* rs = dynamic_cast<models::LdmResampleImpl*>(child.get())) {
+          if (!rs->down) h = upsample(h);
+          h = conv(h, rs->conv->out_channels, 3, rs->down ? 2 : 1);
+        } else if (auto* cv = dynamic_cast<nn::Conv2dImpl*>(child.get())) {
+          h = conv(h, cv->out_channels, cv->kernel_size, cv->stride, cv->padding, cv->groups);
+        } else {
+          fail("plan: LdmBlock layer '{}' is not modelled", child->name());
+        }
+      }
+      return h;
+    });
+  }
+
+  // x * (1 + scale) + shift, per-sample [B, D] shift / scale over [B, L, D] (MMDiT modulate).
+  Sym modulate(const Sym& x, const Sym& shift, const Sym& scale) {
+    return add_bcast(mul(x, scalar_op(scale, "1 + scale")), shift, "add shift");
+  }
+
+  // nn::RMSNorm on a half input: fp32 copy, x * rsqrt(mean(x^2) + eps) and
+  // * weight each save an fp32 full tensor; cast back.
+  Sym rms_norm(const Sym& x_in) {
+    const int64_t d = x_in.shape.back(), rows = x_in.numel() / d;
+    Sym x = x_in.elem == 2 ? cast(x_in, 4) : x_in;
+    Sym y = make(x.shape, 4, true);
+    TraceOp o;
+    o.name = "rms_norm";
+    o.inputs = {x.id};
+    o.outputs = {y.id};
+    o.saved = {x.id};
+    o.grad_inputs = {x.id};
+    o.saved_extra = rows * 4 * 2;
+    o.forward_transient = x.numel() * 4;  // x^2
+    trace.op(o);
+    add_param({d});
+    Sym w = make(x.shape, 4, true);
+    TraceOp ow;
+    ow.name = "rms_norm weight";
+    ow.inputs = {y.id};
+    ow.outputs = {w.id};
+    ow.saved = {y.id};
+    ow.grad_inputs = {y.id};
+    ow.param_grads = {param_grad_bytes({d})};
+    ow.backward_transient = w.bytes();
+    trace.op(ow);
+    return x_in.elem == 2 ? cast(w, 2) : w;
+  }
+
+  struct Qkv {
+    Sym q, k, v;
+  };
+  // MMDiTAttentionImpl::pre_attention: qkv Linear, split into q [B, L, H, d],
+  // k, v [B, L, Hkv, d], RMSNorm on q and k (qk_norm).
+  Qkv pre_attention(models::MMDiTAttentionImpl& a, const Sym& x) {
+    const int64_t B = x.shape[0], L = x.shape[1], H = a.heads, G = a.kv_heads, d = a.head_dim;
+    Sym y = linear(x, (H + 2 * G) * d, a.qkv->bias.defined());
+    auto parts = split(y, {{B, L, H, d}, {B, L, G, d}, {B, L, G, d}});
+    Qkv r{parts[0], parts[1], parts[2]};
+    if (a.ln_q) {
+      r.q = rms_norm(r.q);
+      r.k = rms_norm(r.k);
+    }
+    return r;
+  }
+
+  // models' grouped_attention on [B, L, H, d] q and [B, S, Hkv, d] k, v
+  // (scores * scale, fp32 softmax cast back): [B, L, H * d].
+  Sym grouped_attention(const Qkv& a) {
+    const int64_t B = a.q.shape[0], L = a.q.shape[1], H = a.q.shape[2], d = a.q.shape[3];
+    const int64_t S = a.k.shape[1], G = a.k.shape[2];
+    SdpaStyle st;
+    st.scale_op = true;
+    st.softmax_fp32 = true;
+    st.chunkable = false;
+    Sym q4 = view(a.q, {B, G, (H / G) * L, d}), k4 = view(a.k, {B, G, S, d}), v4 = view(a.v, {B, G, S, d});
+    return merge_heads(sdpa(q4, k4, v4, L, st), L, H);
+  }
+
+  // Transformer MLP fc2(GELU_tanh(fc1(x))) with its gate: gate * mlp.
+  Sym mmdit_mlp(models::MMDiTMlpImpl& mlp, const Sym& x) {
+    Sym h = unary(linear(x, mlp.fc1->out_features, true), "gelu_tanh");
+    return linear(h, mlp.fc2->out_features, true);
+  }
+
+  // A slice of the joint attention output as a Linear input (a copy when not contiguous).
+  Sym token_slice(const Sym& s) { return s.shape[0] > 1 ? copy(s, s.shape, "slice copy") : s; }
+
+  // MMDiTJointBlockImpl::forward. Returns x'; sets ctx_out to context' (an
+  // undefined Sym for the last block, whose context stream is pre_only).
+  Sym joint_block(models::MMDiTJointBlockImpl& jb, const Sym& context, const Sym& x, const Sym& c, Sym& ctx_out) {
+    auto& cb = *jb.context_block;
+    auto& xb = *jb.x_block;
+    const int64_t B = x.shape[0], Lc = context.shape[1], Lx = x.shape[1], Hd = x.shape[2];
+    Sym silu_c = unary(c, "silu");
+    const int64_t nc = cb.adaLN_modulation->out_features / Hd, nx = xb.adaLN_modulation->out_features / Hd;
+    auto cm = split(linear(silu_c, nc * Hd, true), std::vector<std::vector<int64_t>>(nc, {B, Hd}));
+    auto xm = split(linear(silu_c, nx * Hd, true), std::vector<std::vector<int64_t>>(nx, {B, Hd}));
+    Qkv cq = pre_attention(*cb.attn, modulate(layer_norm(context, false), cm[0], cm[1]));
+    Sym x_norm = layer_norm(x, false);
+    Qkv xq = pre_attention(*xb.attn, modulate(x_norm, xm[0], xm[1]));
+    Sym a = grouped_attention({cat(cq.q, xq.q), cat(cq.k, xq.k), cat(cq.v, xq.v)});
+    auto halves = split(a, {{B, Lc, Hd}, {B, Lx, Hd}});
+    ctx_out = Sym{};
+    if (!cb.pre_only) {
+      Sym co = add(context, mul(linear(token_slice(halves[0]), Hd, true), cm[2]), "context attn residual");
+      Sym n = modulate(layer_norm(co, false), cm[3], cm[4]);
+      ctx_out = add(co, mul(mmdit_mlp(*cb.mlp, n), cm[5]), "context mlp residual");
+    }
+    Sym y = add(x, mul(linear(token_slice(halves[1]), Hd, true), xm[2]), "x attn residual");
+    if (xb.has_attn2) {
+      Qkv q2 = pre_attention(*xb.attn2, modulate(x_norm, xm[6], xm[7]));
+      y = add(y, mul(linear(grouped_attention(q2), Hd, true), xm[8]), "x attn2 residual");
+    }
+    Sym n = modulate(layer_norm(y, false), xm[3], xm[4]);
+    return add(y, mul(mmdit_mlp(*xb.mlp, n), xm[5]), "x mlp residual");
+  }
+
+  // Stage C LayerNorm2d: fp32 copy, layer_norm over channels of the permuted
+  // tensor (a contiguous fp32 copy inside), cast back.
+  Sym layer_norm_2d(const Sym& x) {
+    const int64_t C = x.shape[1];
+    return norm(x, C, x.numel() / C, "layer_norm_2d", false, x.numel() * 4);
+  }
+
+  // GlobalResponseNorm on [B, H, W, C] (half input: fp32 math).
+  Sym grn(const Sym& x_in) {
+    const int64_t B = x_in.shape[0], C = x_in.shape.back();
+    Sym x = x_in.elem == 2 ? cast(x_in, 4) : x_in;
+    Sym g = make({B, 1, 1, C}, 4, true);
+    TraceOp o;
+    o.name = "grn norm";
+    o.inputs = {x.id};
+    o.outputs = {g.id};
+    o.saved = {x.id, g.id};
+    o.grad_inputs = {x.id};
+    trace.op(o);
+    Sym n = scalar_op(g, "grn g / mean");
+    Sym xn = mul(x, n);
+    add_param({1, 1, 1, C});
+    add_param({1, 1, 1, C});
+    Sym gx = make(x.shape, 4, true);
+    TraceOp og;
+    og.name = "grn gamma * xn + beta";
+    og.inputs = {xn.id};
+    og.outputs = {gx.id};
+    og.saved = {xn.id};
+    og.grad_inputs = {xn.id};
+    og.param_grads = {param_grad_bytes({C}), param_grad_bytes({C})};
+    og.backward_transient = xn.bytes();
+    trace.op(og);
+    Sym y = add(gx, x, "grn residual");
+    return x_in.elem == 2 ? cast(y, 2) : y;
+  }
+
+  // Stage C channelwise MLP: Linear(4c), GELU, GRN, Dropout, Linear(c), on [B, H, W, C].
+  Sym channelwise(const Sym& h, int64_t c, double p) {
+    Sym y = unary(linear(h, 4 * c, true), "gelu");
+    y = dropout(grn(y), p);
+    return linear(y, c, true);
+  }
+
+  // StageCImpl::run_level: the level's blocks `repeats` times, each block a
+  // checkpointed segment when gradient checkpointing is on.
+  Sym stage_c_level(torch::nn::ModuleListImpl& blocks, torch::nn::ModuleListImpl& mappers, Sym x, const Sym& r_embed,
+                    const Sym& cond, const Sym* skip, const models::StageCOptions& o) {
+    const bool ckpt = c_.gradient_checkpointing;
+    const int64_t B = x.shape[0];
+    for (size_t j = 0; j < mappers.size() + 1; ++j) {
+      for (size_t b = 0; b < blocks.size(); ++b) {
+        auto block = blocks.ptr(b);
+        const int64_t C = x.shape[1], H = x.shape[2], W = x.shape[3];
+        if (auto* res = dynamic_cast<models::CascadeResBlockImpl*>(block.get())) {
+          const bool with_skip = b == 0 && res->c_skip > 0;
+          if (res->c_skip > 0 && (skip == nullptr || !with_skip)) fail("plan: stage C ResBlock {} needs a skip", b);
+          std::vector<int> in{x.id};
+          if (with_skip) in.push_back(skip->id);
+          x = checkpointed(ckpt, in, [&] {
+            Sym h = layer_norm_2d(conv(x, C, res->depthwise->kernel_size, 1, -1, C));
+            if (with_skip) h = cat(h, *skip);
+            h = view(h, {B, H, W, h.shape[1]});
+            h = view(channelwise(h, C, res->dropout), {B, C, H, W});
+            return add(h, x, "resblock residual");
+          });
+        } else if (auto* ff = dynamic_cast<models::CascadeFeedForwardBlockImpl*>(block.get())) {
+          x = checkpointed(ckpt, {x.id}, [&] {
+            Sym h = view(layer_norm_2d(x), {B, H, W, C});
+            return add(x, view(channelwise(h, C, ff->dropout), {B, C, H, W}), "ff residual");
+          });
+        } else if (auto* ts = dynamic_cast<models::CascadeTimestepBlockImpl*>(block.get())) {
+          x = checkpointed(ckpt, {x.id, r_embed.id}, [&] {
+            Sym ab;
+            for (size_t i = 0; i < ts->mappers.size(); ++i) {
+              Sym m = linear(view(r_embed, {B, o.r_dim()}), 2 * C, true);
+              ab = i == 0 ? m : add(ab, m, "sum mappers");
+            }
+            auto parts = split(ab, {{B, C, 1, 1}, {B, C, 1, 1}});
+            return add_bcast(mul(x, scalar_op(parts[0], "1 + a")), parts[1], "add b");
+          });
+        } else if (auto* at = dynamic_cast<models::CascadeAttnBlockImpl*>(block.get())) {
+          x = checkpointed(ckpt, {x.id, cond.id}, [&] {
+            const int64_t heads = at->attn->heads, d = C / heads, L = H * W;
+            Sym kv = linear(unary(cond, "silu"), C, true);
+            Sym q = view(layer_norm_2d(x), {B, L, C});
+            if (at->self_attn) kv = cat(q, kv);
+            const int64_t Sk = kv.shape[1];
+            Sym qp = view(linear(q, C, true), {B, heads, L, d});
+            Sym kp = view(linear(kv, C, true), {B, heads, Sk, d});
+            Sym vp = view(linear(kv, C, true), {B, heads, Sk, d});
+            SdpaStyle st;
+            st.scale_op = true;
+            st.softmax_fp32 = true;
+            st.dropout = at->attn->dropout;
+            st.chunkable = false;
+            Sym out = linear(merge_heads(sdpa(qp, kp, vp, L, st), L, heads), C, true);
+            return add(x, view(out, {B, C, H, W}), "attention residual");
+          });
+        } else {
+          fail("plan: stage C block '{}' is not modelled", block->name());
+        }
+      }
+      if (j < mappers.size()) x = conv(x, x.shape[1], 1, 1, 0);
+    }
+    return x;
+  }
+
+ public:
   int64_t parameters() const {
     int64_t n = 0;
     for (const auto& s : param_shapes) n += numel_of(s);
@@ -258,13 +627,14 @@ class ModelTracer {
     o.backward_transient += numel_of(shape) * 2;
   }
 
-  Sym conv(const Sym& x_in, int64_t cout, int64_t k, int64_t stride) {
+  // nn::Conv2d; `pad` -1 = k / 2 (same size at stride 1).
+  Sym conv(const Sym& x_in, int64_t cout, int64_t k, int64_t stride, int64_t pad = -1, int64_t groups = 1) {
     Sym x = mm_input(x_in);
     const int64_t B = x.shape[0], cin = x.shape[1], H = x.shape[2], W = x.shape[3];
-    const int64_t pad = k / 2;
+    if (pad < 0) pad = k / 2;
     const int64_t Ho = (H + 2 * pad - k) / stride + 1, Wo = (W + 2 * pad - k) / stride + 1;
     Sym y = make({B, cout, Ho, Wo}, compute_elem_, true);
-    std::vector<int64_t> w{cout, cin, k, k}, b{cout};
+    std::vector<int64_t> w{cout, cin / groups, k, k}, b{cout};
     add_param(w);
     add_param(b);
     TraceOp o;
@@ -320,27 +690,35 @@ class ModelTracer {
   // nn::LayerNorm / nn::GroupNorm (nn/layers.h) compute in fp32: a bf16 input
   // is cast to an fp32 copy (which the norm saves), the fp32 output is cast
   // back; norm weights are cast to fp32 too (small copies, also saved).
-  Sym norm(const Sym& x_in, int64_t C, int64_t stat_rows, const std::string& name) {
+  // Without `affine` (MMDiT's and Stage C's parameterless LayerNorms) there
+  // is no weight or bias. `transient`: scratch of the forward (a contiguous
+  // copy of a permuted input inside native_layer_norm).
+  Sym norm(const Sym& x_in, int64_t C, int64_t stat_rows, const std::string& name, bool affine = true,
+           int64_t transient = 0) {
     const int in_elem = x_in.elem;
     Sym x = in_elem == 2 ? cast(x_in, 4) : x_in;
     Sym y = make(x.shape, x.elem, true);
-    add_param({C});
-    add_param({C});
     TraceOp o;
     o.name = name;
     o.inputs = {x.id};
     o.outputs = {y.id};
     o.saved = {x.id};
     if (x.rg) o.grad_inputs = {x.id};
-    o.saved_extra = 2 * stat_rows * 4 + (param_elem_ == 2 ? 2 * C * 4 : 0);
-    o.param_grads = {param_grad_bytes({C}), param_grad_bytes({C})};
+    o.saved_extra = 2 * stat_rows * 4;
+    o.forward_transient = transient;
+    if (affine) {
+      add_param({C});
+      add_param({C});
+      o.saved_extra += param_elem_ == 2 ? 2 * C * 4 : 0;
+      o.param_grads = {param_grad_bytes({C}), param_grad_bytes({C})};
+    }
     trace.op(o);
     return in_elem == 2 ? cast(y, 2) : y;
   }
 
-  Sym layer_norm(const Sym& x) {
+  Sym layer_norm(const Sym& x, bool affine = true) {
     const int64_t d = x.shape.back();
-    return norm(x, d, x.numel() / d, "layer_norm");
+    return norm(x, d, x.numel() / d, "layer_norm", affine);
   }
 
   Sym group_norm(const Sym& x, int64_t C, int64_t groups, double eps) {
@@ -373,29 +751,94 @@ class ModelTracer {
     return y;
   }
 
+  // a * b, b of a's shape or broadcast over it (a gate, a scale): saves both
+  // factors; the gradient of a broadcast b is reduced from a full product.
   Sym mul(const Sym& a, const Sym& b) {
-    Sym y = make(a.shape, a.elem, true);
+    Sym y = make(a.shape, std::max(a.elem, b.elem), a.rg || b.rg);
     TraceOp o;
     o.name = "mul";
     o.inputs = {a.id, b.id};
     o.outputs = {y.id};
     o.saved = {a.id, b.id};
-    o.grad_inputs = {a.id, b.id};
+    if (a.rg) o.grad_inputs.push_back(a.id);
+    if (b.rg) o.grad_inputs.push_back(b.id);
+    if (b.rg && b.numel() < a.numel()) o.backward_transient = y.bytes();
     trace.op(o);
     return y;
   }
 
-  Sym cat(const Sym& a, const Sym& b) {
-    std::vector<int64_t> s = a.shape;
-    s[1] += b.shape[1];
-    Sym y = make(s, a.elem, true);
+  // a + b with b broadcast (a bias, a shift): a's gradient is the output's,
+  // b's a reduction of it.
+  Sym add_bcast(const Sym& a, const Sym& b, const std::string& name = "add") {
+    Sym y = make(a.shape, a.elem, a.rg || b.rg);
     TraceOp o;
-    o.name = "cat";
+    o.name = name;
     o.inputs = {a.id, b.id};
     o.outputs = {y.id};
-    o.passthrough = true;  // the inputs' gradients are slices (views) of the output's
-    o.grad_inputs = {a.id, b.id};
+    o.passthrough = true;
+    o.broadcast = true;
+    if (a.rg) o.grad_inputs.push_back(a.id);
+    if (b.rg) o.grad_inputs.push_back(b.id);
     trace.op(o);
+    return y;
+  }
+
+  // An elementwise op with a scalar (x * s, 1 + x): new tensor, saves nothing.
+  Sym scalar_op(const Sym& x, const std::string& name) {
+    Sym y = make(x.shape, x.elem, x.rg);
+    TraceOp o;
+    o.name = name;
+    o.inputs = {x.id};
+    o.outputs = {y.id};
+    if (x.rg) o.grad_inputs = {x.id};
+    trace.op(o);
+    return y;
+  }
+
+  // torch::cat along dim 1 (channels of [B, C, H, W], tokens of [B, L, D]).
+  Sym cat(const std::vector<Sym>& parts) {
+    std::vector<int64_t> s = parts.at(0).shape;
+    s[1] = 0;
+    bool rg = false;
+    for (const Sym& p : parts) {
+      s[1] += p.shape[1];
+      rg = rg || p.rg;
+    }
+    Sym y = make(s, parts[0].elem, rg);
+    TraceOp o;
+    o.name = "cat";
+    for (const Sym& p : parts) {
+      o.inputs.push_back(p.id);
+      if (p.rg) o.grad_inputs.push_back(p.id);
+    }
+    o.outputs = {y.id};
+    o.passthrough = true;  // the inputs' gradients are slices (views) of the output's
+    trace.op(o);
+    return y;
+  }
+  Sym cat(const Sym& a, const Sym& b) { return cat(std::vector<Sym>{a, b}); }
+
+  // Views of parts of x (chunk, slice) with the given shapes; their backward
+  // assembles one gradient of x's size.
+  std::vector<Sym> split(const Sym& x, const std::vector<std::vector<int64_t>>& shapes) {
+    std::vector<Sym> out;
+    TraceOp o;
+    o.name = "split";
+    o.inputs = {x.id};
+    for (const auto& sh : shapes) {
+      out.push_back(Sym{trace.alias(x.id, numel_of(sh) * x.elem), sh, x.elem, x.rg});
+      o.outputs.push_back(out.back().id);
+    }
+    if (x.rg) o.grad_inputs = {x.id};
+    trace.op(o);
+    return out;
+  }
+
+  // A new tensor computed from inputs that need no gradient (timestep
+  // features, positional embedding crops, dropout masks).
+  Sym constant(std::vector<int64_t> shape, int elem, const std::string& name) {
+    Sym y = make(std::move(shape), elem, false);
+    op(name, {}, {y});
     return y;
   }
 
@@ -410,26 +853,31 @@ class ModelTracer {
     return y;
   }
 
-  Sym res_block(const Sym& x, int64_t out, const Sym& temb) {
-    const int first = trace.next_op_index();
+  // nn::ResBlock (nn/resblock.cpp): GroupNorm, SiLU, 3x3 conv, + Linear(SiLU(temb)),
+  // GroupNorm, SiLU, 3x3 conv, + (1x1 conv) shortcut. `max_groups` as ResBlockOptions::groups.
+  Sym res_block(const Sym& x, int64_t out, const Sym& temb, int64_t max_groups) {
     const int64_t cin = x.shape[1];
-    Sym h = group_norm(x, cin, nn::norm_groups(cin, c_.norm_groups), 1e-5);
+    Sym h = group_norm(x, cin, nn::norm_groups(cin, max_groups), 1e-5);
     h = unary(h, "silu");
     h = conv(h, out, 3, 1);
     Sym te = unary(temb, "silu");
     te = linear(te, out, true);
     h = add(h, te, "add temb");
-    h = group_norm(h, out, nn::norm_groups(out, c_.norm_groups), 1e-5);
+    h = group_norm(h, out, nn::norm_groups(out, max_groups), 1e-5);
     h = unary(h, "silu");
     h = conv(h, out, 3, 1);
     Sym sc = cin != out ? conv(x, out, 1, 1) : x;
-    Sym y = add(sc, h, "residual");
-    if (c_.gradient_checkpointing) trace.segment(first, trace.next_op_index() - 1, {x.id, temb.id});
-    return y;
+    return add(sc, h, "residual");
   }
 
-  Sym feed_forward_geglu(const Sym& x) {
-    const int64_t dim = x.shape.back(), inner = 4 * dim;
+  Sym feed_forward_gelu(const Sym& x, int64_t mult) {
+    const int64_t dim = x.shape.back();
+    Sym h = unary(linear(x, mult * dim, true), "gelu");
+    return linear(h, dim, true);
+  }
+
+  Sym feed_forward_geglu(const Sym& x, int64_t mult = 4) {
+    const int64_t dim = x.shape.back(), inner = mult * dim;
     Sym h = linear(x, 2 * inner, true);
     std::vector<int64_t> half = h.shape;
     half.back() = inner;
@@ -447,10 +895,95 @@ class ModelTracer {
     return linear(m, dim, true);
   }
 
+  /// Style of a scaled-dot-product attention, per model.
+  struct SdpaStyle {
+    bool scale_op = false;      ///< scores * 1/sqrt(d) as an op (else folded into the query weight)
+    bool softmax_fp32 = false;  ///< softmax(scores, dtype fp32).to(compute dtype), as MMDiT and Stage C
+    bool masked = false;        ///< masked_fill before the softmax
+    double dropout = 0.0;       ///< dropout on the attention weights (training)
+    bool chunkable = true;      ///< nn::Attention: chunked (nn/chunked_attention.h) above attention_chunk_mib
+  };
+
+  // softmax(q k^T) v on heads: q4 [B, Hkv, R, d] (R = query rows of all
+  // query heads sharing a key/value head), k4 / v4 [B, Hkv, Lk, d]; `rows_per_head`
+  // is Lq (a batched matmul copies a permuted operand when Hkv > 1). Returns [B, Hkv, R, d].
+  Sym sdpa(const Sym& q4, const Sym& k4, const Sym& v4, int64_t Lq, const SdpaStyle& st) {
+    const int64_t B = q4.shape[0], Hkv = q4.shape[1], R = q4.shape[2], d = q4.shape[3], Lk = k4.shape[2];
+    const int elem = q4.elem;
+    const int64_t block = st.chunkable ? nn::attention_block_rows(B, Hkv, R, Lk, elem, chunk_bytes_) : 0;
+    if (block != 0) {
+      Sym o = make({B, Hkv, R, d}, elem, true);
+      const int64_t blk = B * Hkv * block * Lk * elem;
+      TraceOp ca;
+      ca.name = fmt::format("chunked attention {}x{} (blocks of {})", R, Lk, block);
+      ca.inputs = {q4.id, k4.id, v4.id};
+      ca.outputs = {o.id};
+      ca.saved = {q4.id, k4.id, v4.id, o.id};
+      ca.grad_inputs = {q4.id, k4.id, v4.id};
+      ca.forward_transient = 3 * blk;
+      ca.backward_transient = 3 * blk + 2 * B * Hkv * Lk * d * 4 + B * Hkv * R * 4;  // dK, dV accumulate in fp32
+      trace.op(ca);
+      return o;
+    }
+    // matmul's batched reshape copies a permuted operand (not viewable).
+    Sym qc = (Hkv > 1 && Lq > 1) ? copy(q4, q4.shape, "bmm q copy") : q4;
+    Sym kc = (Hkv > 1 && Lk > 1) ? copy(k4, {B, Hkv, d, Lk}, "bmm k copy") : k4;
+    Sym s = make({B, Hkv, R, Lk}, elem, true);
+    TraceOp qk;
+    qk.name = fmt::format("bmm scores {}x{}", R, Lk);
+    qk.inputs = {qc.id, kc.id};
+    qk.outputs = {s.id};
+    qk.saved = {qc.id, kc.id};
+    qk.grad_inputs = {qc.id, kc.id};
+    trace.op(qk);
+    if (st.scale_op) s = scalar_op(s, "scale scores");
+    if (st.masked) s = scalar_op(s, "masked_fill");
+    Sym p;
+    if (st.softmax_fp32 && elem != 4) {
+      Sym s32 = cast(s, 4);
+      p = make(s.shape, 4, true);
+      TraceOp sm;
+      sm.name = fmt::format("softmax fp32 {}x{}", R, Lk);
+      sm.inputs = {s32.id};
+      sm.outputs = {p.id};
+      sm.saved = {p.id};
+      sm.grad_inputs = {s32.id};
+      trace.op(sm);
+      p = cast(p, elem);
+    } else {
+      p = make(s.shape, elem, true);
+      TraceOp sm;
+      sm.name = fmt::format("softmax {}x{}", R, Lk);
+      sm.inputs = {s.id};
+      sm.outputs = {p.id};
+      sm.saved = {p.id};
+      sm.grad_inputs = {s.id};
+      trace.op(sm);
+    }
+    p = dropout(p, st.dropout);
+    Sym vc = (Hkv > 1 && Lk > 1) ? copy(v4, v4.shape, "bmm v copy") : v4;
+    Sym o = make({B, Hkv, R, d}, elem, true);
+    TraceOp pv;
+    pv.name = "bmm probs v";
+    pv.inputs = {p.id, vc.id};
+    pv.outputs = {o.id};
+    pv.saved = {p.id, vc.id};
+    pv.grad_inputs = {p.id, vc.id};
+    trace.op(pv);
+    return o;
+  }
+
+  // [B, Hkv, R, d] heads back to tokens [B, Lq, H * d] (a copy unless trivial).
+  Sym merge_heads(const Sym& o, int64_t Lq, int64_t H) {
+    const int64_t B = o.shape[0], inner = o.numel() / (B * Lq);
+    return (H > 1 && Lq > 1) ? copy(o, {B, Lq, inner}, "heads merge copy") : view(o, {B, Lq, inner});
+  }
+
+  // nn::Attention (nn/attention.cpp): q = x W_q^T * scale (scaled weight
+  // copy), k, v from kv, (chunked) softmax attention, to_out with bias.
   Sym attention(const Sym& x, const Sym& kv, const Sym* mask, int64_t H, int64_t Hkv, int64_t d,
                 int64_t query_dim, int64_t context_dim) {
     (void)context_dim;
-    (void)mask;
     const int64_t B = x.shape[0], Lq = x.shape[1], Lk = kv.shape[1], G = H / Hkv, R = G * Lq;
     const int64_t inner = H * d, kv_inner = Hkv * d;
     Sym q = linear(x, inner, false, /*scaled_weight=*/true);
@@ -459,86 +992,111 @@ class ModelTracer {
     Sym q4 = G > 1 ? copy(q, {B, Hkv, R, d}, "gqa q copy") : view(q, {B, Hkv, R, d});
     Sym k4 = view(k, {B, Hkv, Lk, d});
     Sym v4 = view(v, {B, Hkv, Lk, d});
-    const int elem = q.elem;
-    const int64_t block = nn::attention_block_rows(B, Hkv, R, Lk, elem, chunk_bytes_);
-    Sym o;
-    if (block == 0) {
-      // matmul's batched reshape copies a permuted operand (not viewable).
-      Sym qc = (Hkv > 1 && Lq > 1) ? copy(q4, q4.shape, "bmm q copy") : q4;
-      Sym kc = (Hkv > 1 && Lk > 1) ? copy(k4, {B, Hkv, d, Lk}, "bmm k copy") : k4;
-      Sym s = make({B, Hkv, R, Lk}, elem, true);
-      TraceOp qk;
-      qk.name = fmt::format("bmm scores {}x{}", R, Lk);
-      qk.inputs = {qc.id, kc.id};
-      qk.outputs = {s.id};
-      qk.saved = {qc.id, kc.id};
-      qk.grad_inputs = {qc.id, kc.id};
-      trace.op(qk);
-      if (mask != nullptr) {
-        Sym s2 = make(s.shape, elem, true);
-        TraceOp mf;
-        mf.name = "masked_fill";
-        mf.inputs = {s.id};
-        mf.outputs = {s2.id};
-        mf.grad_inputs = {s.id};
-        trace.op(mf);
-        s = s2;
-      }
-      Sym p = make(s.shape, elem, true);
-      TraceOp sm;
-      sm.name = fmt::format("softmax {}x{}", R, Lk);
-      sm.inputs = {s.id};
-      sm.outputs = {p.id};
-      sm.saved = {p.id};
-      sm.grad_inputs = {s.id};
-      trace.op(sm);
-      Sym vc = (Hkv > 1 && Lk > 1) ? copy(v4, v4.shape, "bmm v copy") : v4;
-      o = make({B, Hkv, R, d}, elem, true);
-      TraceOp pv;
-      pv.name = "bmm probs v";
-      pv.inputs = {p.id, vc.id};
-      pv.outputs = {o.id};
-      pv.saved = {p.id, vc.id};
-      pv.grad_inputs = {p.id, vc.id};
-      trace.op(pv);
-    } else {
-      o = make({B, Hkv, R, d}, elem, true);
-      const int64_t blk = B * Hkv * block * Lk * elem;
-      const int acc = elem == 4 ? 4 : 4;  // dK, dV accumulate in fp32
-      TraceOp ca;
-      ca.name = fmt::format("chunked attention {}x{} (blocks of {})", R, Lk, block);
-      ca.inputs = {q4.id, k4.id, v4.id};
-      ca.outputs = {o.id};
-      ca.saved = {q4.id, k4.id, v4.id, o.id};
-      ca.grad_inputs = {q4.id, k4.id, v4.id};
-      ca.forward_transient = 3 * blk;
-      ca.backward_transient = 3 * blk + 2 * B * Hkv * Lk * d * acc + B * Hkv * R * 4;
-      trace.op(ca);
-    }
-    Sym oc = (H > 1 && Lq > 1) ? copy(o, {B, Lq, inner}, "heads merge copy") : view(o, {B, Lq, inner});
-    return linear(oc, query_dim, true);
+    SdpaStyle st;
+    st.masked = mask != nullptr;
+    Sym o = sdpa(q4, k4, v4, Lq, st);
+    return linear(merge_heads(o, Lq, H), query_dim, true);
   }
 
-  Sym spatial_transformer(const Sym& x, const Sym& context, const Sym& mask) {
-    const int first = trace.next_op_index();
+  /// A SpatialTransformer's shape (nn::TransformerOptions).
+  struct StSpec {
+    int64_t heads = 1, head_dim = 1, depth = 1, ff_mult = 4, groups = 32;
+    bool linear_proj = false, gated = true;
+  };
+
+  // nn::SpatialTransformer (nn/transformer.cpp): GroupNorm, proj_in (1x1 conv
+  // or Linear), `depth` TransformerBlocks (self-attention, cross-attention on
+  // `context`, GEGLU feed-forward; each checkpointed on its own when
+  // `checkpoint_blocks`), proj_out, residual.
+  Sym spatial_transformer(const Sym& x, const Sym& context, const Sym* mask, const StSpec& sp,
+                          bool checkpoint_blocks) {
     const int64_t B = x.shape[0], C = x.shape[1], H = x.shape[2], W = x.shape[3];
-    Sym h = group_norm(x, C, nn::norm_groups(C, c_.norm_groups), 1e-6);
-    h = conv(h, C, 1, 1);
-    h = view(h, {B, H * W, C});
-    const int64_t heads = c_.num_heads, d = C / heads;
-    if (C % heads != 0) fail("plan: channels {} not divisible by num_heads {}", C, heads);
-    // One TransformerBlock (depth 1).
-    Sym n1 = layer_norm(h);
-    h = add(h, attention(n1, n1, nullptr, heads, heads, d, C, C), "attn1 residual");
-    Sym n2 = layer_norm(h);
-    h = add(h, attention(n2, context, &mask, heads, heads, d, C, context.shape[2]), "attn2 residual");
-    Sym n3 = layer_norm(h);
-    h = add(h, feed_forward_geglu(n3), "ff residual");
-    h = view(h, {B, C, H, W});
-    h = conv(h, C, 1, 1);
-    Sym y = add(x, h, "transformer residual");
-    if (c_.gradient_checkpointing) trace.segment(first, trace.next_op_index() - 1, {x.id, context.id});
+    Sym h = group_norm(x, C, nn::norm_groups(C, sp.groups), 1e-6);
+    if (sp.linear_proj) {
+      // Linear on the transposed tokens: matmul's reshape copies them.
+      h = copy(h, {B, H * W, C}, "tokens copy");
+      h = linear(h, C, true);
+    } else {
+      h = conv(h, C, 1, 1);
+      h = view(h, {B, H * W, C});
+    }
+    for (int64_t i = 0; i < sp.depth; ++i) {
+      std::vector<int> in{h.id, context.id};
+      h = checkpointed(checkpoint_blocks, in, [&] {
+        Sym n1 = layer_norm(h);
+        Sym y = add(h, attention(n1, n1, nullptr, sp.heads, sp.heads, sp.head_dim, C, C), "attn1 residual");
+        Sym n2 = layer_norm(y);
+        y = add(y, attention(n2, context, mask, sp.heads, sp.heads, sp.head_dim, C, context.shape[2]),
+                "attn2 residual");
+        Sym n3 = layer_norm(y);
+        return add(y, sp.gated ? feed_forward_geglu(n3, sp.ff_mult) : feed_forward_gelu(n3, sp.ff_mult),
+                   "ff residual");
+      });
+    }
+    if (sp.linear_proj) {
+      h = linear(h, C, true);
+      h = view(h, {B, C, H, W});
+    } else {
+      h = view(h, {B, C, H, W});
+      h = conv(h, C, 1, 1);
+    }
+    return add(x, h, "transformer residual");
+  }
+
+  // Runs `f` (which emits ops) as a checkpointed segment with `inputs` when `on`.
+  template <class F>
+  Sym checkpointed(bool on, const std::vector<int>& inputs, F&& f) {
+    const int first = trace.next_op_index();
+    Sym y = f();
+    if (on && trace.next_op_index() > first) trace.segment(first, trace.next_op_index() - 1, inputs);
     return y;
+  }
+
+  // The emoji UNet checkpoints each ResBlock and each SpatialTransformer.
+  Sym emoji_res(const Sym& x, int64_t out, const Sym& temb) {
+    return checkpointed(c_.gradient_checkpointing, {x.id, temb.id},
+                        [&] { return res_block(x, out, temb, c_.norm_groups); });
+  }
+  Sym emoji_attn(const Sym& x, const Sym& context, const Sym& mask) {
+    const int64_t C = x.shape[1];
+    if (C % c_.num_heads != 0) fail("plan: channels {} not divisible by num_heads {}", C, c_.num_heads);
+    StSpec sp;
+    sp.heads = c_.num_heads;
+    sp.head_dim = C / c_.num_heads;
+    sp.groups = c_.norm_groups;
+    return checkpointed(c_.gradient_checkpointing, {x.id, context.id},
+                        [&] { return spatial_transformer(x, context, &mask, sp, false); });
+  }
+
+  // The training loss on the model output h against target:
+  // mse_loss(h.to(fp32), target.to(fp32)) saves both fp32 operands.
+  void mse_loss(Sym h, Sym target) {
+    if (h.elem != 4) h = cast(h, 4);
+    if (target.elem != 4) target = constant(target.shape, 4, "target fp32");
+    Sym loss = make({1}, 4, true);
+    TraceOp m;
+    m.name = "mse_loss";
+    m.inputs = {h.id, target.id};
+    m.outputs = {loss.id};
+    m.saved = {h.id, target.id};
+    m.grad_inputs = {h.id};
+    trace.op(m);
+    trace.keep(loss.id);
+  }
+
+  // Dropout in training (ATen's CPU path): x * mask, saving both.
+  Sym dropout(const Sym& x, double p) {
+    if (p <= 0) return x;
+    return mul(x, constant(x.shape, x.elem, "dropout mask"));
+  }
+
+  // Timestep / vector embedding MLP: Linear, SiLU, Linear (features cast to
+  // the compute dtype first, as nn::TimestepEmbedding).
+  Sym embed_mlp(Sym feats, int64_t hidden, int64_t out) {
+    if (compute_elem_ != 4 && !autocast_ && feats.elem == 4) feats = cast(feats, compute_elem_);
+    Sym h = linear(feats, hidden, true);
+    h = unary(h, "silu");
+    return linear(h, out, true);
   }
 
   const TrainConfig& c_;
@@ -615,26 +1173,106 @@ nlohmann::json MemoryPlan::to_json() const {
   return j;
 }
 
-MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size) {
-  if (c.architecture != "tiny-unet") fail("plan: architecture '{}' is not known to the planner", c.architecture);
-  if (vocab_size < 1) fail("plan: vocab_size must be >= 1 (got {})", vocab_size);
-  if (!c.network_module.empty()) {
-    fail("plan: LoRA training (network_module = \"{}\") is not modelled by the planner yet", c.network_module);
+DenoiserInputs denoiser_inputs(const std::string& name, int64_t resolution) {
+  if (resolution < 8) fail("plan: resolution {} is too small", resolution);
+  if (name == "sd15" || name == "sdxl" || name == "ssd1b") return {resolution / 8, 77};
+  if (name == "sd35m") return {resolution / 8, 154};
+  if (name == "cascade-c" || name == "cascade-c-lite") return {std::max<int64_t>(8, resolution * 3 / 128), 77};
+  fail("plan: no denoiser inputs known for architecture '{}' (known: sd15, sdxl, ssd1b, sd35m, cascade-c, "
+       "cascade-c-lite)",
+       name);
+}
+
+bool planner_knows(const std::string& a) {
+  return a == "tiny-unet" || a == "sd15" || a == "sdxl" || a == "ssd1b" || a == "sd35m" || a == "cascade-c" ||
+         a == "cascade-c-lite";
+}
+
+namespace {
+
+// The architecture built on the meta device, once per (name, tiny).
+std::shared_ptr<torch::nn::Module> meta_model(const std::string& name, bool tiny) {
+  static std::mutex mutex;
+  static std::map<std::pair<std::string, bool>, std::shared_ptr<torch::nn::Module>> cache;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto& m = cache[{name, tiny}];
+  if (!m) m = models::build_architecture(name, nn::LayerInit{torch::kMeta}, tiny);
+  return m;
+}
+
+// Traces the config's model for one micro-batch into `tracer`.
+void trace_model(ModelTracer& tracer, const TrainConfig& c, torch::nn::Module* real) {
+  const int64_t B = c.train_batch_size;
+  if (real == nullptr) {
+    tracer.build(B);
+  } else if (auto* u = dynamic_cast<models::LdmUNetImpl*>(real)) {
+    tracer.build_ldm(*u, B, c.resolution);
+  } else if (auto* m = dynamic_cast<models::MMDiTImpl*>(real)) {
+    tracer.build_mmdit(*m, B, c.resolution);
+  } else if (auto* s = dynamic_cast<models::StageCImpl*>(real)) {
+    tracer.build_stage_c(*s, B, c.resolution);
+  } else {
+    fail("plan: architecture '{}' is not modelled", c.architecture);
   }
-  if (c.text_dim % c.num_heads != 0) fail("plan: text_dim {} not divisible by num_heads {}", c.text_dim, c.num_heads);
-  const int64_t factor = int64_t{1} << (c.channel_mult.size() - 1);
-  if (c.resolution % factor != 0) fail("plan: resolution {} must be divisible by {}", c.resolution, factor);
+}
+
+}  // namespace
+
+MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size) {
+  if (!planner_knows(c.architecture)) {
+    fail("plan: architecture '{}' is not known to the planner (known: tiny-unet, sd15, sdxl, ssd1b, sd35m, "
+         "cascade-c, cascade-c-lite)",
+         c.architecture);
+  }
+  if (c.architecture == "tiny-unet" && vocab_size < 1) fail("plan: vocab_size must be >= 1 (got {})", vocab_size);
+  if (!c.network_module.empty()) {
+    fail("plan: LoRA training (network_module = \"{}\") is not modelled by the planner yet: it plans full "
+         "fine-tuning only",
+         c.network_module);
+  }
+  std::shared_ptr<torch::nn::Module> real;
+  if (c.architecture == "tiny-unet") {
+    if (c.text_dim % c.num_heads != 0) fail("plan: text_dim {} not divisible by num_heads {}", c.text_dim, c.num_heads);
+    const int64_t factor = int64_t{1} << (c.channel_mult.size() - 1);
+    if (c.resolution % factor != 0) fail("plan: resolution {} must be divisible by {}", c.resolution, factor);
+  } else {
+    real = meta_model(c.architecture, c.tiny);
+    if (auto* u = dynamic_cast<models::LdmUNetImpl*>(real.get())) {
+      const int64_t factor = int64_t{1} << (u->options().channel_mult().size() - 1);
+      const int64_t side = denoiser_inputs(c.architecture, c.resolution).latent_side;
+      if (c.resolution % 8 != 0 || side % factor != 0) {
+        fail("plan: {} needs a resolution divisible by {} (latents of resolution / 8 divisible by {}), got {}",
+             c.architecture, 8 * factor, factor, c.resolution);
+      }
+    }
+  }
 
   ModelTracer tracer(c, vocab_size);
-  tracer.build(c.train_batch_size);
+  trace_model(tracer, c, real.get());
+  if (real) {
+    // Every parameter of the real model, not only those the trace names.
+    tracer.param_shapes.clear();
+    for (const auto& p : real->parameters()) tracer.param_shapes.push_back(p.sizes().vec());
+  }
   MemoryPlan p;
   p.parameters = tracer.parameters();
+  if (real) {
+    p.notes.push_back("the denoiser only: latents and text-encoder outputs are assumed cached (the VAE and text "
+                      "encoders are not resident), inputs as bench/model_step feeds them");
+    if (!(c.full_bf16 || c.full_fp16) && c.mixed_precision != "no") {
+      p.notes.push_back("autocast (fp32 weights with mixed_precision) is approximated for real architectures");
+    }
+  }
   const int64_t weight_elem = (c.full_bf16 || c.full_fp16) ? 2 : 4;
   if (!c.precision_rules.empty()) {
     p.notes.push_back("per-module [[precision.rule]] entries are not modelled: the plan uses the config-wide "
                       "precision (full_bf16 / full_fp16 / mixed_precision / gradient_checkpointing)");
   }
   p.weights_bytes = p.parameters * weight_elem;
+  if (real) {
+    // Buffers stored with the weights (MMDiT's pos_embed: 226M elements at full size).
+    for (const auto& b : real->buffers()) p.weights_bytes += b.numel() * weight_elem;
+  }
   int64_t state = 0, scratch = 0, largest = 0, largest_state = 0;
   for (const auto& s : tracer.param_shapes) {
     StateModel m = optimizer_state_for(c, s);
@@ -671,7 +1309,7 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size) {
     TrainConfig off = c;
     off.gradient_checkpointing = false;
     ModelTracer t2(off, vocab_size);
-    t2.build(c.train_batch_size);
+    trace_model(t2, off, real.get());
     p.checkpointing_saving_bytes = t2.trace.simulate(to).forward_kept - tr.forward_kept;
   }
 

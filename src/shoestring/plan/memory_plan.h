@@ -2,9 +2,11 @@
 // training step, per ledger category, for a config (model, resolution, batch,
 // precision, optimizer and its state dtype, fused backward, gradient
 // accumulation, checkpointing, chunked attention, offload) without building
-// the model: parameter shapes and the forward pass are derived analytically
-// from the architecture's module tree (see plan/trace.h for the model of what
-// autograd keeps), and the optimizer's state and scratch from its documented
+// the model's storage: parameter shapes and the forward pass are derived
+// analytically from the architecture's module tree (the emoji model's from
+// its config; registered real architectures are built on the meta device and
+// walked block by block; see plan/trace.h for the model of what autograd
+// keeps), and the optimizer's state and scratch from its documented
 // bytes per parameter (docs/optimizers/).
 //
 // With a budget, advise() searches the switches a user can flip, cheapest in
@@ -48,10 +50,40 @@ struct MemoryPlan {
   nlohmann::json to_json() const;
 };
 
-/// Predicts the memory of a training step of `config`. `vocab_size` is the
+/// What the trainer (latents and text-encoder outputs cached up front) and
+/// bench/model_step feed the denoiser of a registered architecture at
+/// `resolution` pixels.
+struct DenoiserInputs {
+  /// Side of the square latent: resolution / 8 for LDM UNets and SD3.5
+  /// (VAE factor 8); for Stable Cascade stage C max(8, 3 * resolution / 128),
+  /// i.e. resolution / 42.67 (24 at 1024 px, the stage C compression).
+  int64_t latent_side = 0;
+  /// Text tokens of the context: 77 (CLIP) for LDM UNets and stage C's
+  /// clip_text, 154 (77 CLIP-L/G + 77 T5) for SD3.5.
+  int64_t context_tokens = 0;
+};
+
+/// Inputs of architecture `name` ("sd15", "sdxl", "ssd1b", "sd35m",
+/// "cascade-c", "cascade-c-lite"). Throws shoestring::Error for other names.
+DenoiserInputs denoiser_inputs(const std::string& name, int64_t resolution);
+
+/// True when plan_memory models `architecture`: "tiny-unet" (the emoji model
+/// with its caption encoder) and the denoisers above.
+bool planner_knows(const std::string& architecture);
+
+/// Predicts the memory of a training step of `config`.
+///
+/// "tiny-unet": the emoji model and its caption encoder, as the trainer runs
+/// it. Registered real architectures (sd15, sdxl, ssd1b, sd35m, cascade-c,
+/// cascade-c-lite; config.tiny for their test widths): the denoiser only,
+/// built on the meta device for its module tree and parameter shapes, on
+/// the inputs of denoiser_inputs(), one forward, mse loss on an fp32 copy of
+/// the output, backward and the optimizer update (bench/model_step's step;
+/// the VAE and text encoders are not resident). `vocab_size` is the
 /// caption tokenizer's (it sets the token embedding's size; the trainer knows
-/// it, `shoestring plan` estimates it). Throws shoestring::Error for an
-/// architecture the planner does not know or invalid model options.
+/// it, `shoestring plan` estimates it; unused for real architectures).
+/// Throws shoestring::Error for an architecture the planner does not know,
+/// LoRA configs (network_module), or invalid model options.
 MemoryPlan plan_memory(const TrainConfig& config, int64_t vocab_size);
 
 /// One proposal of advise().

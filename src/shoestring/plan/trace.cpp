@@ -148,6 +148,12 @@ TraceResult Trace::simulate(const TraceOptions& options) const {
   }
   // Storages recomputed by a segment: alive (as temporaries) until their saver.
   std::vector<int> recomputed_until(n_t, -1);
+  // Per op: storages saved in forward whose last backward user it is, and
+  // storages recomputed by a segment that die after it.
+  std::vector<std::vector<int>> freed_after(n_ops), recompute_freed_after(n_ops);
+  for (int b = 0; b < n_t; ++b) {
+    if (alive[b] && saver[b] != kNone && !tensors_[b].persistent && !tensors_[b].kept) freed_after[saver[b]].push_back(b);
+  }
   std::vector<char> extra_live(n_ops, 0);
 
   for (int k = n_ops - 1; k >= 0; --k) {
@@ -158,6 +164,7 @@ TraceResult Trace::simulate(const TraceOptions& options) const {
       for (const auto& [b, first_saver] : inner_saver[s]) {
         if (alive[b] || recomputed_until[b] >= 0) continue;
         recomputed_until[b] = first_saver;
+        recompute_freed_after[first_saver].push_back(b);
         tr.now[kTmp] += tensors_[b].bytes;
       }
       for (int j = segments_[s].first; j <= segments_[s].last; ++j) {
@@ -181,7 +188,7 @@ TraceResult Trace::simulate(const TraceOptions& options) const {
         if (std::find(done.begin(), done.end(), id) != done.end()) continue;
         done.push_back(id);
         int g;
-        if (o.passthrough) {
+        if (o.passthrough && !(o.broadcast && tensors_[id].bytes < g_bytes[out_grad])) {
           g = out_grad;
           ++g_refs[g];
         } else {
@@ -217,11 +224,13 @@ TraceResult Trace::simulate(const TraceOptions& options) const {
       grad_of[id] = -1;
     }
     // Saved storages whose last backward user was this op.
-    for (int b = 0; b < n_t; ++b) {
-      if (alive[b] && saver[b] == k && !tensors_[b].persistent && !tensors_[b].kept) {
+    for (int b : freed_after[k]) {
+      if (alive[b]) {
         alive[b] = 0;
         tr.now[kAct] -= tensors_[b].bytes;
       }
+    }
+    for (int b : recompute_freed_after[k]) {
       if (recomputed_until[b] == k) {
         recomputed_until[b] = -2;
         tr.now[kTmp] -= tensors_[b].bytes;

@@ -40,6 +40,10 @@ struct TraceOp {
   /// Backward passes the output gradient through unchanged (add, views): the
   /// input gradients alias the output gradient, nothing is allocated.
   bool passthrough = false;
+  /// With passthrough: inputs smaller than the output (broadcast operands,
+  /// e.g. a per-channel shift) get a new gradient of their own size (the
+  /// reduction of the output gradient) instead of aliasing it.
+  bool broadcast = false;
   int64_t saved_extra = 0;       ///< small saved side tensors (norm statistics), bytes
   int64_t forward_transient = 0; ///< scratch while the op runs in forward, bytes
   int64_t backward_transient = 0;///< scratch while the op's backward runs, bytes

@@ -39,8 +39,11 @@ const std::vector<Field>& schema() {
       {"caption_dropout_rate", &TrainConfig::caption_dropout_rate,
        "probability of training on an empty caption (classifier-free guidance)", 0, 1},
       {"max_caption_length", &TrainConfig::max_caption_length, "caption tokens incl. <bos>", 2, 512},
-      {"model.architecture", &TrainConfig::architecture, "model architecture", -kInf, kInf,
-       {"tiny-unet"}},
+      {"model.architecture", &TrainConfig::architecture,
+       "model architecture: the emoji example's tiny-unet, or a released one (docs/architectures.md)", -kInf, kInf,
+       {"tiny-unet", "sd15", "sdxl", "ssd1b", "sd35m", "cascade-c", "cascade-c-lite"}},
+      {"model.tiny", &TrainConfig::tiny,
+       "released architectures: the same block structure at test width (small channels)"},
       {"model.base_channels", &TrainConfig::base_channels, "UNet channels at full resolution", 8, 4096},
       {"model.channel_mult", &TrainConfig::channel_mult, "channel multiplier per UNet level", 1, 64},
       {"model.num_res_blocks", &TrainConfig::num_res_blocks, "ResBlocks per UNet level", 1, 16},
@@ -117,8 +120,18 @@ const std::vector<Field>& schema() {
        "consecutive non-finite steps (skipped) before training stops", 1, 1e9},
       {"seed", &TrainConfig::seed, "seed for data order, noise, init and rounding", 0, 9.0e18},
       {"pretrained_model_name_or_path", &TrainConfig::pretrained_model_name_or_path,
-       "base weights to start from: a shoestring model.safetensors (its model.* keys must match); \"\" = random "
+       "base weights to start from: a shoestring model.safetensors (tiny-unet), or a single-file checkpoint "
+       "(LDM / ComfyUI layout, or a sharded *.safetensors.index.json) for a released architecture; \"\" = random "
        "init"},
+      {"vae", &TrainConfig::vae,
+       "VAE weights for an LDM architecture (a file with the VAE alone or under first_stage_model.); \"\" = the "
+       "pretrained checkpoint's"},
+      {"tokenizer_dir", &TrainConfig::tokenizer_dir,
+       "folder holding CLIP's vocab.json and merges.txt (e.g. ComfyUI's comfy/sd1_tokenizer); \"\" = a word "
+       "tokenizer built from the captions"},
+      {"v_parameterization", &TrainConfig::v_parameterization,
+       "LDM UNets: train the v-prediction target (SD 2.x style) instead of epsilon"},
+      {"clip_skip", &TrainConfig::clip_skip, "SD 1.x: condition on the N-th last CLIP layer's output", 1, 12},
       {"network_module", &TrainConfig::network_module,
        "\"networks.lora\": train a LoRA (base weights frozen, output lora.safetensors); \"\": train every weight",
        -kInf, kInf, {"", "networks.lora"}},

@@ -30,7 +30,12 @@ struct TrainConfig {
   int64_t max_caption_length = 16;     ///< tokens incl. <bos>
 
   // ---- model ----
+  /// "tiny-unet" (the emoji example's model) or a registered architecture
+  /// (models/architecture.h): sd15, sdxl, ssd1b, sd35m, cascade-c, cascade-c-lite.
   std::string architecture = "tiny-unet";
+  /// Registered architectures only: the same block structure at test width
+  /// (LdmUNetOptions::tiny() and the like), for tests and quick experiments.
+  bool tiny = false;
   int64_t base_channels = 64;
   std::vector<int64_t> channel_mult = {1, 2, 4};
   int64_t num_res_blocks = 2;
@@ -80,7 +85,11 @@ struct TrainConfig {
   int64_t max_nonfinite_steps = 10;         ///< consecutive skipped steps before giving up
   int64_t seed = 42;
 
-  std::string pretrained_model_name_or_path;  ///< base weights (shoestring model.safetensors); "" = random init
+  std::string pretrained_model_name_or_path;  ///< base weights (shoestring model.safetensors or a single-file checkpoint); "" = random init
+  std::string vae;                          ///< VAE file for registered LDM architectures ("" = the checkpoint's first_stage_model.*)
+  std::string tokenizer_dir;                ///< folder with CLIP's vocab.json + merges.txt ("" = word tokenizer built from the captions)
+  bool v_parameterization = false;          ///< LDM UNets: v-prediction target instead of epsilon (kohya's name)
+  int64_t clip_skip = 1;                    ///< SD 1.x: use the output of the N-th last CLIP layer (kohya's name)
   // ---- LoRA (kohya's names; docs/lora.md) ----
   std::string network_module;               ///< "" (train every weight) | "networks.lora"
   int64_t network_dim = 4;                  ///< LoRA rank

@@ -17,7 +17,6 @@
 #include "shoestring/core/threads.h"
 #include "shoestring/core/units.h"
 #include "shoestring/data/dataset.h"
-#include "shoestring/data/tokenizer.h"
 #include "shoestring/io/atomic_file.h"
 #include "shoestring/io/safetensors.h"
 #include "shoestring/nn/lora.h"
@@ -33,11 +32,11 @@
 #include "shoestring/optim/grad_hooks.h"
 #include "shoestring/optim/optimizer.h"
 #include "shoestring/train/checkpoint_io.h"
-#include "shoestring/train/diffusion_model.h"
 #include "shoestring/train/ema.h"
 #include "shoestring/train/flow_matching.h"
 #include "shoestring/train/lr_schedule.h"
 #include "shoestring/train/sampling.h"
+#include "shoestring/train/training_model.h"
 
 namespace shoestring {
 namespace fs = std::filesystem;
@@ -86,8 +85,7 @@ struct Run {
   TrainConfig config;
   std::string run_dir;
   ImageCaptionDataset dataset;
-  WordTokenizer tokenizer = WordTokenizer::build({}, 2);
-  DiffusionModel model{nullptr};
+  std::unique_ptr<TrainingModel> model;
   nn::LoraNetwork network{nullptr};  ///< set when network_module = "networks.lora" (then the only trainable part)
   std::vector<std::pair<std::string, at::Tensor>> trainable;
   std::unique_ptr<Optimizer> optimizer;
@@ -106,16 +104,6 @@ struct Run {
                              {"consecutive_nonfinite", 0}, {"elapsed_seconds", 0.0},
                              {"fused_previous_grad_norm", nullptr}};
 };
-
-std::map<std::string, std::string> model_metadata(const Run& run, int64_t step) {
-  return {{"format", "shoestring"},
-          {"architecture", run.config.architecture},
-          {"model_config", run.model->options().to_json().dump()},
-          {"tokenizer", run.tokenizer.to_json().dump()},
-          {"step", std::to_string(step)},
-          {"objective", "flow_matching"},
-          {"dtype", run.config.full_bf16 ? "bf16" : run.config.full_fp16 ? "fp16" : "fp32"}};
-}
 
 /// LoRA options from the config (kohya's network_dim / network_alpha / network_args).
 nn::LoraOptions lora_options(const TrainConfig& c) {
@@ -149,7 +137,7 @@ void save_lora(const Run& run, const std::string& path, int64_t step, bool final
 void save_checkpoint(Run& run, int64_t step, const BatchSampler::Position& pos) {
   fs::path dir = fs::path(run.run_dir) / "checkpoints" / step_name(step);
   fs::create_directories(dir);
-  save_module((dir / "model.safetensors").string(), *run.model, model_metadata(run, step));
+  save_module((dir / "model.safetensors").string(), run.model->module(), run.model->metadata(step));
   if (run.network) save_lora(run, (dir / "lora.safetensors").string(), step, /*final_file=*/false);
 
   std::vector<NamedTensor> state;
@@ -180,7 +168,7 @@ int64_t load_checkpoint(Run& run, const std::string& dir) {
   auto model_file = SafetensorsFile::open((fs::path(dir) / "model.safetensors").string());
   std::map<std::string, at::Tensor> weights;
   for (const auto& info : model_file.tensors()) weights[info.name] = model_file.get(info.name);
-  load_module(*run.model, weights, model_file.path());
+  load_module(run.model->module(), weights, model_file.path());
   if (run.network) run.network->load((fs::path(dir) / "lora.safetensors").string());
 
   auto state_file = SafetensorsFile::open((fs::path(dir) / "state.safetensors").string());
@@ -254,7 +242,7 @@ void write_samples(Run& run, int64_t step, std::string& last_sample) {
   at::Tensor images;
   {
     ScopedMemoryCategory category(MemoryCategory::temporaries);
-    images = generate_images(run.model, run.tokenizer, req);
+    images = run.model->sample(req);
   }
   if (run.ema) run.ema->restore(saved);
   fs::path dir = fs::path(run.run_dir) / "samples";
@@ -305,38 +293,30 @@ TrainSummary train(const TrainConfig& cfg, const TrainRunOptions& options) {
     spdlog::info("dataset: {} images from {} ({} skipped)", run.dataset.size(), data_dir,
                  run.dataset.skipped().size());
   }
-  // Base weights of a fine-tune / LoRA run (kohya's pretrained_model_name_or_path): a shoestring
-  // model.safetensors; its tokenizer comes with it.
-  const std::string pretrained = c.pretrained_model_name_or_path.empty() ? "" : expand_path(c.pretrained_model_name_or_path);
-  if (!resume_from.empty() || !pretrained.empty()) {
-    const std::string file = resume_from.empty() ? pretrained : (fs::path(resume_from) / "model.safetensors").string();
-    auto meta = SafetensorsFile::open(file).metadata();
-    auto it = meta.find("tokenizer");
-    if (it == meta.end()) fail("{}: missing 'tokenizer' metadata", file);
-    run.tokenizer = WordTokenizer::from_json(nlohmann::json::parse(it->second));
-  } else {
-    run.tokenizer = WordTokenizer::build(run.dataset.captions(), c.max_caption_length);
-  }
   run.sampler = std::make_unique<BatchSampler>(run.dataset.size(), c.train_batch_size,
                                                static_cast<uint64_t>(c.seed));
 
-  // ---- model ----
+  // ---- model (base weights of a fine-tune / LoRA run: kohya's pretrained_model_name_or_path) ----
   {
-    ScopedMemoryCategory category(MemoryCategory::weights);
-    run.model = DiffusionModel(DiffusionModelOptions::from_config(c, run.tokenizer.vocab_size()));
-    if (!pretrained.empty()) load_module(*run.model, load_safetensors(pretrained), pretrained);
+    ModelSource source;
+    // A resumed run's weights are then overwritten from its checkpoint (load_checkpoint below).
+    if (!c.pretrained_model_name_or_path.empty()) source.pretrained = expand_path(c.pretrained_model_name_or_path);
+    source.resume_dir = resume_from;
+    source.quiet = options.quiet;
+    run.model = make_training_model(c, run.dataset, source);
   }
+  torch::nn::Module& model = run.model->module();
   // ---- precision policy: storage dtypes, trainable, per-block compute and checkpointing ----
   const precision::Policy policy = precision_policy(c);
   const std::vector<nn::BlockTable*> block_tables = run.model->block_tables();
   const precision::Resolution resolution =
-      precision::resolve(*run.model, policy, {block_tables.begin(), block_tables.end()});
+      precision::resolve(model, policy, {block_tables.begin(), block_tables.end()});
   for (const auto& w : resolution.warnings) spdlog::warn("{}", w);
   {
     ScopedMemoryCategory category(MemoryCategory::weights);
-    precision::apply(*run.model, resolution, block_tables);
+    precision::apply(model, resolution, block_tables);
   }
-  if (options.on_model_ready) options.on_model_ready(*run.model);
+  if (options.on_model_ready) options.on_model_ready(model);
   bool fp16_training = false;
   std::map<std::string, bool> wants_master;
   for (const auto& p : resolution.params) {
@@ -350,24 +330,22 @@ TrainSummary train(const TrainConfig& cfg, const TrainRunOptions& options) {
     precision::OverflowOptions oo;
     oo.threshold = c.overflow_threshold;
     oo.auto_upcast = c.auto_upcast;
-    run.overflow = precision::OverflowMonitor::attach(*run.model, block_tables, oo);
+    run.overflow = precision::OverflowMonitor::attach(model, block_tables, oo);
   }
-  run.model->unet->set_gradient_checkpointing(c.gradient_checkpointing);
+  run.model->set_gradient_checkpointing(c.gradient_checkpointing);
   nn::set_attention_chunk_bytes(c.attention_chunk_mib * (int64_t{1} << 20));
-  run.model->train();
+  model.train();
   if (!c.network_module.empty()) {
     // LoRA: the base model is frozen; only the adapters train (docs/lora.md).
-    nn::freeze_parameters(*run.model);
-    std::vector<nn::LoraComponent> components = {{"lora_unet", "unet."}};
-    if (!c.network_train_unet_only) components.push_back({"lora_te", "text_encoder."});
-    run.network = nn::LoraNetwork(*run.model, components, lora_options(c));
+    nn::freeze_parameters(model);
+    run.network = nn::LoraNetwork(model, run.model->lora_components(c.network_train_unet_only), lora_options(c));
     if (!c.network_weights.empty()) run.network->load(expand_path(c.network_weights));
     if (!options.quiet) {
       spdlog::info("LoRA: {} modules, rank {}, alpha {}{}", run.network->modules().size(), c.network_dim,
                    c.network_alpha, c.network_weights.empty() ? "" : ", from " + c.network_weights);
     }
   }
-  for (const auto& item : (run.network ? run.network->named_parameters(true) : run.model->named_parameters(true))) {
+  for (const auto& item : (run.network ? run.network->named_parameters(true) : model.named_parameters(true))) {
     if (item.value().requires_grad()) run.trainable.emplace_back(item.key(), item.value());
   }
   int64_t n_params = 0;
@@ -406,7 +384,7 @@ TrainSummary train(const TrainConfig& cfg, const TrainRunOptions& options) {
   });
 
   nlohmann::json predicted_memory;
-  if (options.predict_memory) predicted_memory = options.predict_memory(c, run.tokenizer.vocab_size());
+  if (options.predict_memory) predicted_memory = options.predict_memory(c, run.model->plan_vocab_size());
 
   // ---- run folder ----
   std::string metrics_path = (fs::path(run.run_dir) / "metrics.jsonl").string();
@@ -492,20 +470,10 @@ TrainSummary train(const TrainConfig& cfg, const TrainRunOptions& options) {
     double loss_sum = 0;
     for (int64_t micro = 0; micro < accum; ++micro) {
       std::vector<int64_t> idx = run.sampler->next();
-      at::Tensor x0, tokens, eps, t, xt, target;
+      TrainBatch batch;
       {
         ScopedMemoryCategory category(MemoryCategory::activations);
-        x0 = run.dataset.batch_images(idx);
-        std::vector<std::string> captions = run.dataset.batch_captions(idx);
-        at::Tensor drop = torch::rand({static_cast<int64_t>(captions.size())});
-        for (size_t i = 0; i < captions.size(); ++i) {
-          if (drop[i].item<double>() < c.caption_dropout_rate) captions[i].clear();
-        }
-        tokens = run.tokenizer.encode_batch(captions);
-        eps = torch::randn_like(x0);
-        t = sample_flow_times(x0.size(0), c.timestep_sampling, c.logit_mean, c.logit_std);
-        xt = flow_interpolate(x0, eps, t);
-        target = flow_target(x0, eps);
+        batch = run.model->prepare(idx);
       }
       // Forward + backward of this micro-batch. Run twice for fused two_pass
       // clipping, with the RNG (dropout) replayed exactly.
@@ -514,8 +482,8 @@ TrainSummary train(const TrainConfig& cfg, const TrainRunOptions& options) {
         at::Tensor loss;
         {
           ScopedMemoryCategory category(MemoryCategory::activations);
-          at::Tensor v = run.model->forward(xt, t, tokens);
-          loss = torch::mse_loss(v.to(torch::kFloat32), target);
+          at::Tensor prediction = run.model->forward(batch);
+          loss = torch::mse_loss(prediction.to(torch::kFloat32), batch.target);
         }
         ScopedMemoryCategory category(MemoryCategory::temporaries);
         (run.scaler->scale_loss(loss) / static_cast<double>(accum)).backward();
@@ -720,21 +688,7 @@ TrainSummary train(const TrainConfig& cfg, const TrainRunOptions& options) {
   {
     std::vector<at::Tensor> saved;
     if (run.ema) saved = run.ema->swap_in();
-    const std::string final_path = (fs::path(run.run_dir) / "model.safetensors").string();
-    if (c.save_precision == "auto") {
-      save_module(final_path, *run.model, model_metadata(run, summary.last_step));
-    } else {
-      // kohya's save_precision, behind the save-time range guard (docs/precision.md).
-      const precision::Dtype target = precision::parse_save_precision(c.save_precision);
-      precision::SaveGuardOptions guard;
-      guard.force = c.save_precision_force;
-      auto meta = model_metadata(run, summary.last_step);
-      meta["dtype"] = precision::to_string(target);
-      save_safetensors(final_path,
-                       precision::convert_for_save(module_tensors(*run.model), target, guard,
-                                                   final_path + " (the checkpoints keep full precision)"),
-                       meta);
-    }
+    run.model->save_final((fs::path(run.run_dir) / "model.safetensors").string(), summary.last_step);
     if (run.network) {
       save_lora(run, (fs::path(run.run_dir) / "lora.safetensors").string(), summary.last_step, /*final_file=*/true);
     }

@@ -1,0 +1,487 @@
+// The released LDM UNets (sd15, sdxl, ssd1b) as a TrainingModel: latents and
+// text embeddings are computed once before training (kohya's cache_latents +
+// cache_text_encoder_outputs), the VAE and text encoders are then freed, and
+// the UNet trains on the DDPM epsilon (or v) objective. See training_model.h.
+#include <algorithm>
+#include <filesystem>
+#include <functional>
+#include <optional>
+#include <set>
+
+#include <spdlog/spdlog.h>
+#include <torch/torch.h>
+
+#include "shoestring/core/error.h"
+#include "shoestring/core/memory_ledger.h"
+#include "shoestring/core/units.h"
+#include "shoestring/data/clip_tokenizer.h"
+#include "shoestring/data/dataset.h"
+#include "shoestring/data/tokenizer.h"
+#include "shoestring/io/weight_files.h"
+#include "shoestring/models/architecture.h"
+#include "shoestring/models/clip_text.h"
+#include "shoestring/models/unet_ldm.h"
+#include "shoestring/models/vae.h"
+#include "shoestring/nn/timestep.h"
+#include "shoestring/train/checkpoint_io.h"
+#include "shoestring/train/config.h"
+#include "shoestring/train/ddpm.h"
+#include "shoestring/train/training_model_impl.h"
+
+namespace shoestring {
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr const char* kUNetPrefix = "model.diffusion_model.";
+constexpr const char* kVaePrefix = "first_stage_model.";
+constexpr int64_t kTextLength = 77;
+
+bool starts_with(const std::string& s, const std::string& p) { return s.compare(0, p.size(), p) == 0; }
+
+/// Runs `build` with libtorch's global CPU generator seeded by `seed` and
+/// restores the generator after, so randomly initialised frozen parts (tiny
+/// variants without a checkpoint) are reproducible and do not shift the
+/// training run's random stream.
+template <class F>
+auto with_seed(uint64_t seed, F&& build) {
+  at::Tensor saved = cpu_rng_state();
+  torch::manual_seed(seed);
+  auto result = build();
+  set_cpu_rng_state(saved);
+  return result;
+}
+
+/// Tokenizer of the text encoders: CLIP's BPE (tokenizer_dir) or, for tiny
+/// variants without one, a word tokenizer over the captions.
+struct TextTokenizer {
+  std::optional<ClipTokenizer> clip;
+  std::optional<WordTokenizer> words;
+  at::Tensor encode(const std::vector<std::string>& captions, ClipPadding pad) const {
+    if (clip) return clip->encode_batch(captions, kTextLength, pad);
+    return words->encode_batch(captions);
+  }
+};
+
+class LdmTrainingModel final : public TrainingModel {
+ public:
+  LdmTrainingModel(const TrainConfig& config, const ImageCaptionDataset& dataset, const ModelSource& source)
+      : config_(config), dataset_(dataset), schedule_(DdpmSchedule::stable_diffusion()) {
+    const std::string& arch = config.architecture;
+    sdxl_ = arch != "sd15";
+    storage_ = config.full_bf16 ? torch::kBFloat16 : config.full_fp16 ? torch::kHalf : torch::kFloat32;
+    if (!source.pretrained.empty()) base_.emplace(WeightFiles::open(source.pretrained));
+    if (!config.tiny && !base_) {
+      fail("model.architecture = \"{}\" needs base weights: set pretrained_model_name_or_path to a single-file "
+           "checkpoint (e.g. a ComfyUI / A1111 .safetensors); only model.tiny = true trains from random init",
+           arch);
+    }
+
+    // ---- the UNet, built directly in its storage dtype, then loaded ----
+    {
+      ScopedMemoryCategory category(MemoryCategory::weights);
+      nn::LayerInit init{torch::TensorOptions().dtype(storage_)};
+      init.initialize = !base_;
+      root_ = models::build_checkpoint_root(arch, init, config.tiny);
+      for (const auto& item : root_->named_modules("", /*include_self=*/false)) {
+        if (auto u = std::dynamic_pointer_cast<models::LdmUNetImpl>(item.value())) unet_ = u;
+      }
+      if (!unet_) fail("internal: architecture '{}' has no LdmUNet", arch);
+      if (base_) load_unet();
+    }
+    check_resolution();
+
+    // ---- frozen parts: VAE and text encoders, used once, then freed ----
+    build_text_encoders();
+    encode_captions();
+    encode_images();
+    text_encoders_.clear();
+    if (!source.quiet) {
+      spdlog::info("cached {} latents {} and {} text embeddings {} ({}); VAE and text encoders freed",
+                   latents_.size(0), format_shape(latents_.sizes().slice(1)), context_.size(0),
+                   format_shape(context_.sizes().slice(1)),
+                   format_bytes(latents_.nbytes() + context_.nbytes() + (y_.defined() ? y_.nbytes() : 0)));
+    }
+  }
+
+  torch::nn::Module& module() override { return *root_; }
+  std::vector<nn::BlockTable*> block_tables() override { return {unet_->block_table()}; }
+  void set_gradient_checkpointing(bool on) override { unet_->set_gradient_checkpointing(on); }
+  std::vector<nn::LoraComponent> lora_components(bool) const override {
+    // Text-encoder outputs are cached: only the UNet can carry a LoRA.
+    return {{"lora_unet", kUNetPrefix}};
+  }
+
+  TrainBatch prepare(const std::vector<int64_t>& idx) override {
+    const auto b = static_cast<int64_t>(idx.size());
+    at::Tensor index = torch::tensor(idx, torch::kInt64);
+    at::Tensor x0 = latents_.index_select(0, index).to(torch::kFloat32);
+    // Caption dropout: the empty caption's embedding (the last cached row).
+    at::Tensor rows = caption_row_.index_select(0, index).clone();
+    at::Tensor drop = torch::rand({b});
+    for (int64_t i = 0; i < b; ++i) {
+      if (drop[i].item<double>() < config_.caption_dropout_rate) rows[i] = context_.size(0) - 1;
+    }
+    at::Tensor eps = torch::randn_like(x0);
+    at::Tensor t = schedule_.sample_timesteps(b);
+    at::Tensor x_t = schedule_.add_noise(x0, eps, t);
+    at::Tensor target = config_.v_parameterization ? schedule_.v_target(x0, eps, t) : eps;
+    at::Tensor context = context_.index_select(0, rows);
+    at::Tensor y = y_.defined() ? y_.index_select(0, rows) : at::Tensor();
+    return {{x_t, t.to(torch::kFloat32), context, y}, target};
+  }
+
+  at::Tensor forward(const TrainBatch& b) override {
+    const auto dtype = unet_->out_conv->weight.scalar_type();
+    const at::Tensor& y = b.inputs[3];
+    return unet_->forward(b.inputs[0].to(dtype), b.inputs[1], b.inputs[2].to(dtype),
+                          y.defined() ? y.to(dtype) : y);
+  }
+
+  at::Tensor sample(const SampleRequest& request) override;
+
+  std::map<std::string, std::string> metadata(int64_t step) const override {
+    const std::string& a = config_.architecture;
+    const char* spec = a == "sd15" ? "stable-diffusion-v1" : a == "sdxl" ? "stable-diffusion-xl-v1-base" : "segmind-ssd-1b";
+    return {{"format", "shoestring"},
+            {"architecture", a},
+            {"tiny", config_.tiny ? "true" : "false"},
+            {"layout", "ldm"},
+            {"step", std::to_string(step)},
+            {"config_hash", config_hash(config_)},
+            {"objective", config_.v_parameterization ? "v_prediction" : "epsilon"},
+            {"dtype", config_.full_bf16 ? "bf16" : config_.full_fp16 ? "fp16" : "fp32"},
+            // Stability's model-spec fields, as kohya writes them.
+            {"modelspec.sai_model_spec", "1.0.0"},
+            {"modelspec.architecture", spec},
+            {"modelspec.implementation", "https://github.com/Stability-AI/generative-models"},
+            {"modelspec.title", fmt::format("{} step {}", fs::path(config_.output_dir).filename().string(), step)},
+            {"modelspec.prediction_type", config_.v_parameterization ? "v" : "epsilon"}};
+  }
+
+  void save_final(const std::string& path, int64_t step) override;
+
+ private:
+  void load_unet();
+  void check_resolution() const;
+  void build_text_encoders();
+  models::AutoencoderKL build_vae(bool for_decoding);
+  void encode_captions();
+  void encode_images();
+  /// Context [N, 77, D] and (SDXL) y [N, adm] of `captions`, in no-grad.
+  std::pair<at::Tensor, at::Tensor> encode_text(const std::vector<std::string>& captions);
+  /// The tensors saved beside the UNet: VAE and text encoders (and anything
+  /// else of the base file), under their single-file keys.
+  std::vector<std::pair<std::string, at::Tensor>> companion_tensors();
+
+  TrainConfig config_;
+  const ImageCaptionDataset& dataset_;
+  DdpmSchedule schedule_;
+  bool sdxl_ = false;
+  torch::Dtype storage_ = torch::kFloat32;
+  std::optional<WeightFiles> base_;
+  std::shared_ptr<torch::nn::Module> root_;
+  std::shared_ptr<models::LdmUNetImpl> unet_;
+  // Text encoders (freed after encode_captions) and their tokenizer.
+  std::vector<models::ClipTextModel> text_encoders_;
+  TextTokenizer tokenizer_;
+  // Caches: latents [N, 4, h, w]; context [U + 1, 77, D] and y [U + 1, adm]
+  // for U distinct captions plus the empty caption last; caption_row_ [N].
+  at::Tensor latents_, context_, y_, caption_row_;
+  // Sample prompts: context/y of each prompt, then of "".
+  at::Tensor sample_context_, sample_y_;
+};
+
+void LdmTrainingModel::load_unet() {
+  const auto shapes = [&] {
+    std::vector<models::TensorShape> s;
+    for (const auto& name : base_->names()) s.emplace_back(name, base_->find(name)->shape);
+    return s;
+  }();
+  std::string prefix;
+  bool found = false;
+  std::vector<std::string> seen;
+  for (const auto& d : models::detect_architectures(shapes)) {
+    seen.push_back(fmt::format("{}{} under '{}'", d.architecture, d.tiny ? " (tiny)" : "", d.prefix));
+    if (d.architecture == config_.architecture && d.tiny == config_.tiny) {
+      prefix = d.prefix;
+      found = true;
+    }
+  }
+  if (!found) {
+    fail("{}: holds no {}{} UNet (found: {}); set model.architecture to the checkpoint's architecture{}",
+         base_->path(), config_.architecture, config_.tiny ? " (tiny)" : "",
+         seen.empty() ? std::string("nothing recognisable") : fmt::format("{}", fmt::join(seen, ", ")),
+         " (shoestring inspect FILE shows it; a diffusers-layout UNet converts with `shoestring convert --to ldm`)");
+  }
+  LoadWeightsOptions o;
+  o.key_map = [prefix](const std::string& key) -> std::string {
+    if (!starts_with(key, prefix)) return "";
+    return kUNetPrefix + key.substr(prefix.size());
+  };
+  // Other models' keys (VAE, text encoders) live under other prefixes; with
+  // a bare UNet file every key maps.
+  load_weights(*root_, *base_, o);
+}
+
+void LdmTrainingModel::check_resolution() const {
+  const int64_t r = config_.resolution;
+  const int64_t levels = static_cast<int64_t>(unet_->options().channel_mult().size());
+  const int64_t multiple = 8 * (int64_t{1} << (levels - 1));
+  if (r % multiple != 0) {
+    fail("resolution = {}: {} needs a multiple of {} pixels (VAE factor 8 x {} UNet downsamplings)", r,
+         config_.architecture, multiple, levels - 1);
+  }
+}
+
+void LdmTrainingModel::build_text_encoders() {
+  const int64_t context_dim = unet_->options().context_dim();
+  const int64_t adm = unet_->options().adm_in_channels();
+  std::vector<models::ClipTextOptions> opts;
+  std::vector<std::string> prefixes;
+  if (!sdxl_) {
+    opts.push_back(config_.tiny ? models::ClipTextOptions::clip_l().tiny(context_dim) : models::ClipTextOptions::clip_l());
+    prefixes.push_back(models::kSd15ClipPrefix);
+  } else {
+    // SDXL: CLIP-L (768) + OpenCLIP bigG (1280) = context 2048; tiny: 48 + 16 = 64.
+    const int64_t g = config_.tiny ? 16 : 1280;
+    opts.push_back(config_.tiny ? models::ClipTextOptions::clip_l().tiny(context_dim - g)
+                                : models::ClipTextOptions::clip_l());
+    opts.push_back(config_.tiny ? models::ClipTextOptions::clip_g().tiny(g) : models::ClipTextOptions::clip_g());
+    prefixes.push_back(models::kSdxlClipLPrefix);
+    prefixes.push_back(models::kSdxlClipGPrefix);
+    if ((adm - g) % 6 != 0 || adm <= g) fail("internal: adm_in_channels {} does not fit pooled {} + 6 sizes", adm, g);
+  }
+  // The tokenizer: CLIP's BPE when given; a word tokenizer only for tiny runs.
+  if (!config_.tokenizer_dir.empty()) {
+    tokenizer_.clip.emplace(ClipTokenizer::load(expand_path(config_.tokenizer_dir)));
+  } else if (config_.tiny) {
+    std::vector<std::string> texts = dataset_.captions();
+    texts.insert(texts.end(), config_.sample_prompts.begin(), config_.sample_prompts.end());
+    tokenizer_.words.emplace(WordTokenizer::build(texts, kTextLength));
+  } else {
+    fail("tokenizer_dir is not set: {} conditions on CLIP, whose tokenizer files (vocab.json and merges.txt) are "
+         "not stored in checkpoints; point tokenizer_dir at a folder holding them (e.g. ComfyUI's "
+         "comfy/sd1_tokenizer, or a diffusers model's tokenizer/ folder)",
+         config_.architecture);
+  }
+  bool from_file = false;
+  if (base_) {
+    for (const auto& n : base_->names()) from_file = from_file || starts_with(n, prefixes[0]);
+  }
+  if (!from_file && !config_.tiny) {
+    fail("{}: holds no text encoder (no '{}*' keys); {} needs the checkpoint's CLIP text encoder{}",
+         base_->path(), prefixes[0], config_.architecture, sdxl_ ? "s" : "");
+  }
+  for (size_t i = 0; i < opts.size(); ++i) {
+    models::ClipTextModel te = with_seed(static_cast<uint64_t>(config_.seed) + 101 + i, [&] {
+      nn::LayerInit init;
+      init.initialize = !from_file;
+      return models::ClipTextModel(opts[i].init(init));
+    });
+    if (from_file) models::load_clip_text_weights(*te, *base_, prefixes[i]);
+    te->eval();
+    text_encoders_.push_back(te);
+  }
+}
+
+std::pair<at::Tensor, at::Tensor> LdmTrainingModel::encode_text(const std::vector<std::string>& captions) {
+  torch::NoGradGuard no_grad;
+  const auto cache_dtype = storage_ == torch::kHalf ? torch::kFloat32 : storage_;
+  if (!sdxl_) {
+    at::Tensor ids = tokenizer_.encode(captions, ClipPadding::kEndOfText);
+    auto out = text_encoders_[0]->forward(ids, config_.clip_skip);
+    return {out.hidden_normed.to(cache_dtype), at::Tensor()};
+  }
+  // SDXL (sgm sd_xl_base.yaml): penultimate hidden states of both encoders,
+  // concatenated; y = [bigG pooled, emb(orig h, w), emb(crop top, left),
+  // emb(target h, w)], each size value by a sinusoidal embedding.
+  auto l = text_encoders_[0]->forward(tokenizer_.encode(captions, ClipPadding::kEndOfText), 2);
+  auto g = text_encoders_[1]->forward(tokenizer_.encode(captions, ClipPadding::kZero), 2);
+  at::Tensor context = torch::cat(std::vector<at::Tensor>{l.hidden, g.hidden}, -1);
+  const int64_t adm = unet_->options().adm_in_channels();
+  const int64_t per = (adm - g.pooled.size(1)) / 6;
+  const auto b = static_cast<int64_t>(captions.size());
+  const double r = static_cast<double>(config_.resolution);
+  // The dataset is centre-cropped and resized to the training resolution:
+  // original = target = (r, r), crop (0, 0) as kohya without bucketing.
+  at::Tensor sizes = torch::tensor({r, r, 0.0, 0.0, r, r}, torch::kFloat64).repeat({b});
+  at::Tensor size_emb = nn::timestep_embedding(sizes, per).view({b, 6 * per});
+  at::Tensor y = torch::cat(std::vector<at::Tensor>{g.pooled.to(torch::kFloat32), size_emb}, 1);
+  return {context.to(cache_dtype), y.to(cache_dtype)};
+}
+
+void LdmTrainingModel::encode_captions() {
+  ScopedMemoryCategory category(MemoryCategory::other);
+  std::vector<std::string> unique;
+  std::map<std::string, int64_t> row;
+  std::vector<int64_t> rows;
+  for (const auto& c : dataset_.captions()) {
+    auto [it, inserted] = row.emplace(c, static_cast<int64_t>(unique.size()));
+    if (inserted) unique.push_back(c);
+    rows.push_back(it->second);
+  }
+  unique.push_back("");  // caption dropout
+  caption_row_ = torch::tensor(rows, torch::kInt64);
+  std::vector<at::Tensor> contexts, ys;
+  const size_t chunk = 16;
+  for (size_t i = 0; i < unique.size(); i += chunk) {
+    std::vector<std::string> part(unique.begin() + static_cast<std::ptrdiff_t>(i),
+                                  unique.begin() + static_cast<std::ptrdiff_t>(std::min(unique.size(), i + chunk)));
+    auto [c, y] = encode_text(part);
+    contexts.push_back(c);
+    if (y.defined()) ys.push_back(y);
+  }
+  context_ = torch::cat(contexts, 0);
+  if (!ys.empty()) y_ = torch::cat(ys, 0);
+  std::vector<std::string> prompts = config_.sample_prompts;
+  prompts.push_back("");
+  std::tie(sample_context_, sample_y_) = encode_text(prompts);
+}
+
+models::AutoencoderKL LdmTrainingModel::build_vae(bool for_decoding) {
+  models::VaeOptions o;
+  o.scaling_factor(sdxl_ ? 0.13025 : 0.18215);
+  if (config_.tiny) o = o.tiny();
+  std::optional<WeightFiles> vae_file;
+  if (!config_.vae.empty()) vae_file.emplace(WeightFiles::open(expand_path(config_.vae)));
+  const WeightFiles* files = vae_file ? &*vae_file : base_ ? &*base_ : nullptr;
+  bool has = false, prefixed = false;
+  if (files) {
+    for (const auto& n : files->names()) {
+      if (starts_with(n, kVaePrefix)) prefixed = has = true;
+    }
+    if (vae_file) has = true;  // a VAE file may hold bare keys
+  }
+  if (!has && !config_.tiny) {
+    fail("{}: holds no VAE (no '{}*' keys); set vae = FILE to a VAE safetensors", files ? files->path() : "(none)",
+         kVaePrefix);
+  }
+  models::AutoencoderKL vae = with_seed(static_cast<uint64_t>(config_.seed) + 100, [&] {
+    nn::LayerInit init;
+    init.initialize = !has;
+    return models::AutoencoderKL(o.init(init));
+  });
+  if (has) {
+    LoadWeightsOptions lo;
+    lo.key_map = [prefixed](const std::string& key) -> std::string {
+      if (!prefixed) return key;
+      return starts_with(key, kVaePrefix) ? key.substr(std::string(kVaePrefix).size()) : "";
+    };
+    load_weights(*vae, *files, lo);
+  }
+  (void)for_decoding;
+  vae->eval();
+  return vae;
+}
+
+void LdmTrainingModel::encode_images() {
+  models::AutoencoderKL vae = build_vae(false);
+  ScopedMemoryCategory category(MemoryCategory::other);
+  torch::NoGradGuard no_grad;
+  const int64_t n = dataset_.size();
+  const int64_t r = config_.resolution;
+  const int64_t chunk = std::max<int64_t>(1, (256 * 256 * 4) / (r * r));
+  std::vector<at::Tensor> parts;
+  const auto cache_dtype = storage_ == torch::kHalf ? torch::kFloat32 : storage_;
+  for (int64_t i = 0; i < n; i += chunk) {
+    std::vector<int64_t> idx;
+    for (int64_t j = i; j < std::min(n, i + chunk); ++j) idx.push_back(j);
+    // The distribution's mean, scaled: deterministic latents (OneTrainer and
+    // kohya sample once instead; the difference is the VAE's tiny variance).
+    parts.push_back(vae->encode_latents(dataset_.batch_images(idx), /*sample=*/false).to(cache_dtype));
+  }
+  latents_ = torch::cat(parts, 0);
+}
+
+at::Tensor LdmTrainingModel::sample(const SampleRequest& request) {
+  if (request.prompts.empty() || request.seeds.empty()) fail("sample: no prompts or no seeds");
+  // Prompts were encoded before the text encoders were freed.
+  std::map<std::string, int64_t> prompt_row;
+  for (size_t i = 0; i < config_.sample_prompts.size(); ++i) prompt_row.emplace(config_.sample_prompts[i], i);
+  const int64_t uncond = sample_context_.size(0) - 1;
+  const bool was_training = root_->is_training();
+  root_->eval();
+  torch::NoGradGuard no_grad;
+  models::AutoencoderKL vae = build_vae(true);
+  const auto dtype = unet_->out_conv->weight.scalar_type();
+  const int64_t h = config_.resolution / 8;
+  std::vector<at::Tensor> images;
+  for (const auto& prompt : request.prompts) {
+    auto it = prompt_row.find(prompt);
+    if (it == prompt_row.end()) fail("sample: prompt '{}' is not one of sample_prompts (encoded before training)", prompt);
+    for (uint64_t seed : request.seeds) {
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+      at::Tensor x = torch::randn({1, 4, h, h}, gen, torch::kFloat32);
+      at::Tensor rows = torch::tensor({it->second, uncond}, torch::kInt64);
+      at::Tensor context = sample_context_.index_select(0, rows).to(dtype);
+      at::Tensor y = sample_y_.defined() ? sample_y_.index_select(0, rows).to(dtype) : at::Tensor();
+      const std::vector<int64_t> ts = schedule_.ddim_timesteps(request.steps);
+      for (size_t k = 0; k < ts.size(); ++k) {
+        const int64_t t = ts[k];
+        const int64_t t_prev = k + 1 < ts.size() ? ts[k + 1] : -1;
+        at::Tensor in = torch::cat({x, x}, 0);
+        at::Tensor out = unet_->forward(in.to(dtype), torch::full({2}, static_cast<double>(t)), context, y)
+                             .to(torch::kFloat32);
+        if (config_.v_parameterization) out = schedule_.eps_from_v(in, out, t);
+        at::Tensor eps = out[1] + request.cfg * (out[0] - out[1]);
+        x = schedule_.ddim_step(x, eps.unsqueeze(0), t, t_prev);
+      }
+      at::Tensor img = vae->decode_latents(x).clamp(-1, 1);
+      images.push_back(((img + 1) * 127.5).round().to(torch::kUInt8));
+    }
+  }
+  if (was_training) root_->train();
+  return torch::cat(images, 0);
+}
+
+std::vector<std::pair<std::string, at::Tensor>> LdmTrainingModel::companion_tensors() {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  const bool own_vae = !config_.vae.empty();
+  if (base_) {
+    // Everything of the base file but its UNet (VAE, text encoders, buffers),
+    // memory-mapped, as it is.
+    std::string unet_prefix;
+    for (const auto& n : base_->names()) {
+      if (starts_with(n, kUNetPrefix)) unet_prefix = kUNetPrefix;
+    }
+    for (const auto& n : base_->names()) {
+      if (unet_prefix.empty()) break;  // a bare UNet file: nothing beside it
+      if (starts_with(n, kUNetPrefix) || (own_vae && starts_with(n, kVaePrefix))) continue;
+      out.emplace_back(n, base_->get(n));
+    }
+  }
+  if (own_vae || !base_) {
+    // The VAE in use (a separate file, or the tiny random one) under its key prefix.
+    models::AutoencoderKL vae = build_vae(true);
+    for (const auto& [n, t] : module_tensors(*vae)) out.emplace_back(kVaePrefix + n, t);
+  }
+  if (!base_) {
+    build_text_encoders();
+    const std::vector<std::string> prefixes =
+        sdxl_ ? std::vector<std::string>{models::kSdxlClipLPrefix, models::kSdxlClipGPrefix}
+              : std::vector<std::string>{models::kSd15ClipPrefix};
+    for (size_t i = 0; i < text_encoders_.size(); ++i) {
+      for (const auto& [n, t] : module_tensors(*text_encoders_[i])) out.emplace_back(prefixes[i] + n, t);
+    }
+    text_encoders_.clear();
+  }
+  return out;
+}
+
+void LdmTrainingModel::save_final(const std::string& path, int64_t step) {
+  // The trained UNet under model.diffusion_model. plus the base checkpoint's
+  // VAE and text encoders: a single file ComfyUI / A1111 / kohya load as is.
+  std::vector<std::pair<std::string, at::Tensor>> tensors = module_tensors(*root_);
+  for (auto& item : companion_tensors()) tensors.push_back(std::move(item));
+  save_module_tensors(path, tensors, metadata(step), config_);
+}
+
+}  // namespace
+
+std::unique_ptr<TrainingModel> make_ldm_training_model(const TrainConfig& config, const ImageCaptionDataset& dataset,
+                                                       const ModelSource& source) {
+  return std::make_unique<LdmTrainingModel>(config, dataset, source);
+}
+
+}  // namespace shoestring

@@ -1,0 +1,60 @@
+#include "shoestring/train/training_model.h"
+
+#include <cstdio>
+
+#include "shoestring/core/error.h"
+#include "shoestring/io/safetensors.h"
+#include "shoestring/precision/save_guard.h"
+#include "shoestring/train/config.h"
+#include "shoestring/train/training_model_impl.h"
+
+namespace shoestring {
+
+std::unique_ptr<TrainingModel> make_training_model(const TrainConfig& config, const ImageCaptionDataset& dataset,
+                                                   const ModelSource& source) {
+  if (config.architecture == "tiny-unet") {
+    if (config.tiny) fail("model.tiny applies to released architectures; tiny-unet is sized by model.base_channels");
+    return make_emoji_training_model(config, dataset, source);
+  }
+  if (config.architecture == "sd15" || config.architecture == "sdxl" || config.architecture == "ssd1b") {
+    return make_ldm_training_model(config, dataset, source);
+  }
+  fail("model.architecture = \"{}\": training it from a config is not supported yet (its latent encoder — the "
+       "SD3 16-channel VAE or Stable Cascade's EfficientNet — and text encoders are not in shoestring); "
+       "supported: tiny-unet, sd15, sdxl, ssd1b. `shoestring plan`, `inspect --arch` and bench/model_step do "
+       "cover it",
+       config.architecture);
+}
+
+std::string config_hash(const TrainConfig& config) {
+  const std::string text = to_toml(config);
+  uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a 64 offset basis
+  for (unsigned char ch : text) {
+    h ^= ch;
+    h *= 0x100000001b3ull;  // FNV-1a 64 prime
+  }
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(h));
+  return buf;
+}
+
+void save_module_tensors(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                         std::map<std::string, std::string> metadata, const TrainConfig& config) {
+  if (config.save_precision == "auto") {
+    std::vector<NamedTensor> out;
+    out.reserve(tensors.size());
+    for (const auto& [name, t] : tensors) out.push_back({name, t, std::nullopt});
+    save_safetensors(path, out, metadata);
+    return;
+  }
+  // kohya's save_precision, behind the save-time range guard (docs/precision.md).
+  const precision::Dtype target = precision::parse_save_precision(config.save_precision);
+  precision::SaveGuardOptions guard;
+  guard.force = config.save_precision_force;
+  metadata["dtype"] = precision::to_string(target);
+  save_safetensors(path,
+                   precision::convert_for_save(tensors, target, guard, path + " (the checkpoints keep full precision)"),
+                   metadata);
+}
+
+}  // namespace shoestring

@@ -1,0 +1,103 @@
+// What the training loop trains: one model family behind one interface.
+//
+// The loop (trainer.cpp) owns data order, micro-batching, the precision
+// policy, the optimizer, EMA, checkpoints and metrics; a TrainingModel owns
+// what differs between families: which module tree is trained (its parameter
+// names are the checkpoint keys), how a batch of dataset images and captions
+// becomes the model's inputs and regression target (the objective), how
+// samples are drawn and which metadata goes into saved files.
+//
+// Two families exist (make_training_model picks by `model.architecture`):
+//  - "tiny-unet": the emoji example (train/diffusion_model.h): a caption
+//    encoder trained jointly with a small UNet, flow matching in pixel space.
+//  - the released LDM UNets (sd15, sdxl, ssd1b; train/ldm_model.cpp): images
+//    are encoded to VAE latents and captions to CLIP text embeddings once,
+//    before training (kohya's cache_latents + cache_text_encoder_outputs),
+//    then the VAE and text encoders are freed; the UNet trains on the DDPM
+//    epsilon- or v-prediction objective and is saved in the LDM single-file
+//    layout together with the base checkpoint's VAE and text encoders.
+#pragma once
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+
+#include "shoestring/nn/block_precision.h"
+#include "shoestring/nn/lora.h"
+#include "shoestring/train/sampling.h"
+
+namespace shoestring {
+
+struct TrainConfig;
+class ImageCaptionDataset;
+
+/// One micro-batch, prepared: the model's inputs (family-specific order) and
+/// the regression target (fp32, the shape of the model's output).
+struct TrainBatch {
+  std::vector<at::Tensor> inputs;
+  at::Tensor target;
+};
+
+/// Where the weights of a new run come from.
+struct ModelSource {
+  /// Base weights (pretrained_model_name_or_path, expanded); "" = random init.
+  std::string pretrained;
+  /// A checkpoint folder being resumed ("" = fresh run); its model.safetensors
+  /// is loaded by the trainer after construction, but families read their
+  /// metadata (e.g. the emoji tokenizer) from it.
+  std::string resume_dir;
+  bool quiet = false;
+};
+
+class TrainingModel {
+ public:
+  virtual ~TrainingModel() = default;
+
+  /// The trained module tree; named_parameters() are the keys of the
+  /// checkpoint files (e.g. "unet.conv_in.weight" for tiny-unet,
+  /// "model.diffusion_model.input_blocks.0.0.weight" for the LDM UNets).
+  virtual torch::nn::Module& module() = 0;
+  /// Block tables for precision::resolve / apply / OverflowMonitor.
+  virtual std::vector<nn::BlockTable*> block_tables() = 0;
+  /// The legacy gradient-checkpointing switch (rules may add more).
+  virtual void set_gradient_checkpointing(bool on) = 0;
+  /// LoRA components (kohya prefixes) of this family; `unet_only` drops the
+  /// text encoder's where the family trains one.
+  virtual std::vector<nn::LoraComponent> lora_components(bool unet_only) const = 0;
+
+  /// Inputs and target of a micro-batch of dataset indices, with caption
+  /// dropout, noise and timesteps drawn from libtorch's global CPU generator.
+  virtual TrainBatch prepare(const std::vector<int64_t>& indices) = 0;
+  /// The model's prediction for `batch.inputs` (in the compute dtype).
+  virtual at::Tensor forward(const TrainBatch& batch) = 0;
+
+  /// uint8 images [P*S, 3, R, R], row-major by prompt (see SampleRequest).
+  virtual at::Tensor sample(const SampleRequest& request) = 0;
+
+  /// String metadata of checkpoint and final files at `step`.
+  virtual std::map<std::string, std::string> metadata(int64_t step) const = 0;
+  /// Writes the final model file: module() tensors in `dtype` (nullopt =
+  /// storage dtype) through the save-time range guard, plus whatever the
+  /// family ships beside them (the LDM families copy the base checkpoint's VAE
+  /// and text encoders so the file loads in ComfyUI / A1111).
+  /// Throws shoestring::Error from the range guard or on I/O failure.
+  virtual void save_final(const std::string& path, int64_t step) = 0;
+
+  /// Caption vocabulary size for the planner (0 when it does not matter).
+  virtual int64_t plan_vocab_size() const { return 0; }
+};
+
+/// Builds the family `config.architecture` names, loads `source.pretrained`
+/// and prepares its data (for the LDM families: encodes every image and
+/// caption of `dataset` once). Parameters are charged to the ledger's
+/// `weights` category, caches to `other`.
+/// Throws shoestring::Error for unknown architectures, unreadable or
+/// mismatching weight files (listing missing / unexpected keys), a missing
+/// tokenizer, and images whose size does not fit the architecture.
+std::unique_ptr<TrainingModel> make_training_model(const TrainConfig& config, const ImageCaptionDataset& dataset,
+                                                   const ModelSource& source);
+
+}  // namespace shoestring

@@ -1,0 +1,269 @@
+// Training the released LDM UNets from a config (model.architecture = sd15 /
+// sdxl / ssd1b), at test width (model.tiny = true) on the committed Twemoji
+// fixtures: the DDPM schedule against PyTorch, loss finite and falling, the
+// final file in the LDM single-file layout with the VAE and text encoders
+// beside the UNet and its metadata, fine-tuning and LoRA from that file, and
+// the errors a user meets.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include <torch/torch.h>
+
+#include "shoestring/core/error.h"
+#include "shoestring/io/safetensors.h"
+#include "shoestring/io/weight_files.h"
+#include "shoestring/models/architecture.h"
+#include "shoestring/train/checkpoint_io.h"
+#include "shoestring/train/config.h"
+#include "shoestring/train/ddpm.h"
+#include "shoestring/train/trainer.h"
+
+namespace fs = std::filesystem;
+using namespace shoestring;
+
+namespace {
+
+std::string temp_dir(const std::string& name) {
+  fs::path p = fs::temp_directory_path() / ("shoestring_test_ldm_" + name + "_" + std::to_string(::getpid()));
+  fs::remove_all(p);
+  return p.string();
+}
+
+TrainConfig ldm_config(const std::string& arch, const std::string& out, const std::string& extra = "") {
+  // sd15 has three UNet downsamplings (x8 VAE): 64 px -> 8x8 latents;
+  // sdxl/ssd1b have two: 32 px -> 4x4 latents.
+  const int resolution = arch == "sd15" ? 64 : 32;
+  std::string text = fmt::format(
+      "train_data_dir = \"{}/twemoji\"\n"
+      "resolution = {}\n"
+      "train_batch_size = 4\n"
+      "max_train_steps = 8\n"
+      "learning_rate = 2e-3\n"
+      "caption_dropout_rate = 0.0\n"
+      "seed = 5\n"
+      "num_threads = 1\n"
+      "sample_prompts = [\"red heart\"]\n"
+      "sample_seeds = 1\n"
+      "sample_steps = 2\n"
+      "output_dir = \"{}\"\n"
+      "{}"
+      "[model]\n"
+      "architecture = \"{}\"\n"
+      "tiny = true\n",
+      SHOESTRING_TEST_DATA, resolution, out, extra, arch);
+  return parse_config(text, arch + ".toml");
+}
+
+TrainRunOptions quiet() {
+  TrainRunOptions o;
+  o.quiet = true;
+  return o;
+}
+
+std::vector<double> losses_of(const std::string& run_dir) {
+  std::vector<double> out;
+  std::ifstream in(run_dir + "/metrics.jsonl");
+  std::string line;
+  while (std::getline(in, line)) out.push_back(nlohmann::json::parse(line)["loss"].get<double>());
+  return out;
+}
+
+std::vector<models::TensorShape> shapes_of(const WeightFiles& f) {
+  std::vector<models::TensorShape> s;
+  for (const auto& n : f.names()) s.emplace_back(n, f.find(n)->shape);
+  return s;
+}
+
+}  // namespace
+
+// Reference: /usr/bin/python3 with torch, float64:
+//   b = torch.linspace(0.00085**0.5, 0.012**0.5, 1000, dtype=torch.float64)**2
+//   a = torch.cumprod(1 - b, 0); a[0], a[499], a[999]
+// and diffusers' DDIMScheduler (steps_offset 1, "leading"): 50 steps run
+// 981, 961, ..., 21, 1.
+TEST(Ddpm, StableDiffusionScheduleMatchesPyTorch) {
+  DdpmSchedule s = DdpmSchedule::stable_diffusion();
+  ASSERT_EQ(s.num_steps(), 1000);
+  EXPECT_NEAR(s.alphas_cumprod()[0].item<double>(), 0.99915, 1e-12);
+  EXPECT_NEAR(s.alphas_cumprod()[499].item<double>(), 0.27766965045646774, 1e-12);
+  EXPECT_NEAR(s.alphas_cumprod()[999].item<double>(), 0.004660098513077241, 1e-12);
+  auto ts = s.ddim_timesteps(50);
+  ASSERT_EQ(ts.size(), 50u);
+  EXPECT_EQ(ts.front(), 981);
+  EXPECT_EQ(ts[1], 961);
+  EXPECT_EQ(ts.back(), 1);
+  EXPECT_THROW(s.ddim_timesteps(0), Error);
+}
+
+TEST(Ddpm, TargetsAndDdimStepFollowTheirFormulas) {
+  DdpmSchedule s = DdpmSchedule::stable_diffusion();
+  torch::manual_seed(0);
+  at::Tensor x0 = torch::randn({3, 4, 2, 2}), eps = torch::randn({3, 4, 2, 2});
+  at::Tensor t = torch::tensor({0, 500, 999}, torch::kInt64);
+  at::Tensor xt = s.add_noise(x0, eps, t);
+  at::Tensor v = s.v_target(x0, eps, t);
+  for (int i = 0; i < 3; ++i) {
+    const double ab = s.alphas_cumprod()[t[i].item<int64_t>()].item<double>();
+    EXPECT_TRUE(torch::allclose(xt[i], std::sqrt(ab) * x0[i] + std::sqrt(1 - ab) * eps[i], 1e-5, 1e-6));
+    // x0 = sqrt(ab) x_t - sqrt(1 - ab) v and eps = sqrt(ab) v + sqrt(1 - ab) x_t (Salimans & Ho 2022).
+    EXPECT_TRUE(torch::allclose(std::sqrt(ab) * xt[i] - std::sqrt(1 - ab) * v[i], x0[i], 1e-4, 1e-5));
+    const int64_t ti = t[i].item<int64_t>();
+    EXPECT_TRUE(torch::allclose(s.eps_from_v(xt[i], v[i], ti), eps[i], 1e-4, 1e-5));
+    // With the true epsilon a DDIM step lands on the forward process at t_prev.
+    if (ti > 0) {
+      at::Tensor prev = s.ddim_step(xt[i], eps[i], ti, ti - 1);
+      const double abp = s.alphas_cumprod()[ti - 1].item<double>();
+      EXPECT_TRUE(torch::allclose(prev, std::sqrt(abp) * x0[i] + std::sqrt(1 - abp) * eps[i], 1e-4, 1e-5));
+    }
+  }
+}
+
+class LdmTraining : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(LdmTraining, TinyVariantTrainsAndSavesAnLdmSingleFile) {
+  const std::string arch = GetParam();
+  TrainConfig cfg = ldm_config(arch, temp_dir(arch), "save_precision = \"bf16\"\n");
+  auto summary = train(cfg, quiet());
+  auto losses = losses_of(summary.run_dir);
+  ASSERT_EQ(losses.size(), 8u);
+  for (double l : losses) EXPECT_TRUE(std::isfinite(l));
+  const double last3 = (losses[5] + losses[6] + losses[7]) / 3;
+  EXPECT_LT(last3, 0.9 * losses[0]) << "first " << losses[0] << " last-3 mean " << last3;
+
+  // The final file: UNet under model.diffusion_model., VAE and text encoders
+  // beside it, detected as the architectures they are, in bf16 (save_precision).
+  const std::string path = summary.run_dir + "/model.safetensors";
+  WeightFiles f = WeightFiles::open(path);
+  std::set<std::string> found;
+  for (const auto& d : models::detect_architectures(shapes_of(f))) {
+    EXPECT_TRUE(d.exact()) << d.architecture << " under " << d.prefix;
+    EXPECT_TRUE(d.tiny) << d.architecture;
+    found.insert(d.architecture);
+  }
+  EXPECT_TRUE(found.count(arch));
+  EXPECT_TRUE(found.count("vae"));
+  // The text encoders' test widths are the trainer's (they must add up to the
+  // tiny UNet's context width), not the registry's tiny ones; check the keys.
+  const std::string clip_l = arch == "sd15" ? "cond_stage_model.transformer." : "conditioner.embedders.0.transformer.";
+  EXPECT_NE(f.find(clip_l + "text_model.final_layer_norm.weight"), nullptr);
+  EXPECT_EQ(f.find("conditioner.embedders.1.model.ln_final.weight") != nullptr, arch != "sd15");
+  EXPECT_EQ(f.get("model.diffusion_model.out.2.weight").scalar_type(), torch::kBFloat16);
+  EXPECT_EQ(f.get("first_stage_model.decoder.conv_out.weight").scalar_type(), torch::kBFloat16);
+  const auto& meta = f.metadata();
+  EXPECT_EQ(meta.at("architecture"), arch);
+  EXPECT_EQ(meta.at("step"), "8");
+  EXPECT_EQ(meta.at("objective"), "epsilon");
+  EXPECT_EQ(meta.at("config_hash").size(), 16u);
+  EXPECT_EQ(meta.at("dtype"), "bf16");
+  EXPECT_TRUE(fs::exists(summary.last_sample));
+}
+
+INSTANTIATE_TEST_SUITE_P(Architectures, LdmTraining, ::testing::Values("sd15", "sdxl", "ssd1b"));
+
+TEST(LdmTraining, FineTuneAndLoraStartFromTheSavedFile) {
+  // A short full run in fp32 gives the base file.
+  TrainConfig base_cfg = ldm_config("sd15", temp_dir("base"));
+  base_cfg.max_train_steps = 2;
+  const std::string base = train(base_cfg, quiet()).run_dir + "/model.safetensors";
+
+  // Fine-tune: starts from exactly the base UNet (step-0 weights are the file's).
+  TrainConfig ft = ldm_config("sd15", temp_dir("ft"), "pretrained_model_name_or_path = \"" + base + "\"\n");
+  ft.max_train_steps = 1;
+  ft.learning_rate = 0;  // the step changes nothing: the saved UNet must equal the base's
+  auto s = train(ft, quiet());
+  auto a = load_safetensors(base), b = load_safetensors(s.run_dir + "/model.safetensors");
+  ASSERT_EQ(a.size(), b.size());
+  for (const auto& [k, v] : a) {
+    ASSERT_TRUE(b.count(k)) << k;
+    EXPECT_TRUE(torch::equal(v, b[k])) << k;
+  }
+
+  // LoRA on it: kohya names from the LDM layout, base weights untouched.
+  TrainConfig lora = ldm_config("sd15", temp_dir("lora"),
+                                "pretrained_model_name_or_path = \"" + base +
+                                    "\"\nnetwork_module = \"networks.lora\"\nnetwork_dim = 2\n");
+  lora.max_train_steps = 3;
+  auto ls = train(lora, quiet());
+  for (double l : losses_of(ls.run_dir)) EXPECT_TRUE(std::isfinite(l));
+  auto lf = SafetensorsFile::open(ls.run_dir + "/lora.safetensors");
+  EXPECT_NE(lf.find("lora_unet_input_blocks_1_1_transformer_blocks_0_attn1_to_q.lora_down.weight"), nullptr);
+  EXPECT_NE(lf.find("lora_unet_output_blocks_11_1_transformer_blocks_0_attn2_to_out_0.lora_up.weight"), nullptr);
+  auto after = load_safetensors(ls.run_dir + "/model.safetensors");
+  for (const auto& [k, v] : a) {
+    if (k.rfind("model.diffusion_model.", 0) == 0) EXPECT_TRUE(torch::equal(v, after.at(k))) << k;
+  }
+}
+
+TEST(LdmTraining, ResumeEqualsTheUninterruptedRun) {
+  TrainConfig full = ldm_config("sdxl", temp_dir("full"), "full_bf16 = true\n");
+  full.max_train_steps = 4;
+  auto whole = losses_of(train(full, quiet()).run_dir);
+
+  TrainConfig part = ldm_config("sdxl", temp_dir("part"), "full_bf16 = true\nsave_every_n_steps = 2\n");
+  part.max_train_steps = 2;
+  const std::string dir = train(part, quiet()).run_dir;
+  part.max_train_steps = 4;
+  TrainRunOptions o = quiet();
+  o.resume_dir = dir;
+  train(part, o);
+  auto resumed = losses_of(dir);
+  ASSERT_EQ(resumed.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) EXPECT_EQ(resumed[i], whole[i]) << "step " << i + 1;
+}
+
+TEST(LdmTraining, BadSetupsNameWhatIsWrong) {
+  auto message = [](const TrainConfig& c) {
+    try {
+      train(c, quiet());
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  // Full width without base weights.
+  TrainConfig c = ldm_config("sd15", temp_dir("e1"));
+  c.tiny = false;
+  EXPECT_NE(message(c).find("pretrained_model_name_or_path"), std::string::npos) << message(c);
+  // A resolution the UNet cannot downsample.
+  c = ldm_config("sd15", temp_dir("e2"));
+  c.resolution = 48;
+  EXPECT_NE(message(c).find("multiple of 64"), std::string::npos) << message(c);
+  // Not trainable from a config yet.
+  c = ldm_config("sd15", temp_dir("e3"));
+  c.architecture = "sd35m";
+  EXPECT_NE(message(c).find("not supported yet"), std::string::npos) << message(c);
+  // A checkpoint of another architecture.
+  TrainConfig base_cfg = ldm_config("ssd1b", temp_dir("e4base"));
+  base_cfg.max_train_steps = 1;
+  const std::string ssd = train(base_cfg, quiet()).run_dir + "/model.safetensors";
+  c = ldm_config("sdxl", temp_dir("e4"), "pretrained_model_name_or_path = \"" + ssd + "\"\n");
+  const std::string m = message(c);
+  EXPECT_NE(m.find("holds no sdxl (tiny) UNet"), std::string::npos) << m;
+  EXPECT_NE(m.find("ssd1b (tiny)"), std::string::npos) << m;
+}
+
+// Every shipped example config parses (their paths point at the user's files).
+TEST(Examples, EveryExampleConfigParses) {
+  const fs::path dir = fs::path(SHOESTRING_TEST_DATA).parent_path().parent_path() / "examples";
+  int n = 0;
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    if (entry.path().extension() != ".toml") continue;
+    EXPECT_NO_THROW(load_config(entry.path().string())) << entry.path();
+    ++n;
+  }
+  EXPECT_GE(n, 3);
+}
+
+// The precision modes run on the LDM UNet's block table (per-block compute
+// dtype; fp16 emulated on the CPU with loss scaling): every step finite.
+TEST(LdmTraining, PrecisionModesTrainFinite) {
+  for (const std::string mode : {"mixed_precision = \"bf16\"\n", "full_fp16 = true\nprecision.auto_upcast = true\n",
+                                 "mixed_precision = \"fp16\"\ngradient_checkpointing = true\n"}) {
+    TrainConfig c = ldm_config("sd15", temp_dir("prec"), mode);
+    c.max_train_steps = 3;
+    auto s = train(c, quiet());
+    for (double l : losses_of(s.run_dir)) EXPECT_TRUE(std::isfinite(l)) << mode;
+  }
+}
