@@ -19,17 +19,16 @@
 #include "shoestring/train/config.h"
 #include "shoestring/train/ddpm.h"
 #include "shoestring/train/trainer.h"
+#include "train_testing.h"
 
 namespace fs = std::filesystem;
 using namespace shoestring;
+using shoestring::testing::losses_of;
+using shoestring::testing::quiet;
 
 namespace {
 
-std::string temp_dir(const std::string& name) {
-  fs::path p = fs::temp_directory_path() / ("shoestring_test_ldm_" + name + "_" + std::to_string(::getpid()));
-  fs::remove_all(p);
-  return p.string();
-}
+std::string temp_dir(const std::string& name) { return shoestring::testing::fresh_temp_dir("test_ldm", name); }
 
 TrainConfig ldm_config(const std::string& arch, const std::string& out, const std::string& extra = "") {
   // sd15 has three UNet downsamplings (x8 VAE): 64 px -> 8x8 latents;
@@ -56,19 +55,8 @@ TrainConfig ldm_config(const std::string& arch, const std::string& out, const st
   return parse_config(text, arch + ".toml");
 }
 
-TrainRunOptions quiet() {
-  TrainRunOptions o;
-  o.quiet = true;
-  return o;
-}
 
-std::vector<double> losses_of(const std::string& run_dir) {
-  std::vector<double> out;
-  std::ifstream in(run_dir + "/metrics.jsonl");
-  std::string line;
-  while (std::getline(in, line)) out.push_back(nlohmann::json::parse(line)["loss"].get<double>());
-  return out;
-}
+std::vector<double> run_losses(const std::string& run_dir) { return losses_of(run_dir + "/metrics.jsonl"); }
 
 std::vector<models::TensorShape> shapes_of(const WeightFiles& f) {
   std::vector<models::TensorShape> s;
@@ -126,7 +114,7 @@ TEST_P(LdmTraining, TinyVariantTrainsAndSavesAnLdmSingleFile) {
   const std::string arch = GetParam();
   TrainConfig cfg = ldm_config(arch, temp_dir(arch), "save_precision = \"bf16\"\n");
   auto summary = train(cfg, quiet());
-  auto losses = losses_of(summary.run_dir);
+  auto losses = run_losses(summary.run_dir);
   ASSERT_EQ(losses.size(), 8u);
   for (double l : losses) EXPECT_TRUE(std::isfinite(l));
   const double last3 = (losses[5] + losses[6] + losses[7]) / 3;
@@ -186,7 +174,7 @@ TEST(LdmTraining, FineTuneAndLoraStartFromTheSavedFile) {
                                     "\"\nnetwork_module = \"networks.lora\"\nnetwork_dim = 2\n");
   lora.max_train_steps = 3;
   auto ls = train(lora, quiet());
-  for (double l : losses_of(ls.run_dir)) EXPECT_TRUE(std::isfinite(l));
+  for (double l : run_losses(ls.run_dir)) EXPECT_TRUE(std::isfinite(l));
   auto lf = SafetensorsFile::open(ls.run_dir + "/lora.safetensors");
   EXPECT_NE(lf.find("lora_unet_input_blocks_1_1_transformer_blocks_0_attn1_to_q.lora_down.weight"), nullptr);
   EXPECT_NE(lf.find("lora_unet_output_blocks_11_1_transformer_blocks_0_attn2_to_out_0.lora_up.weight"), nullptr);
@@ -199,7 +187,7 @@ TEST(LdmTraining, FineTuneAndLoraStartFromTheSavedFile) {
 TEST(LdmTraining, ResumeEqualsTheUninterruptedRun) {
   TrainConfig full = ldm_config("sdxl", temp_dir("full"), "full_bf16 = true\n");
   full.max_train_steps = 4;
-  auto whole = losses_of(train(full, quiet()).run_dir);
+  auto whole = run_losses(train(full, quiet()).run_dir);
 
   TrainConfig part = ldm_config("sdxl", temp_dir("part"), "full_bf16 = true\nsave_every_n_steps = 2\n");
   part.max_train_steps = 2;
@@ -208,7 +196,7 @@ TEST(LdmTraining, ResumeEqualsTheUninterruptedRun) {
   TrainRunOptions o = quiet();
   o.resume_dir = dir;
   train(part, o);
-  auto resumed = losses_of(dir);
+  auto resumed = run_losses(dir);
   ASSERT_EQ(resumed.size(), 4u);
   for (size_t i = 0; i < 4; ++i) EXPECT_EQ(resumed[i], whole[i]) << "step " << i + 1;
 }
@@ -264,6 +252,6 @@ TEST(LdmTraining, PrecisionModesTrainFinite) {
     TrainConfig c = ldm_config("sd15", temp_dir("prec"), mode);
     c.max_train_steps = 3;
     auto s = train(c, quiet());
-    for (double l : losses_of(s.run_dir)) EXPECT_TRUE(std::isfinite(l)) << mode;
+    for (double l : run_losses(s.run_dir)) EXPECT_TRUE(std::isfinite(l)) << mode;
   }
 }

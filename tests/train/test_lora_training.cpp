@@ -16,17 +16,16 @@
 #include "shoestring/train/config.h"
 #include "shoestring/train/diffusion_model.h"
 #include "shoestring/train/trainer.h"
+#include "train_testing.h"
 
 namespace fs = std::filesystem;
 using namespace shoestring;
+using shoestring::testing::losses_of;
+using shoestring::testing::quiet;
 
 namespace {
 
-std::string temp_dir(const std::string& name) {
-  fs::path p = fs::temp_directory_path() / ("shoestring_test_lora_" + name + "_" + std::to_string(::getpid()));
-  fs::remove_all(p);
-  return p.string();
-}
+std::string temp_dir(const std::string& name) { return shoestring::testing::fresh_temp_dir("test_lora", name); }
 
 /// lora = false: the plain (full) training config of the same model.
 TrainConfig lora_config(const std::string& out, const std::string& extra = "", bool lora = true) {
@@ -71,19 +70,7 @@ std::string base_model() {
 
 std::string pretrained_line() { return "pretrained_model_name_or_path = \"" + base_model() + "\"\n"; }
 
-TrainRunOptions quiet() {
-  TrainRunOptions o;
-  o.quiet = true;
-  return o;
-}
 
-std::vector<double> losses_of(const std::string& metrics_path) {
-  std::vector<double> out;
-  std::ifstream in(metrics_path);
-  std::string line;
-  while (std::getline(in, line)) out.push_back(nlohmann::json::parse(line)["loss"].get<double>());
-  return out;
-}
 
 }  // namespace
 

@@ -15,17 +15,16 @@
 #include "shoestring/train/config.h"
 #include "shoestring/train/diffusion_model.h"
 #include "shoestring/train/trainer.h"
+#include "train_testing.h"
 
 namespace fs = std::filesystem;
 using namespace shoestring;
+using shoestring::testing::losses_of;
+using shoestring::testing::quiet;
 
 namespace {
 
-std::string temp_dir(const std::string& name) {
-  fs::path p = fs::temp_directory_path() / ("shoestring_prec_" + name + "_" + std::to_string(::getpid()));
-  fs::remove_all(p);
-  return p.string();
-}
+std::string temp_dir(const std::string& name) { return shoestring::testing::fresh_temp_dir("prec", name); }
 
 /// The tiny emoji model of tests/train/test_trainer.cpp plus extra TOML.
 TrainConfig tiny_config(const std::string& out, const std::string& extra = "") {

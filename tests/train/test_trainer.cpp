@@ -14,17 +14,16 @@
 #include "shoestring/train/diffusion_model.h"
 #include "shoestring/train/sampling.h"
 #include "shoestring/train/trainer.h"
+#include "train_testing.h"
 
 namespace fs = std::filesystem;
 using namespace shoestring;
+using shoestring::testing::losses_of;
+using shoestring::testing::quiet;
 
 namespace {
 
-std::string temp_dir(const std::string& name) {
-  fs::path p = fs::temp_directory_path() / ("shoestring_test_" + name + "_" + std::to_string(::getpid()));
-  fs::remove_all(p);
-  return p.string();
-}
+std::string temp_dir(const std::string& name) { return shoestring::testing::fresh_temp_dir("test", name); }
 
 /// A model small enough to train for a few steps in a second or two.
 TrainConfig tiny_config(const std::string& out) {
@@ -47,19 +46,7 @@ TrainConfig tiny_config(const std::string& out) {
   return parse_config(text, "tiny.toml");
 }
 
-std::vector<double> losses_of(const std::string& metrics_path) {
-  std::vector<double> out;
-  std::ifstream in(metrics_path);
-  std::string line;
-  while (std::getline(in, line)) out.push_back(nlohmann::json::parse(line)["loss"].get<double>());
-  return out;
-}
 
-TrainRunOptions quiet() {
-  TrainRunOptions o;
-  o.quiet = true;
-  return o;
-}
 
 }  // namespace
 
