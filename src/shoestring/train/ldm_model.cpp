@@ -77,6 +77,24 @@ class LdmTrainingModel final : public TrainingModel {
            arch);
     }
 
+    // The UNet's options from a meta build (nothing allocated), and the
+    // checks that need only the file header, before any slow work.
+    {
+      auto meta = models::build_architecture(arch, nn::LayerInit{torch::kMeta}, config.tiny);
+      auto* u = dynamic_cast<models::LdmUNetImpl*>(meta.get());
+      if (!u) fail("internal: architecture '{}' is not an LdmUNet", arch);
+      unet_options_ = u->options();
+    }
+    check_resolution();
+    if (base_) unet_prefix_ = detect_unet_prefix();
+
+    // ---- frozen parts first, one at a time, each freed after use, so the
+    // run never holds them beside the UNet: text encoders, then the VAE ----
+    build_text_encoders();
+    encode_captions();
+    text_encoders_.clear();
+    encode_images();
+
     // ---- the UNet, built directly in its storage dtype, then loaded ----
     {
       ScopedMemoryCategory category(MemoryCategory::weights);
@@ -89,13 +107,6 @@ class LdmTrainingModel final : public TrainingModel {
       if (!unet_) fail("internal: architecture '{}' has no LdmUNet", arch);
       if (base_) load_unet();
     }
-    check_resolution();
-
-    // ---- frozen parts: VAE and text encoders, used once, then freed ----
-    build_text_encoders();
-    encode_captions();
-    encode_images();
-    text_encoders_.clear();
     if (!source.quiet) {
       spdlog::info("cached {} latents {} and {} text embeddings {} ({}); VAE and text encoders freed",
                    latents_.size(0), format_shape(latents_.sizes().slice(1)), context_.size(0),
@@ -162,6 +173,9 @@ class LdmTrainingModel final : public TrainingModel {
   void save_final(const std::string& path, int64_t step) override;
 
  private:
+  /// The key prefix the configured UNet is stored under in the base file.
+  /// Throws shoestring::Error naming what the file holds instead.
+  std::string detect_unet_prefix() const;
   void load_unet();
   void check_resolution() const;
   void build_text_encoders();
@@ -182,6 +196,8 @@ class LdmTrainingModel final : public TrainingModel {
   std::optional<WeightFiles> base_;
   std::shared_ptr<torch::nn::Module> root_;
   std::shared_ptr<models::LdmUNetImpl> unet_;
+  models::LdmUNetOptions unet_options_;
+  std::string unet_prefix_;
   // Text encoders (freed after encode_captions) and their tokenizer.
   std::vector<models::ClipTextModel> text_encoders_;
   TextTokenizer tokenizer_;
@@ -192,7 +208,7 @@ class LdmTrainingModel final : public TrainingModel {
   at::Tensor sample_context_, sample_y_;
 };
 
-void LdmTrainingModel::load_unet() {
+std::string LdmTrainingModel::detect_unet_prefix() const {
   const auto shapes = [&] {
     std::vector<models::TensorShape> s;
     for (const auto& name : base_->names()) s.emplace_back(name, base_->find(name)->shape);
@@ -214,8 +230,12 @@ void LdmTrainingModel::load_unet() {
          seen.empty() ? std::string("nothing recognisable") : fmt::format("{}", fmt::join(seen, ", ")),
          " (shoestring inspect FILE shows it; a diffusers-layout UNet converts with `shoestring convert --to ldm`)");
   }
+  return prefix;
+}
+
+void LdmTrainingModel::load_unet() {
   LoadWeightsOptions o;
-  o.key_map = [prefix](const std::string& key) -> std::string {
+  o.key_map = [prefix = unet_prefix_](const std::string& key) -> std::string {
     if (!starts_with(key, prefix)) return "";
     return kUNetPrefix + key.substr(prefix.size());
   };
@@ -226,7 +246,7 @@ void LdmTrainingModel::load_unet() {
 
 void LdmTrainingModel::check_resolution() const {
   const int64_t r = config_.resolution;
-  const int64_t levels = static_cast<int64_t>(unet_->options().channel_mult().size());
+  const int64_t levels = static_cast<int64_t>(unet_options_.channel_mult().size());
   const int64_t multiple = 8 * (int64_t{1} << (levels - 1));
   if (r % multiple != 0) {
     fail("resolution = {}: {} needs a multiple of {} pixels (VAE factor 8 x {} UNet downsamplings)", r,
@@ -235,8 +255,8 @@ void LdmTrainingModel::check_resolution() const {
 }
 
 void LdmTrainingModel::build_text_encoders() {
-  const int64_t context_dim = unet_->options().context_dim();
-  const int64_t adm = unet_->options().adm_in_channels();
+  const int64_t context_dim = unet_options_.context_dim();
+  const int64_t adm = unet_options_.adm_in_channels();
   std::vector<models::ClipTextOptions> opts;
   std::vector<std::string> prefixes;
   if (!sdxl_) {
@@ -299,7 +319,7 @@ std::pair<at::Tensor, at::Tensor> LdmTrainingModel::encode_text(const std::vecto
   auto l = text_encoders_[0]->forward(tokenizer_.encode(captions, ClipPadding::kEndOfText), 2);
   auto g = text_encoders_[1]->forward(tokenizer_.encode(captions, ClipPadding::kZero), 2);
   at::Tensor context = torch::cat(std::vector<at::Tensor>{l.hidden, g.hidden}, -1);
-  const int64_t adm = unet_->options().adm_in_channels();
+  const int64_t adm = unet_options_.adm_in_channels();
   const int64_t per = (adm - g.pooled.size(1)) / 6;
   const auto b = static_cast<int64_t>(captions.size());
   const double r = static_cast<double>(config_.resolution);
