@@ -13,9 +13,11 @@
 #include "shoestring/models/mmdit.h"
 #include "shoestring/models/unet_ldm.h"
 #include "shoestring/nn/chunked_attention.h"
+#include "shoestring/nn/lora.h"
 #include "shoestring/nn/resblock.h"
 #include "shoestring/nn/transformer.h"
 #include "shoestring/optim/adafactor.h"
+#include "shoestring/train/training_model.h"
 #include "shoestring/optim/adamw8bit.h"
 
 namespace shoestring::plan {
@@ -59,6 +61,9 @@ class ModelTracer {
     const bool bf16 = c.full_bf16 || c.full_fp16;
     autocast_ = c.mixed_precision != "no" && !bf16;
     param_elem_ = bf16 ? 2 : 4;
+    // LoRA: the base weights are frozen (no gradients); the adapters' are
+    // added by plan_memory.
+    frozen_ = !c.network_module.empty();
     compute_elem_ = (bf16 || autocast_) ? 2 : 4;
     chunk_bytes_ = c.attention_chunk_mib * (int64_t{1} << 20);
   }
@@ -573,7 +578,9 @@ class ModelTracer {
     trace.op(o);
   }
   void add_param(std::vector<int64_t> shape) { param_shapes.push_back(std::move(shape)); }
-  int64_t param_grad_bytes(const std::vector<int64_t>& shape) const { return numel_of(shape) * grad_elem(); }
+  int64_t param_grad_bytes(const std::vector<int64_t>& shape) const {
+    return frozen_ ? 0 : numel_of(shape) * grad_elem();
+  }
 
   // A dtype conversion: new tensor; backward converts the gradient back.
   Sym cast(const Sym& x, int elem) {
@@ -1102,6 +1109,7 @@ class ModelTracer {
   const TrainConfig& c_;
   int64_t vocab_;
   bool autocast_ = false;
+  bool frozen_ = false;
   int param_elem_ = 4, compute_elem_ = 4;
   int64_t chunk_bytes_ = 0;
 };
@@ -1225,9 +1233,9 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size) {
          c.architecture);
   }
   if (c.architecture == "tiny-unet" && vocab_size < 1) fail("plan: vocab_size must be >= 1 (got {})", vocab_size);
-  if (!c.network_module.empty()) {
-    fail("plan: LoRA training (network_module = \"{}\") is not modelled by the planner yet: it plans full "
-         "fine-tuning only",
+  if (!c.network_module.empty() && c.architecture == "tiny-unet") {
+    fail("plan: LoRA training (network_module = \"{}\") of tiny-unet is not modelled by the planner; it plans "
+         "LoRA on the released architectures only",
          c.network_module);
   }
   std::shared_ptr<torch::nn::Module> real;
@@ -1249,10 +1257,21 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size) {
 
   ModelTracer tracer(c, vocab_size);
   trace_model(tracer, c, real.get());
+  int64_t frozen_parameters = 0, lora_elem = 0;
   if (real) {
     // Every parameter of the real model, not only those the trace names.
     tracer.param_shapes.clear();
     for (const auto& p : real->parameters()) tracer.param_shapes.push_back(p.sizes().vec());
+  }
+  if (real && !c.network_module.empty()) {
+    // LoRA: the adapters the trainer would attach, on a fresh meta model
+    // (nothing allocated); they are the trainable parameters.
+    frozen_parameters = tracer.parameters();
+    auto model = models::build_architecture(c.architecture, nn::LayerInit{torch::kMeta}, c.tiny);
+    nn::LoraNetwork network(*model, std::vector<nn::LoraComponent>{{"lora_unet", ""}}, lora_options(c));
+    tracer.param_shapes.clear();
+    for (const auto& p : network->parameters()) tracer.param_shapes.push_back(p.sizes().vec());
+    lora_elem = c.full_bf16 ? 2 : 4;
   }
   MemoryPlan p;
   p.parameters = tracer.parameters();
@@ -1268,7 +1287,14 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size) {
     p.notes.push_back("per-module [[precision.rule]] entries are not modelled: the plan uses the config-wide "
                       "precision (full_bf16 / full_fp16 / mixed_precision / gradient_checkpointing)");
   }
-  p.weights_bytes = p.parameters * weight_elem;
+  p.weights_bytes = frozen_parameters > 0 ? frozen_parameters * weight_elem + p.parameters * lora_elem
+                                         : p.parameters * weight_elem;
+  if (frozen_parameters > 0) {
+    p.notes.push_back(fmt::format(
+        "LoRA: {} adapter parameters train, {} base parameters frozen; activations are planned as for full "
+        "training (a frozen layer's input is counted as saved), so the plan errs high",
+        p.parameters, frozen_parameters));
+  }
   if (real) {
     // Buffers stored with the weights (MMDiT's pos_embed: 226M elements at full size).
     for (const auto& b : real->buffers()) p.weights_bytes += b.numel() * weight_elem;
@@ -1324,6 +1350,9 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size) {
   persistent[kW] = p.weights_bytes;
   persistent[kS] = p.optimizer_state_bytes;
   persistent[kG] = accum_buffers;
+  // LoRA without fusion: the adapters' gradients (not in the trace, whose
+  // base layers are frozen), counted from the start of backward (errs high).
+  if (frozen_parameters > 0 && !c.fused_backward_pass) persistent[kG] += p.parameters * lora_elem;
 
   // Phase A: forward + backward of a micro-batch.
   Bytes a = tr.at_peak;

@@ -105,15 +105,6 @@ struct Run {
                              {"fused_previous_grad_norm", nullptr}};
 };
 
-/// LoRA options from the config (kohya's network_dim / network_alpha / network_args).
-nn::LoraOptions lora_options(const TrainConfig& c) {
-  nn::LoraOptions o;
-  o.rank = c.network_dim;
-  o.alpha = c.network_alpha;
-  o.dtype = c.full_bf16 ? torch::kBFloat16 : torch::kFloat32;  // as kohya: full_bf16 casts the network too
-  return nn::apply_network_args(o, c.network_args);
-}
-
 /// Writes the kohya LoRA file (networks.lora keys, ss_* metadata). The final
 /// file follows save_precision; checkpoints keep the trained dtype (exact resume).
 void save_lora(const Run& run, const std::string& path, int64_t step, bool final_file) {

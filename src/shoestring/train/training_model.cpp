@@ -26,6 +26,14 @@ std::unique_ptr<TrainingModel> make_training_model(const TrainConfig& config, co
        config.architecture);
 }
 
+nn::LoraOptions lora_options(const TrainConfig& c) {
+  nn::LoraOptions o;
+  o.rank = c.network_dim;
+  o.alpha = c.network_alpha;
+  o.dtype = c.full_bf16 ? torch::kBFloat16 : torch::kFloat32;
+  return nn::apply_network_args(o, c.network_args);
+}
+
 std::string config_hash(const TrainConfig& config) {
   const std::string text = to_toml(config);
   uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a 64 offset basis

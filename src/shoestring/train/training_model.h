@@ -90,6 +90,12 @@ class TrainingModel {
   virtual int64_t plan_vocab_size() const { return 0; }
 };
 
+/// LoRA options of a config: rank = network_dim, alpha = network_alpha,
+/// network_args applied (nn::apply_network_args), adapters in bf16 with
+/// full_bf16 (as kohya casts the network too), else fp32. Throws
+/// shoestring::Error for bad network_args.
+nn::LoraOptions lora_options(const TrainConfig& config);
+
 /// Builds the family `config.architecture` names, loads `source.pretrained`
 /// and prepares its data (for the LDM families: encodes every image and
 /// caption of `dataset` once). Parameters are charged to the ledger's
