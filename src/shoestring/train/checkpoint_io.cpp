@@ -67,8 +67,10 @@ std::string latest_checkpoint_dir(const std::string& run_dir) {
     fail("{}: expected a \"checkpoint\" field naming the checkpoint folder", latest.string());
   }
   fs::path dir = fs::path(run_dir) / "checkpoints" / j["checkpoint"].get<std::string>();
-  if (!fs::exists(dir / "model.safetensors") || !fs::exists(dir / "state.safetensors")) {
-    fail("{}: checkpoint folder '{}' lacks model.safetensors or state.safetensors", latest.string(),
+  // LoRA runs over a pretrained base keep lora.safetensors instead of the model.
+  if ((!fs::exists(dir / "model.safetensors") && !fs::exists(dir / "lora.safetensors")) ||
+      !fs::exists(dir / "state.safetensors")) {
+    fail("{}: checkpoint folder '{}' lacks model.safetensors (or lora.safetensors) or state.safetensors", latest.string(),
          dir.string());
   }
   return dir.string();

@@ -8,6 +8,9 @@
 //   checkpoints/step-NNNNNN/state.safetensors   optimizer state, EMA, RNG, counters
 //   checkpoints/latest.json          names the newest complete checkpoint
 //   model.safetensors                final weights (EMA weights when EMA is on)
+// A LoRA run adds lora.safetensors beside each model.safetensors; a LoRA run
+// on a released architecture's pretrained file writes lora.safetensors only
+// (its frozen base is reloaded from that file on resume).
 // Every file is written atomically (temp, fsync, rename), and latest.json is
 // written last, so a crash leaves the previous checkpoint as the latest.
 #pragma once

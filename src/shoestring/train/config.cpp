@@ -587,6 +587,15 @@ std::string config_reference_markdown() {
 precision::Policy precision_policy(const TrainConfig& c) {
   std::vector<precision::RuleSpec> specs =
       precision::shorthand_rules(c.mixed_precision, c.full_bf16, c.full_fp16, c.gradient_checkpointing);
+  if (!c.network_module.empty()) {
+    // LoRA: the base model is frozen (the trainer freezes it before adding
+    // the adapters), so storage rules such as fp8 apply to frozen weights.
+    precision::RuleSpec frozen;
+    frozen.match = "*";
+    frozen.trainable = false;
+    frozen.origin = "shorthand network_module (LoRA: base weights frozen)";
+    specs.push_back(frozen);
+  }
   for (const auto& r : c.precision_rules) specs.push_back(r);
   return precision::Policy::from_specs(specs);
 }

@@ -171,6 +171,7 @@ class LdmTrainingModel final : public TrainingModel {
   }
 
   void save_final(const std::string& path, int64_t step) override;
+  bool base_reloadable() const override { return base_.has_value(); }
 
  private:
   /// The key prefix the configured UNet is stored under in the base file.

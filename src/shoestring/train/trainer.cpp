@@ -125,10 +125,15 @@ void save_lora(const Run& run, const std::string& path, int64_t step, bool final
   run.network->save(path, meta, dtype);
 }
 
+/// A LoRA run whose frozen base comes back from the pretrained file: its
+/// checkpoints and final output hold the adapters only (as kohya's), not a
+/// copy of the base model.
+bool lora_only(const Run& run) { return run.network && run.model->base_reloadable(); }
+
 void save_checkpoint(Run& run, int64_t step, const BatchSampler::Position& pos) {
   fs::path dir = fs::path(run.run_dir) / "checkpoints" / step_name(step);
   fs::create_directories(dir);
-  save_module((dir / "model.safetensors").string(), run.model->module(), run.model->metadata(step));
+  if (!lora_only(run)) save_module((dir / "model.safetensors").string(), run.model->module(), run.model->metadata(step));
   if (run.network) save_lora(run, (dir / "lora.safetensors").string(), step, /*final_file=*/false);
 
   std::vector<NamedTensor> state;
@@ -156,10 +161,12 @@ void save_checkpoint(Run& run, int64_t step, const BatchSampler::Position& pos) 
 /// Restores weights, optimizer, EMA, RNG, data position and counters.
 /// Returns the step the checkpoint was taken at.
 int64_t load_checkpoint(Run& run, const std::string& dir) {
-  auto model_file = SafetensorsFile::open((fs::path(dir) / "model.safetensors").string());
-  std::map<std::string, at::Tensor> weights;
-  for (const auto& info : model_file.tensors()) weights[info.name] = model_file.get(info.name);
-  load_module(run.model->module(), weights, model_file.path());
+  if (!lora_only(run)) {
+    auto model_file = SafetensorsFile::open((fs::path(dir) / "model.safetensors").string());
+    std::map<std::string, at::Tensor> weights;
+    for (const auto& info : model_file.tensors()) weights[info.name] = model_file.get(info.name);
+    load_module(run.model->module(), weights, model_file.path());
+  }
   if (run.network) run.network->load((fs::path(dir) / "lora.safetensors").string());
 
   auto state_file = SafetensorsFile::open((fs::path(dir) / "state.safetensors").string());
@@ -679,7 +686,7 @@ TrainSummary train(const TrainConfig& cfg, const TrainRunOptions& options) {
   {
     std::vector<at::Tensor> saved;
     if (run.ema) saved = run.ema->swap_in();
-    run.model->save_final((fs::path(run.run_dir) / "model.safetensors").string(), summary.last_step);
+    if (!lora_only(run)) run.model->save_final((fs::path(run.run_dir) / "model.safetensors").string(), summary.last_step);
     if (run.network) {
       save_lora(run, (fs::path(run.run_dir) / "lora.safetensors").string(), summary.last_step, /*final_file=*/true);
     }
@@ -710,7 +717,8 @@ TrainSummary train(const TrainConfig& cfg, const TrainRunOptions& options) {
       spdlog::warn("{} unreadable images were skipped:", summary.skipped_images);
       for (const auto& sk : run.dataset.skipped()) spdlog::warn("  {}: {}", sk.path, sk.reason);
     }
-    spdlog::info("final weights {}/model.safetensors; samples {}", run.run_dir, summary.last_sample);
+    spdlog::info("final weights {}/{}; samples {}", run.run_dir, lora_only(run) ? "lora.safetensors" : "model.safetensors",
+                 summary.last_sample);
   }
   return summary;
 }

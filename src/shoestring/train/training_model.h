@@ -86,6 +86,11 @@ class TrainingModel {
   /// Throws shoestring::Error from the range guard or on I/O failure.
   virtual void save_final(const std::string& path, int64_t step) = 0;
 
+  /// True when the frozen base weights can be rebuilt exactly from the
+  /// pretrained file (a resumed LoRA run reloads them), so a LoRA run saves
+  /// only its adapters.
+  virtual bool base_reloadable() const { return false; }
+
   /// Caption vocabulary size for the planner (0 when it does not matter).
   virtual int64_t plan_vocab_size() const { return 0; }
 };
