@@ -215,6 +215,27 @@ TEST(LdmTraining, ResumeEqualsTheUninterruptedRun) {
   auto resumed = run_losses(dir);
   ASSERT_EQ(resumed.size(), 4u);
   for (size_t i = 0; i < 4; ++i) EXPECT_EQ(resumed[i], whole[i]) << "step " << i + 1;
+
+  // A config that changes what the checkpoint depends on is refused, naming
+  // the key, before any work; so is a step count already reached.
+  TrainConfig other = part;
+  other.max_train_steps = 6;
+  other.architecture = "ssd1b";
+  other.clip_skip = 2;
+  try {
+    train(other, o);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("model.architecture (run: \"sdxl\", now: \"ssd1b\")"), std::string::npos) << m;
+    EXPECT_NE(m.find("clip_skip"), std::string::npos) << m;
+  }
+  try {
+    train(part, o);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("already at step 4"), std::string::npos) << e.what();
+  }
 }
 
 TEST(LdmTraining, BadSetupsNameWhatIsWrong) {
@@ -238,6 +259,10 @@ TEST(LdmTraining, BadSetupsNameWhatIsWrong) {
   c = ldm_config("sd15", temp_dir("e3"));
   c.architecture = "sd35m";
   EXPECT_NE(message(c).find("not supported yet"), std::string::npos) << message(c);
+  // clip_skip beyond the text encoder's layers (the tiny one has 2).
+  c = ldm_config("sd15", temp_dir("e5"));
+  c.clip_skip = 3;
+  EXPECT_NE(message(c).find("clip_skip = 3: the text encoder has 2 layers"), std::string::npos) << message(c);
   // A checkpoint of another architecture.
   TrainConfig base_cfg = ldm_config("ssd1b", temp_dir("e4base"));
   base_cfg.max_train_steps = 1;
@@ -246,6 +271,15 @@ TEST(LdmTraining, BadSetupsNameWhatIsWrong) {
   const std::string m = message(c);
   EXPECT_NE(m.find("holds no sdxl (tiny) UNet"), std::string::npos) << m;
   EXPECT_NE(m.find("ssd1b (tiny)"), std::string::npos) << m;
+  // A UNet-only file (a checkpoint) is no base for a run that needs the text
+  // encoders and VAE: never random parts beside a real base.
+  const std::string unet_only = fs::path(ssd).parent_path().string() + "/checkpoints/step-000001/model.safetensors";
+  c = ldm_config("ssd1b", temp_dir("e6"), "pretrained_model_name_or_path = \"" + unet_only + "\"\n");
+  EXPECT_NE(message(c).find("holds no text encoder"), std::string::npos) << message(c);
+  // A tiny file with model.tiny = false says so.
+  c = ldm_config("ssd1b", temp_dir("e7"), "pretrained_model_name_or_path = \"" + ssd + "\"\n");
+  c.tiny = false;
+  EXPECT_NE(message(c).find("set model.tiny = true"), std::string::npos) << message(c);
 }
 
 // Every shipped example config parses (their paths point at the user's files).

@@ -213,17 +213,17 @@ TEST(PrecisionTraining, SavePrecisionGuardRefusesOverflowUnlessForced) {
   };
   auto cfg = tiny_config(temp_dir("save_guard"), "save_precision = \"fp16\"\n");
   cfg.max_train_steps = 1;
-  try {
-    train(cfg, plant());
-    ADD_FAILURE() << "no error";
-  } catch (const Error& e) {
-    std::string m = e.what();
-    EXPECT_NE(m.find("unet.norm_out.weight: 1 of 16 values overflow fp16"), std::string::npos) << m;
-    EXPECT_NE(m.find("save_precision_force"), std::string::npos) << m;
+  // The guard refuses fp16 (the refusal itself is tested in tests/precision);
+  // the run keeps its result anyway: the final file in the storage dtype
+  // (fp32 here), beside the lossless checkpoint.
+  {
+    auto s = train(cfg, plant());
+    auto f = SafetensorsFile::open(s.run_dir + "/model.safetensors");
+    EXPECT_EQ(f.find("unet.conv_in.weight")->dtype, StDtype::F32);
+    EXPECT_EQ(f.get("unet.norm_out.weight")[0].item<float>(), 1e6f);
+    EXPECT_TRUE(fs::exists(cfg.output_dir + "/checkpoints/step-000001/model.safetensors"));
+    fs::remove_all(cfg.output_dir);
   }
-  // The lossless checkpoint is there.
-  EXPECT_TRUE(fs::exists(cfg.output_dir + "/checkpoints/step-000001/model.safetensors"));
-  fs::remove_all(cfg.output_dir);
   cfg.save_precision_force = true;
   auto s = train(cfg, plant());
   auto f = SafetensorsFile::open(s.run_dir + "/model.safetensors");

@@ -87,11 +87,8 @@ void register_plan(CLI::App& app) {
     }
     // Resolve the precision rules (on the meta device: nothing is allocated),
     // so plan refuses what train would refuse and prints the same warnings;
-    // the table is shown only with --explain. For the registered real
-    // architectures (whose memory plan covers the denoiser only) only when
-    // asked for.
-    const bool resolve_rules = args->explain || config.architecture == "tiny-unet";
-    const std::string explanation = resolve_rules ? plan::explain_precision(config, args->vocab_size) : "";
+    // the table is shown only with --explain.
+    const std::string explanation = plan::explain_precision(config, args->vocab_size);
     if (args->json) {
       if (args->explain) out["explain"] = explanation;
       std::cout << out.dump(2) << "\n";

@@ -150,7 +150,7 @@ const std::vector<Field>& schema() {
        "sample-grid cadence in optimizer steps (0 = only at the end)", 0, 1e12},
       {"sample_prompts", &TrainConfig::sample_prompts, "prompts of the sample grid (one row each)"},
       {"sample_seeds", &TrainConfig::sample_seeds, "seeds per prompt (grid columns)", 1, 64},
-      {"sample_steps", &TrainConfig::sample_steps, "Euler steps when sampling", 1, 1000},
+      {"sample_steps", &TrainConfig::sample_steps, "sampler steps (Euler for tiny-unet, DDIM for the LDM UNets)", 1, 1000},
       {"sample_cfg", &TrainConfig::sample_cfg, "classifier-free guidance scale", 0, 100},
       {"log_every_n_steps", &TrainConfig::log_every_n_steps, "progress line cadence (no TTY)", 1, 1e9},
       {"num_threads", &TrainConfig::num_threads, "intra-op threads (0 = every CPU this process may use)", 0, 1024},

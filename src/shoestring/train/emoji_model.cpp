@@ -85,8 +85,10 @@ class EmojiTrainingModel final : public TrainingModel {
             {"dtype", config_.full_bf16 ? "bf16" : config_.full_fp16 ? "fp16" : "fp32"}};
   }
 
-  void save_final(const std::string& path, int64_t step) override {
-    save_module_tensors(path, module_tensors(*model_), metadata(step), config_);
+  void save_final(const std::string& path, int64_t step, bool storage_dtype) override {
+    TrainConfig c = config_;
+    if (storage_dtype) c.save_precision = "auto";
+    save_module_tensors(path, module_tensors(*model_), metadata(step), c);
   }
 
   int64_t plan_vocab_size() const override { return tokenizer_.vocab_size(); }

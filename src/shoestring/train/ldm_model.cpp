@@ -170,7 +170,7 @@ class LdmTrainingModel final : public TrainingModel {
             {"modelspec.prediction_type", config_.v_parameterization ? "v" : "epsilon"}};
   }
 
-  void save_final(const std::string& path, int64_t step) override;
+  void save_final(const std::string& path, int64_t step, bool storage_dtype) override;
   bool base_reloadable() const override { return base_.has_value(); }
 
  private:
@@ -226,6 +226,12 @@ std::string LdmTrainingModel::detect_unet_prefix() const {
     }
   }
   if (!found) {
+    for (const auto& d : models::detect_architectures(shapes)) {
+      if (d.architecture == config_.architecture) {
+        fail("{}: holds a {}{} UNet; set model.tiny = {}", base_->path(), d.architecture, d.tiny ? " (tiny)" : "",
+             d.tiny ? "true" : "false");
+      }
+    }
     fail("{}: holds no {}{} UNet (found: {}); set model.architecture to the checkpoint's architecture{}",
          base_->path(), config_.architecture, config_.tiny ? " (tiny)" : "",
          seen.empty() ? std::string("nothing recognisable") : fmt::format("{}", fmt::join(seen, ", ")),
@@ -290,9 +296,22 @@ void LdmTrainingModel::build_text_encoders() {
   if (base_) {
     for (const auto& n : base_->names()) from_file = from_file || starts_with(n, prefixes[0]);
   }
-  if (!from_file && !config_.tiny) {
+  if (!from_file && base_) {
+    // Only a tiny run without any base file starts from random text encoders.
     fail("{}: holds no text encoder (no '{}*' keys); {} needs the checkpoint's CLIP text encoder{}",
          base_->path(), prefixes[0], config_.architecture, sdxl_ ? "s" : "");
+  }
+  if (config_.clip_skip > opts[0].layers()) {
+    fail("clip_skip = {}: the text encoder has {} layers (clip_skip counts layers from the last, 1 = the last)",
+         config_.clip_skip, opts[0].layers());
+  }
+  if (sdxl_ && config_.clip_skip != 1) {
+    spdlog::warn("clip_skip = {} is ignored for {}: SDXL conditions on both encoders' penultimate layers",
+                 config_.clip_skip, config_.architecture);
+  }
+  if (tokenizer_.clip && tokenizer_.clip->vocab_size() > opts[0].vocab_size()) {
+    fail("tokenizer_dir '{}': vocab.json has ids up to {}, but the text encoder's vocabulary has {} entries",
+         config_.tokenizer_dir, tokenizer_.clip->vocab_size() - 1, opts[0].vocab_size());
   }
   for (size_t i = 0; i < opts.size(); ++i) {
     models::ClipTextModel te = with_seed(static_cast<uint64_t>(config_.seed) + 101 + i, [&] {
@@ -374,7 +393,8 @@ models::AutoencoderKL LdmTrainingModel::build_vae(bool for_decoding) {
     }
     if (vae_file) has = true;  // a VAE file may hold bare keys
   }
-  if (!has && !config_.tiny) {
+  if (!has && (files || !config_.tiny)) {
+    // Only a tiny run without any base file starts from a random VAE.
     fail("{}: holds no VAE (no '{}*' keys); set vae = FILE to a VAE safetensors", files ? files->path() : "(none)",
          kVaePrefix);
   }
@@ -490,12 +510,14 @@ std::vector<std::pair<std::string, at::Tensor>> LdmTrainingModel::companion_tens
   return out;
 }
 
-void LdmTrainingModel::save_final(const std::string& path, int64_t step) {
+void LdmTrainingModel::save_final(const std::string& path, int64_t step, bool storage_dtype) {
   // The trained UNet under model.diffusion_model. plus the base checkpoint's
   // VAE and text encoders: a single file ComfyUI / A1111 / kohya load as is.
   std::vector<std::pair<std::string, at::Tensor>> tensors = module_tensors(*root_);
   for (auto& item : companion_tensors()) tensors.push_back(std::move(item));
-  save_module_tensors(path, tensors, metadata(step), config_);
+  TrainConfig c = config_;
+  if (storage_dtype) c.save_precision = "auto";
+  save_module_tensors(path, tensors, metadata(step), c);
 }
 
 }  // namespace

@@ -69,7 +69,7 @@ void save_sample_grid(const std::string& path, const at::Tensor& images, const S
   std::string sidecar = path;
   if (sidecar.size() > 4 && sidecar.substr(sidecar.size() - 4) == ".png") sidecar.resize(sidecar.size() - 4);
   sidecar += ".txt";
-  std::string text = fmt::format("# rows: prompts; columns: seeds {}; {} Euler steps; cfg {}\n",
+  std::string text = fmt::format("# rows: prompts; columns: seeds {}; {} sampler steps; cfg {}\n",
                                  fmt::join(request.seeds, ", "), request.steps, request.cfg);
   for (const auto& p : request.prompts) text += p + "\n";
   write_bytes_atomic(sidecar, text);

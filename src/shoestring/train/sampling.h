@@ -17,7 +17,7 @@ class WordTokenizer;
 struct SampleRequest {
   std::vector<std::string> prompts;
   std::vector<uint64_t> seeds;  ///< the noise of seed s is the same for every prompt
-  int64_t steps = 30;           ///< Euler steps
+  int64_t steps = 30;           ///< sampler steps (Euler; DDIM for the LDM UNets)
   double cfg = 4.0;             ///< guidance scale; 1 disables the unconditional pass
   int64_t max_batch = 64;       ///< images per forward pass (memory bound)
 };

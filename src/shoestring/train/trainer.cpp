@@ -109,7 +109,18 @@ struct Run {
 /// file follows save_precision; checkpoints keep the trained dtype (exact resume).
 void save_lora(const Run& run, const std::string& path, int64_t step, bool final_file) {
   const TrainConfig& c = run.config;
-  auto meta = nn::kohya_lora_metadata(run.network->options(), "shoestring_" + c.architecture);
+  // kohya's ss_base_model_version values (A1111 and ComfyUI tell SDXL LoRAs
+  // by them) and Stability's model-spec architecture for LoRA files.
+  const bool sd1 = c.architecture == "sd15", xl = c.architecture == "sdxl" || c.architecture == "ssd1b";
+  auto meta = nn::kohya_lora_metadata(run.network->options(), sd1 ? "sd_v1"
+                                                              : xl ? "sdxl_base_v1-0"
+                                                                   : "shoestring_" + c.architecture);
+  if (sd1 || xl) {
+    meta["modelspec.sai_model_spec"] = "1.0.0";
+    meta["modelspec.architecture"] = sd1 ? "stable-diffusion-v1/lora" : "stable-diffusion-xl-v1-base/lora";
+    meta["modelspec.implementation"] = "https://github.com/Stability-AI/generative-models";
+    meta["modelspec.title"] = fmt::format("{} step {}", fs::path(run.run_dir).filename().string(), step);
+  }
   meta["ss_steps"] = std::to_string(step);
   meta["ss_max_train_steps"] = std::to_string(c.max_train_steps);
   meta["ss_learning_rate"] = fmt::format("{}", c.learning_rate);
@@ -249,6 +260,73 @@ void write_samples(Run& run, int64_t step, std::string& last_sample) {
   save_sample_grid(last_sample, images, req);
 }
 
+/// Refuses to resume `run_dir` with a config that differs from the run's own
+/// config.toml in anything the checkpoint depends on (model, base files,
+/// LoRA, optimizer, precision, data order), naming each difference, and
+/// refuses a max_train_steps already reached, before any slow work.
+void check_resume(const std::string& run_dir, const std::string& checkpoint_dir, const TrainConfig& now) {
+  const fs::path recorded = fs::path(run_dir) / "config.toml";
+  if (fs::exists(recorded)) {
+    const TrainConfig was = load_config(recorded.string());
+    auto path_of = [](const std::string& p) {
+      if (p.empty()) return p;
+      std::error_code ec;
+      auto canonical = fs::weakly_canonical(expand_path(p), ec);
+      return ec ? p : canonical.string();
+    };
+    std::vector<std::string> diffs;
+    auto same = [&](const char* key, const std::string& a, const std::string& b) {
+      if (a != b) diffs.push_back(fmt::format("{} (run: \"{}\", now: \"{}\")", key, a, b));
+    };
+    auto str = [](const auto& v) { return fmt::format("{}", v); };
+    auto list = [](const auto& v) { return fmt::format("[{}]", fmt::join(v, ", ")); };
+    same("model.architecture", was.architecture, now.architecture);
+    same("model.tiny", str(was.tiny), str(now.tiny));
+    same("pretrained_model_name_or_path", path_of(was.pretrained_model_name_or_path),
+         path_of(now.pretrained_model_name_or_path));
+    same("vae", path_of(was.vae), path_of(now.vae));
+    same("tokenizer_dir", path_of(was.tokenizer_dir), path_of(now.tokenizer_dir));
+    same("train_data_dir", path_of(was.train_data_dir), path_of(now.train_data_dir));
+    same("clip_skip", str(was.clip_skip), str(now.clip_skip));
+    same("v_parameterization", str(was.v_parameterization), str(now.v_parameterization));
+    same("resolution", str(was.resolution), str(now.resolution));
+    same("model.base_channels", str(was.base_channels), str(now.base_channels));
+    same("model.channel_mult", list(was.channel_mult), list(now.channel_mult));
+    same("model.num_res_blocks", str(was.num_res_blocks), str(now.num_res_blocks));
+    same("model.attention_levels", list(was.attention_levels), list(now.attention_levels));
+    same("model.num_heads", str(was.num_heads), str(now.num_heads));
+    same("model.text_dim", str(was.text_dim), str(now.text_dim));
+    same("model.text_layers", str(was.text_layers), str(now.text_layers));
+    same("max_caption_length", str(was.max_caption_length), str(now.max_caption_length));
+    same("network_module", was.network_module, now.network_module);
+    same("network_dim", str(was.network_dim), str(now.network_dim));
+    same("network_alpha", str(was.network_alpha), str(now.network_alpha));
+    same("network_args", list(was.network_args), list(now.network_args));
+    same("network_train_unet_only", str(was.network_train_unet_only), str(now.network_train_unet_only));
+    same("optimizer_type", was.optimizer_type, now.optimizer_type);
+    same("optimizer_state_dtype", was.optimizer_state_dtype, now.optimizer_state_dtype);
+    same("full_bf16", str(was.full_bf16), str(now.full_bf16));
+    same("full_fp16", str(was.full_fp16), str(now.full_fp16));
+    same("train_batch_size", str(was.train_batch_size), str(now.train_batch_size));
+    same("seed", str(was.seed), str(now.seed));
+    same("ema_decay > 0", str(was.ema_decay > 0), str(now.ema_decay > 0));
+    if (!diffs.empty()) {
+      fail("--resume {}: this config differs from the run's own ({}) in what its checkpoint depends on: {}; "
+           "resume with the run's config (`shoestring train --resume {}`, with --max-steps N to train further)",
+           run_dir, recorded.string(), fmt::join(diffs, "; "), run_dir);
+    }
+  }
+  // "step-000123" (checkpoint folders are named by step_name()).
+  const std::string name = fs::path(checkpoint_dir).filename().string();
+  if (name.rfind("step-", 0) == 0) {
+    const int64_t step = std::strtoll(name.c_str() + 5, nullptr, 10);
+    if (step >= now.max_train_steps) {
+      fail("run '{}' is already at step {} >= max_train_steps {}; pass --max-steps N with N > {} to train further",
+           run_dir, step, now.max_train_steps, step);
+    }
+  }
+}
+
 }  // namespace
 
 TrainSummary train(const TrainConfig& cfg, const TrainRunOptions& options) {
@@ -277,8 +355,13 @@ TrainSummary train(const TrainConfig& cfg, const TrainRunOptions& options) {
     }
   } cleanup{run.run_dir, created_dir};
   std::string resume_from;
-  if (options.resume_dir) resume_from = latest_checkpoint_dir(run.run_dir);
+  if (options.resume_dir) {
+    resume_from = latest_checkpoint_dir(run.run_dir);
+    check_resume(run.run_dir, resume_from, c);
+    run.config.output_dir = run.run_dir;  // the run folder, whatever the config names
+  }
 
+  check_training_config(c);
   MemoryLedger& ledger = MemoryLedger::global();
   ledger.install();
   const int threads = configure_threads(c.num_threads);
@@ -338,6 +421,10 @@ TrainSummary train(const TrainConfig& cfg, const TrainRunOptions& options) {
     nn::freeze_parameters(model);
     run.network = nn::LoraNetwork(model, run.model->lora_components(c.network_train_unet_only), lora_options(c));
     if (!c.network_weights.empty()) run.network->load(expand_path(c.network_weights));
+    if (c.pretrained_model_name_or_path.empty() && c.network_weights.empty()) {
+      spdlog::warn("LoRA on a randomly initialised base (pretrained_model_name_or_path is not set): the adapters "
+                   "learn on top of an untrained model");
+    }
     if (!options.quiet) {
       spdlog::info("LoRA: {} modules, rank {}, alpha {}{}", run.network->modules().size(), c.network_dim,
                    c.network_alpha, c.network_weights.empty() ? "" : ", from " + c.network_weights);
@@ -675,7 +762,12 @@ TrainSummary train(const TrainConfig& cfg, const TrainRunOptions& options) {
     if ((c.sample_every_n_steps > 0 && step % c.sample_every_n_steps == 0) || last) {
       if (tty) fmt::print(stderr, "\n");
       if (run.overflow) run.overflow->set_enabled(false);
-      write_samples(run, step, summary.last_sample);
+      try {
+        write_samples(run, step, summary.last_sample);
+      } catch (const std::exception& e) {
+        // A sample grid is a by-product: training and saving go on.
+        spdlog::warn("step {}: no sample grid: {}", step, e.what());
+      }
       if (run.overflow) run.overflow->set_enabled(true);
       if (!options.quiet) spdlog::info("step {}: sample grid {}", step, summary.last_sample);
     }
@@ -686,7 +778,24 @@ TrainSummary train(const TrainConfig& cfg, const TrainRunOptions& options) {
   {
     std::vector<at::Tensor> saved;
     if (run.ema) saved = run.ema->swap_in();
-    if (!lora_only(run)) run.model->save_final((fs::path(run.run_dir) / "model.safetensors").string(), summary.last_step);
+    const std::string final_path = (fs::path(run.run_dir) / "model.safetensors").string();
+    if (!lora_only(run)) {
+      try {
+        run.model->save_final(final_path, summary.last_step);
+      } catch (const Error& e) {
+        // The range guard refused save_precision: keep the trained weights
+        // anyway, in their storage dtype, and say how to narrow them.
+        if (c.save_precision == "auto") throw;
+        spdlog::warn("{}", e.what());
+        run.model->save_final(final_path, summary.last_step, /*storage_dtype=*/true);
+        spdlog::warn("wrote {} in the weights' storage dtype instead of save_precision = \"{}\"; {}", final_path,
+                     c.save_precision,
+                     c.architecture == "tiny-unet"
+                         ? std::string("save_precision_force = true narrows anyway")
+                         : fmt::format("`shoestring convert {} --to ldm --dtype {} --force OUT` narrows it anyway",
+                                       final_path, c.save_precision == "float" ? "fp32" : c.save_precision));
+      }
+    }
     if (run.network) {
       save_lora(run, (fs::path(run.run_dir) / "lora.safetensors").string(), summary.last_step, /*final_file=*/true);
     }

@@ -2,6 +2,8 @@
 
 #include <cstdio>
 
+#include <spdlog/spdlog.h>
+
 #include "shoestring/core/error.h"
 #include "shoestring/io/safetensors.h"
 #include "shoestring/precision/save_guard.h"
@@ -10,20 +12,52 @@
 
 namespace shoestring {
 
-std::unique_ptr<TrainingModel> make_training_model(const TrainConfig& config, const ImageCaptionDataset& dataset,
-                                                   const ModelSource& source) {
+namespace {
+
+/// Warns about keys set away from their defaults that this family ignores.
+void warn_ignored_keys(const TrainConfig& c) {
+  const TrainConfig d;
+  std::vector<std::string> ignored;
+  if (c.architecture == "tiny-unet") {
+    if (!c.vae.empty()) ignored.push_back("vae");
+    if (!c.tokenizer_dir.empty()) ignored.push_back("tokenizer_dir");
+    if (c.v_parameterization) ignored.push_back("v_parameterization");
+    if (c.clip_skip != d.clip_skip) ignored.push_back("clip_skip");
+  } else {
+    if (c.base_channels != d.base_channels) ignored.push_back("model.base_channels");
+    if (c.channel_mult != d.channel_mult) ignored.push_back("model.channel_mult");
+    if (c.num_res_blocks != d.num_res_blocks) ignored.push_back("model.num_res_blocks");
+    if (c.attention_levels != d.attention_levels) ignored.push_back("model.attention_levels");
+    if (c.num_heads != d.num_heads) ignored.push_back("model.num_heads");
+    if (c.norm_groups != d.norm_groups) ignored.push_back("model.norm_groups");
+    if (c.text_dim != d.text_dim) ignored.push_back("model.text_dim");
+    if (c.text_layers != d.text_layers) ignored.push_back("model.text_layers");
+    if (c.timestep_sampling != d.timestep_sampling) ignored.push_back("timestep_sampling");
+  }
+  if (!ignored.empty()) {
+    spdlog::warn("model.architecture = \"{}\" ignores {} (docs/config.md)", c.architecture, fmt::join(ignored, ", "));
+  }
+}
+
+}  // namespace
+
+void check_training_config(const TrainConfig& config) {
   if (config.architecture == "tiny-unet") {
     if (config.tiny) fail("model.tiny applies to released architectures; tiny-unet is sized by model.base_channels");
-    return make_emoji_training_model(config, dataset, source);
-  }
-  if (config.architecture == "sd15" || config.architecture == "sdxl" || config.architecture == "ssd1b") {
-    return make_ldm_training_model(config, dataset, source);
-  }
-  fail("model.architecture = \"{}\": training it from a config is not supported yet (its latent encoder — the "
+  } else if (config.architecture != "sd15" && config.architecture != "sdxl" && config.architecture != "ssd1b") {
+    fail("model.architecture = \"{}\": training it from a config is not supported yet (its latent encoder — the "
        "SD3 16-channel VAE or Stable Cascade's EfficientNet — and text encoders are not in shoestring); "
        "supported: tiny-unet, sd15, sdxl, ssd1b. `shoestring plan`, `inspect --arch` and bench/model_step do "
        "cover it",
        config.architecture);
+  }
+  warn_ignored_keys(config);
+}
+
+std::unique_ptr<TrainingModel> make_training_model(const TrainConfig& config, const ImageCaptionDataset& dataset,
+                                                   const ModelSource& source) {
+  if (config.architecture == "tiny-unet") return make_emoji_training_model(config, dataset, source);
+  return make_ldm_training_model(config, dataset, source);
 }
 
 nn::LoraOptions lora_options(const TrainConfig& c) {

@@ -79,12 +79,13 @@ class TrainingModel {
 
   /// String metadata of checkpoint and final files at `step`.
   virtual std::map<std::string, std::string> metadata(int64_t step) const = 0;
-  /// Writes the final model file: module() tensors in `dtype` (nullopt =
-  /// storage dtype) through the save-time range guard, plus whatever the
-  /// family ships beside them (the LDM families copy the base checkpoint's VAE
-  /// and text encoders so the file loads in ComfyUI / A1111).
+  /// Writes the final model file: module() tensors in the config's
+  /// save_precision (or, with `storage_dtype`, each in its own dtype) through
+  /// the save-time range guard, plus whatever the family ships beside them
+  /// (the LDM families copy the base checkpoint's VAE and text encoders so the
+  /// file loads in ComfyUI / A1111).
   /// Throws shoestring::Error from the range guard or on I/O failure.
-  virtual void save_final(const std::string& path, int64_t step) = 0;
+  virtual void save_final(const std::string& path, int64_t step, bool storage_dtype = false) = 0;
 
   /// True when the frozen base weights can be rebuilt exactly from the
   /// pretrained file (a resumed LoRA run reloads them), so a LoRA run saves
@@ -101,7 +102,12 @@ class TrainingModel {
 /// shoestring::Error for bad network_args.
 nn::LoraOptions lora_options(const TrainConfig& config);
 
-/// Builds the family `config.architecture` names, loads `source.pretrained`
+/// Checks, before any slow work, that `config.architecture` can be trained
+/// from a config (and model.tiny fits it), and warns about keys the family
+/// ignores. Throws shoestring::Error naming the key.
+void check_training_config(const TrainConfig& config);
+
+/// Builds the family `config.architecture` names (check_training_config first), loads `source.pretrained`
 /// and prepares its data (for the LDM families: encodes every image and
 /// caption of `dataset` once). Parameters are charged to the ledger's
 /// `weights` category, caches to `other`.
