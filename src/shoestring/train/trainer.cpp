@@ -143,7 +143,17 @@ bool lora_only(const Run& run) { return run.network && run.model->base_reloadabl
 
 void save_checkpoint(Run& run, int64_t step, const BatchSampler::Position& pos) {
   fs::path dir = fs::path(run.run_dir) / "checkpoints" / step_name(step);
-  fs::create_directories(dir);
+  const bool created = fs::create_directories(dir);
+  // A failed save (full disk, ...) leaves no empty checkpoint folder; files
+  // are written atomically, so nothing partial either.
+  struct RemoveIfEmpty {
+    fs::path dir;
+    bool armed;
+    ~RemoveIfEmpty() {
+      std::error_code ec;
+      if (armed && fs::is_empty(dir, ec)) fs::remove(dir, ec);
+    }
+  } cleanup{dir, created};
   if (!lora_only(run)) save_module((dir / "model.safetensors").string(), run.model->module(), run.model->metadata(step));
   if (run.network) save_lora(run, (dir / "lora.safetensors").string(), step, /*final_file=*/false);
 
