@@ -75,24 +75,6 @@ torch::Tensor LdmResampleImpl::forward(const torch::Tensor& x) {
       x, F::InterpolateFuncOptions().size(std::vector<int64_t>{x.size(2) * 2, x.size(3) * 2}).mode(torch::kNearest)));
 }
 
-torch::Tensor LdmBlockImpl::forward(const torch::Tensor& x, const torch::Tensor& emb, const torch::Tensor& context) {
-  torch::Tensor h = x;
-  for (const auto& layer : layers_) {
-    if (auto* res = dynamic_cast<nn::ResBlockImpl*>(layer.get())) {
-      h = res->forward(h, emb);
-    } else if (auto* st = dynamic_cast<nn::SpatialTransformerImpl*>(layer.get())) {
-      h = st->forward(h, context);
-    } else if (auto* rs = dynamic_cast<LdmResampleImpl*>(layer.get())) {
-      h = rs->forward(h);
-    } else if (auto* conv = dynamic_cast<nn::Conv2dImpl*>(layer.get())) {
-      h = conv->forward(h);
-    } else {
-      fail("LdmBlock: unsupported layer type {}", layer->name());
-    }
-  }
-  return h;
-}
-
 int64_t LdmBlockImpl::transformer_depth() const {
   int64_t depth = 0;
   for (const auto& layer : layers_) {
@@ -101,17 +83,23 @@ int64_t LdmBlockImpl::transformer_depth() const {
   return depth;
 }
 
-torch::Tensor LdmBlockImpl::forward_checkpointed(const torch::Tensor& x, const torch::Tensor& emb,
-                                                 const torch::Tensor& context) {
+torch::Tensor LdmBlockImpl::forward_layers(const torch::Tensor& x, const torch::Tensor& emb,
+                                           const torch::Tensor& context, const nn::BlockTable* table,
+                                           bool checkpoint_layers) {
   torch::Tensor h = x;
   for (const auto& layer : layers_) {
     if (auto res = std::dynamic_pointer_cast<nn::ResBlockImpl>(layer)) {
-      h = nn::checkpoint(
+      h = nn::run_block(
+          table, res,
           [res](const std::vector<torch::Tensor>& in) { return std::vector<torch::Tensor>{res->forward(in[0], in[1])}; },
-          {h, emb})[0];
-    } else if (auto* st = dynamic_cast<nn::SpatialTransformerImpl*>(layer.get())) {
-      st->set_checkpoint_blocks(true);
-      h = st->forward(h, context);
+          {h, emb}, checkpoint_layers)[0];
+    } else if (auto st = std::dynamic_pointer_cast<nn::SpatialTransformerImpl>(layer)) {
+      // Never checkpointed whole: its transformer blocks are, one by one.
+      st->set_checkpoint_blocks(checkpoint_layers);
+      h = nn::run_block(
+          table, st,
+          [st](const std::vector<torch::Tensor>& in) { return std::vector<torch::Tensor>{st->forward(in[0], in[1])}; },
+          {h, context})[0];
       st->set_checkpoint_blocks(false);
     } else if (auto* rs = dynamic_cast<LdmResampleImpl*>(layer.get())) {
       h = rs->forward(h);
@@ -257,33 +245,10 @@ torch::Tensor LdmUNetImpl::run_ldm_block(LdmBlockImpl& block, const torch::Tenso
                                          const torch::Tensor& context) {
   if (block_table_->configured()) {
     // Per block, as the precision rules say; the legacy flag covers blocks without an entry.
-    const nn::BlockTable* table = block_table_.get();
-    torch::Tensor x = h;
-    for (const auto& layer : block.layers()) {
-      if (auto res = std::dynamic_pointer_cast<nn::ResBlockImpl>(layer)) {
-        x = nn::run_block(
-            table, res,
-            [res](const std::vector<torch::Tensor>& in) { return std::vector<torch::Tensor>{res->forward(in[0], in[1])}; },
-            {x, emb}, gradient_checkpointing_)[0];
-      } else if (auto st = std::dynamic_pointer_cast<nn::SpatialTransformerImpl>(layer)) {
-        st->set_checkpoint_blocks(gradient_checkpointing_);
-        x = nn::run_block(
-            table, st,
-            [st](const std::vector<torch::Tensor>& in) { return std::vector<torch::Tensor>{st->forward(in[0], in[1])}; },
-            {x, context})[0];
-        st->set_checkpoint_blocks(false);
-      } else if (auto* rs = dynamic_cast<LdmResampleImpl*>(layer.get())) {
-        x = rs->forward(x);
-      } else if (auto* conv = dynamic_cast<nn::Conv2dImpl*>(layer.get())) {
-        x = conv->forward(x);
-      } else {
-        fail("LdmBlock: unsupported layer type {}", layer->name());
-      }
-    }
-    return x;
+    return block.forward_layers(h, emb, context, block_table_.get(), gradient_checkpointing_);
   }
   if (!(gradient_checkpointing_ && is_training())) return block.forward(h, emb, context);
-  if (block.transformer_depth() > 1) return block.forward_checkpointed(h, emb, context);
+  if (block.transformer_depth() > 1) return block.forward_layers(h, emb, context, nullptr, true);
   auto self = std::static_pointer_cast<LdmBlockImpl>(block.shared_from_this());
   return nn::checkpoint(
       [self](const std::vector<torch::Tensor>& in) {

@@ -116,15 +116,21 @@ class LdmBlockImpl : public torch::nn::Module {
     layers_.push_back(layer.ptr());
   }
   /// h: [B, C, H, W]; emb: [B, 4*mc]; context: [B, L, context_dim].
-  torch::Tensor forward(const torch::Tensor& h, const torch::Tensor& emb, const torch::Tensor& context);
+  torch::Tensor forward(const torch::Tensor& h, const torch::Tensor& emb, const torch::Tensor& context) {
+    return forward_layers(h, emb, context, nullptr, false);
+  }
   /// Total transformer blocks in this block's SpatialTransformers (0 if none).
   int64_t transformer_depth() const;
-  /// forward() with gradient checkpointing per layer: each ResBlock on its
-  /// own, each transformer block on its own (SpatialTransformer
-  /// set_checkpoint_blocks), resamplers not at all. Backward then holds one
-  /// layer's recomputed activations at a time (for SDXL's 10-deep blocks at
-  /// 1024 px about 1.4 GiB less than checkpointing the whole block).
-  torch::Tensor forward_checkpointed(const torch::Tensor& h, const torch::Tensor& emb, const torch::Tensor& context);
+  /// forward() with each ResBlock and each SpatialTransformer run through
+  /// nn::run_block(table, ...): per-block compute dtype and checkpointing when
+  /// `table` is configured (precision rules); otherwise, with
+  /// `checkpoint_layers`, each ResBlock and each transformer block is
+  /// checkpointed on its own (SpatialTransformer set_checkpoint_blocks) and
+  /// resamplers not at all, so backward holds one layer's recomputed
+  /// activations at a time (for SDXL's 10-deep blocks at 1024 px about
+  /// 1.4 GiB less than checkpointing the whole block).
+  torch::Tensor forward_layers(const torch::Tensor& h, const torch::Tensor& emb, const torch::Tensor& context,
+                               const nn::BlockTable* table, bool checkpoint_layers);
   /// The layers "0", "1", ... in order.
   const std::vector<std::shared_ptr<torch::nn::Module>>& layers() const { return layers_; }
 
@@ -152,7 +158,7 @@ class LdmUNetImpl : public torch::nn::Module {
   /// When on and in training mode, every input/middle/output block is run
   /// through nn::checkpoint (activations recomputed in backward); blocks with
   /// more than one transformer block are checkpointed layer by layer instead
-  /// (LdmBlockImpl::forward_checkpointed).
+  /// (LdmBlockImpl::forward_layers).
   /// Used only while block_table() is not configured; a configured table
   /// decides per block (precision rules, nn/block_precision.h), and this flag
   /// then applies only to blocks that have no entry.
