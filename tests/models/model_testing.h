@@ -9,7 +9,10 @@
 #include <string>
 #include <vector>
 
+#include <gtest/gtest.h>
 #include <torch/torch.h>
+
+#include "shoestring/models/tiny_unet.h"
 
 #include "../nn/reference_data.h"
 
@@ -49,6 +52,27 @@ inline int64_t resident_bytes() {
   int64_t size = 0, resident = 0;
   f >> size >> resident;
   return resident * sysconf(_SC_PAGESIZE);
+}
+
+/// Asserts that `keys` holds `name` with `shape`.
+inline void expect_shape(const std::map<std::string, std::vector<int64_t>>& keys, const std::string& name,
+                         std::vector<int64_t> shape) {
+  auto it = keys.find(name);
+  ASSERT_NE(it, keys.end()) << name;
+  EXPECT_EQ(it->second, shape) << name;
+}
+
+/// A TinyUNet small enough for unit tests: 16 base channels, levels [1, 2],
+/// one ResBlock per level, attention at level 1, 2 heads, context 12, 8 groups.
+inline models::TinyUNetOptions small_tiny_unet_options() {
+  return models::TinyUNetOptions()
+      .base_channels(16)
+      .channel_mult({1, 2})
+      .num_res_blocks(1)
+      .attention_levels({1})
+      .num_heads(2)
+      .context_dim(12)
+      .groups(8);
 }
 
 }  // namespace shoestring::testing

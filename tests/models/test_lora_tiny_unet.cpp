@@ -9,6 +9,7 @@
 
 #include "shoestring/nn/lora.h"
 #include "shoestring/models/tiny_unet.h"
+#include "model_testing.h"
 
 using namespace shoestring;
 using namespace shoestring::models;
@@ -17,16 +18,7 @@ using shoestring::nn::LoraOptions;
 
 namespace {
 
-TinyUNetOptions small_options() {
-  return TinyUNetOptions()
-      .base_channels(16)
-      .channel_mult({1, 2})
-      .num_res_blocks(1)
-      .attention_levels({1})
-      .num_heads(2)
-      .context_dim(12)
-      .groups(8);
-}
+TinyUNetOptions small_options() { return shoestring::testing::small_tiny_unet_options(); }
 
 // conv_out and the ResBlocks' conv2 start at zero; perturb everything so the
 // output depends on every layer.

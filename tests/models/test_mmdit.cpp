@@ -68,12 +68,7 @@ void load_into(MMDiT& net, const std::map<std::string, torch::Tensor>& ref) {
   net->pos_embed.copy_(ref.at("buffer.pos_embed"));
 }
 
-void expect_shape(const std::map<std::string, std::vector<int64_t>>& keys, const std::string& name,
-                  std::vector<int64_t> shape) {
-  auto it = keys.find(name);
-  ASSERT_NE(it, keys.end()) << name;
-  EXPECT_EQ(it->second, shape) << name;
-}
+using shoestring::testing::expect_shape;
 
 using shoestring::testing::count_graph_nodes;
 

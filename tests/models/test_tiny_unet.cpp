@@ -10,6 +10,7 @@
 
 #include "shoestring/core/error.h"
 #include "shoestring/models/tiny_unet.h"
+#include "model_testing.h"
 
 using namespace shoestring;
 using models::TinyUNet;
@@ -17,16 +18,7 @@ using models::TinyUNetOptions;
 
 namespace {
 
-TinyUNetOptions small_options() {
-  return TinyUNetOptions()
-      .base_channels(16)
-      .channel_mult({1, 2})
-      .num_res_blocks(1)
-      .attention_levels({1})
-      .num_heads(2)
-      .context_dim(12)
-      .groups(8);
-}
+TinyUNetOptions small_options() { return shoestring::testing::small_tiny_unet_options(); }
 
 // Replaces the zero-initialised convs so that every parameter gets a gradient.
 void perturb_parameters(torch::nn::Module& m, uint64_t seed) {

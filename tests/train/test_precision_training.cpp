@@ -26,26 +26,8 @@ namespace {
 
 std::string temp_dir(const std::string& name) { return shoestring::testing::fresh_temp_dir("prec", name); }
 
-/// The tiny emoji model of tests/train/test_trainer.cpp plus extra TOML.
 TrainConfig tiny_config(const std::string& out, const std::string& extra = "") {
-  std::string text = fmt::format(
-      "train_data_dir = \"{}/twemoji\"\n"
-      "resolution = 16\n"
-      "train_batch_size = 4\n"
-      "max_train_steps = 6\n"
-      "learning_rate = 1e-3\n"
-      "seed = 3\n"
-      "num_threads = 1\n"
-      "sample_prompts = [\"red heart\"]\n"
-      "sample_seeds = 1\n"
-      "sample_steps = 2\n"
-      "output_dir = \"{}\"\n"
-      "{}\n"
-      "[model]\n"
-      "base_channels = 16\nchannel_mult = [1, 2]\nnum_res_blocks = 1\nattention_levels = [1]\n"
-      "num_heads = 2\nnorm_groups = 8\ntext_dim = 32\ntext_layers = 1\n",
-      SHOESTRING_TEST_DATA, out, extra);
-  return parse_config(text, "tiny.toml");
+  return shoestring::testing::tiny_emoji_config(out, extra);
 }
 
 std::vector<nlohmann::json> records_of(const std::string& run_dir) {

@@ -25,28 +25,14 @@ namespace {
 
 std::string temp_dir(const std::string& name) { return shoestring::testing::fresh_temp_dir("test", name); }
 
-/// A model small enough to train for a few steps in a second or two.
+/// A model small enough to train for a few steps in a second or two, with a
+/// 2-seed sample grid of 3 steps.
 TrainConfig tiny_config(const std::string& out) {
-  std::string text = fmt::format(
-      "train_data_dir = \"{}/twemoji\"\n"
-      "resolution = 16\n"
-      "train_batch_size = 4\n"
-      "max_train_steps = 6\n"
-      "learning_rate = 1e-3\n"
-      "seed = 3\n"
-      "num_threads = 1\n"
-      "sample_prompts = [\"red heart\"]\n"
-      "sample_seeds = 2\n"
-      "sample_steps = 3\n"
-      "output_dir = \"{}\"\n"
-      "[model]\n"
-      "base_channels = 16\nchannel_mult = [1, 2]\nnum_res_blocks = 1\nattention_levels = [1]\n"
-      "num_heads = 2\nnorm_groups = 8\ntext_dim = 32\ntext_layers = 1\n",
-      SHOESTRING_TEST_DATA, out);
-  return parse_config(text, "tiny.toml");
+  TrainConfig c = shoestring::testing::tiny_emoji_config(out);
+  c.sample_seeds = 2;
+  c.sample_steps = 3;
+  return c;
 }
-
-
 
 }  // namespace
 
