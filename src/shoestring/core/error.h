@@ -2,6 +2,7 @@
 // message names the file, key or tensor involved and what was expected.
 // Library code never calls exit(); the CLI catches Error and prints it.
 #pragma once
+#include <cstddef>
 #include <stdexcept>
 #include <string>
 
@@ -21,5 +22,10 @@ template <typename... Args>
 [[noreturn]] void fail(fmt::format_string<Args...> f, Args&&... args) {
   throw Error(fmt::format(f, std::forward<Args>(args)...));
 }
+
+/// Levenshtein distance (insertions, deletions, substitutions, each 1)
+/// between two byte strings, for "did you mean" suggestions in error
+/// messages (unknown config keys, unknown LoRA module names).
+size_t edit_distance(const std::string& a, const std::string& b);
 
 }  // namespace shoestring
