@@ -121,3 +121,40 @@ TEST(Config, DocsPageIsCurrent) {
   EXPECT_EQ(ss.str(), expected) << "docs/config.md is stale: copy " << ::testing::TempDir()
                                 << "config.md over it";
 }
+
+// The schema's resume attributes: every key a checkpoint depends on is
+// compared, paths after expansion, ema_decay only as "EMA on or off".
+TEST(Config, ResumeDifferencesNameEachKeyTheCheckpointDependsOn) {
+  const auto was = parse_config("optimizer_type = \"AdamW\"\nema_decay = 0.99\n", "run.toml");
+  EXPECT_TRUE(shoestring::resume_differences(was, was).empty());
+  // Keys the checkpoint does not depend on may change.
+  auto now = parse_config("optimizer_type = \"AdamW\"\nema_decay = 0.9\nlearning_rate = 1\nmax_train_steps = 9\n",
+                          "now.toml");
+  EXPECT_TRUE(shoestring::resume_differences(was, now).empty());
+  now = parse_config(
+      "optimizer_type = \"Lion\"\nema_decay = 0\n[model]\nchannel_mult = [1, 2]\nattention_levels = [1]\n",
+      "now.toml");
+  const auto diffs = shoestring::resume_differences(was, now);
+  ASSERT_EQ(diffs.size(), 4u);
+  EXPECT_EQ(diffs[0], "model.channel_mult (run: \"[1, 2, 4]\", now: \"[1, 2]\")");
+  EXPECT_EQ(diffs[1], "model.attention_levels (run: \"[1, 2]\", now: \"[1]\")");
+  EXPECT_EQ(diffs[2], "optimizer_type (run: \"AdamW\", now: \"Lion\")");
+  EXPECT_EQ(diffs[3], "ema_decay > 0 (run: \"true\", now: \"false\")");
+  // A path is compared as the file it names: "~" and "${SHOESTRING_CACHE}" expand first.
+  const std::string home = std::getenv("HOME") ? std::getenv("HOME") : "/root";
+  auto tilde = parse_config("train_data_dir = \"~/data\"\n", "a.toml");
+  auto absolute = parse_config("train_data_dir = \"" + home + "/data\"\n", "b.toml");
+  EXPECT_TRUE(shoestring::resume_differences(tilde, absolute).empty());
+  auto other = parse_config("train_data_dir = \"" + home + "/other\"\n", "c.toml");
+  ASSERT_EQ(shoestring::resume_differences(tilde, other).size(), 1u);
+  EXPECT_EQ(shoestring::resume_differences(tilde, other)[0].rfind("train_data_dir (run: ", 0), 0u);
+}
+
+TEST(Config, IgnoredKeysAreTheOtherFamilysKeysSetAwayFromTheirDefaults) {
+  const auto defaults = parse_config("", "run.toml");
+  EXPECT_TRUE(shoestring::ignored_keys(defaults, true).empty());
+  EXPECT_TRUE(shoestring::ignored_keys(defaults, false).empty());
+  const auto c = parse_config("clip_skip = 2\nvae = \"v.safetensors\"\n[model]\nbase_channels = 32\n", "run.toml");
+  EXPECT_EQ(shoestring::ignored_keys(c, /*emoji_model=*/true), (std::vector<std::string>{"vae", "clip_skip"}));
+  EXPECT_EQ(shoestring::ignored_keys(c, /*emoji_model=*/false), (std::vector<std::string>{"model.base_channels"}));
+}

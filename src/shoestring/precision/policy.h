@@ -1,6 +1,6 @@
 // The precision policy: rules that match module paths and say, per parameter
 // and per block, how it is stored, computed, trained and checkpointed
-// (DESIGN.md, "The precision model"; docs/precision.md).
+// (docs/precision.md; ARCHITECTURE.md, "precision").
 //
 // A rule is written in the run config as
 //   [[precision.rule]]

@@ -82,3 +82,102 @@ void set_latest_checkpoint(const std::string& run_dir, const std::string& checkp
 }
 
 }  // namespace shoestring
+
+namespace shoestring {
+namespace {
+
+nlohmann::json counters_to_json(const TrainingCounters& c) {
+  auto optional = [](const std::optional<double>& v) { return v ? nlohmann::json(*v) : nlohmann::json(nullptr); };
+  return {{"step", c.step},
+          {"optimizer_step_count", c.optimizer_step_count},
+          {"data_epoch", c.data_epoch},
+          {"data_index", c.data_index},
+          {"micro_steps", c.micro_steps},
+          {"images_seen", c.images_seen},
+          {"skipped_steps", c.skipped_steps},
+          {"consecutive_nonfinite", c.consecutive_nonfinite},
+          {"elapsed_seconds", c.elapsed_seconds},
+          {"loss_scale", optional(c.loss_scale)},
+          {"loss_scale_growth_tracker", c.loss_scale_growth_tracker},
+          {"precision_upcast", c.precision_upcast},
+          {"fused_previous_grad_norm", optional(c.fused_previous_grad_norm)}};
+}
+
+TrainingCounters counters_from_json(const nlohmann::json& j, const std::string& source) {
+  TrainingCounters c;
+  auto required = [&](const char* key, int64_t& out) {
+    if (!j.contains(key) || !j[key].is_number_integer()) {
+      fail("{}: 'training_state' metadata lacks the integer field '{}'", source, key);
+    }
+    out = j[key].get<int64_t>();
+  };
+  required("step", c.step);
+  required("optimizer_step_count", c.optimizer_step_count);
+  required("data_epoch", c.data_epoch);
+  required("data_index", c.data_index);
+  try {
+    // Fields added over time: an older file keeps the defaults.
+    c.micro_steps = j.value("micro_steps", int64_t{0});
+    c.images_seen = j.value("images_seen", int64_t{0});
+    c.skipped_steps = j.value("skipped_steps", int64_t{0});
+    c.consecutive_nonfinite = j.value("consecutive_nonfinite", int64_t{0});
+    c.elapsed_seconds = j.value("elapsed_seconds", 0.0);
+    if (j.contains("loss_scale") && j["loss_scale"].is_number()) c.loss_scale = j["loss_scale"].get<double>();
+    c.loss_scale_growth_tracker = j.value("loss_scale_growth_tracker", int64_t{0});
+    if (j.contains("precision_upcast")) c.precision_upcast = j["precision_upcast"].get<std::vector<std::string>>();
+    if (j.contains("fused_previous_grad_norm") && j["fused_previous_grad_norm"].is_number()) {
+      c.fused_previous_grad_norm = j["fused_previous_grad_norm"].get<double>();
+    }
+  } catch (const nlohmann::json::exception& e) {
+    fail("{}: 'training_state' metadata has a field of the wrong type: {}", source, e.what());
+  }
+  return c;
+}
+
+}  // namespace
+
+void save_training_state(const std::string& path, const TrainingState& state) {
+  std::vector<NamedTensor> tensors;
+  for (const auto& [name, t] : state.optimizer) tensors.push_back({"optimizer." + name, t, std::nullopt});
+  for (const auto& [name, t] : state.ema) tensors.push_back({"ema." + name, t, std::nullopt});
+  for (const auto& [name, t] : state.master) tensors.push_back({"master." + name, t, std::nullopt});
+  tensors.push_back({"rng.cpu", state.rng_cpu, std::nullopt});
+  save_safetensors(path, tensors, {{"training_state", counters_to_json(state.counters).dump()}});
+}
+
+TrainingState load_training_state(const std::string& path) {
+  auto file = SafetensorsFile::open(path);
+  auto it = file.metadata().find("training_state");
+  if (it == file.metadata().end()) fail("{}: missing 'training_state' metadata", file.path());
+  nlohmann::json meta;
+  try {
+    meta = nlohmann::json::parse(it->second);
+  } catch (const nlohmann::json::exception& e) {
+    fail("{}: 'training_state' metadata is not valid JSON: {}", file.path(), e.what());
+  }
+  TrainingState state;
+  state.counters = counters_from_json(meta, file.path());
+  const std::pair<const char*, std::vector<std::pair<std::string, at::Tensor>>*> groups[] = {
+      {"optimizer.", &state.optimizer}, {"ema.", &state.ema}, {"master.", &state.master}};
+  for (const auto& info : file.tensors()) {
+    const std::string& n = info.name;
+    if (n == "rng.cpu") {
+      state.rng_cpu = file.get(n);
+      continue;
+    }
+    bool known = false;
+    for (const auto& [prefix, group] : groups) {
+      const std::string p = prefix;
+      if (n.rfind(p, 0) == 0) {
+        group->emplace_back(n.substr(p.size()), file.get(n));
+        known = true;
+        break;
+      }
+    }
+    if (!known) fail("{}: unexpected tensor '{}' in training state", file.path(), n);
+  }
+  if (!state.rng_cpu.defined()) fail("{}: tensor 'rng.cpu' is missing", file.path());
+  return state;
+}
+
+}  // namespace shoestring

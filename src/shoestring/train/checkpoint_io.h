@@ -5,7 +5,7 @@
 //   metrics.jsonl                    one JSON object per optimizer step
 //   samples/step-NNNNNN.png (+ .txt) sample grids with their prompts
 //   checkpoints/step-NNNNNN/model.safetensors   weights (storage dtype) + metadata
-//   checkpoints/step-NNNNNN/state.safetensors   optimizer state, EMA, RNG, counters
+//   checkpoints/step-NNNNNN/state.safetensors   optimizer state, EMA, RNG, counters (TrainingState)
 //   checkpoints/latest.json          names the newest complete checkpoint
 //   model.safetensors                final weights (EMA weights when EMA is on)
 // A LoRA run adds lora.safetensors beside each model.safetensors; a LoRA run
@@ -15,6 +15,7 @@
 // written last, so a crash leaves the previous checkpoint as the latest.
 #pragma once
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -48,5 +49,48 @@ std::string latest_checkpoint_dir(const std::string& run_dir);
 
 /// Points checkpoints/latest.json at `checkpoint_dir` (atomic write).
 void set_latest_checkpoint(const std::string& run_dir, const std::string& checkpoint_dir, int64_t step);
+
+/// The counters of a run that a resume restores: what the loop has done so
+/// far and the state of its fp16 machinery. Stored as the JSON
+/// "training_state" metadata of state.safetensors under the names given.
+struct TrainingCounters {
+  int64_t step = 0;                        ///< "step": optimizer steps taken (the checkpoint's step)
+  int64_t optimizer_step_count = 0;        ///< "optimizer_step_count": the optimizer's own count (bias correction)
+  int64_t data_epoch = 0;                  ///< "data_epoch": BatchSampler position of the next batch
+  int64_t data_index = 0;                  ///< "data_index"
+  int64_t micro_steps = 0;                 ///< "micro_steps": micro-batches run (forward + backward passes)
+  int64_t images_seen = 0;                 ///< "images_seen"
+  int64_t skipped_steps = 0;               ///< "skipped_steps": non-finite steps skipped
+  int64_t consecutive_nonfinite = 0;       ///< "consecutive_nonfinite": skipped steps in a row (divergence guard)
+  double elapsed_seconds = 0;              ///< "elapsed_seconds": wall time of the steps so far
+  std::optional<double> loss_scale;        ///< "loss_scale": fp16 dynamic loss scale (null without fp16)
+  int64_t loss_scale_growth_tracker = 0;   ///< "loss_scale_growth_tracker": clean steps since the last change
+  std::vector<std::string> precision_upcast;      ///< "precision_upcast": blocks the overflow guard moved to fp32
+  std::optional<double> fused_previous_grad_norm;  ///< "fused_previous_grad_norm": fused clipping's last norm
+};
+
+/// Everything state.safetensors holds: the counters and the optimizer, EMA
+/// and fp32-master tensors (names without their
+/// "optimizer." / "ema." / "master." prefix) and libtorch's CPU generator state.
+struct TrainingState {
+  TrainingCounters counters;
+  std::vector<std::pair<std::string, at::Tensor>> optimizer;
+  std::vector<std::pair<std::string, at::Tensor>> ema;
+  std::vector<std::pair<std::string, at::Tensor>> master;
+  at::Tensor rng_cpu;  ///< uint8, cpu_rng_state()
+};
+
+/// Writes `state` to `path` (atomic): tensors "optimizer.<name>", "ema.<name>",
+/// "master.<name>", "rng.cpu", and the counters as JSON metadata
+/// "training_state". Throws shoestring::Error on I/O failure.
+void save_training_state(const std::string& path, const TrainingState& state);
+
+/// Reads a file written by save_training_state. "step",
+/// "optimizer_step_count", "data_epoch" and "data_index" are required; other
+/// counters missing from older files keep their defaults. Throws
+/// shoestring::Error naming the file: unreadable, no or invalid
+/// "training_state" metadata, a missing required counter, a tensor outside
+/// the four groups, or no "rng.cpu".
+TrainingState load_training_state(const std::string& path);
 
 }  // namespace shoestring

@@ -1,6 +1,7 @@
 #include "shoestring/train/config.h"
 
 #include <cstdlib>
+#include <filesystem>
 #include <limits>
 #include <sstream>
 #include <variant>
@@ -19,6 +20,23 @@ using Member = std::variant<bool TrainConfig::*, int64_t TrainConfig::*, double 
                             std::string TrainConfig::*, std::vector<int64_t> TrainConfig::*,
                             std::vector<std::string> TrainConfig::*>;
 
+/// Attributes of a key beyond its type and range (Field::flags).
+enum FieldFlag : unsigned {
+  /// A run's checkpoint depends on the value: --resume refuses a config that
+  /// changes it (compared as rendered, e.g. "[1, 2]").
+  kResumeValue = 1u << 0,
+  /// As kResumeValue, for a path: compared after ${SHOESTRING_CACHE} / ~
+  /// expansion and canonicalisation.
+  kResumePath = 1u << 1,
+  /// As kResumeValue, for whether the value is non-zero (ema_decay: EMA
+  /// state exists or not; the decay itself may change).
+  kResumeEnabled = 1u << 2,
+  /// Only the emoji example's model (tiny-unet) reads the key.
+  kEmojiModelOnly = 1u << 3,
+  /// Only the released architectures (sd15, sdxl, ...) read the key.
+  kReleasedModelOnly = 1u << 4,
+};
+
 /// One schema entry: key, where it lives in TrainConfig, what is allowed.
 struct Field {
   const char* key;
@@ -27,45 +45,53 @@ struct Field {
   double min = -std::numeric_limits<double>::infinity();  ///< numbers and list elements
   double max = std::numeric_limits<double>::infinity();
   std::vector<std::string> choices = {};                   ///< strings
+  unsigned flags = 0;                                      ///< FieldFlag bits
+
+  /// This entry with `bits` added to its flags.
+  Field with(unsigned bits) const {
+    Field f = *this;
+    f.flags |= bits;
+    return f;
+  }
 };
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
 const std::vector<Field>& schema() {
   static const std::vector<Field> fields = {
-      {"train_data_dir", &TrainConfig::train_data_dir,
-       "dataset folder: Twemoji package (emoji.json) or kohya layout (image + .txt)"},
-      {"resolution", &TrainConfig::resolution, "training resolution in pixels (square)", 8, 1024},
+      Field{"train_data_dir", &TrainConfig::train_data_dir,
+       "dataset folder: Twemoji package (emoji.json) or kohya layout (image + .txt)"}.with(kResumePath),
+      Field{"resolution", &TrainConfig::resolution, "training resolution in pixels (square)", 8, 1024}.with(kResumeValue),
       {"caption_dropout_rate", &TrainConfig::caption_dropout_rate,
        "probability of training on an empty caption (classifier-free guidance)", 0, 1},
-      {"max_caption_length", &TrainConfig::max_caption_length, "caption tokens incl. <bos>", 2, 512},
-      {"model.architecture", &TrainConfig::architecture,
+      Field{"max_caption_length", &TrainConfig::max_caption_length, "caption tokens incl. <bos>", 2, 512}.with(kResumeValue),
+      Field{"model.architecture", &TrainConfig::architecture,
        "model architecture: the emoji example's tiny-unet, or a released one (docs/architectures.md)", -kInf, kInf,
-       {"tiny-unet", "sd15", "sdxl", "ssd1b", "sd35m", "cascade-c", "cascade-c-lite"}},
-      {"model.tiny", &TrainConfig::tiny,
-       "released architectures: the same block structure at test width (small channels)"},
-      {"model.base_channels", &TrainConfig::base_channels, "UNet channels at full resolution", 8, 4096},
-      {"model.channel_mult", &TrainConfig::channel_mult, "channel multiplier per UNet level", 1, 64},
-      {"model.num_res_blocks", &TrainConfig::num_res_blocks, "ResBlocks per UNet level", 1, 16},
-      {"model.attention_levels", &TrainConfig::attention_levels,
-       "UNet levels (0 = full resolution) with self- and cross-attention", 0, 16},
-      {"model.num_heads", &TrainConfig::num_heads, "attention heads", 1, 128},
-      {"model.norm_groups", &TrainConfig::norm_groups, "GroupNorm groups in the UNet", 1, 1024},
-      {"model.text_dim", &TrainConfig::text_dim, "caption encoder width (UNet context_dim)", 8, 4096},
-      {"model.text_layers", &TrainConfig::text_layers, "caption encoder transformer layers", 0, 48},
+       {"tiny-unet", "sd15", "sdxl", "ssd1b", "sd35m", "cascade-c", "cascade-c-lite"}}.with(kResumeValue),
+      Field{"model.tiny", &TrainConfig::tiny,
+       "released architectures: the same block structure at test width (small channels)"}.with(kResumeValue),
+      Field{"model.base_channels", &TrainConfig::base_channels, "UNet channels at full resolution", 8, 4096}.with(kResumeValue | kEmojiModelOnly),
+      Field{"model.channel_mult", &TrainConfig::channel_mult, "channel multiplier per UNet level", 1, 64}.with(kResumeValue | kEmojiModelOnly),
+      Field{"model.num_res_blocks", &TrainConfig::num_res_blocks, "ResBlocks per UNet level", 1, 16}.with(kResumeValue | kEmojiModelOnly),
+      Field{"model.attention_levels", &TrainConfig::attention_levels,
+       "UNet levels (0 = full resolution) with self- and cross-attention", 0, 16}.with(kResumeValue | kEmojiModelOnly),
+      Field{"model.num_heads", &TrainConfig::num_heads, "attention heads", 1, 128}.with(kResumeValue | kEmojiModelOnly),
+      Field{"model.norm_groups", &TrainConfig::norm_groups, "GroupNorm groups in the UNet", 1, 1024}.with(kEmojiModelOnly),
+      Field{"model.text_dim", &TrainConfig::text_dim, "caption encoder width (UNet context_dim)", 8, 4096}.with(kResumeValue | kEmojiModelOnly),
+      Field{"model.text_layers", &TrainConfig::text_layers, "caption encoder transformer layers", 0, 48}.with(kResumeValue | kEmojiModelOnly),
       {"model.dropout", &TrainConfig::dropout, "dropout in ResBlocks", 0, 0.99},
-      {"timestep_sampling", &TrainConfig::timestep_sampling,
+      Field{"timestep_sampling", &TrainConfig::timestep_sampling,
        "flow-matching time distribution (SD3: logit_normal)", -kInf, kInf,
-       {"logit_normal", "uniform"}},
+       {"logit_normal", "uniform"}}.with(kEmojiModelOnly),
       {"logit_mean", &TrainConfig::logit_mean, "logit-normal mean", -10, 10},
       {"logit_std", &TrainConfig::logit_std, "logit-normal standard deviation", 1e-3, 10},
-      {"optimizer_type", &TrainConfig::optimizer_type, "optimizer (kohya name)", -kInf, kInf,
-       {"AdamW", "AdamW8bit", "Adafactor", "Lion", "Compass"}},
+      Field{"optimizer_type", &TrainConfig::optimizer_type, "optimizer (kohya name)", -kInf, kInf,
+       {"AdamW", "AdamW8bit", "Adafactor", "Lion", "Compass"}}.with(kResumeValue),
       {"optimizer_args", &TrainConfig::optimizer_args,
        "optimizer arguments as \"key=value\" strings, e.g. [\"weight_decay=0.01\", \"betas=0.9,0.999\"]"},
-      {"optimizer_state_dtype", &TrainConfig::optimizer_state_dtype,
+      Field{"optimizer_state_dtype", &TrainConfig::optimizer_state_dtype,
        "dtype of full-size optimizer state (bf16 is stochastically rounded)", -kInf, kInf,
-       {"fp32", "bf16"}},
+       {"fp32", "bf16"}}.with(kResumeValue),
       {"stochastic_rounding", &TrainConfig::stochastic_rounding,
        "stochastically round bf16 weight and state updates (false: round-to-nearest, loses small updates)"},
       {"fused_backward_pass", &TrainConfig::fused_backward_pass,
@@ -82,7 +108,7 @@ const std::vector<Field>& schema() {
        {"constant", "constant_with_warmup", "cosine"}},
       {"lr_warmup_steps", &TrainConfig::lr_warmup_steps, "linear warmup length in optimizer steps", 0,
        1e12},
-      {"train_batch_size", &TrainConfig::train_batch_size, "images per micro-batch", 1, 65536},
+      Field{"train_batch_size", &TrainConfig::train_batch_size, "images per micro-batch", 1, 65536}.with(kResumeValue),
       {"max_train_steps", &TrainConfig::max_train_steps, "optimizer steps to train", 1, 1e12},
       {"gradient_accumulation_steps", &TrainConfig::gradient_accumulation_steps,
        "micro-batches per optimizer step", 1, 65536},
@@ -115,33 +141,33 @@ const std::vector<Field>& schema() {
        {"auto", "fp32", "float", "fp16", "bf16"}},
       {"save_precision_force", &TrainConfig::save_precision_force,
        "save in save_precision even when values overflow or flush to zero (else an error)"},
-      {"ema_decay", &TrainConfig::ema_decay, "EMA decay per optimizer step (0 = no EMA)", 0, 0.999999},
+      Field{"ema_decay", &TrainConfig::ema_decay, "EMA decay per optimizer step (0 = no EMA)", 0, 0.999999}.with(kResumeEnabled),
       {"max_nonfinite_steps", &TrainConfig::max_nonfinite_steps,
        "consecutive non-finite steps (skipped) before training stops", 1, 1e9},
-      {"seed", &TrainConfig::seed, "seed for data order, noise, init and rounding", 0, 9.0e18},
-      {"pretrained_model_name_or_path", &TrainConfig::pretrained_model_name_or_path,
+      Field{"seed", &TrainConfig::seed, "seed for data order, noise, init and rounding", 0, 9.0e18}.with(kResumeValue),
+      Field{"pretrained_model_name_or_path", &TrainConfig::pretrained_model_name_or_path,
        "base weights to start from: a shoestring model.safetensors (tiny-unet), or a single-file checkpoint "
        "(LDM / ComfyUI layout, or a sharded *.safetensors.index.json) for a released architecture; \"\" = random "
-       "init"},
-      {"vae", &TrainConfig::vae,
+       "init"}.with(kResumePath),
+      Field{"vae", &TrainConfig::vae,
        "VAE weights for an LDM architecture (a file with the VAE alone or under first_stage_model.); \"\" = the "
-       "pretrained checkpoint's"},
-      {"tokenizer_dir", &TrainConfig::tokenizer_dir,
+       "pretrained checkpoint's"}.with(kResumePath | kReleasedModelOnly),
+      Field{"tokenizer_dir", &TrainConfig::tokenizer_dir,
        "folder holding CLIP's vocab.json and merges.txt (e.g. ComfyUI's comfy/sd1_tokenizer); \"\" = a word "
-       "tokenizer built from the captions"},
-      {"v_parameterization", &TrainConfig::v_parameterization,
-       "LDM UNets: train the v-prediction target (SD 2.x style) instead of epsilon"},
-      {"clip_skip", &TrainConfig::clip_skip, "SD 1.x: condition on the N-th last CLIP layer's output", 1, 12},
-      {"network_module", &TrainConfig::network_module,
+       "tokenizer built from the captions"}.with(kResumePath | kReleasedModelOnly),
+      Field{"v_parameterization", &TrainConfig::v_parameterization,
+       "LDM UNets: train the v-prediction target (SD 2.x style) instead of epsilon"}.with(kResumeValue | kReleasedModelOnly),
+      Field{"clip_skip", &TrainConfig::clip_skip, "SD 1.x: condition on the N-th last CLIP layer's output", 1, 12}.with(kResumeValue | kReleasedModelOnly),
+      Field{"network_module", &TrainConfig::network_module,
        "\"networks.lora\": train a LoRA (base weights frozen, output lora.safetensors); \"\": train every weight",
-       -kInf, kInf, {"", "networks.lora"}},
-      {"network_dim", &TrainConfig::network_dim, "LoRA rank", 1, 65536},
-      {"network_alpha", &TrainConfig::network_alpha, "LoRA alpha: the delta is scaled by alpha / rank (0 = rank)", 0,
-       1e6},
-      {"network_args", &TrainConfig::network_args,
+       -kInf, kInf, {"", "networks.lora"}}.with(kResumeValue),
+      Field{"network_dim", &TrainConfig::network_dim, "LoRA rank", 1, 65536}.with(kResumeValue),
+      Field{"network_alpha", &TrainConfig::network_alpha, "LoRA alpha: the delta is scaled by alpha / rank (0 = rank)", 0,
+       1e6}.with(kResumeValue),
+      Field{"network_args", &TrainConfig::network_args,
        "LoRA arguments as \"key=value\" strings: conv_dim, conv_alpha (LoRA on 3x3 convs), train_ff "
-       "(feed-forward layers too)"},
-      {"network_train_unet_only", &TrainConfig::network_train_unet_only, "LoRA on the UNet only, none on the text encoder"},
+       "(feed-forward layers too)"}.with(kResumeValue),
+      Field{"network_train_unet_only", &TrainConfig::network_train_unet_only, "LoRA on the UNet only, none on the text encoder"}.with(kResumeValue),
       {"network_weights", &TrainConfig::network_weights, "kohya LoRA file to start training from (\"\" = new LoRA)"},
       {"output_dir", &TrainConfig::output_dir, "run folder"},
       {"save_every_n_steps", &TrainConfig::save_every_n_steps,
@@ -584,6 +610,66 @@ precision::Policy precision_policy(const TrainConfig& c) {
   }
   for (const auto& r : c.precision_rules) specs.push_back(r);
   return precision::Policy::from_specs(specs);
+}
+
+namespace {
+
+/// The value of `f` in `c` as the resume message shows it: numbers and
+/// booleans as fmt prints them, lists as "[a, b]".
+std::string render_value(const TrainConfig& c, const Field& f) {
+  return std::visit(
+      [&](auto m) -> std::string {
+        using T = std::decay_t<decltype(c.*m)>;
+        if constexpr (std::is_same_v<T, std::vector<int64_t>> || std::is_same_v<T, std::vector<std::string>>) {
+          return fmt::format("[{}]", fmt::join(c.*m, ", "));
+        } else {
+          return fmt::format("{}", c.*m);
+        }
+      },
+      f.member);
+}
+
+std::string canonical_path(const std::string& p) {
+  if (p.empty()) return p;
+  std::error_code ec;
+  auto canonical = std::filesystem::weakly_canonical(expand_path(p), ec);
+  return ec ? p : canonical.string();
+}
+
+}  // namespace
+
+std::vector<std::string> resume_differences(const TrainConfig& was, const TrainConfig& now) {
+  std::vector<std::string> diffs;
+  for (const auto& f : schema()) {
+    std::string key = f.key, a, b;
+    if (f.flags & kResumeValue) {
+      a = render_value(was, f);
+      b = render_value(now, f);
+    } else if (f.flags & kResumePath) {
+      const auto member = std::get<std::string TrainConfig::*>(f.member);
+      a = canonical_path(was.*member);
+      b = canonical_path(now.*member);
+    } else if (f.flags & kResumeEnabled) {
+      const auto member = std::get<double TrainConfig::*>(f.member);
+      key += " > 0";
+      a = fmt::format("{}", was.*member > 0);
+      b = fmt::format("{}", now.*member > 0);
+    } else {
+      continue;
+    }
+    if (a != b) diffs.push_back(fmt::format("{} (run: \"{}\", now: \"{}\")", key, a, b));
+  }
+  return diffs;
+}
+
+std::vector<std::string> ignored_keys(const TrainConfig& config, bool emoji_model) {
+  const TrainConfig defaults;
+  const unsigned not_read = emoji_model ? kReleasedModelOnly : kEmojiModelOnly;
+  std::vector<std::string> keys;
+  for (const auto& f : schema()) {
+    if ((f.flags & not_read) && render_value(config, f) != render_value(defaults, f)) keys.push_back(f.key);
+  }
+  return keys;
 }
 
 std::vector<std::string> config_keys() {

@@ -133,6 +133,17 @@ std::string to_toml(const TrainConfig& config);
 /// precision::Policy::from_specs.
 precision::Policy precision_policy(const TrainConfig& config);
 
+/// The keys a run's checkpoint depends on (schema flag kResume*) whose value
+/// differs between `was` (the run's recorded config.toml) and `now`, each as
+/// `key (run: "a", now: "b")`, in schema order. Paths compare after
+/// expand_path and canonicalisation; ema_decay compares as "> 0".
+std::vector<std::string> resume_differences(const TrainConfig& was, const TrainConfig& now);
+
+/// Keys set away from their defaults that the model family of `config` does
+/// not read (schema flags kEmojiModelOnly / kReleasedModelOnly), in schema
+/// order. `emoji_model`: the config trains the emoji example's tiny-unet.
+std::vector<std::string> ignored_keys(const TrainConfig& config, bool emoji_model);
+
 /// Every valid key, in schema order (for help and tests).
 std::vector<std::string> config_keys();
 

@@ -14,26 +14,10 @@ namespace shoestring {
 
 namespace {
 
-/// Warns about keys set away from their defaults that this family ignores.
+/// Warns about keys set away from their defaults that this family ignores
+/// (the schema's kEmojiModelOnly / kReleasedModelOnly flags).
 void warn_ignored_keys(const TrainConfig& c) {
-  const TrainConfig d;
-  std::vector<std::string> ignored;
-  if (c.architecture == "tiny-unet") {
-    if (!c.vae.empty()) ignored.push_back("vae");
-    if (!c.tokenizer_dir.empty()) ignored.push_back("tokenizer_dir");
-    if (c.v_parameterization) ignored.push_back("v_parameterization");
-    if (c.clip_skip != d.clip_skip) ignored.push_back("clip_skip");
-  } else {
-    if (c.base_channels != d.base_channels) ignored.push_back("model.base_channels");
-    if (c.channel_mult != d.channel_mult) ignored.push_back("model.channel_mult");
-    if (c.num_res_blocks != d.num_res_blocks) ignored.push_back("model.num_res_blocks");
-    if (c.attention_levels != d.attention_levels) ignored.push_back("model.attention_levels");
-    if (c.num_heads != d.num_heads) ignored.push_back("model.num_heads");
-    if (c.norm_groups != d.norm_groups) ignored.push_back("model.norm_groups");
-    if (c.text_dim != d.text_dim) ignored.push_back("model.text_dim");
-    if (c.text_layers != d.text_layers) ignored.push_back("model.text_layers");
-    if (c.timestep_sampling != d.timestep_sampling) ignored.push_back("timestep_sampling");
-  }
+  const std::vector<std::string> ignored = ignored_keys(c, c.architecture == "tiny-unet");
   if (!ignored.empty()) {
     spdlog::warn("model.architecture = \"{}\" ignores {} (docs/config.md)", c.architecture, fmt::join(ignored, ", "));
   }

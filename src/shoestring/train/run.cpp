@@ -1,0 +1,442 @@
+#include "shoestring/train/run.h"
+
+#include <filesystem>
+#include <fstream>
+
+#include <spdlog/spdlog.h>
+#include <torch/torch.h>
+
+#include "shoestring/core/error.h"
+#include "shoestring/core/memory_ledger.h"
+#include "shoestring/core/threads.h"
+#include "shoestring/core/units.h"
+#include "shoestring/io/atomic_file.h"
+#include "shoestring/io/safetensors.h"
+#include "shoestring/nn/chunked_attention.h"
+#include "shoestring/optim/factory.h"
+#include "shoestring/precision/policy.h"
+#include "shoestring/train/sampling.h"
+
+namespace shoestring {
+namespace fs = std::filesystem;
+
+RemoveIfEmpty::~RemoveIfEmpty() {
+  std::error_code ec;
+  if (armed && fs::is_empty(dir, ec)) fs::remove(dir, ec);
+}
+
+namespace {
+
+std::string step_name(int64_t step) { return fmt::format("step-{:06d}", step); }
+
+/// The EMA weights swapped into the model for the lifetime of this object
+/// (nothing without EMA); the trained weights come back even when sampling
+/// or saving throws.
+class EmaWeightsIn {
+ public:
+  explicit EmaWeightsIn(EMA* ema) : ema_(ema) {
+    if (ema_) saved_ = ema_->swap_in();
+  }
+  ~EmaWeightsIn() {
+    if (ema_) ema_->restore(saved_);
+  }
+  EmaWeightsIn(const EmaWeightsIn&) = delete;
+  EmaWeightsIn& operator=(const EmaWeightsIn&) = delete;
+
+ private:
+  EMA* ema_;
+  std::vector<at::Tensor> saved_;
+};
+
+/// Keeps only metrics records with step <= `keep_through` (used on resume so
+/// steps after the checkpoint are not listed twice). Atomic rewrite.
+void truncate_metrics(const std::string& path, int64_t keep_through) {
+  if (!fs::exists(path)) return;
+  std::ifstream in(path);
+  std::string line, kept;
+  while (std::getline(in, line)) {
+    if (line.empty()) continue;
+    try {
+      auto j = nlohmann::json::parse(line);
+      if (j.value("step", int64_t{0}) <= keep_through) kept += line + "\n";
+    } catch (const nlohmann::json::exception&) {
+      break;  // a torn last line from a crash: drop it and everything after
+    }
+  }
+  write_bytes_atomic(path, kept);
+}
+
+/// Refuses to resume `run_dir` with a config that differs from the run's own
+/// config.toml in anything the checkpoint depends on (the schema's resume
+/// keys: model, base files, LoRA, optimizer, precision, data order), naming
+/// each difference, and refuses a max_train_steps already reached, before
+/// any slow work.
+void check_resume(const std::string& run_dir, const std::string& checkpoint_dir, const TrainConfig& now) {
+  const fs::path recorded = fs::path(run_dir) / "config.toml";
+  if (fs::exists(recorded)) {
+    const std::vector<std::string> diffs = resume_differences(load_config(recorded.string()), now);
+    if (!diffs.empty()) {
+      fail("--resume {}: this config differs from the run's own ({}) in what its checkpoint depends on: {}; "
+           "resume with the run's config (`shoestring train --resume {}`, with --max-steps N to train further)",
+           run_dir, recorded.string(), fmt::join(diffs, "; "), run_dir);
+    }
+  }
+  // "step-000123" (checkpoint folders are named by step_name()).
+  const std::string name = fs::path(checkpoint_dir).filename().string();
+  if (name.rfind("step-", 0) == 0) {
+    const int64_t step = std::strtoll(name.c_str() + 5, nullptr, 10);
+    if (step >= now.max_train_steps) {
+      fail("run '{}' is already at step {} >= max_train_steps {}; pass --max-steps N with N > {} to train further",
+           run_dir, step, now.max_train_steps, step);
+    }
+  }
+}
+
+/// The run folder: created, or checked to hold no other run (fresh runs) /
+/// the run being resumed (its config must match).
+void prepare_run_dir(Run& run, const TrainRunOptions& options) {
+  run.created_dir.dir = run.run_dir;
+  run.created_dir.armed = !fs::exists(run.run_dir);
+  ensure_writable_dir(run.run_dir);
+  if (!options.resume_dir && !run.created_dir.armed) {
+    for (const char* marker : {"checkpoints/latest.json", "metrics.jsonl", "config.toml"}) {
+      if (fs::exists(fs::path(run.run_dir) / marker)) {
+        fail("output_dir '{}' already holds a run ({} exists); use --resume {} to continue it, or choose "
+             "another --output-dir",
+             run.run_dir, marker, run.run_dir);
+      }
+    }
+  }
+  if (options.resume_dir) {
+    run.resume_from = latest_checkpoint_dir(run.run_dir);
+    check_resume(run.run_dir, run.resume_from, run.config);
+    run.config.output_dir = run.run_dir;  // the run folder, whatever the config names
+  }
+}
+
+/// Applies the precision policy to the model (storage dtypes, trainable,
+/// per-block compute and checkpointing) and attaches the fp16 overflow guard
+/// when anything trains or computes in fp16. Returns the per-parameter
+/// "keep an fp32 master" choice and whether fp16 training needs loss scaling.
+std::pair<std::map<std::string, bool>, bool> apply_precision(Run& run, const TrainRunOptions& options) {
+  const TrainConfig& c = run.config;
+  torch::nn::Module& model = run.model->module();
+  const precision::Policy policy = precision_policy(c);
+  run.precision_rules = policy.rules().size();
+  const std::vector<nn::BlockTable*> block_tables = run.model->block_tables();
+  const precision::Resolution resolution =
+      precision::resolve(model, policy, {block_tables.begin(), block_tables.end()});
+  for (const auto& w : resolution.warnings) spdlog::warn("{}", w);
+  {
+    ScopedMemoryCategory category(MemoryCategory::weights);
+    precision::apply(model, resolution, block_tables);
+  }
+  if (options.on_model_ready) options.on_model_ready(model);
+  bool fp16_training = false;
+  std::map<std::string, bool> wants_master;
+  for (const auto& p : resolution.params) {
+    wants_master[p.path] = p.settings.master_fp32;
+    if (p.settings.trainable && p.settings.storage == precision::Dtype::fp16) fp16_training = true;
+  }
+  for (const auto& m : resolution.modules) {
+    if (m.block && m.settings.compute == precision::Dtype::fp16) fp16_training = true;
+  }
+  if (fp16_training) {
+    precision::OverflowOptions oo;
+    oo.threshold = c.overflow_threshold;
+    oo.auto_upcast = c.auto_upcast;
+    run.overflow = precision::OverflowMonitor::attach(model, block_tables, oo);
+  }
+  return {wants_master, fp16_training};
+}
+
+/// LoRA (docs/lora.md): the base model is frozen; only the adapters train.
+void attach_lora(Run& run, const TrainRunOptions& options) {
+  const TrainConfig& c = run.config;
+  torch::nn::Module& model = run.model->module();
+  nn::freeze_parameters(model);
+  run.network = nn::LoraNetwork(model, run.model->lora_components(c.network_train_unet_only), lora_options(c));
+  if (!c.network_weights.empty()) run.network->load(expand_path(c.network_weights));
+  if (c.pretrained_model_name_or_path.empty() && c.network_weights.empty()) {
+    spdlog::warn("LoRA on a randomly initialised base (pretrained_model_name_or_path is not set): the adapters "
+                 "learn on top of an untrained model");
+  }
+  if (!options.quiet) {
+    spdlog::info("LoRA: {} modules, rank {}, alpha {}{}", run.network->modules().size(), c.network_dim,
+                 c.network_alpha, c.network_weights.empty() ? "" : ", from " + c.network_weights);
+  }
+}
+
+/// The gradient path and its optimizer over run.trainable (optim/gradient_path.h).
+std::unique_ptr<GradientPath> make_run_gradient_path(const Run& run, const std::map<std::string, bool>& wants_master,
+                                                     bool fp16_training) {
+  const TrainConfig& c = run.config;
+  OptimizerOptions oopts;
+  oopts.stochastic_rounding = c.stochastic_rounding;
+  oopts.seed = static_cast<uint64_t>(c.seed);
+  oopts.state_dtype = c.optimizer_state_dtype == "bf16" ? torch::kBFloat16 : torch::kFloat32;
+  oopts.offload_state = c.offload_optimizer_state;
+  GradientPathOptions go;
+  go.accumulation_steps = c.gradient_accumulation_steps;
+  go.max_grad_norm = c.max_grad_norm;
+  go.fused_backward = c.fused_backward_pass;
+  go.fused_clip_method = parse_fused_clip_method(c.fused_clip_method);
+  go.low_precision_weights = c.full_bf16;
+  go.accumulation_mode = parse_grad_accumulation_mode(c.gradient_accumulation_dtype);
+  go.seed = static_cast<uint64_t>(c.seed);
+  go.loss_scaling.enabled = fp16_training;
+  go.loss_scaling.init_scale = c.loss_scale_init;
+  go.loss_scaling.growth_interval = c.loss_scale_growth_interval;
+  std::vector<bool> use_master;
+  for (const auto& [n, p] : run.trainable) {
+    auto it = wants_master.find(n);
+    use_master.push_back(it != wants_master.end() && it->second);
+  }
+  return make_gradient_path(
+      run.trainable, use_master,
+      [&](const std::vector<std::pair<std::string, at::Tensor>>& params) {
+        return make_optimizer(c.optimizer_type, c.optimizer_args, params, oopts);
+      },
+      go);
+}
+
+void log_setup(const Run& run) {
+  const TrainConfig& c = run.config;
+  spdlog::info("model: {:.2f}M trainable parameters, weights {}, {}, {} threads; optimizer {}{}",
+               run.trainable_parameters / 1e6,
+               c.full_bf16 || c.full_fp16
+                   ? fmt::format("{} ({})", c.full_bf16 ? "bf16" : "fp16",
+                                 c.stochastic_rounding ? "stochastic rounding" : "round-to-nearest")
+                   : std::string("fp32"),
+               c.mixed_precision == "no" ? "compute in weight dtype" : c.mixed_precision + " compute", run.threads,
+               c.optimizer_type, c.fused_backward_pass ? " (fused backward)" : "");
+  const precision::LossScaler* scaler = run.gradients->loss_scaler();
+  spdlog::info("precision: {} rule(s) (docs/precision.md){}{}", run.precision_rules,
+               scaler ? fmt::format(", fp16 with dynamic loss scaling (init {})", scaler->scale()) : std::string(),
+               run.gradients->master_count() > 0
+                   ? fmt::format(", {} fp32 master weights ({})", run.gradients->master_count(),
+                                 format_bytes(run.gradients->master_bytes()))
+                   : std::string());
+}
+
+/// Writes the kohya LoRA file (networks.lora keys, ss_* metadata). The final
+/// file follows save_precision; checkpoints keep the trained dtype (exact resume).
+void save_lora(const Run& run, const std::string& path, int64_t step, bool final_file) {
+  const TrainConfig& c = run.config;
+  // kohya's ss_base_model_version values (A1111 and ComfyUI tell SDXL LoRAs
+  // by them) and Stability's model-spec architecture for LoRA files.
+  const bool sd1 = c.architecture == "sd15", xl = c.architecture == "sdxl" || c.architecture == "ssd1b";
+  auto meta = nn::kohya_lora_metadata(run.network->options(), sd1 ? "sd_v1"
+                                                              : xl ? "sdxl_base_v1-0"
+                                                                   : "shoestring_" + c.architecture);
+  if (sd1 || xl) {
+    meta["modelspec.sai_model_spec"] = "1.0.0";
+    meta["modelspec.architecture"] = sd1 ? "stable-diffusion-v1/lora" : "stable-diffusion-xl-v1-base/lora";
+    meta["modelspec.implementation"] = "https://github.com/Stability-AI/generative-models";
+    meta["modelspec.title"] = fmt::format("{} step {}", fs::path(run.run_dir).filename().string(), step);
+  }
+  meta["ss_steps"] = std::to_string(step);
+  meta["ss_max_train_steps"] = std::to_string(c.max_train_steps);
+  meta["ss_learning_rate"] = fmt::format("{}", c.learning_rate);
+  meta["ss_optimizer"] = c.optimizer_type;
+  meta["ss_seed"] = std::to_string(c.seed);
+  meta["ss_mixed_precision"] = c.full_bf16 ? "bf16" : c.mixed_precision;
+  meta["ss_full_bf16"] = c.full_bf16 ? "True" : "False";
+  // kohya's save_precision applies to the LoRA file too ("auto": as trained).
+  std::optional<torch::Dtype> dtype;
+  if (final_file && c.save_precision == "fp16") dtype = torch::kHalf;
+  if (final_file && c.save_precision == "bf16") dtype = torch::kBFloat16;
+  if (final_file && (c.save_precision == "fp32" || c.save_precision == "float")) dtype = torch::kFloat32;
+  run.network->save(path, meta, dtype);
+}
+
+}  // namespace
+
+std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions& options) {
+  auto owned = std::make_unique<Run>();
+  Run& run = *owned;
+  run.config = config;
+  run.run_dir = options.resume_dir.value_or(expand_path(config.output_dir));
+  prepare_run_dir(run, options);
+  const TrainConfig& c = run.config;
+
+  check_training_config(c);
+  MemoryLedger::global().install();
+  run.threads = configure_threads(c.num_threads);
+  torch::manual_seed(static_cast<uint64_t>(c.seed));
+
+  // ---- data ----
+  const std::string data_dir = expand_path(c.train_data_dir);
+  run.dataset = ImageCaptionDataset::load(data_dir, static_cast<int>(c.resolution));
+  if (!options.quiet) {
+    spdlog::info("dataset: {} images from {} ({} skipped)", run.dataset.size(), data_dir,
+                 run.dataset.skipped().size());
+  }
+  run.sampler =
+      std::make_unique<BatchSampler>(run.dataset.size(), c.train_batch_size, static_cast<uint64_t>(c.seed));
+
+  // ---- model (base weights of a fine-tune / LoRA run: kohya's pretrained_model_name_or_path) ----
+  {
+    ModelSource source;
+    // A resumed run's weights are then overwritten from its checkpoint (restore_checkpoint below).
+    if (!c.pretrained_model_name_or_path.empty()) source.pretrained = expand_path(c.pretrained_model_name_or_path);
+    source.resume_dir = run.resume_from;
+    source.quiet = options.quiet;
+    run.model = make_training_model(c, run.dataset, source);
+  }
+  const auto [wants_master, fp16_training] = apply_precision(run, options);
+  run.model->set_gradient_checkpointing(c.gradient_checkpointing);
+  nn::set_attention_chunk_bytes(c.attention_chunk_mib * (int64_t{1} << 20));
+  run.model->module().train();
+  if (!c.network_module.empty()) attach_lora(run, options);
+  for (const auto& item :
+       (run.network ? run.network->named_parameters(true) : run.model->module().named_parameters(true))) {
+    if (item.value().requires_grad()) run.trainable.emplace_back(item.key(), item.value());
+  }
+  for (const auto& [n, p] : run.trainable) run.trainable_parameters += p.numel();
+
+  // ---- gradients and optimizer ----
+  // Gradients are charged to the ledger's "gradients" category the moment
+  // autograd accumulates them (before the fused path's own hooks run).
+  std::vector<at::Tensor> params;
+  for (const auto& [n, p] : run.trainable) params.push_back(p);
+  run.ledger_hooks.install(params, [](size_t, at::Tensor& p) {
+    if (p.grad().defined()) MemoryLedger::global().recharge(p.grad(), MemoryCategory::gradients);
+  });
+  run.gradients = make_run_gradient_path(run, wants_master, fp16_training);
+  if (c.ema_decay > 0) run.ema = std::make_unique<EMA>(run.trainable, c.ema_decay);
+  if (options.predict_memory) run.predicted_memory = options.predict_memory(c, run.model->plan_vocab_size());
+
+  // ---- run folder ----
+  const std::string metrics_path = (fs::path(run.run_dir) / "metrics.jsonl").string();
+  if (!run.resume_from.empty()) {
+    const int64_t step = restore_checkpoint(run, run.resume_from);
+    if (step >= c.max_train_steps) {
+      fail("run '{}' is already at step {} >= max_train_steps {}; pass --max-steps N with N > {} to "
+           "train further",
+           run.run_dir, step, c.max_train_steps, step);
+    }
+    truncate_metrics(metrics_path, step);
+    if (!options.quiet) spdlog::info("resumed from {} at step {}", run.resume_from, step);
+  } else {
+    write_bytes_atomic(metrics_path, "");
+  }
+  // The run folder always records the config that is running (a resume may
+  // have raised max_train_steps).
+  write_bytes_atomic((fs::path(run.run_dir) / "config.toml").string(), to_toml(c));
+  if (!options.quiet) log_setup(run);
+  return owned;
+}
+
+void save_checkpoint(Run& run, int64_t step) {
+  fs::path dir = fs::path(run.run_dir) / "checkpoints" / step_name(step);
+  // A failed save (full disk, ...) leaves no empty checkpoint folder; files
+  // are written atomically, so nothing partial either.
+  RemoveIfEmpty cleanup{dir.string(), fs::create_directories(dir)};
+  if (!run.lora_only()) {
+    save_module((dir / "model.safetensors").string(), run.model->module(), run.model->metadata(step));
+  }
+  if (run.network) save_lora(run, (dir / "lora.safetensors").string(), step, /*final_file=*/false);
+
+  TrainingCounters& counters = run.counters;
+  counters.step = step;
+  counters.optimizer_step_count = run.gradients->optimizer().step_count();
+  counters.data_epoch = run.sampler->position().epoch;
+  counters.data_index = run.sampler->position().index;
+  const GradientPathState path_state = run.gradients->state();
+  if (path_state.loss_scale) {
+    counters.loss_scale = path_state.loss_scale;
+    counters.loss_scale_growth_tracker = path_state.loss_scale_growth_tracker;
+  }
+  if (path_state.previous_grad_norm) counters.fused_previous_grad_norm = path_state.previous_grad_norm;
+  TrainingState state;
+  state.counters = counters;
+  state.optimizer = run.gradients->optimizer().state_tensors();
+  if (run.ema) state.ema = run.ema->tensors();
+  state.master = path_state.masters;
+  state.rng_cpu = cpu_rng_state();
+  save_training_state((dir / "state.safetensors").string(), state);
+  set_latest_checkpoint(run.run_dir, dir.string(), step);
+}
+
+int64_t restore_checkpoint(Run& run, const std::string& dir) {
+  if (!run.lora_only()) {
+    auto model_file = SafetensorsFile::open((fs::path(dir) / "model.safetensors").string());
+    std::map<std::string, at::Tensor> weights;
+    for (const auto& info : model_file.tensors()) weights[info.name] = model_file.get(info.name);
+    load_module(run.model->module(), weights, model_file.path());
+  }
+  if (run.network) run.network->load((fs::path(dir) / "lora.safetensors").string());
+
+  const std::string state_path = (fs::path(dir) / "state.safetensors").string();
+  TrainingState state = load_training_state(state_path);
+  set_cpu_rng_state(state.rng_cpu);
+  run.gradients->optimizer().load_state_tensors({state.optimizer.begin(), state.optimizer.end()});
+  GradientPathState path_state;
+  path_state.loss_scale = state.counters.loss_scale;
+  path_state.loss_scale_growth_tracker = state.counters.loss_scale_growth_tracker;
+  path_state.previous_grad_norm = state.counters.fused_previous_grad_norm;
+  path_state.masters = state.master;
+  run.gradients->load_state(path_state);
+  if (run.ema) {
+    if (state.ema.empty()) {
+      spdlog::warn("{}: no EMA state saved; EMA restarts from the current weights", state_path);
+    } else {
+      run.ema->load({state.ema.begin(), state.ema.end()});
+    }
+  }
+  run.gradients->optimizer().set_step_count(state.counters.optimizer_step_count);
+  run.sampler->set_position({state.counters.data_epoch, state.counters.data_index});
+  run.counters = state.counters;
+  // Blocks the overflow guard moved to fp32 stay there.
+  if (!run.counters.precision_upcast.empty()) {
+    if (!run.overflow) fail("{}: the run upcast fp16 blocks but this config has none", state_path);
+    run.overflow->upcast(run.counters.precision_upcast);
+  }
+  return run.counters.step;
+}
+
+void save_final_files(Run& run, int64_t step) {
+  const TrainConfig& c = run.config;
+  EmaWeightsIn ema_weights(run.ema.get());
+  const std::string final_path = (fs::path(run.run_dir) / "model.safetensors").string();
+  if (!run.lora_only()) {
+    try {
+      run.model->save_final(final_path, step);
+    } catch (const Error& e) {
+      // The range guard refused save_precision: keep the trained weights
+      // anyway, in their storage dtype, and say how to narrow them.
+      if (c.save_precision == "auto") throw;
+      spdlog::warn("{}", e.what());
+      run.model->save_final(final_path, step, /*storage_dtype=*/true);
+      spdlog::warn("wrote {} in the weights' storage dtype instead of save_precision = \"{}\"; {}", final_path,
+                   c.save_precision,
+                   c.architecture == "tiny-unet"
+                       ? std::string("save_precision_force = true narrows anyway")
+                       : fmt::format("`shoestring convert {} --to ldm --dtype {} --force OUT` narrows it anyway",
+                                     final_path, c.save_precision == "float" ? "fp32" : c.save_precision));
+    }
+  }
+  if (run.network) save_lora(run, (fs::path(run.run_dir) / "lora.safetensors").string(), step, /*final_file=*/true);
+}
+
+std::string write_samples(Run& run, int64_t step) {
+  SampleRequest req;
+  req.prompts = run.config.sample_prompts;
+  for (int64_t s = 0; s < run.config.sample_seeds; ++s) req.seeds.push_back(static_cast<uint64_t>(s));
+  req.steps = run.config.sample_steps;
+  req.cfg = run.config.sample_cfg;
+  at::Tensor images;
+  {
+    EmaWeightsIn ema_weights(run.ema.get());
+    ScopedMemoryCategory category(MemoryCategory::temporaries);
+    images = run.model->sample(req);
+  }
+  fs::path dir = fs::path(run.run_dir) / "samples";
+  fs::create_directories(dir);
+  const std::string path = (dir / (step_name(step) + ".png")).string();
+  save_sample_grid(path, images, req);
+  return path;
+}
+
+}  // namespace shoestring

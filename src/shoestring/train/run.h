@@ -1,0 +1,99 @@
+// A training run, set up: what train() (trainer.cpp) works on.
+//
+// setup_run turns a config into a Run, in this order: the run folder (refusing
+// to overwrite another run, checking a resume against the run's own config),
+// the dataset and batch sampler, the model family (train/training_model.h)
+// with its base weights, the precision policy applied to it (storage dtypes,
+// trainable modules, per-block compute and checkpointing, the fp16 overflow
+// guard), LoRA adapters, the gradient path with its optimizer
+// (optim/gradient_path.h), EMA, and, when resuming, the latest checkpoint.
+// save_checkpoint / restore_checkpoint write and read a run's checkpoints
+// (the formats are in train/checkpoint_io.h); save_final_files writes the
+// run's final model (EMA weights when EMA is on) and LoRA files.
+#pragma once
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+
+#include "shoestring/data/dataset.h"
+#include "shoestring/nn/lora.h"
+#include "shoestring/optim/gradient_path.h"
+#include "shoestring/optim/grad_hooks.h"
+#include "shoestring/precision/overflow.h"
+#include "shoestring/train/checkpoint_io.h"
+#include "shoestring/train/config.h"
+#include "shoestring/train/ema.h"
+#include "shoestring/train/trainer.h"
+#include "shoestring/train/training_model.h"
+
+namespace shoestring {
+
+/// Removes a folder on destruction if it is empty and was created by this
+/// run (a run that fails before writing anything leaves nothing behind).
+struct RemoveIfEmpty {
+  std::string dir;
+  bool armed = false;
+  ~RemoveIfEmpty();
+};
+
+/// Everything the loop needs, built once by setup_run.
+struct Run {
+  RemoveIfEmpty created_dir;  ///< first member: checked after everything else is gone
+  TrainConfig config;
+  std::string run_dir;
+  std::string resume_from;  ///< checkpoint folder resumed from ("" for a fresh run)
+  ImageCaptionDataset dataset;
+  std::unique_ptr<BatchSampler> sampler;
+  std::unique_ptr<TrainingModel> model;
+  nn::LoraNetwork network{nullptr};  ///< set when network_module = "networks.lora" (then the only trainable part)
+  std::vector<std::pair<std::string, at::Tensor>> trainable;
+  int64_t trainable_parameters = 0;
+  std::shared_ptr<precision::OverflowMonitor> overflow;  ///< fp16 compute or storage only
+  PostAccumulateGradHooks ledger_hooks;                   ///< charge gradients to the ledger as autograd makes them
+  std::unique_ptr<GradientPath> gradients;                ///< owns the optimizer
+  std::unique_ptr<EMA> ema;
+  TrainingCounters counters;
+  nlohmann::json predicted_memory;  ///< TrainRunOptions::predict_memory's answer (null without one)
+  int threads = 0;
+  size_t precision_rules = 0;
+
+  /// A LoRA run whose frozen base comes back from the pretrained file: its
+  /// checkpoints and final output hold the adapters only (as kohya's).
+  bool lora_only() const { return network && model->base_reloadable(); }
+};
+
+/// Sets up (or resumes, with options.resume_dir) the run `config` describes,
+/// writes config.toml and starts or truncates metrics.jsonl; see the file
+/// comment for the order. Throws shoestring::Error for an output_dir holding
+/// another run, a resume whose config differs in what the checkpoint depends
+/// on or whose step count is reached, and whatever loading the dataset,
+/// model or checkpoint throws.
+std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions& options);
+
+/// Writes checkpoints/step-NNNNNN/ (weights or LoRA adapters, and the
+/// training state) and then points latest.json at it. A failed save leaves
+/// no empty folder. Throws shoestring::Error on I/O failure.
+void save_checkpoint(Run& run, int64_t step);
+
+/// Restores weights, optimizer, gradient-path state, EMA, RNG, data position
+/// and counters from checkpoint folder `dir`; returns its step. Throws
+/// shoestring::Error naming the file for missing or mismatching contents.
+int64_t restore_checkpoint(Run& run, const std::string& dir);
+
+/// Writes the final model.safetensors (EMA weights swapped in when EMA is
+/// on; adapters only for lora_only runs) and lora.safetensors, in
+/// save_precision. A save_precision the range guard refuses is replaced by
+/// the storage dtype, with a warning saying how to narrow. Throws
+/// shoestring::Error on I/O failure.
+void save_final_files(Run& run, int64_t step);
+
+/// Draws the sample grid of `step` (EMA weights when EMA is on) into
+/// samples/step-NNNNNN.png and returns its path. Throws what sampling or
+/// writing throws.
+std::string write_samples(Run& run, int64_t step);
+
+}  // namespace shoestring

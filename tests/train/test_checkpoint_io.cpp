@@ -1,0 +1,112 @@
+// The training-state file (train/checkpoint_io.h): written and read in one
+// place; the JSON names are the format (older files must keep loading).
+#include <gtest/gtest.h>
+
+#include <filesystem>
+
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include "shoestring/core/error.h"
+#include "shoestring/io/safetensors.h"
+#include "shoestring/train/checkpoint_io.h"
+#include "train_testing.h"
+
+using namespace shoestring;
+namespace fs = std::filesystem;
+
+TEST(TrainingState, RoundTripsCountersAndTensorGroups) {
+  const std::string dir = shoestring::testing::fresh_temp_dir("ckpt_io", "round_trip");
+  fs::create_directories(dir);
+  const std::string path = dir + "/state.safetensors";
+  TrainingState s;
+  s.counters.step = 12;
+  s.counters.optimizer_step_count = 11;
+  s.counters.data_epoch = 2;
+  s.counters.data_index = 5;
+  s.counters.micro_steps = 24;
+  s.counters.images_seen = 96;
+  s.counters.skipped_steps = 1;
+  s.counters.consecutive_nonfinite = 0;
+  s.counters.elapsed_seconds = 3.5;
+  s.counters.loss_scale = 32768.0;
+  s.counters.loss_scale_growth_tracker = 7;
+  s.counters.precision_upcast = {"unet.mid", "unet.out"};
+  s.optimizer = {{"w.exp_avg", torch::arange(6, torch::kFloat32)}};
+  s.ema = {{"w", torch::ones({2, 3})}};
+  s.master = {{"w", torch::full({3}, 0.5)}};
+  s.rng_cpu = cpu_rng_state();
+  save_training_state(path, s);
+
+  // The on-disk names, as earlier versions wrote them.
+  auto file = SafetensorsFile::open(path);
+  auto meta = nlohmann::json::parse(file.metadata().at("training_state"));
+  EXPECT_EQ(meta["step"], 12);
+  EXPECT_EQ(meta["images_seen"], 96);
+  EXPECT_EQ(meta["loss_scale"], 32768.0);
+  EXPECT_TRUE(meta["fused_previous_grad_norm"].is_null());
+  EXPECT_EQ(meta["precision_upcast"], nlohmann::json::array({"unet.mid", "unet.out"}));
+  EXPECT_TRUE(file.metadata().size() == 1u);
+  EXPECT_NO_THROW(file.get("optimizer.w.exp_avg"));
+  EXPECT_NO_THROW(file.get("ema.w"));
+  EXPECT_NO_THROW(file.get("master.w"));
+
+  const TrainingState r = load_training_state(path);
+  EXPECT_EQ(r.counters.step, 12);
+  EXPECT_EQ(r.counters.optimizer_step_count, 11);
+  EXPECT_EQ(r.counters.data_epoch, 2);
+  EXPECT_EQ(r.counters.data_index, 5);
+  EXPECT_EQ(r.counters.micro_steps, 24);
+  EXPECT_EQ(r.counters.skipped_steps, 1);
+  EXPECT_DOUBLE_EQ(r.counters.elapsed_seconds, 3.5);
+  EXPECT_EQ(r.counters.loss_scale, std::optional<double>(32768.0));
+  EXPECT_EQ(r.counters.loss_scale_growth_tracker, 7);
+  EXPECT_EQ(r.counters.precision_upcast, s.counters.precision_upcast);
+  EXPECT_FALSE(r.counters.fused_previous_grad_norm.has_value());
+  ASSERT_EQ(r.optimizer.size(), 1u);
+  EXPECT_EQ(r.optimizer[0].first, "w.exp_avg");
+  EXPECT_TRUE(torch::equal(r.optimizer[0].second, s.optimizer[0].second));
+  ASSERT_EQ(r.ema.size(), 1u);
+  ASSERT_EQ(r.master.size(), 1u);
+  EXPECT_TRUE(torch::equal(r.master[0].second, s.master[0].second));
+  EXPECT_TRUE(torch::equal(r.rng_cpu, s.rng_cpu));
+  fs::remove_all(dir);
+}
+
+TEST(TrainingState, OlderFilesLoadAndBrokenOnesAreNamed) {
+  const std::string dir = shoestring::testing::fresh_temp_dir("ckpt_io", "older");
+  fs::create_directories(dir);
+  const std::string path = dir + "/state.safetensors";
+  auto write = [&](const nlohmann::json& meta, bool rng = true, const std::string& extra = "") {
+    std::vector<NamedTensor> t;
+    if (rng) t.push_back({"rng.cpu", cpu_rng_state(), std::nullopt});
+    if (!extra.empty()) t.push_back({extra, torch::zeros({1}), std::nullopt});
+    save_safetensors(path, t, {{"training_state", meta.dump()}});
+  };
+  auto error_of = [&]() -> std::string {
+    try {
+      load_training_state(path);
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "";
+  };
+  // A file from before micro_steps existed: the required four are enough.
+  const nlohmann::json minimal = {{"step", 3}, {"optimizer_step_count", 3}, {"data_epoch", 0}, {"data_index", 3}};
+  write(minimal);
+  EXPECT_EQ(load_training_state(path).counters.micro_steps, 0);
+  auto no_step = minimal;
+  no_step.erase("data_index");
+  write(no_step);
+  EXPECT_NE(error_of().find("lacks the integer field 'data_index'"), std::string::npos) << error_of();
+  EXPECT_NE(error_of().find(path), std::string::npos);
+  write(minimal, /*rng=*/false);
+  EXPECT_NE(error_of().find("'rng.cpu' is missing"), std::string::npos) << error_of();
+  write(minimal, true, "stray.tensor");
+  EXPECT_NE(error_of().find("unexpected tensor 'stray.tensor'"), std::string::npos) << error_of();
+  auto wrong_type = minimal;
+  wrong_type["images_seen"] = "many";
+  write(wrong_type);
+  EXPECT_NE(error_of().find("wrong type"), std::string::npos) << error_of();
+  fs::remove_all(dir);
+}
