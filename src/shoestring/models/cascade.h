@@ -36,6 +36,7 @@
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/pimpl.h>
 
+#include "shoestring/models/denoiser.h"
 #include "shoestring/nn/block_precision.h"
 #include "shoestring/nn/layers.h"
 #include "shoestring/nn/lora.h"
@@ -198,7 +199,7 @@ TORCH_MODULE(CascadeAttnBlock);
 
 /// Stable Cascade stage C. Runs in the dtype of its parameters (fp32, or
 /// bf16 after `->to(torch::kBFloat16)`; inputs must be in that dtype too).
-class StageCImpl : public torch::nn::Module {
+class StageCImpl : public torch::nn::Module, public Denoiser {
  public:
   /// Builds the model; with `init` on the meta device nothing is allocated.
   /// Non-meta builds get the reference initialisation (StageC.__init__:
@@ -247,7 +248,7 @@ class StageCImpl : public torch::nn::Module {
   /// to the scope's compute dtype; r and the t_conds never); if the root has
   /// no entry, layers outside blocks compute in the enclosing scope's dtype,
   /// or in the parameters' dtype when there is none.
-  nn::BlockTable* block_table() const { return block_table_.get(); }
+  nn::BlockTable* block_table() const override { return block_table_.get(); }
 
   const StageCOptions& options() const { return options_; }
 

@@ -35,6 +35,7 @@
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/pimpl.h>
 
+#include "shoestring/models/denoiser.h"
 #include "shoestring/nn/block_precision.h"
 #include "shoestring/nn/layers.h"
 
@@ -142,7 +143,7 @@ TORCH_MODULE(MMDiTJointBlock);
 
 /// The MMDiT(-X) denoiser. Runs in the dtype of its parameters (fp32, or
 /// bf16 after `->to(torch::kBFloat16)`; inputs in that dtype too).
-class MMDiTImpl : public torch::nn::Module {
+class MMDiTImpl : public torch::nn::Module, public Denoiser {
  public:
   /// Builds the model; with `init` on the meta device nothing is allocated
   /// (pos_embed too is a meta buffer). Non-meta builds get DiT's
@@ -185,7 +186,7 @@ class MMDiTImpl : public torch::nn::Module {
   /// the scope's compute dtype, t never; output in that dtype); if the root
   /// has no entry, layers outside blocks compute in the enclosing scope's
   /// dtype, or in the parameters' dtype when there is none.
-  nn::BlockTable* block_table() const { return block_table_.get(); }
+  nn::BlockTable* block_table() const override { return block_table_.get(); }
 
   const MMDiTOptions& options() const { return options_; }
 

@@ -23,6 +23,7 @@
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/pimpl.h>
 
+#include "shoestring/models/denoiser.h"
 #include "shoestring/nn/block_precision.h"
 #include "shoestring/nn/layers.h"
 #include "shoestring/nn/resblock.h"
@@ -83,7 +84,7 @@ TORCH_MODULE(TinyUNetMid);
 
 /// Text-conditioned UNet. Runs in fp32, or entirely in bf16 after
 /// `->to(torch::kBFloat16)` (the caller casts x and context; t stays any float).
-class TinyUNetImpl : public torch::nn::Module {
+class TinyUNetImpl : public torch::nn::Module, public Denoiser {
  public:
   /// Throws shoestring::Error on bad options (empty channel_mult, attention
   /// level out of range, channels not divisible by num_heads, ...).
@@ -108,7 +109,7 @@ class TinyUNetImpl : public torch::nn::Module {
 
   /// The blocks of this UNet (every ResBlock and SpatialTransformer), for
   /// per-block compute dtype and checkpointing (precision::apply).
-  nn::BlockTable* block_table() const { return block_table_.get(); }
+  nn::BlockTable* block_table() const override { return block_table_.get(); }
 
   /// Number of scalar parameters (sum of numel over parameters()).
   int64_t parameter_count() const;

@@ -26,6 +26,7 @@
 #include <torch/nn/pimpl.h>
 
 #include "shoestring/io/key_map.h"
+#include "shoestring/models/denoiser.h"
 #include "shoestring/nn/block_precision.h"
 #include "shoestring/nn/layers.h"
 #include "shoestring/nn/resblock.h"
@@ -141,7 +142,7 @@ TORCH_MODULE(LdmBlock);
 
 /// The LDM / SDXL UNet (eps- or v-prediction is the caller's business: this is
 /// the network only). Runs in the dtype of its parameters.
-class LdmUNetImpl : public torch::nn::Module {
+class LdmUNetImpl : public torch::nn::Module, public Denoiser {
  public:
   /// Throws shoestring::Error on inconsistent options (depth lists of the
   /// wrong length, channels not divisible by heads, ...).
@@ -180,7 +181,7 @@ class LdmUNetImpl : public torch::nn::Module {
   /// the scope's compute dtype, output returned in it); if the root has no
   /// entry, layers outside blocks compute in the enclosing scope's dtype, or
   /// in the parameters' dtype when there is none.
-  nn::BlockTable* block_table() const { return block_table_.get(); }
+  nn::BlockTable* block_table() const override { return block_table_.get(); }
 
   const LdmUNetOptions& options() const { return options_; }
 
