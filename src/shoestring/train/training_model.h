@@ -7,10 +7,11 @@
 // becomes the model's inputs and regression target (the objective), how
 // samples are drawn and which metadata goes into saved files.
 //
-// Two families exist (make_training_model picks by `model.architecture`):
-//  - "tiny-unet": the emoji example (train/diffusion_model.h): a caption
+// Two families exist (make_training_model picks by the registry family of
+// `model.architecture`, models/architecture.h):
+//  - tiny-unet (Family::tiny_unet): the emoji example (train/diffusion_model.h): a caption
 //    encoder trained jointly with a small UNet, flow matching in pixel space.
-//  - the released LDM UNets (sd15, sdxl, ssd1b; train/ldm_model.cpp): images
+//  - the released LDM UNets (Family::ldm_unet: sd15, sdxl, ssd1b; train/ldm_model.cpp): images
 //    are encoded to VAE latents and captions to CLIP text embeddings once,
 //    before training (kohya's cache_latents + cache_text_encoder_outputs),
 //    then the VAE and text encoders are freed; the UNet trains on the DDPM
