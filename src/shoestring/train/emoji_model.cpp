@@ -52,7 +52,6 @@ class EmojiTrainingModel final : public TrainingModel {
 
   torch::nn::Module& module() override { return *model_; }
   std::vector<nn::BlockTable*> block_tables() override { return model_->block_tables(); }
-  void set_gradient_checkpointing(bool on) override { model_->unet->set_gradient_checkpointing(on); }
   std::vector<nn::LoraComponent> lora_components(bool unet_only) const override {
     std::vector<nn::LoraComponent> c = {{"lora_unet", "unet."}};
     if (!unet_only) c.push_back({"lora_te", "text_encoder."});

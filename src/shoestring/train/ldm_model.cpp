@@ -114,7 +114,6 @@ class LdmTrainingModel final : public TrainingModel {
 
   torch::nn::Module& module() override { return *root_; }
   std::vector<nn::BlockTable*> block_tables() override { return {unet_->block_table()}; }
-  void set_gradient_checkpointing(bool on) override { unet_->set_gradient_checkpointing(on); }
   std::vector<nn::LoraComponent> lora_components(bool) const override {
     // Text-encoder outputs are cached: only the UNet can carry a LoRA.
     return {{"lora_unet", kUNetPrefix}};

@@ -61,10 +61,9 @@ class TrainingModel {
   /// checkpoint files (e.g. "unet.conv_in.weight" for tiny-unet,
   /// "model.diffusion_model.input_blocks.0.0.weight" for the LDM UNets).
   virtual torch::nn::Module& module() = 0;
-  /// Block tables for precision::resolve / apply / OverflowMonitor.
+  /// Block tables for precision::resolve / apply / OverflowMonitor (also the
+  /// only gradient-checkpointing switch: precision rules set it per block).
   virtual std::vector<nn::BlockTable*> block_tables() = 0;
-  /// The legacy gradient-checkpointing switch (rules may add more).
-  virtual void set_gradient_checkpointing(bool on) = 0;
   /// LoRA components (kohya prefixes) of this family; `unet_only` drops the
   /// text encoder's where the family trains one.
   virtual std::vector<nn::LoraComponent> lora_components(bool unet_only) const = 0;
