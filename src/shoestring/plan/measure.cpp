@@ -95,7 +95,6 @@ Runner make_runner(torch::nn::Module& module, const std::string& arch, int64_t b
   auto randn = [&](std::vector<int64_t> shape) { return torch::randn(shape).to(dtype); };
   Runner r;
   if (auto* unet = dynamic_cast<models::LdmUNetImpl*>(&module)) {
-    unet->set_gradient_checkpointing(checkpointing);
     const auto& o = unet->options();
     at::Tensor x = randn({batch, o.in_channels(), S, S});
     at::Tensor t = torch::randint(0, 1000, {batch}).to(torch::kFloat32);
@@ -104,7 +103,6 @@ Runner make_runner(torch::nn::Module& module, const std::string& arch, int64_t b
     r.forward = [unet, x, t, ctx, y] { return unet->forward(x, t, ctx, y); };
     r.target = x;
   } else if (auto* dit = dynamic_cast<models::MMDiTImpl*>(&module)) {
-    dit->set_gradient_checkpointing(checkpointing);
     const auto& o = dit->options();
     at::Tensor x = randn({batch, o.in_channels(), S, S});
     at::Tensor t = torch::rand({batch});
@@ -113,7 +111,6 @@ Runner make_runner(torch::nn::Module& module, const std::string& arch, int64_t b
     r.forward = [dit, x, t, ctx, y] { return dit->forward(x, t, ctx, y); };
     r.target = x;
   } else if (auto* c = dynamic_cast<models::StageCImpl*>(&module)) {
-    c->set_gradient_checkpointing(checkpointing);
     const auto& o = c->options();
     at::Tensor x = randn({batch, o.in_channels(), S, S});
     at::Tensor rr = torch::rand({batch});

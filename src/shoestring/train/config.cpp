@@ -10,6 +10,7 @@
 
 #include "shoestring/core/error.h"
 #include "shoestring/io/atomic_file.h"
+#include "shoestring/models/architecture.h"
 #include "shoestring/nn/lora.h"
 #include "shoestring/optim/factory.h"
 
@@ -67,7 +68,7 @@ const std::vector<Field>& schema() {
       Field{"max_caption_length", &TrainConfig::max_caption_length, "caption tokens incl. <bos>", 2, 512}.with(kResumeValue),
       Field{"model.architecture", &TrainConfig::architecture,
        "model architecture: the emoji example's tiny-unet, or a released one (docs/architectures.md)", -kInf, kInf,
-       {"tiny-unet", "sd15", "sdxl", "ssd1b", "sd35m", "cascade-c", "cascade-c-lite"}}.with(kResumeValue),
+       models::denoiser_architectures()}.with(kResumeValue),
       Field{"model.tiny", &TrainConfig::tiny,
        "released architectures: the same block structure at test width (small channels)"}.with(kResumeValue),
       Field{"model.base_channels", &TrainConfig::base_channels, "UNet channels at full resolution", 8, 4096}.with(kResumeValue | kEmojiModelOnly),

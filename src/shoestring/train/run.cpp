@@ -12,6 +12,7 @@
 #include "shoestring/core/units.h"
 #include "shoestring/io/atomic_file.h"
 #include "shoestring/io/safetensors.h"
+#include "shoestring/models/architecture.h"
 #include "shoestring/nn/chunked_attention.h"
 #include "shoestring/optim/factory.h"
 #include "shoestring/precision/policy.h"
@@ -223,15 +224,15 @@ void log_setup(const Run& run) {
 /// file follows save_precision; checkpoints keep the trained dtype (exact resume).
 void save_lora(const Run& run, const std::string& path, int64_t step, bool final_file) {
   const TrainConfig& c = run.config;
-  // kohya's ss_base_model_version values (A1111 and ComfyUI tell SDXL LoRAs
-  // by them) and Stability's model-spec architecture for LoRA files.
-  const bool sd1 = c.architecture == "sd15", xl = c.architecture == "sdxl" || c.architecture == "ssd1b";
-  auto meta = nn::kohya_lora_metadata(run.network->options(), sd1 ? "sd_v1"
-                                                              : xl ? "sdxl_base_v1-0"
-                                                                   : "shoestring_" + c.architecture);
-  if (sd1 || xl) {
+  // kohya's ss_base_model_version (A1111 and ComfyUI tell SDXL LoRAs by it)
+  // and Stability's model-spec architecture for LoRA files, from the registry.
+  const models::Architecture& arch = models::find_architecture(c.architecture);
+  auto meta = nn::kohya_lora_metadata(
+      run.network->options(),
+      arch.kohya_base_model_version.empty() ? "shoestring_" + c.architecture : arch.kohya_base_model_version);
+  if (!arch.modelspec_lora_architecture.empty()) {
     meta["modelspec.sai_model_spec"] = "1.0.0";
-    meta["modelspec.architecture"] = sd1 ? "stable-diffusion-v1/lora" : "stable-diffusion-xl-v1-base/lora";
+    meta["modelspec.architecture"] = arch.modelspec_lora_architecture;
     meta["modelspec.implementation"] = "https://github.com/Stability-AI/generative-models";
     meta["modelspec.title"] = fmt::format("{} step {}", fs::path(run.run_dir).filename().string(), step);
   }
@@ -285,7 +286,6 @@ std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions&
     run.model = make_training_model(c, run.dataset, source);
   }
   const auto [wants_master, fp16_training] = apply_precision(run, options);
-  run.model->set_gradient_checkpointing(c.gradient_checkpointing);
   nn::set_attention_chunk_bytes(c.attention_chunk_mib * (int64_t{1} << 20));
   run.model->module().train();
   if (!c.network_module.empty()) attach_lora(run, options);
@@ -411,7 +411,7 @@ void save_final_files(Run& run, int64_t step) {
       run.model->save_final(final_path, step, /*storage_dtype=*/true);
       spdlog::warn("wrote {} in the weights' storage dtype instead of save_precision = \"{}\"; {}", final_path,
                    c.save_precision,
-                   c.architecture == "tiny-unet"
+                   models::find_architecture(c.architecture).family == models::Family::tiny_unet
                        ? std::string("save_precision_force = true narrows anyway")
                        : fmt::format("`shoestring convert {} --to ldm --dtype {} --force OUT` narrows it anyway",
                                      final_path, c.save_precision == "float" ? "fp32" : c.save_precision));

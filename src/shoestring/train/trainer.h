@@ -1,9 +1,12 @@
-// The training loop: dataset -> caption dropout -> flow-matching objective ->
-// forward (fp32, bf16 autocast, or full bf16) -> backward (optionally with
-// gradient checkpointing and accumulation) -> global-norm clipping -> AdamW
-// (stochastic rounding into bf16 weights when full_bf16) -> EMA -> metrics,
+// The training loop: dataset -> caption dropout -> the family's objective ->
+// forward (per-block compute dtypes from the precision policy) -> backward
+// (per-block gradient checkpointing, micro-batch accumulation) -> the
+// gradient path (global-norm clipping, the optimizer, stochastic rounding
+// into low-precision weights; optim/gradient_path.h) -> EMA -> metrics,
 // sample grids, atomic checkpoints. A run resumed from a checkpoint produces
-// the same losses, step for step, as the uninterrupted run.
+// the same losses, step for step, as the uninterrupted run. Setup and
+// checkpoints are in train/run.h, the step in trainer.cpp, reporting in
+// train/report.h.
 #pragma once
 #include <functional>
 #include <optional>
