@@ -54,13 +54,12 @@ at::Tensor to_compute_dtype(const at::Tensor& t) {
 }
 
 std::vector<at::Tensor> run_block(const BlockTable* table, const std::shared_ptr<torch::nn::Module>& block,
-                                  const SegmentFn& fn, const std::vector<at::Tensor>& inputs,
-                                  bool legacy_checkpoint) {
+                                  const SegmentFn& fn, const std::vector<at::Tensor>& inputs) {
   const BlockPrecision* p = table ? table->find(block.get()) : nullptr;
   const bool grad_on = torch::GradMode::is_enabled();
   const bool checkpoint_it =
       grad_on && block->is_training() &&
-      (p ? p->checkpoint && table->is_checkpointable(block.get()) : legacy_checkpoint);
+      p && p->checkpoint && table->is_checkpointable(block.get());
 
   SegmentFn segment = fn;
   if (p) {

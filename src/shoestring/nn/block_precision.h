@@ -107,15 +107,13 @@ at::Tensor to_compute_dtype(const at::Tensor& t);
 
 /// Runs `fn(inputs)` as block `block` of the model owning `table` (see the
 /// file comment). `block` is held by shared pointer because a checkpointed
-/// segment is called again during backward. `legacy_checkpoint`: checkpoint
-/// when the table has no entry for the block (the model's old global flag).
-/// Checkpointing happens only in training mode with autograd on.
+/// segment is called again during backward. A block is checkpointed when its
+/// table entry says so (precision rules); checkpointing happens only in training mode with autograd on.
 /// Without checkpointing and with autograd on, the inputs are passed as
 /// aliases, so gradients from inside the block are summed before those from
 /// outside, the association the checkpointed path has (checkpointing then
 /// changes no bit of the result).
 std::vector<at::Tensor> run_block(const BlockTable* table, const std::shared_ptr<torch::nn::Module>& block,
-                                  const SegmentFn& fn, const std::vector<at::Tensor>& inputs,
-                                  bool legacy_checkpoint = false);
+                                  const SegmentFn& fn, const std::vector<at::Tensor>& inputs);
 
 }  // namespace shoestring::nn

@@ -1,6 +1,5 @@
 #include "shoestring/nn/transformer.h"
 
-#include "shoestring/nn/checkpoint.h"
 
 #include <torch/torch.h>
 
@@ -108,7 +107,6 @@ torch::Tensor SpatialTransformerImpl::forward(const torch::Tensor& x, const torc
   } else {
     h = proj_in_linear->forward(h.flatten(2).transpose(1, 2));
   }
-  const bool per_block = checkpoint_blocks_ && is_training();
   const bool by_table = block_table_ && block_table_->configured();
   for (const auto& block : *blocks) {
     if (by_table) {
@@ -118,16 +116,6 @@ torch::Tensor SpatialTransformerImpl::forward(const torch::Tensor& x, const torc
       if (context.defined()) in.push_back(context);
       h = run_block(
           block_table_, block,
-          [self, mask](const std::vector<torch::Tensor>& x) {
-            return std::vector<torch::Tensor>{self->forward(x[0], x.size() > 1 ? x[1] : torch::Tensor(), mask)};
-          },
-          in, per_block)[0];
-    } else if (per_block) {
-      auto self = std::static_pointer_cast<TransformerBlockImpl>(block);
-      const torch::Tensor mask = context_mask;  // captured by value: used again in backward
-      std::vector<torch::Tensor> in{h};
-      if (context.defined()) in.push_back(context);
-      h = checkpoint(
           [self, mask](const std::vector<torch::Tensor>& x) {
             return std::vector<torch::Tensor>{self->forward(x[0], x.size() > 1 ? x[1] : torch::Tensor(), mask)};
           },

@@ -107,15 +107,11 @@ class SpatialTransformerImpl : public torch::nn::Module {
 
   const TransformerOptions& options() const { return options_; }
 
-  /// When on and in training mode, each transformer block runs through
-  /// nn::checkpoint on its own, so a deep stack (SDXL: 10 blocks) recomputes
-  /// one block's activations at a time in backward instead of all of them.
-  void set_checkpoint_blocks(bool on) { checkpoint_blocks_ = on; }
-
   /// Routes each transformer block through nn::run_block(table, ...) while
   /// `table` is configured (per-block compute dtype / checkpoint from
-  /// precision rules, nn/block_precision.h); set_checkpoint_blocks() is then
-  /// the legacy flag for blocks without an entry. The owning model declares
+  /// precision rules, nn/block_precision.h; a deep stack such as SDXL's 10
+  /// blocks then recomputes one block at a time in backward when each block
+  /// has its own checkpoint entry). The owning model declares
   /// the blocks in `table` and keeps it alive; nullptr (default) or an
   /// unconfigured table leaves forward() as without this call.
   void set_block_table(const BlockTable* table) { block_table_ = table; }
@@ -129,7 +125,6 @@ class SpatialTransformerImpl : public torch::nn::Module {
 
  private:
   TransformerOptions options_;
-  bool checkpoint_blocks_ = false;
   const BlockTable* block_table_ = nullptr;
 };
 TORCH_MODULE(SpatialTransformer);
