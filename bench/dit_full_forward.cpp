@@ -68,8 +68,7 @@ int main(int argc, char** argv) {
   std::printf("%s: %lld parameters, built in %.1f s\n", name.c_str(),
               static_cast<long long>(nn::parameter_count(*module)), seconds_since(t0));
 
-  torch::optional<torch::NoGradGuard> no_grad;
-  if (!backward) no_grad.emplace();
+  c10::AutoGradMode grad_mode(/*enabled=*/backward);  // no autograd graph for a forward-only pass
   const auto bf16 = torch::kBFloat16;
   t0 = std::chrono::steady_clock::now();
   torch::Tensor out;

@@ -199,7 +199,9 @@ TEST_P(ArchLoraFile, RoundTripAndMergeFormula) {
     const bool adapted_weight = key.find("in_proj_weight") != std::string::npos ||
                                 (key.size() > 7 && key.compare(key.size() - 7, 7, ".weight") == 0 &&
                                  expected.count(key.substr(0, key.size() - 7)));
-    if (!adapted_weight) EXPECT_TRUE(torch::equal(params[key], value)) << key;
+    if (!adapted_weight) {
+      EXPECT_TRUE(torch::equal(params[key], value)) << key;
+    }
   }
   const torch::Tensor merged = a.forward(b.x_t(), b.sigma, b.cond);
   EXPECT_TRUE(torch::allclose(merged, adapted, 1e-4, 1e-5)) << (merged - adapted).abs().max();

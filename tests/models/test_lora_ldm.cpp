@@ -83,7 +83,9 @@ TEST(LoraLdm, TrainingMovesOnlyAdaptersAndTheFileRoundTrips) {
   EXPECT_TRUE(std::isfinite(last));
   EXPECT_LT(last, first);
   for (const auto& p : m.root->named_parameters()) {
-    if (base.count(p.key())) EXPECT_TRUE(torch::equal(p.value(), base.at(p.key()))) << p.key();
+    if (base.count(p.key())) {
+      EXPECT_TRUE(torch::equal(p.value(), base.at(p.key()))) << p.key();
+    }
   }
   const std::string path = (std::filesystem::temp_directory_path() /
                             ("shoestring_lora_ldm_" + std::to_string(::getpid()) + ".safetensors"))

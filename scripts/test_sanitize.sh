@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The sanitizer leg (CI runs it after scripts/test.sh): builds with ASan +
+# UBSan into ./build-asan (no benchmarks, no CUDA kernels) and runs the fast
+# tests there. A UBSan finding aborts its test (-fno-sanitize-recover, see
+# CMakeLists.txt), an ASan finding always does.
+# Environment: SHOESTRING_ASAN_BUILD_DIR (default ./build-asan), SHOESTRING_JOBS,
+# SHOESTRING_TEST_JOBS (default 2), SHOESTRING_SANITIZE_ALL=1 (run the slow tests too).
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+build="${SHOESTRING_ASAN_BUILD_DIR:-$root/build-asan}"
+
+# Options for the sanitizer runtimes. They are needed while building too:
+# gtest_discover_tests runs each test binary to list its tests.
+# - ASan: its defaults, leak detection included (test_core passes with it on
+#   libtorch 1.13). If libtorch's never-freed static registries show up as
+#   leaks in a suite, detect_leaks=0 here is the switch.
+# - UBSan: print where (print_stacktrace=1) and stop (halt_on_error=1).
+export ASAN_OPTIONS="${ASAN_OPTIONS:-}"
+export UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}"
+
+"$root/scripts/setup.sh"
+SHOESTRING_BUILD_DIR="$build" \
+  SHOESTRING_CMAKE_ARGS="-DSHOESTRING_SANITIZE=ON -DSHOESTRING_BUILD_BENCH=OFF -DSHOESTRING_CUDA_KERNELS=OFF" \
+  "$root/scripts/build.sh"
+
+# Not run here: tests with wall-clock limits (ASan makes code 2-3x slower)
+# and the slow ones, each over ~10 s in the plain Release build (training
+# runs of the tiny architectures, the trainer, the CLI end to end, the plans
+# of the released architectures).
+slow='^(Tiny/ArchTraining|Tiny/ArchTrainingBf16|ArchTrainingVae|Architectures/LdmTraining|LdmTraining|Trainer|'
+slow+='LoraTraining|PrecisionTraining|Precision/ResumeTest|Cli|Convert|RealArchitecturePlan)\.'
+slow+='|^Architectures\.(GradientCheckpointingKeepsGradients|Tiny.*TrainsOneStep|SdxlBuildsOnMetaFast|TinyVae)'
+slow+='|^(TinyUNet\.DefaultsRunInBf16At32x32|LoraLdm\.TrainingMoves|MMDiT\.TinyVariantTrainsOnCpu'
+slow+='|StageC\.TinyVariantTrainsOnCpu|TwemojiDataset\.FullDatasetLoadsQuickly)'
+cd "$build"
+if [ "${SHOESTRING_SANITIZE_ALL:-0}" = 1 ]; then slow='^$'; fi
+ctest --output-on-failure -j "${SHOESTRING_TEST_JOBS:-2}" --timeout 1200 -E "$slow"
