@@ -151,7 +151,6 @@ TEST(StageC, ForwardMatchesPyTorchReference) {
 }
 
 TEST(StageC, TinyVariantTrainsOnCpu) {
-  const auto start = std::chrono::steady_clock::now();
   torch::manual_seed(0);
   StageC net(StageCOptions::tiny());
   EXPECT_LT(nn::parameter_count(*net), 2'000'000);
@@ -171,8 +170,6 @@ TEST(StageC, TinyVariantTrainsOnCpu) {
     ASSERT_TRUE(std::isfinite(losses.back())) << "step " << step;
   }
   EXPECT_LT(losses.back(), 0.8f * losses.front()) << losses.front() << " -> " << losses.back();
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  EXPECT_LT(seconds, 3.0);
 }
 
 TEST(StageC, TinyVariantRunsInBf16) {

@@ -235,7 +235,6 @@ TEST(MMDiT, GroupedQueryAttentionEqualsRepeatedKvHeads) {
 }
 
 TEST(MMDiT, TinyVariantTrainsOnCpu) {
-  const auto start = std::chrono::steady_clock::now();
   torch::manual_seed(0);
   MMDiT net(MMDiTOptions::tiny());
   EXPECT_LT(nn::parameter_count(*net), 2'000'000);
@@ -256,8 +255,6 @@ TEST(MMDiT, TinyVariantTrainsOnCpu) {
     ASSERT_TRUE(std::isfinite(losses.back())) << "step " << step;
   }
   EXPECT_LT(losses.back(), 0.8f * losses.front()) << losses.front() << " -> " << losses.back();
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  EXPECT_LT(seconds, 3.0);
 }
 
 TEST(MMDiT, TinyVariantRunsInBf16) {
