@@ -50,10 +50,21 @@ std::shared_ptr<torch::nn::Module> build_tiny_unet(const nn::LayerInit& init, bo
   return TinyUNet(o.init(init)).ptr();
 }
 
+// Latent sides: the SD VAE and SD3.5's VAE downscale by 8; stage C works on
+// max(8, 3 * resolution / 128) (24 at 1024 px, its 42.67x compression).
+int64_t vae8_latent_side(int64_t resolution) {
+  if (resolution < 8 || resolution % 8 != 0) fail("resolution {} is not a positive multiple of 8 (VAE factor 8)", resolution);
+  return resolution / 8;
+}
+int64_t stage_c_latent_side(int64_t resolution) {
+  if (resolution < 8) fail("resolution {} is too small", resolution);
+  return std::max<int64_t>(8, resolution * 3 / 128);
+}
+
 // The registry. Parameter counts: LDM UNets and the VAE are the counts of the
 // released checkpoints (sum of numel over the tensors under the prefix).
 std::vector<Architecture> make_registry() {
-  return {
+  std::vector<Architecture> rows = {
       {"sd15", "Stable Diffusion 1.5 UNet (LDM layout)", "model.diffusion_model.", 859'520'964,
        "runwayml/stable-diffusion-v1-5 UNet (v1-5-pruned.safetensors; diffusers UNet2DConditionModel.num_parameters())",
        ldm_unet(&LdmUNetOptions::sd15)},
@@ -103,6 +114,28 @@ std::vector<Architecture> make_registry() {
        "file adds the scalar logit_scale",
        clip_text(&ClipTextOptions::clip_g)},
   };
+  // ---- planner: denoiser inputs and memory traces (models/<model>_trace.cpp) ----
+  auto row = [&rows](const char* name) -> Architecture& {
+    for (auto& a : rows) {
+      if (a.name == name) return a;
+    }
+    fail("registry: no row '{}'", name);
+  };
+  auto denoiser = [&](const char* name, int64_t (*side)(int64_t), int64_t tokens, DenoiserExampleFn example,
+                      DenoiserTraceFn trace) {
+    Architecture& a = row(name);
+    a.latent_side = side;
+    a.context_tokens = tokens;
+    a.example = example;
+    a.trace = trace;
+  };
+  for (const char* ldm : {"sd15", "sdxl", "ssd1b"}) denoiser(ldm, &vae8_latent_side, 77, &ldm_unet_example, &trace_ldm_unet);
+  denoiser("sd35m", &vae8_latent_side, 154, &mmdit_example, &trace_mmdit);
+  for (const char* c : {"cascade-c", "cascade-c-lite"}) {
+    denoiser(c, &stage_c_latent_side, 77, &stage_c_example, &trace_stage_c);
+  }
+  row("tiny-unet").planned_as_text_to_image = true;
+  return rows;
 }
 
 std::vector<TensorShape> shapes_of(const torch::nn::Module& m) {
@@ -126,6 +159,26 @@ const Architecture& find_architecture(const std::string& name) {
     known += (known.empty() ? "" : ", ") + a.name;
   }
   fail("unknown architecture '{}'; known: {}", name, known);
+}
+
+DenoiserBatch denoiser_batch(const Architecture& arch, int64_t batch, int64_t resolution) {
+  if (!arch.trace || !arch.latent_side) fail("architecture '{}' is not a denoiser with known inputs", arch.name);
+  DenoiserBatch b;
+  b.batch = batch;
+  b.latent_side = arch.latent_side(resolution);
+  b.context_tokens = arch.context_tokens;
+  return b;
+}
+
+std::vector<nn::BlockTable*> block_tables(torch::nn::Module& model) {
+  std::vector<nn::BlockTable*> tables;
+  for (const auto& item : model.named_modules("", /*include_self=*/true)) {
+    torch::nn::Module* m = item.value().get();
+    if (auto* u = dynamic_cast<LdmUNetImpl*>(m)) tables.push_back(u->block_table());
+    if (auto* d = dynamic_cast<MMDiTImpl*>(m)) tables.push_back(d->block_table());
+    if (auto* c = dynamic_cast<StageCImpl*>(m)) tables.push_back(c->block_table());
+  }
+  return tables;
 }
 
 std::shared_ptr<torch::nn::Module> build_architecture(const std::string& name, const nn::LayerInit& init, bool tiny) {

@@ -14,6 +14,8 @@
 
 #include <torch/nn/module.h>
 
+#include "shoestring/models/denoiser_io.h"
+#include "shoestring/nn/block_precision.h"
 #include "shoestring/nn/layers.h"
 
 namespace shoestring::models {
@@ -41,7 +43,36 @@ struct Architecture {
   /// (CLIP-L: SD 1.5's "cond_stage_model.transformer." and SDXL's
   /// "conditioner.embedders.0.transformer."); detection tries each.
   std::vector<std::string> other_prefixes{};
+
+  // ---- planner: denoiser inputs and memory trace (plan/, bench/model_step) ----
+  // Set for the denoisers (sd15, sdxl, ssd1b, sd35m, cascade-c,
+  // cascade-c-lite); null / 0 / false for other models.
+  /// Side of the square latent the VAE (or stage C's compression) makes of
+  /// an image of `resolution` px; throws shoestring::Error for a resolution
+  /// that does not fit (LDM / SD3.5: not divisible by 8).
+  int64_t (*latent_side)(int64_t resolution) = nullptr;
+  /// Text tokens of the cached conditioning: 77 (CLIP) for LDM UNets and
+  /// stage C, 154 (77 CLIP-L/G + 77 T5) for SD3.5.
+  int64_t context_tokens = 0;
+  /// Random example inputs bound to the forward (models/denoiser_io.h).
+  DenoiserExampleFn example = nullptr;
+  /// The forward's memory trace (models/<model>_trace.cpp).
+  DenoiserTraceFn trace = nullptr;
+  /// Planned as the emoji model (train/DiffusionModel: caption encoder and a
+  /// TinyUNet sized by the config's [model] keys; models::trace_text_to_image)
+  /// rather than through `trace` (tiny-unet).
+  bool planned_as_text_to_image = false;
 };
+
+/// The inputs of `arch`'s denoiser for `batch` images of `resolution` px
+/// (latent side and context tokens of its row). Throws shoestring::Error when
+/// `arch` is not a denoiser (no trace) or the resolution does not fit.
+DenoiserBatch denoiser_batch(const Architecture& arch, int64_t batch, int64_t resolution);
+
+/// The block tables (precision rules, checkpointing) of every denoiser in
+/// `model`'s tree (itself or a submodule, e.g. under a checkpoint root), in
+/// named_modules() order; empty when it holds none.
+std::vector<nn::BlockTable*> block_tables(torch::nn::Module& model);
 
 /// Every registered architecture, in table order.
 const std::vector<Architecture>& architectures();
