@@ -1,7 +1,7 @@
 // Shared harness for tests that run the registered architectures at tiny
 // width (models::build_architecture(name, {}, /*tiny=*/true)): one handle per
 // architecture with a uniform forward over fixed random inputs of the right
-// shapes, its block table and legacy checkpoint switch, and a short training
+// shapes, its block table (precision rules, checkpointing), and a short training
 // loop on a fixed batch (the loss must fall when the same batch repeats).
 //
 // Inputs per family (see each forward's docstring):
@@ -40,7 +40,6 @@ struct TinyArch {
   std::string name;
   std::shared_ptr<torch::nn::Module> module;
   nn::BlockTable* table = nullptr;
-  std::function<void(bool)> set_gradient_checkpointing;
   /// forward(x_t, sigma [B] in [0, 1], conditioning tensors) -> [B, C, h, w].
   std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&, const std::vector<torch::Tensor>&)> forward;
   int64_t latent_channels = 4;
@@ -58,7 +57,6 @@ inline TinyArch tiny_arch(const std::string& arch, int64_t batch = 2, int64_t to
   a.module = models::build_architecture(arch, {}, /*tiny=*/true);
   if (auto u = std::dynamic_pointer_cast<models::LdmUNetImpl>(a.module)) {
     a.table = u->block_table();
-    a.set_gradient_checkpointing = [u](bool on) { u->set_gradient_checkpointing(on); };
     const auto& o = u->options();
     a.latent_channels = o.in_channels();
     a.cond_shapes = {{batch, tokens, o.context_dim()}};
@@ -68,7 +66,6 @@ inline TinyArch tiny_arch(const std::string& arch, int64_t batch = 2, int64_t to
     };
   } else if (auto m = std::dynamic_pointer_cast<models::MMDiTImpl>(a.module)) {
     a.table = m->block_table();
-    a.set_gradient_checkpointing = [m](bool on) { m->set_gradient_checkpointing(on); };
     const auto& o = m->options();
     a.latent_channels = o.in_channels();
     a.cond_shapes = {{batch, tokens, o.context_dim()}, {batch, o.adm_in_channels()}};
@@ -77,7 +74,6 @@ inline TinyArch tiny_arch(const std::string& arch, int64_t batch = 2, int64_t to
     };
   } else if (auto s = std::dynamic_pointer_cast<models::StageCImpl>(a.module)) {
     a.table = s->block_table();
-    a.set_gradient_checkpointing = [s](bool on) { s->set_gradient_checkpointing(on); };
     const auto& o = s->options();
     a.latent_channels = o.in_channels();
     a.cond_shapes = {{batch, tokens, o.clip_text_dim()}, {batch, 1, o.clip_text_pooled_dim()}, {batch, 1, o.clip_image_dim()}};

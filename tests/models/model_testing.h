@@ -12,7 +12,9 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "shoestring/models/denoiser.h"
 #include "shoestring/models/tiny_unet.h"
+#include "shoestring/precision/policy.h"
 
 #include "../nn/reference_data.h"
 
@@ -73,6 +75,30 @@ inline models::TinyUNetOptions small_tiny_unet_options() {
       .num_heads(2)
       .context_dim(12)
       .groups(8);
+}
+
+/// Gradient checkpointing as a training run switches it on: the config's
+/// `gradient_checkpointing` shorthand rule ({match "*", checkpoint true}; off:
+/// no rule) resolved against `model` and set on every declared block of the
+/// denoiser block tables in it (precision::block_precision, as
+/// precision::apply does), leaving the parameters (dtype, requires_grad) as
+/// they are. Blocks compute in the dtype of the model's parameters (as
+/// unconfigured; a CPU-only helper).
+inline void checkpoint_by_rule(torch::nn::Module& model, bool on) {
+  const std::vector<nn::BlockTable*> tables = models::denoiser_block_tables(model);
+  const auto policy = precision::Policy::from_specs(precision::shorthand_rules("no", false, false, on));
+  const precision::Resolution res = precision::resolve(model, policy, {tables.begin(), tables.end()});
+  const at::ScalarType dtype = model.parameters().at(0).scalar_type();
+  std::map<std::string, const precision::ModuleRow*> row_of;
+  for (const auto& m : res.modules) row_of[m.path] = &m;
+  for (const auto& item : model.named_modules("", /*include_self=*/true)) {
+    for (nn::BlockTable* t : tables) {
+      if (!t->is_block(item.value().get())) continue;
+      nn::BlockPrecision p = precision::block_precision(row_of.at(item.key())->settings, torch::kCPU);
+      p.compute = dtype;
+      t->set(item.value().get(), p);
+    }
+  }
 }
 
 }  // namespace shoestring::testing

@@ -10,6 +10,7 @@
 #include <torch/torch.h>
 
 #include "../nn/reference_data.h"
+#include "model_testing.h"
 #include "shoestring/core/error.h"
 #include "shoestring/core/memory_ledger.h"
 #include "shoestring/io/key_map.h"
@@ -546,7 +547,7 @@ std::vector<torch::Tensor> tiny_unet_grads(const std::string& arch, bool checkpo
     torch::NoGradGuard g;
     for (auto& p : unet->parameters()) p.add_(torch::randn_like(p) * 0.02);
   }
-  unet->set_gradient_checkpointing(checkpointing);
+  shoestring::testing::checkpoint_by_rule(*unet, checkpointing);
   unet->train();
   const auto& o = unet->options();
   torch::Tensor x = torch::randn({2, 4, 16, 16}), t = torch::tensor({10.0, 900.0});

@@ -249,7 +249,7 @@ TEST(StageC, GradientCheckpointingKeepsGradients) {
   torch::Tensor x = torch::randn({2, 16, 6, 6}), r = torch::rand({2});
   torch::Tensor text = torch::randn({2, 3, 1280}), pooled = torch::randn({2, 1, 1280}), img = torch::randn({2, 1, 768});
   auto grads = [&](bool ckpt) {
-    net->set_gradient_checkpointing(ckpt);
+    shoestring::testing::checkpoint_by_rule(*net, ckpt);
     net->zero_grad();
     net->forward(x, r, text, pooled, img).square().mean().backward();
     std::vector<torch::Tensor> g;
@@ -257,9 +257,9 @@ TEST(StageC, GradientCheckpointingKeepsGradients) {
     return g;
   };
   const auto plain = grads(false), ckpt = grads(true);
-  net->set_gradient_checkpointing(false);
+  shoestring::testing::checkpoint_by_rule(*net, false);
   const size_t nodes_plain = count_graph_nodes(net->forward(x, r, text, pooled, img));
-  net->set_gradient_checkpointing(true);
+  shoestring::testing::checkpoint_by_rule(*net, true);
   EXPECT_LT(count_graph_nodes(net->forward(x, r, text, pooled, img)), nodes_plain / 2);
   ASSERT_EQ(plain.size(), ckpt.size());
   for (size_t i = 0; i < plain.size(); ++i) EXPECT_TRUE(torch::allclose(plain[i], ckpt[i], 1e-5, 1e-6)) << i;

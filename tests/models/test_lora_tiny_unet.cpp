@@ -164,7 +164,7 @@ TEST(LoraTinyUNet, GradientCheckpointingGivesTheSameAdapterGradients) {
   }
   unet->train();
   auto grads = [&](bool checkpointing) {
-    unet->set_gradient_checkpointing(checkpointing);
+    shoestring::testing::checkpoint_by_rule(*unet, checkpointing);
     for (auto& p : net->parameters()) p.mutable_grad().reset();
     unet->forward(in.x, in.t, in.ctx).pow(2).mean().backward();
     std::vector<torch::Tensor> g;

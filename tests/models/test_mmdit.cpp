@@ -305,7 +305,7 @@ TEST(MMDiT, GradientCheckpointingKeepsGradients) {
   torch::Tensor x = torch::randn({2, 16, 4, 4}), t = torch::rand({2});
   torch::Tensor ctx = torch::randn({2, 3, 4096}), y = torch::randn({2, 2048});
   auto grads = [&](bool ckpt) {
-    net->set_gradient_checkpointing(ckpt);
+    shoestring::testing::checkpoint_by_rule(*net, ckpt);
     net->zero_grad();
     net->forward(x, t, ctx, y).square().mean().backward();
     std::vector<torch::Tensor> g;
@@ -313,9 +313,9 @@ TEST(MMDiT, GradientCheckpointingKeepsGradients) {
     return g;
   };
   const auto plain = grads(false), ckpt = grads(true);
-  net->set_gradient_checkpointing(false);
+  shoestring::testing::checkpoint_by_rule(*net, false);
   const size_t nodes_plain = count_graph_nodes(net->forward(x, t, ctx, y));
-  net->set_gradient_checkpointing(true);
+  shoestring::testing::checkpoint_by_rule(*net, true);
   EXPECT_LT(count_graph_nodes(net->forward(x, t, ctx, y)), nodes_plain / 2);
   ASSERT_EQ(plain.size(), ckpt.size());
   for (size_t i = 0; i < plain.size(); ++i) EXPECT_TRUE(torch::allclose(plain[i], ckpt[i], 1e-5, 1e-6)) << i;

@@ -142,7 +142,7 @@ struct UNetGrads {
 
 UNetGrads train_step(TinyUNet& net, bool checkpointing) {
   net->train();
-  net->set_gradient_checkpointing(checkpointing);
+  shoestring::testing::checkpoint_by_rule(*net, checkpointing);
   net->zero_grad();
   auto in = make_inputs(net->options(), 2, 8);
   in.x.requires_grad_(true);
@@ -195,11 +195,12 @@ TEST(TinyUNet, CheckpointingKeepsFewerGraphNodes) {
   net->train();
   auto in = make_inputs(net->options(), 1, 8);
   in.x.requires_grad_(true);
+  shoestring::testing::checkpoint_by_rule(*net, false);
   const size_t plain = count_graph_nodes(net->forward(in.x, in.t, in.ctx, in.mask));
-  net->set_gradient_checkpointing(true);
+  shoestring::testing::checkpoint_by_rule(*net, true);
   const size_t ck = count_graph_nodes(net->forward(in.x, in.t, in.ctx, in.mask));
   EXPECT_LT(ck * 4, plain) << "plain " << plain << " nodes, checkpointed " << ck;
-  // Evaluation mode ignores the flag.
+  // Evaluation mode ignores the rule.
   net->eval();
   EXPECT_EQ(count_graph_nodes(net->forward(in.x, in.t, in.ctx, in.mask)), plain);
 }
@@ -230,7 +231,7 @@ TEST(TinyUNet, DISABLED_ForwardBackwardTiming) {
       TinyUNet net;
       net->to(dtype);
       net->train();
-      net->set_gradient_checkpointing(ckpt);
+      shoestring::testing::checkpoint_by_rule(*net, ckpt);
       auto in = make_inputs(net->options(), 32, 32, dtype);
       in.ctx = torch::randn({32, 16, 256}).to(dtype);
       in.mask = torch::ones({32, 16}, torch::kBool);

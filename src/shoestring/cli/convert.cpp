@@ -45,15 +45,27 @@ struct ConvertOptions {
   bool force = false;
 };
 
-// The UNet block layout of a registered LDM UNet architecture.
-io::UNetKeyLayout layout_of(const std::string& arch) {
-  if (arch == "sd15") return models::unet_key_layout(models::LdmUNetOptions::sd15());
-  if (arch == "sdxl") return models::unet_key_layout(models::LdmUNetOptions::sdxl());
-  if (arch == "ssd1b") return models::unet_key_layout(models::LdmUNetOptions::ssd1b());
-  fail("convert: no LDM <-> diffusers key map for architecture '{}' (supported: sd15, sdxl, ssd1b, vae)", arch);
+bool is_unet(const std::string& arch) { return models::find_architecture(arch).family == models::Family::ldm_unet; }
+bool is_vae(const std::string& arch) { return models::find_architecture(arch).family == models::Family::vae; }
+
+// The architectures with a diffusers key map here (the LDM UNets and the SD
+// VAE), in registry order: sd15, sdxl, ssd1b, vae.
+std::vector<std::string> convertible() {
+  std::vector<std::string> names;
+  for (const auto& a : models::architectures()) {
+    if (a.family == models::Family::ldm_unet || a.family == models::Family::vae) names.push_back(a.name);
+  }
+  return names;
 }
 
-bool is_unet(const std::string& arch) { return arch == "sd15" || arch == "sdxl" || arch == "ssd1b"; }
+// The UNet block layout of a registered LDM UNet architecture.
+io::UNetKeyLayout layout_of(const std::string& arch) {
+  if (!is_unet(arch)) {
+    fail("convert: no LDM <-> diffusers key map for architecture '{}' (supported: {})", arch,
+         models::join_names(convertible()));
+  }
+  return models::unet_key_layout(models::ldm_unet_options(arch));
+}
 
 // VAE mid-block attention: LDM stores q/k/v/proj_out as 1x1 convs [C, C, 1, 1],
 // diffusers as Linear [C, C].
@@ -76,10 +88,10 @@ std::vector<Planned> plan_to_diffusers(const WeightFiles& files, const ConvertOp
   std::vector<models::Detection> found = models::detect_architectures(shapes);
   std::vector<models::Detection> usable;
   for (const auto& d : found) {
-    if (!is_unet(d.architecture) && d.architecture != "vae") continue;
+    if (!is_unet(d.architecture) && !is_vae(d.architecture)) continue;
     if (!o.arch.empty() && d.architecture != o.arch) continue;
     if (o.component == "unet" && !is_unet(d.architecture)) continue;
-    if (o.component == "vae" && d.architecture != "vae") continue;
+    if (o.component == "vae" && !is_vae(d.architecture)) continue;
     usable.push_back(d);
   }
   if (usable.empty()) {
@@ -125,12 +137,11 @@ std::vector<Planned> plan_to_diffusers(const WeightFiles& files, const ConvertOp
 // diffusers -> LDM: try each architecture's inverse map; keep the one whose
 // result is an exact match for it.
 std::vector<Planned> plan_to_ldm(const WeightFiles& files, const ConvertOptions& o, std::string& arch_out) {
-  std::vector<std::string> candidates = o.arch.empty() ? std::vector<std::string>{"sd15", "sdxl", "ssd1b", "vae"}
-                                                       : std::vector<std::string>{o.arch};
+  std::vector<std::string> candidates = o.arch.empty() ? convertible() : std::vector<std::string>{o.arch};
   std::string report;
   for (const auto& arch : candidates) {
-    if (!is_unet(arch) && arch != "vae")
-      fail("convert: --arch {} has no diffusers key map (supported: sd15, sdxl, ssd1b, vae)", arch);
+    if (!is_unet(arch) && !is_vae(arch))
+      fail("convert: --arch {} has no diffusers key map (supported: {})", arch, models::join_names(convertible()));
     const models::Architecture& a = models::find_architecture(arch);
     std::vector<Planned> plan;
     std::vector<models::TensorShape> shapes;
@@ -139,7 +150,7 @@ std::vector<Planned> plan_to_ldm(const WeightFiles& files, const ConvertOptions&
       try {
         std::string key = is_unet(arch) ? io::unet_diffusers_to_ldm(n, layout_of(arch)) : io::vae_diffusers_to_ldm(n);
         Planned p{a.prefix + key, n, files.find(n)->shape};
-        if (arch == "vae" && is_vae_attention_weight(key) && p.out_shape.size() == 2) p.out_shape.insert(p.out_shape.end(), {1, 1});
+        if (is_vae(arch) && is_vae_attention_weight(key) && p.out_shape.size() == 2) p.out_shape.insert(p.out_shape.end(), {1, 1});
         shapes.push_back({p.out_name, p.out_shape});
         plan.push_back(std::move(p));
       } catch (const Error& e) {

@@ -7,6 +7,7 @@
 
 #include "shoestring/cli/commands.h"
 #include "shoestring/core/error.h"
+#include "shoestring/models/architecture.h"
 #include "shoestring/core/units.h"
 #include "shoestring/plan/explain.h"
 #include "shoestring/plan/memory_plan.h"
@@ -23,7 +24,10 @@ constexpr MemoryCategory kShown[] = {MemoryCategory::weights, MemoryCategory::gr
 
 void print_plan(const TrainConfig& c, const plan::MemoryPlan& p) {
   fmt::print("model: {}{}, {:.2f}M parameters, weights {}, optimizer {}{}{}\n", c.architecture,
-             c.architecture != "tiny-unet" ? (c.tiny ? " (tiny) denoiser" : " denoiser") : "", p.parameters / 1e6,
+             models::find_architecture(c.architecture).family != models::Family::tiny_unet
+                 ? (c.tiny ? " (tiny) denoiser" : " denoiser")
+                 : "",
+             p.parameters / 1e6,
              c.full_bf16 ? "bf16" : (c.mixed_precision == "bf16" ? "fp32 (bf16 autocast)" : "fp32"),
              c.optimizer_type, c.optimizer_state_dtype == "bf16" ? " (bf16 state)" : "",
              c.fused_backward_pass ? ", fused backward" : "");

@@ -7,6 +7,7 @@
 
 #include "shoestring/cli/commands.h"
 #include "shoestring/core/error.h"
+#include "shoestring/models/architecture.h"
 #include "shoestring/core/threads.h"
 #include "shoestring/data/tokenizer.h"
 #include "shoestring/io/safetensors.h"
@@ -62,7 +63,7 @@ void register_sample(CLI::App& app) {
     configure_threads(0);
     auto file = SafetensorsFile::open(args->checkpoint);
     auto arch = file.metadata().find("architecture");
-    if (arch != file.metadata().end() && arch->second != "tiny-unet") {
+    if (arch != file.metadata().end() && arch->second != models::kTinyUNet) {
       fail("{}: a {} checkpoint; `shoestring sample` draws from the emoji example's tiny-unet only — for {} the "
            "trainer writes sample grids during training (sample_prompts, sample_every_n_steps), and the file loads "
            "in ComfyUI / A1111 as it is",

@@ -61,80 +61,118 @@ int64_t stage_c_latent_side(int64_t resolution) {
   return std::max<int64_t>(8, resolution * 3 / 128);
 }
 
+// Sets the family-and-identity block of `a` (see Architecture) and returns it.
+Architecture with(Architecture a, Family family, bool trainable, Objective objective, Conditioning conditioning,
+                  std::string kohya = "", std::string modelspec = "", std::string modelspec_lora = "") {
+  a.family = family;
+  a.trainable_from_config = trainable;
+  a.default_objective = objective;
+  a.conditioning = conditioning;
+  a.kohya_base_model_version = std::move(kohya);
+  a.modelspec_architecture = std::move(modelspec);
+  a.modelspec_lora_architecture = std::move(modelspec_lora);
+  return a;
+}
+
+Architecture ldm(Architecture a, LdmUNetOptions (*preset)(), Conditioning conditioning, std::string kohya,
+                 std::string modelspec, std::string modelspec_lora) {
+  a.build = ldm_unet(preset);
+  a.ldm_preset = preset;
+  return with(std::move(a), Family::ldm_unet, /*trainable=*/true, Objective::epsilon, conditioning, std::move(kohya),
+              std::move(modelspec), std::move(modelspec_lora));
+}
+
 // The registry. Parameter counts: LDM UNets and the VAE are the counts of the
 // released checkpoints (sum of numel over the tensors under the prefix).
+// Conditioning: {latent channels, VAE downscale, context tokens, context
+// width, pooled / y width}, at full width.
 std::vector<Architecture> make_registry() {
   std::vector<Architecture> rows = {
-      {"sd15", "Stable Diffusion 1.5 UNet (LDM layout)", "model.diffusion_model.", 859'520'964,
-       "runwayml/stable-diffusion-v1-5 UNet (v1-5-pruned.safetensors; diffusers UNet2DConditionModel.num_parameters())",
-       ldm_unet(&LdmUNetOptions::sd15)},
-      {"sdxl", "Stable Diffusion XL base 1.0 UNet (LDM layout)", "model.diffusion_model.", 2'567'463'684,
-       "stabilityai/stable-diffusion-xl-base-1.0 UNet (sd_xl_base_1.0.safetensors; diffusers "
-       "UNet2DConditionModel.num_parameters())",
-       ldm_unet(&LdmUNetOptions::sdxl)},
-      {"ssd1b", "Segmind SSD-1B UNet (SDXL with blocks removed, LDM layout)", "model.diffusion_model.",
-       1'331'334'404,
-       "segmind/SSD-1B ('1.3B'); exact: the SDXL count minus the removed blocks (34 transformer blocks at "
-       "1280 ch, 2 at 640 ch, middle_block.1 shell and middle_block.2), see tests/models/test_architectures.cpp",
-       ldm_unet(&LdmUNetOptions::ssd1b)},
-      {"vae", "Stable Diffusion VAE (AutoencoderKL, LDM layout; SD 1.x and SDXL)", "first_stage_model.", 83'653'863,
-       "stabilityai/sd-vae-ft-mse / sdxl-vae AutoencoderKL (diffusers num_parameters())", &build_vae},
-      {"cascade-c", "Stable Cascade stage C 3.6B (stage_c.safetensors; keys without prefix)", "", 3'589'103'632,
-       "Stability-AI/StableCascade modules/stage_c.py with stabilityai/stable-cascade-prior prior/config.json (no "
-       "exact public count; agrees with '3.6B' and the 14.4 GB fp32 file)",
-       [](const nn::LayerInit& i, bool tiny) -> std::shared_ptr<torch::nn::Module> {
-         return StageC(tiny ? StageCOptions::tiny() : StageCOptions::cascade_c(), i).ptr();
-       }},
-      {"cascade-c-lite", "Stable Cascade stage C lite 1B (stage_c_lite.safetensors; keys without prefix)", "",
-       1'030'785'040,
-       "StableCascade train/train_c.py '1B' = stable-cascade-prior prior_lite/config.json (no exact public count; "
-       "agrees with '1B' and the 4.12 GB fp32 file)",
-       [](const nn::LayerInit& i, bool tiny) -> std::shared_ptr<torch::nn::Module> {
-         return StageC(tiny ? StageCOptions::tiny() : StageCOptions::cascade_c_lite(), i).ptr();
-       }},
-      {"sd35m", "Stable Diffusion 3.5 Medium MMDiT-X", "model.diffusion_model.", 2'243'171'520,
-       "stabilityai/stable-diffusion-3.5-medium SD3Transformer2DModel parameter count; the file adds the "
-       "226,492,416-element pos_embed buffer",
-       [](const nn::LayerInit& i, bool tiny) -> std::shared_ptr<torch::nn::Module> {
-         return MMDiT(tiny ? MMDiTOptions::tiny() : MMDiTOptions::sd35_medium(), i).ptr();
-       }},
-      {"tiny-unet", "shoestring TinyUNet with default options (the emoji example's model)", "unet.", 24'805'379,
-       "this project's TinyUNetOptions defaults (printed by TinyUNet.DefaultsHaveTenToFortyMillionParameters)",
-       &build_tiny_unet},
-      {"clip-l", "OpenAI CLIP ViT-L/14 text encoder (Hugging Face CLIPTextModel layout; SD 1.x, SDXL embedder 0)",
-       kSd15ClipPrefix, 123'060'480,
-       "openai/clip-vit-large-patch14 text config (width 768, 12 layers, MLP 3072, vocab 49408, 77 positions); "
-       "= diffusers text_encoder.num_parameters() of runwayml/stable-diffusion-v1-5; files may add the 77-element "
-       "position_ids buffer",
-       clip_text(&ClipTextOptions::clip_l), {kSdxlClipLPrefix}},
-      {"clip-g", "OpenCLIP ViT-bigG-14 text encoder (OpenCLIP layout; SDXL embedder 1)", kSdxlClipGPrefix,
-       694'659'840,
-       "open_clip ViT-bigG-14.json text_cfg (width 1280, 32 layers, MLP 5120) with the 1280x1280 text_projection; "
-       "= diffusers text_encoder_2 (CLIPTextModelWithProjection) of stabilityai/stable-diffusion-xl-base-1.0; the "
-       "file adds the scalar logit_scale",
-       clip_text(&ClipTextOptions::clip_g)},
+      ldm({"sd15", "Stable Diffusion 1.5 UNet (LDM layout)", "model.diffusion_model.", 859'520'964,
+           "runwayml/stable-diffusion-v1-5 UNet (v1-5-pruned.safetensors; diffusers "
+           "UNet2DConditionModel.num_parameters())"},
+          &LdmUNetOptions::sd15, {4, 8, 77, 768, 0}, "sd_v1", "stable-diffusion-v1", "stable-diffusion-v1/lora"),
+      ldm({"sdxl", "Stable Diffusion XL base 1.0 UNet (LDM layout)", "model.diffusion_model.", 2'567'463'684,
+           "stabilityai/stable-diffusion-xl-base-1.0 UNet (sd_xl_base_1.0.safetensors; diffusers "
+           "UNet2DConditionModel.num_parameters())"},
+          &LdmUNetOptions::sdxl, {4, 8, 77, 2048, 2816}, "sdxl_base_v1-0", "stable-diffusion-xl-v1-base",
+          "stable-diffusion-xl-v1-base/lora"),
+      // SSD-1B LoRAs load as SDXL ones (same kohya and LoRA model-spec ids).
+      ldm({"ssd1b", "Segmind SSD-1B UNet (SDXL with blocks removed, LDM layout)", "model.diffusion_model.",
+           1'331'334'404,
+           "segmind/SSD-1B ('1.3B'); exact: the SDXL count minus the removed blocks (34 transformer blocks at "
+           "1280 ch, 2 at 640 ch, middle_block.1 shell and middle_block.2), see tests/models/test_architectures.cpp"},
+          &LdmUNetOptions::ssd1b, {4, 8, 77, 2048, 2816}, "sdxl_base_v1-0", "segmind-ssd-1b",
+          "stable-diffusion-xl-v1-base/lora"),
+      with({"vae", "Stable Diffusion VAE (AutoencoderKL, LDM layout; SD 1.x and SDXL)", "first_stage_model.",
+            83'653'863, "stabilityai/sd-vae-ft-mse / sdxl-vae AutoencoderKL (diffusers num_parameters())",
+            &build_vae},
+           Family::vae, false, Objective::none, {4, 8, 0, 0, 0}),
+      with({"cascade-c", "Stable Cascade stage C 3.6B (stage_c.safetensors; keys without prefix)", "",
+            3'589'103'632,
+            "Stability-AI/StableCascade modules/stage_c.py with stabilityai/stable-cascade-prior prior/config.json "
+            "(no exact public count; agrees with '3.6B' and the 14.4 GB fp32 file)",
+            [](const nn::LayerInit& i, bool tiny) -> std::shared_ptr<torch::nn::Module> {
+              return StageC(tiny ? StageCOptions::tiny() : StageCOptions::cascade_c(), i).ptr();
+            }},
+           Family::stage_c, false, Objective::epsilon, {16, 0, 77, 1280, 1280}),
+      with({"cascade-c-lite", "Stable Cascade stage C lite 1B (stage_c_lite.safetensors; keys without prefix)", "",
+            1'030'785'040,
+            "StableCascade train/train_c.py '1B' = stable-cascade-prior prior_lite/config.json (no exact public "
+            "count; agrees with '1B' and the 4.12 GB fp32 file)",
+            [](const nn::LayerInit& i, bool tiny) -> std::shared_ptr<torch::nn::Module> {
+              return StageC(tiny ? StageCOptions::tiny() : StageCOptions::cascade_c_lite(), i).ptr();
+            }},
+           Family::stage_c, false, Objective::epsilon, {16, 0, 77, 1280, 1280}),
+      with({"sd35m", "Stable Diffusion 3.5 Medium MMDiT-X", "model.diffusion_model.", 2'243'171'520,
+            "stabilityai/stable-diffusion-3.5-medium SD3Transformer2DModel parameter count; the file adds the "
+            "226,492,416-element pos_embed buffer",
+            [](const nn::LayerInit& i, bool tiny) -> std::shared_ptr<torch::nn::Module> {
+              return MMDiT(tiny ? MMDiTOptions::tiny() : MMDiTOptions::sd35_medium(), i).ptr();
+            }},
+           Family::mmdit, false, Objective::flow_matching, {16, 8, 154, 4096, 2048}),
+      // Pixel space; its caption length and width come from the run config.
+      with({kTinyUNet, "shoestring TinyUNet with default options (the emoji example's model)", "unet.", 24'805'379,
+            "this project's TinyUNetOptions defaults (printed by TinyUNet.DefaultsHaveTenToFortyMillionParameters)",
+            &build_tiny_unet},
+           Family::tiny_unet, true, Objective::flow_matching, {3, 1, 0, 0, 0}),
+      with({"clip-l", "OpenAI CLIP ViT-L/14 text encoder (Hugging Face CLIPTextModel layout; SD 1.x, SDXL embedder 0)",
+            kSd15ClipPrefix, 123'060'480,
+            "openai/clip-vit-large-patch14 text config (width 768, 12 layers, MLP 3072, vocab 49408, 77 positions); "
+            "= diffusers text_encoder.num_parameters() of runwayml/stable-diffusion-v1-5; files may add the "
+            "77-element position_ids buffer",
+            clip_text(&ClipTextOptions::clip_l), {kSdxlClipLPrefix}},
+           Family::text_encoder, false, Objective::none, {0, 0, 77, 768, 768}),
+      with({"clip-g", "OpenCLIP ViT-bigG-14 text encoder (OpenCLIP layout; SDXL embedder 1)", kSdxlClipGPrefix,
+            694'659'840,
+            "open_clip ViT-bigG-14.json text_cfg (width 1280, 32 layers, MLP 5120) with the 1280x1280 "
+            "text_projection; = diffusers text_encoder_2 (CLIPTextModelWithProjection) of "
+            "stabilityai/stable-diffusion-xl-base-1.0; the file adds the scalar logit_scale",
+            clip_text(&ClipTextOptions::clip_g)},
+           Family::text_encoder, false, Objective::none, {0, 0, 77, 1280, 1280}),
   };
-  // ---- planner: denoiser inputs and memory traces (models/<model>_trace.cpp) ----
-  auto row = [&rows](const char* name) -> Architecture& {
-    for (auto& a : rows) {
-      if (a.name == name) return a;
+  // ---- planner: denoiser inputs and memory traces (models/<model>_trace.cpp), per family ----
+  for (Architecture& a : rows) {
+    switch (a.family) {
+      case Family::ldm_unet:
+        a.latent_side = &vae8_latent_side;
+        a.example = &ldm_unet_example;
+        a.trace = &trace_ldm_unet;
+        break;
+      case Family::mmdit:
+        a.latent_side = &vae8_latent_side;
+        a.example = &mmdit_example;
+        a.trace = &trace_mmdit;
+        break;
+      case Family::stage_c:
+        a.latent_side = &stage_c_latent_side;
+        a.example = &stage_c_example;
+        a.trace = &trace_stage_c;
+        break;
+      default:  // tiny-unet is planned from the run config (models::trace_text_to_image)
+        break;
     }
-    fail("registry: no row '{}'", name);
-  };
-  auto denoiser = [&](const char* name, int64_t (*side)(int64_t), int64_t tokens, DenoiserExampleFn example,
-                      DenoiserTraceFn trace) {
-    Architecture& a = row(name);
-    a.latent_side = side;
-    a.context_tokens = tokens;
-    a.example = example;
-    a.trace = trace;
-  };
-  for (const char* ldm : {"sd15", "sdxl", "ssd1b"}) denoiser(ldm, &vae8_latent_side, 77, &ldm_unet_example, &trace_ldm_unet);
-  denoiser("sd35m", &vae8_latent_side, 154, &mmdit_example, &trace_mmdit);
-  for (const char* c : {"cascade-c", "cascade-c-lite"}) {
-    denoiser(c, &stage_c_latent_side, 77, &stage_c_example, &trace_stage_c);
   }
-  row("tiny-unet").planned_as_text_to_image = true;
   return rows;
 }
 
@@ -152,6 +190,57 @@ const std::vector<Architecture>& architectures() {
   return registry;
 }
 
+const char* to_string(Family family) {
+  switch (family) {
+    case Family::tiny_unet: return "tiny_unet";
+    case Family::ldm_unet: return "ldm_unet";
+    case Family::mmdit: return "mmdit";
+    case Family::stage_c: return "stage_c";
+    case Family::vae: return "vae";
+    case Family::text_encoder: return "text_encoder";
+  }
+  return "?";
+}
+
+bool is_denoiser(Family family) {
+  return family == Family::tiny_unet || family == Family::ldm_unet || family == Family::mmdit ||
+         family == Family::stage_c;
+}
+
+const char* to_string(Objective objective) {
+  switch (objective) {
+    case Objective::none: return "none";
+    case Objective::epsilon: return "epsilon";
+    case Objective::flow_matching: return "flow_matching";
+  }
+  return "?";
+}
+
+std::vector<std::string> denoiser_architectures(bool trainable_only) {
+  std::vector<std::string> names;
+  for (Family f : {Family::tiny_unet, Family::ldm_unet, Family::mmdit, Family::stage_c}) {
+    for (const auto& a : architectures()) {
+      if (a.family == f && (a.trainable_from_config || !trainable_only)) names.push_back(a.name);
+    }
+  }
+  return names;
+}
+
+std::string join_names(const std::vector<std::string>& names) {
+  std::string out;
+  for (const auto& n : names) out += (out.empty() ? "" : ", ") + n;
+  return out;
+}
+
+LdmUNetOptions ldm_unet_options(const std::string& name, bool tiny) {
+  const Architecture& a = find_architecture(name);
+  if (a.family != Family::ldm_unet || !a.ldm_preset) {
+    fail("architecture '{}' is a {}, not an LDM UNet", name, to_string(a.family));
+  }
+  LdmUNetOptions o = a.ldm_preset();
+  return tiny ? o.tiny() : o;
+}
+
 const Architecture& find_architecture(const std::string& name) {
   std::string known;
   for (const auto& a : architectures()) {
@@ -166,19 +255,8 @@ DenoiserBatch denoiser_batch(const Architecture& arch, int64_t batch, int64_t re
   DenoiserBatch b;
   b.batch = batch;
   b.latent_side = arch.latent_side(resolution);
-  b.context_tokens = arch.context_tokens;
+  b.context_tokens = arch.conditioning.context_tokens;
   return b;
-}
-
-std::vector<nn::BlockTable*> block_tables(torch::nn::Module& model) {
-  std::vector<nn::BlockTable*> tables;
-  for (const auto& item : model.named_modules("", /*include_self=*/true)) {
-    torch::nn::Module* m = item.value().get();
-    if (auto* u = dynamic_cast<LdmUNetImpl*>(m)) tables.push_back(u->block_table());
-    if (auto* d = dynamic_cast<MMDiTImpl*>(m)) tables.push_back(d->block_table());
-    if (auto* c = dynamic_cast<StageCImpl*>(m)) tables.push_back(c->block_table());
-  }
-  return tables;
 }
 
 std::shared_ptr<torch::nn::Module> build_architecture(const std::string& name, const nn::LayerInit& init, bool tiny) {

@@ -1,9 +1,14 @@
 // The registry of model architectures: build one by name (on any device,
 // including meta), its expected parameter count and the source of that
-// number, the checkpoint key prefix it lives under, and detection of the
-// architecture of a checkpoint from its tensor names and shapes.
+// number, the checkpoint key prefix it lives under, its family, whether a run
+// config can train it, the identifiers written into saved files (kohya and
+// Stability model-spec), its default objective and its conditioning shapes,
+// and detection of the architecture of a checkpoint from its tensor names
+// and shapes.
 //
-// Adding an architecture is one entry in the table in architecture.cpp.
+// Adding an architecture is one entry in the table in architecture.cpp. Code
+// outside models/ asks the entry (family, flags, identifiers) instead of
+// comparing architecture names.
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -19,6 +24,56 @@
 #include "shoestring/nn/layers.h"
 
 namespace shoestring::models {
+
+struct LdmUNetOptions;
+
+/// Registry name of the emoji example's model (the default model.architecture).
+inline constexpr const char* kTinyUNet = "tiny-unet";
+
+/// What kind of network an architecture is; each family has one module class.
+enum class Family {
+  tiny_unet,     ///< the emoji example's pixel-space TinyUNet (models/tiny_unet.h)
+  ldm_unet,      ///< a Latent Diffusion UNet: SD 1.x, SDXL, SSD-1B (models/unet_ldm.h)
+  mmdit,         ///< an SD3-style MMDiT (models/mmdit.h)
+  stage_c,       ///< Stable Cascade's stage C (models/cascade.h)
+  vae,           ///< an AutoencoderKL (models/vae.h)
+  text_encoder,  ///< a CLIP text encoder (models/clip_text.h)
+};
+
+/// "tiny_unet", "ldm_unet", "mmdit", "stage_c", "vae", "text_encoder".
+const char* to_string(Family family);
+
+/// True for the families that are denoisers (tiny_unet, ldm_unet, mmdit,
+/// stage_c): their modules implement models::Denoiser (models/denoiser.h).
+bool is_denoiser(Family family);
+
+/// The regression target an architecture is trained on by default.
+enum class Objective {
+  none,           ///< not a denoiser (VAE, text encoders)
+  epsilon,        ///< DDPM noise prediction (SD 1.x / SDXL; v-prediction is a config switch); Stable Cascade's stage C
+  flow_matching,  ///< rectified flow, velocity eps - x0 (SD3; the emoji example)
+};
+
+/// "none", "epsilon", "flow_matching" (the spelling of the saved files' `objective` metadata).
+const char* to_string(Objective objective);
+
+/// Static shapes of a denoiser's inputs at full width (0: not static or not
+/// applicable; tiny widths differ). Units: channels, pixels per latent
+/// pixel, tokens, features.
+struct Conditioning {
+  /// Channels of the denoiser's input x (latent channels; 3 for pixel space).
+  int64_t latent_channels = 0;
+  /// Image pixels per latent pixel along one side (8 for the SD VAE, 1 for
+  /// pixel space; 0 where it is no integer: Stable Cascade's 1024 px -> 24).
+  int64_t vae_downscale = 0;
+  /// Text tokens of the cross-attention context (CLIP: 77; SD3: 77 CLIP + 77 T5 = 154).
+  int64_t context_tokens = 0;
+  /// Width of the cross-attention context (for text encoders: their hidden width).
+  int64_t context_width = 0;
+  /// Width of the vector conditioning (LDM `y` / adm_in_channels, MMDiT pooled
+  /// text, Stable Cascade clip_text_pooled; for text encoders: the pooled output).
+  int64_t pooled_width = 0;
+};
 
 /// Builds a model. `tiny`: the same block structure with small widths (for
 /// tests that train a few steps on the CPU).
@@ -38,30 +93,47 @@ struct Architecture {
   int64_t parameters = 0;
   /// Where that number comes from.
   std::string parameters_source;
-  ArchitectureBuilder build;
+  ArchitectureBuilder build{};
   /// Further prefixes the same model is stored under in other checkpoints
   /// (CLIP-L: SD 1.5's "cond_stage_model.transformer." and SDXL's
   /// "conditioner.embedders.0.transformer."); detection tries each.
   std::vector<std::string> other_prefixes{};
 
+  // ---- family, training and saved-file identity ----
+  Family family = Family::ldm_unet;
+  /// True when `shoestring train` can train it from a run config
+  /// (make_training_model): tiny-unet, sd15, sdxl, ssd1b.
+  bool trainable_from_config = false;
+  /// kohya's `ss_base_model_version` for LoRA files of this base ("sd_v1",
+  /// "sdxl_base_v1-0": A1111 and ComfyUI tell SDXL LoRAs by it); "" where
+  /// kohya has none (the caller writes "shoestring_<name>").
+  std::string kohya_base_model_version{};
+  /// Stability's model-spec `modelspec.architecture` of full model files
+  /// ("stable-diffusion-v1", "stable-diffusion-xl-v1-base", "segmind-ssd-1b");
+  /// "" = no model-spec metadata.
+  std::string modelspec_architecture{};
+  /// The same for LoRA files ("stable-diffusion-v1/lora",
+  /// "stable-diffusion-xl-v1-base/lora", also for SSD-1B); "" = none.
+  std::string modelspec_lora_architecture{};
+  /// What it is trained on by default.
+  Objective default_objective = Objective::none;
+  /// Static input shapes at full width.
+  Conditioning conditioning{};
+  /// The LDM UNet preset (Family::ldm_unet only; nullptr otherwise); see ldm_unet_options().
+  LdmUNetOptions (*ldm_preset)() = nullptr;
+
   // ---- planner: denoiser inputs and memory trace (plan/, bench/model_step) ----
-  // Set for the denoisers (sd15, sdxl, ssd1b, sd35m, cascade-c,
-  // cascade-c-lite); null / 0 / false for other models.
+  // Set per family for the ldm_unet, mmdit and stage_c denoisers (null for
+  // other models; tiny-unet is planned from the run config through
+  // models::trace_text_to_image). Context tokens: conditioning.context_tokens.
   /// Side of the square latent the VAE (or stage C's compression) makes of
   /// an image of `resolution` px; throws shoestring::Error for a resolution
   /// that does not fit (LDM / SD3.5: not divisible by 8).
   int64_t (*latent_side)(int64_t resolution) = nullptr;
-  /// Text tokens of the cached conditioning: 77 (CLIP) for LDM UNets and
-  /// stage C, 154 (77 CLIP-L/G + 77 T5) for SD3.5.
-  int64_t context_tokens = 0;
   /// Random example inputs bound to the forward (models/denoiser_io.h).
   DenoiserExampleFn example = nullptr;
   /// The forward's memory trace (models/<model>_trace.cpp).
   DenoiserTraceFn trace = nullptr;
-  /// Planned as the emoji model (train/DiffusionModel: caption encoder and a
-  /// TinyUNet sized by the config's [model] keys; models::trace_text_to_image)
-  /// rather than through `trace` (tiny-unet).
-  bool planned_as_text_to_image = false;
 };
 
 /// The inputs of `arch`'s denoiser for `batch` images of `resolution` px
@@ -69,16 +141,25 @@ struct Architecture {
 /// `arch` is not a denoiser (no trace) or the resolution does not fit.
 DenoiserBatch denoiser_batch(const Architecture& arch, int64_t batch, int64_t resolution);
 
-/// The block tables (precision rules, checkpointing) of every denoiser in
-/// `model`'s tree (itself or a submodule, e.g. under a checkpoint root), in
-/// named_modules() order; empty when it holds none.
-std::vector<nn::BlockTable*> block_tables(torch::nn::Module& model);
-
 /// Every registered architecture, in table order.
 const std::vector<Architecture>& architectures();
 
 /// The architecture called `name`. Throws shoestring::Error listing the known names.
 const Architecture& find_architecture(const std::string& name);
+
+/// Names of the denoiser architectures (is_denoiser(family)), grouped by family
+/// in Family order (tiny_unet, ldm_unet, mmdit, stage_c), in table order within
+/// a family; with `trainable_only`, only those trainable_from_config.
+/// E.g. {"tiny-unet", "sd15", "sdxl", "ssd1b", "sd35m", "cascade-c", "cascade-c-lite"}.
+std::vector<std::string> denoiser_architectures(bool trainable_only = false);
+
+/// `names` joined by ", " (for messages: "sd15, sdxl, ssd1b").
+std::string join_names(const std::vector<std::string>& names);
+
+/// The LdmUNetOptions of LDM UNet architecture `name` (its preset; with
+/// `tiny`, LdmUNetOptions::tiny() of it). Throws shoestring::Error for
+/// unknown names and for architectures of another family.
+LdmUNetOptions ldm_unet_options(const std::string& name, bool tiny = false);
 
 /// Builds architecture `name`; the module's named_parameters() are the keys
 /// below the architecture's prefix. On LayerInit{torch::kMeta} no parameter

@@ -388,12 +388,10 @@ torch::Tensor StageCImpl::condition_tokens(const torch::Tensor& clip_text, const
 torch::Tensor StageCImpl::run_level(const torch::nn::ModuleList& blocks, const torch::nn::ModuleList& repeat_mappers,
                                     torch::Tensor x, const torch::Tensor& r_embed, const torch::Tensor& cond,
                                     const torch::Tensor& skip) {
-  const bool ckpt = gradient_checkpointing_ && is_training() && torch::GradMode::is_enabled();
   const nn::BlockTable* table = block_table_->configured() ? block_table_.get() : nullptr;
-  const bool legacy = gradient_checkpointing_;
-  // Runs block->forward(x, extra) directly, or as a checkpointed segment;
-  // with a configured table per block, as the precision rules say.
-  auto run = [ckpt, table, legacy](auto block, const torch::Tensor& x, const torch::Tensor& extra) -> torch::Tensor {
+  // Runs block->forward(x, extra) directly or, with a configured table, per
+  // block as the precision rules say (compute dtype, checkpointing).
+  auto run = [table](auto block, const torch::Tensor& x, const torch::Tensor& extra) -> torch::Tensor {
     if (table) {
       std::vector<torch::Tensor> in{x};
       if (extra.defined()) in.push_back(extra);
@@ -402,14 +400,9 @@ torch::Tensor StageCImpl::run_level(const torch::nn::ModuleList& blocks, const t
           [block](const std::vector<torch::Tensor>& v) {
             return std::vector<torch::Tensor>{block->forward(v[0], v.size() > 1 ? v[1] : torch::Tensor())};
           },
-          in, legacy)[0];
+          in)[0];
     }
-    if (!ckpt) return block->forward(x, extra);
-    if (!extra.defined())
-      return nn::checkpoint([block](const torch::Tensor& in) { return block->forward(in, torch::Tensor()); }, x);
-    return nn::checkpoint(
-        [block](const std::vector<torch::Tensor>& in) { return std::vector<torch::Tensor>{block->forward(in[0], in[1])}; },
-        {x, extra})[0];
+    return block->forward(x, extra);
   };
   const size_t repeats = repeat_mappers->size() + 1;
   for (size_t j = 0; j < repeats; ++j) {
@@ -429,9 +422,9 @@ torch::Tensor StageCImpl::run_level(const torch::nn::ModuleList& blocks, const t
         if (table) {
           x = nn::run_block(
               table, ff, [ff](const std::vector<torch::Tensor>& v) { return std::vector<torch::Tensor>{ff->forward(v[0])}; },
-              {x}, legacy)[0];
+              {x})[0];
         } else {
-          x = ckpt ? nn::checkpoint([ff](const torch::Tensor& in) { return ff->forward(in); }, x) : ff->forward(x);
+          x = ff->forward(x);
         }
       }
     }

@@ -36,6 +36,7 @@
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/pimpl.h>
 
+#include "shoestring/models/denoiser.h"
 #include "shoestring/models/denoiser_io.h"
 #include "shoestring/nn/block_precision.h"
 #include "shoestring/nn/layers.h"
@@ -199,7 +200,7 @@ TORCH_MODULE(CascadeAttnBlock);
 
 /// Stable Cascade stage C. Runs in the dtype of its parameters (fp32, or
 /// bf16 after `->to(torch::kBFloat16)`; inputs must be in that dtype too).
-class StageCImpl : public torch::nn::Module {
+class StageCImpl : public torch::nn::Module, public Denoiser {
  public:
   /// Builds the model; with `init` on the meta device nothing is allocated.
   /// Non-meta builds get the reference initialisation (StageC.__init__:
@@ -227,28 +228,21 @@ class StageCImpl : public torch::nn::Module {
   /// Sinusoidal embedding of r: [B] -> [B, r_dim], as StageC.gen_r_embedding.
   torch::Tensor r_embedding(const torch::Tensor& r) const;
 
-  /// When on and the module is in training mode, every block runs through
-  /// nn::checkpoint (Chen et al. 2016): its activations are recomputed in
-  /// backward instead of stored.
-  /// Used only while block_table() is not configured; a configured table
-  /// decides per block (precision rules, nn/block_precision.h), and this flag
-  /// then applies only to blocks that have no entry.
-  void set_gradient_checkpointing(bool on) { gradient_checkpointing_ = on; }
-  bool gradient_checkpointing() const { return gradient_checkpointing_; }
-
   /// The blocks of this model for per-block compute dtype and checkpointing
   /// (precision::resolve / apply, OverflowMonitor): every ResBlock,
   /// TimestepBlock, AttnBlock and FeedForwardBlock (`down_blocks.<l>.<i>`,
-  /// `up_blocks.<k>.<i>`) is a checkpointable block, as with the legacy flag;
+  /// `up_blocks.<k>.<i>`) is a checkpointable block (gradient checkpointing
+  /// is a precision rule: `checkpoint = true` or the `gradient_checkpointing`
+  /// shorthand);
   /// the model itself (the root) is a scope that carries the compute dtype of
   /// the CLIP mappers, embedding, level transitions, repeat mappers and clf,
   /// never checkpointed.
-  /// Unconfigured (the default), forward() is exactly the legacy path. Once
+  /// Unconfigured (the default), forward() is the plain path. Once
   /// configured, forward() runs as its root scope (x and the CLIP inputs cast
   /// to the scope's compute dtype; r and the t_conds never); if the root has
   /// no entry, layers outside blocks compute in the enclosing scope's dtype,
   /// or in the parameters' dtype when there is none.
-  nn::BlockTable* block_table() const { return block_table_.get(); }
+  nn::BlockTable* block_table() const override { return block_table_.get(); }
 
   const StageCOptions& options() const { return options_; }
 
@@ -268,7 +262,6 @@ class StageCImpl : public torch::nn::Module {
                              const std::vector<torch::Tensor>& t_cond_values);
 
   StageCOptions options_;
-  bool gradient_checkpointing_ = false;
   std::shared_ptr<nn::BlockTable> block_table_ = std::make_shared<nn::BlockTable>();
   // Per level: the 1x1 convs between levels (nullptr where there is none).
   std::vector<nn::Conv2d> downscale_convs_, upscale_convs_;

@@ -261,23 +261,14 @@ torch::Tensor MMDiTImpl::forward_impl(const torch::Tensor& x_in, const torch::Te
   c = c + y_embedder_2->forward(torch::silu(y_embedder_0->forward(y)));
   torch::Tensor context = context_embedder->forward(context_in);
 
-  const bool ckpt = gradient_checkpointing_ && is_training() && torch::GradMode::is_enabled();
   for (size_t i = 0; i < blocks_.size(); ++i) {
     MMDiTJointBlock block = blocks_[i];
     const bool last = i + 1 == blocks_.size();  // its context output is undefined
     std::vector<torch::Tensor> out;
     if (block_table_->configured()) {
-      // Per block, as the precision rules say; the legacy flag covers blocks without an entry.
+      // Per block, as the precision rules say (compute dtype, checkpointing).
       out = nn::run_block(
           block_table_.get(), block.ptr(),
-          [impl = block.ptr(), last](const std::vector<torch::Tensor>& in) {
-            auto r = impl->forward(in[0], in[1], in[2]);
-            return last ? std::vector<torch::Tensor>{r[1]} : r;
-          },
-          {context, x, c}, gradient_checkpointing_);
-      if (last) out = {torch::Tensor(), out[0]};
-    } else if (ckpt) {
-      out = nn::checkpoint(
           [impl = block.ptr(), last](const std::vector<torch::Tensor>& in) {
             auto r = impl->forward(in[0], in[1], in[2]);
             return last ? std::vector<torch::Tensor>{r[1]} : r;

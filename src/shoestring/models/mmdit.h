@@ -35,6 +35,7 @@
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/pimpl.h>
 
+#include "shoestring/models/denoiser.h"
 #include "shoestring/models/denoiser_io.h"
 #include "shoestring/nn/block_precision.h"
 #include "shoestring/nn/layers.h"
@@ -143,7 +144,7 @@ TORCH_MODULE(MMDiTJointBlock);
 
 /// The MMDiT(-X) denoiser. Runs in the dtype of its parameters (fp32, or
 /// bf16 after `->to(torch::kBFloat16)`; inputs in that dtype too).
-class MMDiTImpl : public torch::nn::Module {
+class MMDiTImpl : public torch::nn::Module, public Denoiser {
  public:
   /// Builds the model; with `init` on the meta device nothing is allocated
   /// (pos_embed too is a meta buffer). Non-meta builds get DiT's
@@ -166,27 +167,19 @@ class MMDiTImpl : public torch::nn::Module {
   /// Centre crop of pos_embed for an h x w patch grid: [1, h * w, hidden].
   torch::Tensor cropped_pos_embed(int64_t h, int64_t w) const;
 
-  /// When on and the module is in training mode, every joint block runs
-  /// through nn::checkpoint (Chen et al. 2016): its activations are
-  /// recomputed in backward instead of stored.
-  /// Used only while block_table() is not configured; a configured table
-  /// decides per block (precision rules, nn/block_precision.h), and this flag
-  /// then applies only to blocks that have no entry.
-  void set_gradient_checkpointing(bool on) { gradient_checkpointing_ = on; }
-  bool gradient_checkpointing() const { return gradient_checkpointing_; }
-
   /// The blocks of this model for per-block compute dtype and checkpointing
   /// (precision::resolve / apply, OverflowMonitor): every joint block
-  /// (`joint_blocks.<i>`, context and image stream together, as the legacy
-  /// checkpointing) is a checkpointable block; the model itself (the root) is
+  /// (`joint_blocks.<i>`, context and image stream together) is a
+  /// checkpointable block (gradient checkpointing is a precision rule:
+  /// `checkpoint = true` or the `gradient_checkpointing` shorthand); the model itself (the root) is
   /// a scope that carries the compute dtype of the embedders, pos_embed
   /// addition and final layer but is never checkpointed.
-  /// Unconfigured (the default), forward() is exactly the legacy path. Once
+  /// Unconfigured (the default), forward() is the plain path. Once
   /// configured, forward() runs as its root scope (x, context and y cast to
   /// the scope's compute dtype, t never; output in that dtype); if the root
   /// has no entry, layers outside blocks compute in the enclosing scope's
   /// dtype, or in the parameters' dtype when there is none.
-  nn::BlockTable* block_table() const { return block_table_.get(); }
+  nn::BlockTable* block_table() const override { return block_table_.get(); }
 
   const MMDiTOptions& options() const { return options_; }
 
@@ -203,7 +196,6 @@ class MMDiTImpl : public torch::nn::Module {
   torch::Tensor forward_impl(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& context,
                              const torch::Tensor& y);
   MMDiTOptions options_;
-  bool gradient_checkpointing_ = false;
   std::vector<MMDiTJointBlock> blocks_;
   std::shared_ptr<nn::BlockTable> block_table_ = std::make_shared<nn::BlockTable>();
 };

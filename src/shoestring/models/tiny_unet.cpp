@@ -134,7 +134,7 @@ torch::Tensor TinyUNetImpl::run_res(nn::ResBlock& block, const torch::Tensor& x,
   return nn::run_block(
       block_table_.get(), b,
       [b](const std::vector<torch::Tensor>& in) { return std::vector<torch::Tensor>{b->forward(in[0], in[1])}; },
-      {x, temb}, gradient_checkpointing_)[0];
+      {x, temb})[0];
 }
 
 torch::Tensor TinyUNetImpl::run_attn(nn::SpatialTransformer& block, const torch::Tensor& x,
@@ -145,7 +145,7 @@ torch::Tensor TinyUNetImpl::run_attn(nn::SpatialTransformer& block, const torch:
       [b, mask](const std::vector<torch::Tensor>& in) {
         return std::vector<torch::Tensor>{b->forward(in[0], in[1], mask)};
       },
-      {x, context}, gradient_checkpointing_)[0];
+      {x, context})[0];
 }
 
 torch::Tensor TinyUNetImpl::forward(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& context,

@@ -23,6 +23,7 @@
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/pimpl.h>
 
+#include "shoestring/models/denoiser.h"
 #include "shoestring/nn/block_precision.h"
 #include "shoestring/nn/layers.h"
 #include "shoestring/nn/memory_trace.h"
@@ -84,7 +85,7 @@ TORCH_MODULE(TinyUNetMid);
 
 /// Text-conditioned UNet. Runs in fp32, or entirely in bf16 after
 /// `->to(torch::kBFloat16)` (the caller casts x and context; t stays any float).
-class TinyUNetImpl : public torch::nn::Module {
+class TinyUNetImpl : public torch::nn::Module, public Denoiser {
  public:
   /// Throws shoestring::Error on bad options (empty channel_mult, attention
   /// level out of range, channels not divisible by num_heads, ...).
@@ -99,17 +100,12 @@ class TinyUNetImpl : public torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& context,
                         const torch::Tensor& context_mask = {});
 
-  /// When on and the module is in training mode, every ResBlock and
-  /// SpatialTransformer runs through nn::checkpoint (Chen et al. 2016): its
-  /// activations are recomputed in backward instead of stored.
-  /// Used only while block_table() is not configured; a configured table
-  /// decides per block (precision rules, nn/block_precision.h).
-  void set_gradient_checkpointing(bool on) { gradient_checkpointing_ = on; }
-  bool gradient_checkpointing() const { return gradient_checkpointing_; }
-
   /// The blocks of this UNet (every ResBlock and SpatialTransformer), for
-  /// per-block compute dtype and checkpointing (precision::apply).
-  nn::BlockTable* block_table() const { return block_table_.get(); }
+  /// per-block compute dtype and checkpointing (precision::apply). Gradient
+  /// checkpointing (Chen et al. 2016: a block's activations recomputed in
+  /// backward instead of stored) is a precision rule: `checkpoint = true` or
+  /// the `gradient_checkpointing` shorthand.
+  nn::BlockTable* block_table() const override { return block_table_.get(); }
 
   /// Number of scalar parameters (sum of numel over parameters()).
   int64_t parameter_count() const;
@@ -128,7 +124,6 @@ class TinyUNetImpl : public torch::nn::Module {
                          const torch::Tensor& mask);
 
   TinyUNetOptions options_;
-  bool gradient_checkpointing_ = false;
   std::shared_ptr<nn::BlockTable> block_table_ = std::make_shared<nn::BlockTable>();
 };
 TORCH_MODULE(TinyUNet);

@@ -84,23 +84,20 @@ int64_t LdmBlockImpl::transformer_depth() const {
 }
 
 torch::Tensor LdmBlockImpl::forward_layers(const torch::Tensor& x, const torch::Tensor& emb,
-                                           const torch::Tensor& context, const nn::BlockTable* table,
-                                           bool checkpoint_layers) {
+                                           const torch::Tensor& context, const nn::BlockTable* table) {
   torch::Tensor h = x;
   for (const auto& layer : layers_) {
     if (auto res = std::dynamic_pointer_cast<nn::ResBlockImpl>(layer)) {
       h = nn::run_block(
           table, res,
           [res](const std::vector<torch::Tensor>& in) { return std::vector<torch::Tensor>{res->forward(in[0], in[1])}; },
-          {h, emb}, checkpoint_layers)[0];
+          {h, emb})[0];
     } else if (auto st = std::dynamic_pointer_cast<nn::SpatialTransformerImpl>(layer)) {
       // Never checkpointed whole: its transformer blocks are, one by one.
-      st->set_checkpoint_blocks(checkpoint_layers);
       h = nn::run_block(
           table, st,
           [st](const std::vector<torch::Tensor>& in) { return std::vector<torch::Tensor>{st->forward(in[0], in[1])}; },
           {h, context})[0];
-      st->set_checkpoint_blocks(false);
     } else if (auto* rs = dynamic_cast<LdmResampleImpl*>(layer.get())) {
       h = rs->forward(h);
     } else if (auto* conv = dynamic_cast<nn::Conv2dImpl*>(layer.get())) {
@@ -243,18 +240,8 @@ LdmUNetImpl::LdmUNetImpl(const LdmUNetOptions& options) : options_(options) {
 
 torch::Tensor LdmUNetImpl::run_ldm_block(LdmBlockImpl& block, const torch::Tensor& h, const torch::Tensor& emb,
                                          const torch::Tensor& context) {
-  if (block_table_->configured()) {
-    // Per block, as the precision rules say; the legacy flag covers blocks without an entry.
-    return block.forward_layers(h, emb, context, block_table_.get(), gradient_checkpointing_);
-  }
-  if (!(gradient_checkpointing_ && is_training())) return block.forward(h, emb, context);
-  if (block.transformer_depth() > 1) return block.forward_layers(h, emb, context, nullptr, true);
-  auto self = std::static_pointer_cast<LdmBlockImpl>(block.shared_from_this());
-  return nn::checkpoint(
-      [self](const std::vector<torch::Tensor>& in) {
-        return std::vector<torch::Tensor>{self->forward(in[0], in[1], in[2])};
-      },
-      {h, emb, context})[0];
+  // Per block, as the precision rules say (the plain forward while unconfigured).
+  return block.forward_layers(h, emb, context, block_table_->configured() ? block_table_.get() : nullptr);
 }
 
 torch::Tensor LdmUNetImpl::forward(const torch::Tensor& x, const torch::Tensor& timesteps,

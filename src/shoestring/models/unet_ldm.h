@@ -26,6 +26,7 @@
 #include <torch/nn/pimpl.h>
 
 #include "shoestring/io/key_map.h"
+#include "shoestring/models/denoiser.h"
 #include "shoestring/models/denoiser_io.h"
 #include "shoestring/nn/block_precision.h"
 #include "shoestring/nn/layers.h"
@@ -118,20 +119,20 @@ class LdmBlockImpl : public torch::nn::Module {
   }
   /// h: [B, C, H, W]; emb: [B, 4*mc]; context: [B, L, context_dim].
   torch::Tensor forward(const torch::Tensor& h, const torch::Tensor& emb, const torch::Tensor& context) {
-    return forward_layers(h, emb, context, nullptr, false);
+    return forward_layers(h, emb, context, nullptr);
   }
   /// Total transformer blocks in this block's SpatialTransformers (0 if none).
   int64_t transformer_depth() const;
   /// forward() with each ResBlock and each SpatialTransformer run through
   /// nn::run_block(table, ...): per-block compute dtype and checkpointing when
-  /// `table` is configured (precision rules); otherwise, with
-  /// `checkpoint_layers`, each ResBlock and each transformer block is
-  /// checkpointed on its own (SpatialTransformer set_checkpoint_blocks) and
-  /// resamplers not at all, so backward holds one layer's recomputed
-  /// activations at a time (for SDXL's 10-deep blocks at 1024 px about
-  /// 1.4 GiB less than checkpointing the whole block).
+  /// `table` is configured (precision rules). Each ResBlock and each
+  /// transformer block is a block of its own and resamplers are none, so a
+  /// checkpoint rule recomputes one layer's activations at a time in backward
+  /// (for SDXL's 10-deep blocks at 1024 px about 1.4 GiB less than
+  /// checkpointing the whole LDM block). nullptr or an unconfigured table:
+  /// the plain forward.
   torch::Tensor forward_layers(const torch::Tensor& h, const torch::Tensor& emb, const torch::Tensor& context,
-                               const nn::BlockTable* table, bool checkpoint_layers);
+                               const nn::BlockTable* table);
   /// The layers "0", "1", ... in order.
   const std::vector<std::shared_ptr<torch::nn::Module>>& layers() const { return layers_; }
 
@@ -142,7 +143,7 @@ TORCH_MODULE(LdmBlock);
 
 /// The LDM / SDXL UNet (eps- or v-prediction is the caller's business: this is
 /// the network only). Runs in the dtype of its parameters.
-class LdmUNetImpl : public torch::nn::Module {
+class LdmUNetImpl : public torch::nn::Module, public Denoiser {
  public:
   /// Throws shoestring::Error on inconsistent options (depth lists of the
   /// wrong length, channels not divisible by heads, ...).
@@ -156,32 +157,23 @@ class LdmUNetImpl : public torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& timesteps, const torch::Tensor& context,
                         const torch::Tensor& y = {});
 
-  /// When on and in training mode, every input/middle/output block is run
-  /// through nn::checkpoint (activations recomputed in backward); blocks with
-  /// more than one transformer block are checkpointed layer by layer instead
-  /// (LdmBlockImpl::forward_layers).
-  /// Used only while block_table() is not configured; a configured table
-  /// decides per block (precision rules, nn/block_precision.h), and this flag
-  /// then applies only to blocks that have no entry.
-  void set_gradient_checkpointing(bool on) { gradient_checkpointing_ = on; }
-  bool gradient_checkpointing() const { return gradient_checkpointing_; }
-
   /// The blocks of this UNet for per-block compute dtype and checkpointing
   /// (precision::resolve / apply, OverflowMonitor):
   ///  - every ResBlock (`input_blocks.4.0`, `middle_block.0`, ...) and every
   ///    transformer block (`input_blocks.4.1.transformer_blocks.0`, ...):
   ///    checkpointable blocks, so SDXL's 10-deep SpatialTransformers are
-  ///    checkpointed layer by layer, as with the legacy flag;
+  ///    checkpointed layer by layer (gradient checkpointing is a precision
+  ///    rule: `checkpoint = true` or the `gradient_checkpointing` shorthand);
   ///  - every SpatialTransformer (`input_blocks.4.1`) and the UNet itself
   ///    (the root): scopes that carry a compute dtype (for norm, proj_in /
   ///    proj_out, resp. time/label embedding, input_blocks.0.0, resamplers and
   ///    out.*) but are never checkpointed as a whole.
-  /// Unconfigured (the default), forward() is exactly the legacy path. Once
+  /// Unconfigured (the default), forward() is the plain path. Once
   /// configured, forward() runs the UNet as its root scope (inputs cast to
   /// the scope's compute dtype, output returned in it); if the root has no
   /// entry, layers outside blocks compute in the enclosing scope's dtype, or
   /// in the parameters' dtype when there is none.
-  nn::BlockTable* block_table() const { return block_table_.get(); }
+  nn::BlockTable* block_table() const override { return block_table_.get(); }
 
   const LdmUNetOptions& options() const { return options_; }
 
@@ -198,7 +190,6 @@ class LdmUNetImpl : public torch::nn::Module {
                               const torch::Tensor& context);
 
   LdmUNetOptions options_;
-  bool gradient_checkpointing_ = false;
   std::shared_ptr<nn::BlockTable> block_table_ = std::make_shared<nn::BlockTable>();
 };
 TORCH_MODULE(LdmUNet);

@@ -3,11 +3,9 @@
 #include <fmt/format.h>
 #include <torch/torch.h>
 
-#include "shoestring/models/architecture.h"
-#include "shoestring/models/cascade.h"
-#include "shoestring/models/mmdit.h"
-#include "shoestring/models/unet_ldm.h"
 #include "shoestring/core/units.h"
+#include "shoestring/models/architecture.h"
+#include "shoestring/models/denoiser.h"
 #include "shoestring/optim/factory.h"
 #include "shoestring/precision/policy.h"
 #include "shoestring/train/diffusion_model.h"
@@ -18,7 +16,8 @@ std::string explain_precision(const TrainConfig& c, int64_t vocab_size) {
   // The module tree the trainer trains, on the meta device (nothing allocated).
   std::shared_ptr<torch::nn::Module> model;
   std::vector<nn::BlockTable*> tables;
-  if (c.architecture == "tiny-unet") {
+  const auto& a = models::find_architecture(c.architecture);
+  if (a.family == models::Family::tiny_unet) {
     DiffusionModelOptions o = DiffusionModelOptions::from_config(c, vocab_size);
     o.unet.init(nn::LayerInit{torch::kMeta});
     o.text.init(nn::LayerInit{torch::kMeta});
@@ -27,15 +26,9 @@ std::string explain_precision(const TrainConfig& c, int64_t vocab_size) {
     model = m.ptr();
   } else {
     // LDM UNets under their single-file prefix (the trainer's parameter names).
-    const auto& a = models::find_architecture(c.architecture);
     model = a.prefix.empty() ? models::build_architecture(c.architecture, nn::LayerInit{torch::kMeta}, c.tiny)
                              : models::build_checkpoint_root(c.architecture, nn::LayerInit{torch::kMeta}, c.tiny);
-    for (const auto& item : model->named_modules()) {
-      const auto& m = item.value();
-      if (auto* u = dynamic_cast<models::LdmUNetImpl*>(m.get())) tables.push_back(u->block_table());
-      if (auto* d = dynamic_cast<models::MMDiTImpl*>(m.get())) tables.push_back(d->block_table());
-      if (auto* sc = dynamic_cast<models::StageCImpl*>(m.get())) tables.push_back(sc->block_table());
-    }
+    tables = models::denoiser_block_tables(*model);
   }
   const precision::Policy policy = precision_policy(c);
   const precision::Resolution resolution = precision::resolve(*model, policy, {tables.begin(), tables.end()});
@@ -59,7 +52,9 @@ std::string explain_precision(const TrainConfig& c, int64_t vocab_size) {
                                         precision::container_dtype(p.settings.storage), state_options)
                        .state;
   }
-  out += fmt::format("optimizer state ({}): {}, {}{}\n", c.optimizer_type, state, format_bytes(state_bytes),
+  // LoRA: the adapters are not in this tree (the plan counts their state).
+  const std::string bytes = c.network_module.empty() ? ", " + format_bytes(state_bytes) : std::string();
+  out += fmt::format("optimizer state ({}): {}{}{}\n", c.optimizer_type, state, bytes,
                      c.offload_optimizer_state ? ", in host memory (offload_optimizer_state)" : "");
   if (c.ema_decay > 0) out += "EMA copy: fp32\n";
   return out;

@@ -12,6 +12,7 @@
 #include "shoestring/core/error.h"
 #include "shoestring/core/memory_ledger.h"
 #include "shoestring/models/architecture.h"
+#include "shoestring/models/denoiser.h"
 #include "shoestring/nn/chunked_attention.h"
 #include "shoestring/optim/factory.h"
 #include "shoestring/optim/fused_backward.h"
@@ -118,7 +119,7 @@ ModelStepResult measure_model_step(const ModelStepOptions& o) {
   // rules (full_bf16, gradient_checkpointing) on the model's block table, so
   // blocks are checkpointed the way a training run checkpoints them.
   {
-    const std::vector<nn::BlockTable*> tables = models::block_tables(*module);
+    const std::vector<nn::BlockTable*> tables = models::denoiser_block_tables(*module);
     const precision::Resolution resolution =
         precision::resolve(*module, precision_policy(model_step_config(o)), {tables.begin(), tables.end()});
     ScopedMemoryCategory category(MemoryCategory::weights);

@@ -6,6 +6,7 @@
 
 #include "shoestring/core/error.h"
 #include "shoestring/models/architecture.h"
+#include "shoestring/models/denoiser.h"
 #include "shoestring/nn/key_layout.h"
 #include "shoestring/nn/lora.h"
 #include "shoestring/nn/memory_trace.h"
@@ -84,7 +85,7 @@ std::pair<std::shared_ptr<torch::nn::Module>, std::shared_ptr<torch::nn::Module>
 ResolvedModel resolve_model(const models::Architecture& arch, const TrainConfig& c, int64_t vocab) {
   ResolvedModel r;
   std::vector<nn::BlockTable*> tables;
-  if (arch.planned_as_text_to_image) {
+  if (arch.family == models::Family::tiny_unet) {
     DiffusionModelOptions o = DiffusionModelOptions::from_config(c, vocab);
     o.unet.init(nn::LayerInit{torch::kMeta});
     o.text.init(nn::LayerInit{torch::kMeta});
@@ -95,7 +96,7 @@ ResolvedModel resolve_model(const models::Architecture& arch, const TrainConfig&
     auto [denoiser, root] = meta_model(arch, c.tiny);
     r.denoiser = denoiser.get();
     r.root = root;
-    tables = models::block_tables(*root);
+    tables = models::denoiser_block_tables(*root);
   }
   r.resolution = precision::resolve(*r.root, precision_policy(c), {tables.begin(), tables.end()});
 
@@ -166,15 +167,14 @@ void trace_model(nn::MemoryTracer& tracer, const models::Architecture& arch, con
   }
 }
 
-// The registry row of the config's architecture, if the planner models it.
+// The registry row of the config's architecture, if the planner models it
+// (the denoisers: tiny-unet from the run config, the others by their trace).
 const models::Architecture& planned_architecture(const std::string& name) {
-  std::string known;
   for (const auto& a : models::architectures()) {
-    if (!a.trace && !a.planned_as_text_to_image) continue;
-    if (a.name == name) return a;
-    known += (known.empty() ? "" : ", ") + a.name;
+    if (a.name == name && (a.trace || a.family == models::Family::tiny_unet)) return a;
   }
-  fail("plan: architecture '{}' is not known to the planner (known: {})", name, known);
+  fail("plan: architecture '{}' is not known to the planner (known: {})", name,
+       models::join_names(models::denoiser_architectures()));
 }
 
 }  // namespace
@@ -196,7 +196,7 @@ nlohmann::json MemoryPlan::to_json() const {
 
 MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size) {
   const models::Architecture& arch = planned_architecture(c.architecture);
-  const bool emoji = arch.planned_as_text_to_image;
+  const bool emoji = arch.family == models::Family::tiny_unet;
   if (emoji && vocab_size < 1) fail("plan: vocab_size must be >= 1 (got {})", vocab_size);
   if (emoji && !c.network_module.empty()) {
     fail("plan: LoRA training (network_module = \"{}\") of tiny-unet is not modelled by the planner; it plans "

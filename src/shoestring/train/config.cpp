@@ -9,6 +9,7 @@
 
 #include "shoestring/core/error.h"
 #include "shoestring/io/atomic_file.h"
+#include "shoestring/models/architecture.h"
 #include "shoestring/nn/lora.h"
 #include "shoestring/optim/factory.h"
 
@@ -41,7 +42,7 @@ const std::vector<Field>& schema() {
       {"max_caption_length", &TrainConfig::max_caption_length, "caption tokens incl. <bos>", 2, 512},
       {"model.architecture", &TrainConfig::architecture,
        "model architecture: the emoji example's tiny-unet, or a released one (docs/architectures.md)", -kInf, kInf,
-       {"tiny-unet", "sd15", "sdxl", "ssd1b", "sd35m", "cascade-c", "cascade-c-lite"}},
+       models::denoiser_architectures()},
       {"model.tiny", &TrainConfig::tiny,
        "released architectures: the same block structure at test width (small channels)"},
       {"model.base_channels", &TrainConfig::base_channels, "UNet channels at full resolution", 8, 4096},

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "shoestring/models/architecture.h"
 #include "shoestring/precision/policy.h"
 
 namespace shoestring {
@@ -30,9 +31,10 @@ struct TrainConfig {
   int64_t max_caption_length = 16;     ///< tokens incl. <bos>
 
   // ---- model ----
-  /// "tiny-unet" (the emoji example's model) or a registered architecture
-  /// (models/architecture.h): sd15, sdxl, ssd1b, sd35m, cascade-c, cascade-c-lite.
-  std::string architecture = "tiny-unet";
+  /// A registered denoiser architecture (models/architecture.h,
+  /// models::denoiser_architectures()): tiny-unet (models::kTinyUNet, the emoji
+  /// example's model), sd15, sdxl, ssd1b, sd35m, cascade-c, cascade-c-lite.
+  std::string architecture = models::kTinyUNet;
   /// Registered architectures only: the same block structure at test width
   /// (LdmUNetOptions::tiny() and the like), for tests and quick experiments.
   bool tiny = false;

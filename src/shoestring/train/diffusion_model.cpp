@@ -1,6 +1,7 @@
 #include "shoestring/train/diffusion_model.h"
 
 #include "shoestring/core/error.h"
+#include "shoestring/models/architecture.h"
 #include "shoestring/train/config.h"
 
 namespace shoestring {
@@ -26,7 +27,7 @@ DiffusionModelOptions DiffusionModelOptions::from_config(const TrainConfig& c, i
 
 nlohmann::json DiffusionModelOptions::to_json() const {
   return {
-      {"architecture", "tiny-unet"},
+      {"architecture", models::kTinyUNet},
       {"resolution", resolution},
       {"unet",
        {{"in_channels", unet.in_channels()},

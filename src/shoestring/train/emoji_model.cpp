@@ -1,6 +1,7 @@
-// The "tiny-unet" family of TrainingModel: the emoji example's DiffusionModel
-// (caption encoder + small UNet, trained together) on the flow-matching
-// objective in pixel space, with the WordTokenizer built from the captions.
+// The tiny-unet family (models::Family::tiny_unet) of TrainingModel: the
+// emoji example's DiffusionModel (caption encoder + small UNet, trained
+// together) on the flow-matching objective in pixel space, with the
+// WordTokenizer built from the captions.
 #include <filesystem>
 
 #include <torch/torch.h>
@@ -10,6 +11,7 @@
 #include "shoestring/data/dataset.h"
 #include "shoestring/data/tokenizer.h"
 #include "shoestring/io/safetensors.h"
+#include "shoestring/models/architecture.h"
 #include "shoestring/precision/save_guard.h"
 #include "shoestring/train/checkpoint_io.h"
 #include "shoestring/train/config.h"
@@ -50,7 +52,6 @@ class EmojiTrainingModel final : public TrainingModel {
 
   torch::nn::Module& module() override { return *model_; }
   std::vector<nn::BlockTable*> block_tables() override { return model_->block_tables(); }
-  void set_gradient_checkpointing(bool on) override { model_->unet->set_gradient_checkpointing(on); }
   std::vector<nn::LoraComponent> lora_components(bool unet_only) const override {
     std::vector<nn::LoraComponent> c = {{"lora_unet", "unet."}};
     if (!unet_only) c.push_back({"lora_te", "text_encoder."});
@@ -76,7 +77,7 @@ class EmojiTrainingModel final : public TrainingModel {
 
   std::map<std::string, std::string> metadata(int64_t step) const override {
     return {{"format", "shoestring"},
-            {"architecture", "tiny-unet"},
+            {"architecture", models::kTinyUNet},
             {"model_config", model_->options().to_json().dump()},
             {"tokenizer", tokenizer_.to_json().dump()},
             {"step", std::to_string(step)},

@@ -22,6 +22,7 @@
 #include "shoestring/models/clip_text.h"
 #include "shoestring/models/unet_ldm.h"
 #include "shoestring/models/vae.h"
+#include "shoestring/nn/key_layout.h"
 #include "shoestring/nn/timestep.h"
 #include "shoestring/train/checkpoint_io.h"
 #include "shoestring/train/config.h"
@@ -68,7 +69,6 @@ class LdmTrainingModel final : public TrainingModel {
   LdmTrainingModel(const TrainConfig& config, const ImageCaptionDataset& dataset, const ModelSource& source)
       : config_(config), dataset_(dataset), schedule_(DdpmSchedule::stable_diffusion()) {
     const std::string& arch = config.architecture;
-    sdxl_ = arch != "sd15";
     storage_ = config.full_bf16 ? torch::kBFloat16 : config.full_fp16 ? torch::kHalf : torch::kFloat32;
     if (!source.pretrained.empty()) base_.emplace(WeightFiles::open(source.pretrained));
     if (!config.tiny && !base_) {
@@ -77,14 +77,11 @@ class LdmTrainingModel final : public TrainingModel {
            arch);
     }
 
-    // The UNet's options from a meta build (nothing allocated), and the
-    // checks that need only the file header, before any slow work.
-    {
-      auto meta = models::build_architecture(arch, nn::LayerInit{torch::kMeta}, config.tiny);
-      auto* u = dynamic_cast<models::LdmUNetImpl*>(meta.get());
-      if (!u) fail("internal: architecture '{}' is not an LdmUNet", arch);
-      unet_options_ = u->options();
-    }
+    // The UNet's options from the registry, and the checks that need only
+    // the file header, before any slow work. SDXL-style conditioning (two
+    // text encoders, vector y) is what the UNet's y input says.
+    unet_options_ = models::ldm_unet_options(arch, config.tiny);
+    sdxl_ = unet_options_.adm_in_channels() > 0;
     check_resolution();
     if (base_) unet_prefix_ = detect_unet_prefix();
 
@@ -100,11 +97,11 @@ class LdmTrainingModel final : public TrainingModel {
       ScopedMemoryCategory category(MemoryCategory::weights);
       nn::LayerInit init{torch::TensorOptions().dtype(storage_)};
       init.initialize = !base_;
-      root_ = models::build_checkpoint_root(arch, init, config.tiny);
-      for (const auto& item : root_->named_modules("", /*include_self=*/false)) {
-        if (auto u = std::dynamic_pointer_cast<models::LdmUNetImpl>(item.value())) unet_ = u;
-      }
-      if (!unet_) fail("internal: architecture '{}' has no LdmUNet", arch);
+      // As models::build_checkpoint_root: the UNet under its single-file prefix.
+      models::LdmUNet unet(models::LdmUNetOptions(unet_options_).init(init));
+      root_ = std::make_shared<torch::nn::Module>("CheckpointRoot");
+      nn::register_at(*root_, "model.diffusion_model", unet);  // kUNetPrefix without its dot
+      unet_ = unet.ptr();
       if (base_) load_unet();
     }
     if (!source.quiet) {
@@ -117,7 +114,6 @@ class LdmTrainingModel final : public TrainingModel {
 
   torch::nn::Module& module() override { return *root_; }
   std::vector<nn::BlockTable*> block_tables() override { return {unet_->block_table()}; }
-  void set_gradient_checkpointing(bool on) override { unet_->set_gradient_checkpointing(on); }
   std::vector<nn::LoraComponent> lora_components(bool) const override {
     // Text-encoder outputs are cached: only the UNet can carry a LoRA.
     return {{"lora_unet", kUNetPrefix}};
@@ -153,7 +149,7 @@ class LdmTrainingModel final : public TrainingModel {
 
   std::map<std::string, std::string> metadata(int64_t step) const override {
     const std::string& a = config_.architecture;
-    const char* spec = a == "sd15" ? "stable-diffusion-v1" : a == "sdxl" ? "stable-diffusion-xl-v1-base" : "segmind-ssd-1b";
+    const std::string& spec = models::find_architecture(a).modelspec_architecture;
     return {{"format", "shoestring"},
             {"architecture", a},
             {"tiny", config_.tiny ? "true" : "false"},

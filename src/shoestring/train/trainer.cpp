@@ -423,7 +423,6 @@ TrainSummary train(const TrainConfig& cfg, const TrainRunOptions& options) {
     oo.auto_upcast = c.auto_upcast;
     run.overflow = precision::OverflowMonitor::attach(model, block_tables, oo);
   }
-  run.model->set_gradient_checkpointing(c.gradient_checkpointing);
   nn::set_attention_chunk_bytes(c.attention_chunk_mib * (int64_t{1} << 20));
   model.train();
   if (!c.network_module.empty()) {

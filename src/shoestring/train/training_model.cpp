@@ -6,6 +6,7 @@
 
 #include "shoestring/core/error.h"
 #include "shoestring/io/safetensors.h"
+#include "shoestring/models/architecture.h"
 #include "shoestring/precision/save_guard.h"
 #include "shoestring/train/config.h"
 #include "shoestring/train/training_model_impl.h"
@@ -18,7 +19,7 @@ namespace {
 void warn_ignored_keys(const TrainConfig& c) {
   const TrainConfig d;
   std::vector<std::string> ignored;
-  if (c.architecture == "tiny-unet") {
+  if (models::find_architecture(c.architecture).family == models::Family::tiny_unet) {
     if (!c.vae.empty()) ignored.push_back("vae");
     if (!c.tokenizer_dir.empty()) ignored.push_back("tokenizer_dir");
     if (c.v_parameterization) ignored.push_back("v_parameterization");
@@ -42,22 +43,27 @@ void warn_ignored_keys(const TrainConfig& c) {
 }  // namespace
 
 void check_training_config(const TrainConfig& config) {
-  if (config.architecture == "tiny-unet") {
+  const models::Architecture& a = models::find_architecture(config.architecture);
+  if (a.family == models::Family::tiny_unet) {
     if (config.tiny) fail("model.tiny applies to released architectures; tiny-unet is sized by model.base_channels");
-  } else if (config.architecture != "sd15" && config.architecture != "sdxl" && config.architecture != "ssd1b") {
+  } else if (!a.trainable_from_config) {
     fail("model.architecture = \"{}\": training it from a config is not supported yet (its latent encoder — the "
        "SD3 16-channel VAE or Stable Cascade's EfficientNet — and text encoders are not in shoestring); "
-       "supported: tiny-unet, sd15, sdxl, ssd1b. `shoestring plan`, `inspect --arch` and bench/model_step do "
-       "cover it",
-       config.architecture);
+       "supported: {}. `shoestring plan`, `inspect --arch` and bench/model_step do cover it",
+       config.architecture, models::join_names(models::denoiser_architectures(/*trainable_only=*/true)));
   }
   warn_ignored_keys(config);
 }
 
 std::unique_ptr<TrainingModel> make_training_model(const TrainConfig& config, const ImageCaptionDataset& dataset,
                                                    const ModelSource& source) {
-  if (config.architecture == "tiny-unet") return make_emoji_training_model(config, dataset, source);
-  return make_ldm_training_model(config, dataset, source);
+  switch (models::find_architecture(config.architecture).family) {
+    case models::Family::tiny_unet: return make_emoji_training_model(config, dataset, source);
+    case models::Family::ldm_unet: return make_ldm_training_model(config, dataset, source);
+    default: break;
+  }
+  check_training_config(config);  // throws: not trainable from a config
+  fail("model.architecture = \"{}\": no training model", config.architecture);
 }
 
 nn::LoraOptions lora_options(const TrainConfig& c) {

@@ -7,10 +7,11 @@
 // becomes the model's inputs and regression target (the objective), how
 // samples are drawn and which metadata goes into saved files.
 //
-// Two families exist (make_training_model picks by `model.architecture`):
-//  - "tiny-unet": the emoji example (train/diffusion_model.h): a caption
+// Two families exist (make_training_model picks by the registry family of
+// `model.architecture`, models/architecture.h):
+//  - tiny-unet (Family::tiny_unet): the emoji example (train/diffusion_model.h): a caption
 //    encoder trained jointly with a small UNet, flow matching in pixel space.
-//  - the released LDM UNets (sd15, sdxl, ssd1b; train/ldm_model.cpp): images
+//  - the released LDM UNets (Family::ldm_unet: sd15, sdxl, ssd1b; train/ldm_model.cpp): images
 //    are encoded to VAE latents and captions to CLIP text embeddings once,
 //    before training (kohya's cache_latents + cache_text_encoder_outputs),
 //    then the VAE and text encoders are freed; the UNet trains on the DDPM
@@ -60,10 +61,9 @@ class TrainingModel {
   /// checkpoint files (e.g. "unet.conv_in.weight" for tiny-unet,
   /// "model.diffusion_model.input_blocks.0.0.weight" for the LDM UNets).
   virtual torch::nn::Module& module() = 0;
-  /// Block tables for precision::resolve / apply / OverflowMonitor.
+  /// Block tables for precision::resolve / apply / OverflowMonitor (also the
+  /// only gradient-checkpointing switch: precision rules set it per block).
   virtual std::vector<nn::BlockTable*> block_tables() = 0;
-  /// The legacy gradient-checkpointing switch (rules may add more).
-  virtual void set_gradient_checkpointing(bool on) = 0;
   /// LoRA components (kohya prefixes) of this family; `unet_only` drops the
   /// text encoder's where the family trains one.
   virtual std::vector<nn::LoraComponent> lora_components(bool unet_only) const = 0;
