@@ -82,7 +82,7 @@ std::pair<std::shared_ptr<torch::nn::Module>, std::shared_ptr<torch::nn::Module>
   return m;
 }
 
-ResolvedModel resolve_model(const models::Architecture& arch, const TrainConfig& c, int64_t vocab) {
+ResolvedModel resolve_model_uncached(const models::Architecture& arch, const TrainConfig& c, int64_t vocab) {
   ResolvedModel r;
   std::vector<nn::BlockTable*> tables;
   if (arch.family == models::Family::tiny_unet) {
@@ -152,6 +152,34 @@ ResolvedModel resolve_model(const models::Architecture& arch, const TrainConfig&
   return r;
 }
 
+// resolve_model_uncached, cached by everything it depends on (the advisor
+// plans hundreds of variants of one config).
+std::shared_ptr<const ResolvedModel> resolve_model(const models::Architecture& arch, const TrainConfig& c,
+                                                   int64_t vocab) {
+  std::string key = fmt::format("{}|{}|{}|{}|", arch.name, c.tiny, c.network_module, c.attention_chunk_mib);
+  if (arch.family == models::Family::tiny_unet) key += DiffusionModelOptions::from_config(c, vocab).to_json().dump();
+  const precision::Policy policy = precision_policy(c);
+  for (const auto& rule : policy.rules()) {
+    key += fmt::format("|{}:{}:{}:{}:{}:{}", rule.match, rule.storage ? precision::to_string(*rule.storage) : "-",
+                       rule.compute ? precision::to_string(*rule.compute) : "-",
+                       rule.trainable ? (*rule.trainable ? "t" : "f") : "-",
+                       rule.checkpoint ? (*rule.checkpoint ? "t" : "f") : "-",
+                       rule.master_fp32 ? (*rule.master_fp32 ? "t" : "f") : "-");
+  }
+  static std::mutex mutex;
+  static std::map<std::string, std::shared_ptr<const ResolvedModel>> cache;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    auto it = cache.find(key);
+    if (it != cache.end()) return it->second;
+  }
+  auto r = std::make_shared<const ResolvedModel>(resolve_model_uncached(arch, c, vocab));
+  std::lock_guard<std::mutex> lock(mutex);
+  if (cache.size() > 64) cache.clear();
+  cache.emplace(key, r);
+  return r;
+}
+
 // Traces the model of `r` for one micro-batch of `c` into `tracer`.
 void trace_model(nn::MemoryTracer& tracer, const models::Architecture& arch, const TrainConfig& c,
                  const ResolvedModel& r) {
@@ -213,7 +241,8 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size) {
     }
   }
   // ---- the model and its resolved precision policy ----
-  const ResolvedModel r = resolve_model(arch, c, vocab_size);
+  const std::shared_ptr<const ResolvedModel> resolved = resolve_model(arch, c, vocab_size);
+  const ResolvedModel& r = *resolved;
   nn::MemoryTracer tracer(r.whole);
   trace_model(tracer, arch, c, r);
 
@@ -318,9 +347,9 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size) {
     TrainConfig off = c;
     off.gradient_checkpointing = false;
     for (auto& rule : off.precision_rules) rule.checkpoint.reset();
-    const ResolvedModel r_off = resolve_model(arch, off, vocab_size);
-    nn::MemoryTracer t2(r_off.whole);
-    trace_model(t2, arch, off, r_off);
+    const std::shared_ptr<const ResolvedModel> r_off = resolve_model(arch, off, vocab_size);
+    nn::MemoryTracer t2(r_off->whole);
+    trace_model(t2, arch, off, *r_off);
     p.checkpointing_saving_bytes = t2.sim.simulate(to).forward_kept - tr.forward_kept;
   }
 
