@@ -15,7 +15,7 @@
 // category's bytes at that peak and its own peak, with plan_memory's
 // prediction per category. The step itself is plan::measure_model_step
 // (plan/measure.h): random weights (the numbers do not depend on values),
-// random inputs of plan::denoiser_inputs() shapes (LDM latents [B,4,R/8,R/8]
+// random inputs of the registry row's shapes (models::denoiser_batch: LDM latents [B,4,R/8,R/8]
 // with text states [B,77,768|2048] and SDXL's 2816-wide y; SD3.5M latents
 // [B,16,R/8,R/8], T5+CLIP states [B,154,4096], pooled [B,2048]; stage C
 // latents of side 3R/128 (24 at 1024 px), CLIP text [B,77,1280], pooled

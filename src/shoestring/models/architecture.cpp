@@ -50,6 +50,17 @@ std::shared_ptr<torch::nn::Module> build_tiny_unet(const nn::LayerInit& init, bo
   return TinyUNet(o.init(init)).ptr();
 }
 
+// Latent sides: the SD VAE and SD3.5's VAE downscale by 8; stage C works on
+// max(8, 3 * resolution / 128) (24 at 1024 px, its 42.67x compression).
+int64_t vae8_latent_side(int64_t resolution) {
+  if (resolution < 8 || resolution % 8 != 0) fail("resolution {} is not a positive multiple of 8 (VAE factor 8)", resolution);
+  return resolution / 8;
+}
+int64_t stage_c_latent_side(int64_t resolution) {
+  if (resolution < 8) fail("resolution {} is too small", resolution);
+  return std::max<int64_t>(8, resolution * 3 / 128);
+}
+
 // Sets the family-and-identity block of `a` (see Architecture) and returns it.
 Architecture with(Architecture a, Family family, bool trainable, Objective objective, Conditioning conditioning,
                   std::string kohya = "", std::string modelspec = "", std::string modelspec_lora = "") {
@@ -76,7 +87,7 @@ Architecture ldm(Architecture a, LdmUNetOptions (*preset)(), Conditioning condit
 // Conditioning: {latent channels, VAE downscale, context tokens, context
 // width, pooled / y width}, at full width.
 std::vector<Architecture> make_registry() {
-  return {
+  std::vector<Architecture> rows = {
       ldm({"sd15", "Stable Diffusion 1.5 UNet (LDM layout)", "model.diffusion_model.", 859'520'964,
            "runwayml/stable-diffusion-v1-5 UNet (v1-5-pruned.safetensors; diffusers "
            "UNet2DConditionModel.num_parameters())"},
@@ -140,6 +151,29 @@ std::vector<Architecture> make_registry() {
             clip_text(&ClipTextOptions::clip_g)},
            Family::text_encoder, false, Objective::none, {0, 0, 77, 1280, 1280}),
   };
+  // ---- planner: denoiser inputs and memory traces (models/<model>_trace.cpp), per family ----
+  for (Architecture& a : rows) {
+    switch (a.family) {
+      case Family::ldm_unet:
+        a.latent_side = &vae8_latent_side;
+        a.example = &ldm_unet_example;
+        a.trace = &trace_ldm_unet;
+        break;
+      case Family::mmdit:
+        a.latent_side = &vae8_latent_side;
+        a.example = &mmdit_example;
+        a.trace = &trace_mmdit;
+        break;
+      case Family::stage_c:
+        a.latent_side = &stage_c_latent_side;
+        a.example = &stage_c_example;
+        a.trace = &trace_stage_c;
+        break;
+      default:  // tiny-unet is planned from the run config (models::trace_text_to_image)
+        break;
+    }
+  }
+  return rows;
 }
 
 std::vector<TensorShape> shapes_of(const torch::nn::Module& m) {
@@ -214,6 +248,15 @@ const Architecture& find_architecture(const std::string& name) {
     known += (known.empty() ? "" : ", ") + a.name;
   }
   fail("unknown architecture '{}'; known: {}", name, known);
+}
+
+DenoiserBatch denoiser_batch(const Architecture& arch, int64_t batch, int64_t resolution) {
+  if (!arch.trace || !arch.latent_side) fail("architecture '{}' is not a denoiser with known inputs", arch.name);
+  DenoiserBatch b;
+  b.batch = batch;
+  b.latent_side = arch.latent_side(resolution);
+  b.context_tokens = arch.conditioning.context_tokens;
+  return b;
 }
 
 std::shared_ptr<torch::nn::Module> build_architecture(const std::string& name, const nn::LayerInit& init, bool tiny) {

@@ -19,6 +19,8 @@
 
 #include <torch/nn/module.h>
 
+#include "shoestring/models/denoiser_io.h"
+#include "shoestring/nn/block_precision.h"
 #include "shoestring/nn/layers.h"
 
 namespace shoestring::models {
@@ -119,7 +121,25 @@ struct Architecture {
   Conditioning conditioning{};
   /// The LDM UNet preset (Family::ldm_unet only; nullptr otherwise); see ldm_unet_options().
   LdmUNetOptions (*ldm_preset)() = nullptr;
+
+  // ---- planner: denoiser inputs and memory trace (plan/, bench/model_step) ----
+  // Set per family for the ldm_unet, mmdit and stage_c denoisers (null for
+  // other models; tiny-unet is planned from the run config through
+  // models::trace_text_to_image). Context tokens: conditioning.context_tokens.
+  /// Side of the square latent the VAE (or stage C's compression) makes of
+  /// an image of `resolution` px; throws shoestring::Error for a resolution
+  /// that does not fit (LDM / SD3.5: not divisible by 8).
+  int64_t (*latent_side)(int64_t resolution) = nullptr;
+  /// Random example inputs bound to the forward (models/denoiser_io.h).
+  DenoiserExampleFn example = nullptr;
+  /// The forward's memory trace (models/<model>_trace.cpp).
+  DenoiserTraceFn trace = nullptr;
 };
+
+/// The inputs of `arch`'s denoiser for `batch` images of `resolution` px
+/// (latent side and context tokens of its row). Throws shoestring::Error when
+/// `arch` is not a denoiser (no trace) or the resolution does not fit.
+DenoiserBatch denoiser_batch(const Architecture& arch, int64_t batch, int64_t resolution);
 
 /// Every registered architecture, in table order.
 const std::vector<Architecture>& architectures();

@@ -37,6 +37,7 @@
 #include <torch/nn/pimpl.h>
 
 #include "shoestring/models/denoiser.h"
+#include "shoestring/models/denoiser_io.h"
 #include "shoestring/nn/block_precision.h"
 #include "shoestring/nn/layers.h"
 #include "shoestring/nn/lora.h"
@@ -268,6 +269,17 @@ class StageCImpl : public torch::nn::Module, public Denoiser {
   std::vector<torch::nn::ModuleList> down_levels_, down_maps_, up_levels_, up_maps_;
 };
 TORCH_MODULE(StageC);
+
+/// StageCImpl::forward's memory trace (models/cascade_trace.cpp): x [B,
+/// in_channels, S, S], r [B], CLIP text [B, L, clip_text_dim], pooled [B, 1,
+/// clip_text_pooled_dim], image [B, 1, clip_image_dim]; each block a
+/// checkpointed segment under TracePrecision::checkpoint. Throws
+/// shoestring::Error when `model` is not a StageCImpl or uses patch_size > 1
+/// or switch_level (not modelled).
+void trace_stage_c(torch::nn::Module& model, nn::MemoryTracer& tracer, const DenoiserBatch& in);
+
+/// Random inputs of those shapes bound to StageCImpl::forward (r in [0, 1)).
+DenoiserExample stage_c_example(torch::nn::Module& model, const DenoiserBatch& in, at::ScalarType dtype);
 
 /// The released 3.6B stage C (stage_c.safetensors): 3,589,103,632 parameters.
 StageC build_cascade_c(const nn::LayerInit& init = {});

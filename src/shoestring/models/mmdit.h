@@ -36,6 +36,7 @@
 #include <torch/nn/pimpl.h>
 
 #include "shoestring/models/denoiser.h"
+#include "shoestring/models/denoiser_io.h"
 #include "shoestring/nn/block_precision.h"
 #include "shoestring/nn/layers.h"
 
@@ -199,6 +200,16 @@ class MMDiTImpl : public torch::nn::Module, public Denoiser {
   std::shared_ptr<nn::BlockTable> block_table_ = std::make_shared<nn::BlockTable>();
 };
 TORCH_MODULE(MMDiT);
+
+/// MMDiTImpl::forward's memory trace (models/mmdit_trace.cpp): x [B,
+/// in_channels, S, S], t [B], context [B, L, context_dim], pooled y [B,
+/// adm_in_channels]; each joint block a checkpointed segment under
+/// TracePrecision::checkpoint. Throws shoestring::Error when `model` is not
+/// an MMDiTImpl or S does not fit patch_size and pos_embed_max_size.
+void trace_mmdit(torch::nn::Module& model, nn::MemoryTracer& tracer, const DenoiserBatch& in);
+
+/// Random inputs of those shapes bound to MMDiTImpl::forward (t in [0, 1)).
+DenoiserExample mmdit_example(torch::nn::Module& model, const DenoiserBatch& in, at::ScalarType dtype);
 
 /// Fixed 2-D sin-cos positional embedding of a grid x grid patch grid:
 /// [grid * grid, dim], row-major over (row, column); the first dim/2

@@ -26,6 +26,7 @@
 #include "shoestring/models/denoiser.h"
 #include "shoestring/nn/block_precision.h"
 #include "shoestring/nn/layers.h"
+#include "shoestring/nn/memory_trace.h"
 #include "shoestring/nn/resblock.h"
 #include "shoestring/nn/timestep.h"
 #include "shoestring/nn/transformer.h"
@@ -126,5 +127,19 @@ class TinyUNetImpl : public torch::nn::Module, public Denoiser {
   std::shared_ptr<nn::BlockTable> block_table_ = std::make_shared<nn::BlockTable>();
 };
 TORCH_MODULE(TinyUNet);
+
+class CaptionEncoderImpl;
+
+/// The memory trace of the emoji model's training forward
+/// (models/tiny_unet_trace.cpp), as train/DiffusionModel runs it on one
+/// micro-batch of `batch` images of `resolution` px: the batch (x0, noise,
+/// x_t and target fp32, t, tokens int64), `text` in its scope, then `unet` in
+/// its scope, each ResBlock, SpatialTransformer and encoder layer a block
+/// (MemoryTracer::block: the resolved precision policy's compute dtype and
+/// checkpointing per block, or TracePrecision::checkpoint without one), then
+/// mse_loss. `text` and `unet` may live on the meta device. Throws
+/// shoestring::Error when channels are not divisible by num_heads.
+void trace_text_to_image(const TinyUNetImpl& unet, const CaptionEncoderImpl& text, nn::MemoryTracer& tracer,
+                         int64_t batch, int64_t resolution);
 
 }  // namespace shoestring::models

@@ -27,6 +27,7 @@
 
 #include "shoestring/io/key_map.h"
 #include "shoestring/models/denoiser.h"
+#include "shoestring/models/denoiser_io.h"
 #include "shoestring/nn/block_precision.h"
 #include "shoestring/nn/layers.h"
 #include "shoestring/nn/resblock.h"
@@ -192,5 +193,17 @@ class LdmUNetImpl : public torch::nn::Module, public Denoiser {
   std::shared_ptr<nn::BlockTable> block_table_ = std::make_shared<nn::BlockTable>();
 };
 TORCH_MODULE(LdmUNet);
+
+/// LdmUNetImpl::forward's memory trace (models/unet_ldm_trace.cpp): x [B,
+/// in_channels, S, S], timesteps [B], context [B, L, context_dim] and (SDXL)
+/// y [B, adm_in_channels]; each ResBlock and transformer block a checkpointed
+/// segment under TracePrecision::checkpoint, as the trainer's rule applies
+/// to the block table. Throws shoestring::Error when `model` is not an
+/// LdmUNetImpl or S is not divisible by 2^(levels-1).
+void trace_ldm_unet(torch::nn::Module& model, nn::MemoryTracer& tracer, const DenoiserBatch& in);
+
+/// Random inputs of those shapes bound to LdmUNetImpl::forward (timesteps
+/// integers in [0, 1000) as floats).
+DenoiserExample ldm_unet_example(torch::nn::Module& model, const DenoiserBatch& in, at::ScalarType dtype);
 
 }  // namespace shoestring::models

@@ -185,4 +185,26 @@ AdafactorOptions parse_adafactor_args(const std::vector<std::string>& args) {
   return o;
 }
 
+OptimizerStateSize Adafactor::state_size(at::IntArrayRef shape, const AdafactorOptions& adafactor,
+                                         const OptimizerOptions& options, at::ScalarType param_dtype) {
+  const int64_t n = c10::multiply_integers(shape);
+  OptimizerStateSize s;
+  if (n == 0) return s;
+  const int64_t sd = state_element_bytes(options.state_dtype);
+  const bool beta1 = adafactor.beta1.has_value();
+  const std::vector<int64_t> f = factored_shape(shape);
+  if (!f.empty()) {
+    s.state = (f[0] + f[1]) * 4 + (beta1 ? n * sd : 0);
+    if (beta1) {
+      s.scratch = 4 * n * 4;  // op chain: grad, p, u, m in fp32
+    } else if (c10::elementSize(param_dtype) == 2) {
+      s.scratch = 4 * n;  // the fused factored path measures RMS(X) on an fp32 copy of 2-byte weights
+    }
+  } else {
+    s.state = n * sd + (beta1 ? n * sd : 0);
+    s.scratch = 4 * n * 4;
+  }
+  return s;
+}
+
 }  // namespace shoestring

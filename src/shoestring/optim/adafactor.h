@@ -81,6 +81,17 @@ class Adafactor : public Optimizer {
   /// empty (unfactored) otherwise.
   static std::vector<int64_t> factored_shape(at::IntArrayRef shape);
 
+  /// State and update scratch of a parameter of `shape` stored in
+  /// `param_dtype`: factored (>= 2 dims): fp32 row and column vectors (n + m
+  /// numbers), plus exp_avg of the shape in options.state_dtype with beta1;
+  /// unfactored: exp_avg_sq (and with beta1 exp_avg) of the shape in
+  /// options.state_dtype; nothing for zero elements. Scratch: the op chain's
+  /// four fp32 copies (gradient, weights, update, moment) where the fused
+  /// factored path does not apply (beta1, or unfactored); on the fused path an
+  /// fp32 copy of 2-byte weights (RMS of the weights).
+  static OptimizerStateSize state_size(at::IntArrayRef shape, const AdafactorOptions& adafactor,
+                                       const OptimizerOptions& options, at::ScalarType param_dtype);
+
   /// The step size a_t (before weight decay) used at step `step` for a
   /// parameter whose RMS is `param_rms`, given the scheduler's `lr`.
   double step_size(int64_t step, double lr, double param_rms) const;

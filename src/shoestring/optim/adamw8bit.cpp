@@ -325,4 +325,11 @@ AdamW8bitOptions parse_adamw8bit_args(const std::vector<std::string>& args) {
   return o;
 }
 
+OptimizerStateSize AdamW8bit::state_size(at::IntArrayRef shape, const AdamW8bitOptions& adam) {
+  const int64_t n = c10::multiply_integers(shape);
+  if (n < adam.min_8bit_size) return {8 * n, 0};
+  const int64_t blocks = (n + adam.block_size - 1) / adam.block_size;
+  return {2 * n + 2 * blocks * 4, 0};
+}
+
 }  // namespace shoestring

@@ -52,6 +52,12 @@ class AdamW8bit : public Optimizer {
   /// sizes above. Throws shoestring::Error naming the tensor otherwise.
   void load_state_tensors(const std::map<std::string, at::Tensor>& tensors) override;
 
+  /// State of a parameter of `shape`: with numel >= min_8bit_size, two uint8
+  /// tensors of the shape and two fp32 absmax vectors of ceil(numel /
+  /// block_size) (about 2.03 bytes per element); below it, fp32 exp_avg and
+  /// exp_avg_sq (8 bytes per element). options.state_dtype is not used.
+  static OptimizerStateSize state_size(at::IntArrayRef shape, const AdamW8bitOptions& adam);
+
   /// True when parameter `index` has (or will get) 8-bit state.
   bool uses_8bit_state(size_t index) const;
 

@@ -86,4 +86,8 @@ CompassOptions parse_compass_args(const std::vector<std::string>& args) {
   return o;
 }
 
+OptimizerStateSize Compass::state_size(at::IntArrayRef shape, const OptimizerOptions& options) {
+  return {2 * c10::multiply_integers(shape) * state_element_bytes(options.state_dtype), 0};
+}
+
 }  // namespace shoestring

@@ -38,6 +38,10 @@ class Compass : public Optimizer {
   /// params()[index].weight_decay.
   void update(size_t index, const at::Tensor& grad, double lr, int64_t step) override;
 
+  /// State of a parameter of `shape`: exp_avg and exp_avg_sq of the shape in
+  /// options.state_dtype.
+  static OptimizerStateSize state_size(at::IntArrayRef shape, const OptimizerOptions& options);
+
  private:
   CompassOptions compass_;
 };

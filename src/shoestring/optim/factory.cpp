@@ -37,6 +37,18 @@ void validate_optimizer(const std::string& type, const std::vector<std::string>&
   }
 }
 
+OptimizerStateSize optimizer_state_size(const std::string& type, const std::vector<std::string>& args,
+                                        at::IntArrayRef shape, at::ScalarType param_dtype,
+                                        const OptimizerOptions& options) {
+  if (type == "AdamW") return AdamW::state_size(shape, options);
+  if (type == "AdamW8bit") return AdamW8bit::state_size(shape, parse_adamw8bit_args(args));
+  if (type == "Adafactor") return Adafactor::state_size(shape, parse_adafactor_args(args), options, param_dtype);
+  if (type == "Lion") return Lion::state_size(shape, options);
+  if (type == "Compass") return Compass::state_size(shape, options);
+  validate_optimizer(type, args);  // throws: unknown type
+  return {};
+}
+
 std::unique_ptr<Optimizer> make_optimizer(const std::string& type, const std::vector<std::string>& args,
                                           const std::vector<std::pair<std::string, at::Tensor>>& params,
                                           const OptimizerOptions& options) {

@@ -25,6 +25,15 @@ std::unique_ptr<Optimizer> make_optimizer(const std::string& type, const std::ve
                                           const std::vector<std::pair<std::string, at::Tensor>>& params,
                                           const OptimizerOptions& options);
 
+/// The state and update scratch optimizer `type` (with `args` parsed as
+/// make_optimizer parses them and `options`' state dtype) holds for one
+/// parameter of `shape` stored in `param_dtype`: the optimizer class's static
+/// state_size() (AdamW, AdamW8bit, Adafactor, Lion, Compass). Throws
+/// shoestring::Error for an unknown type or argument, as validate_optimizer.
+OptimizerStateSize optimizer_state_size(const std::string& type, const std::vector<std::string>& args,
+                                        at::IntArrayRef shape, at::ScalarType param_dtype,
+                                        const OptimizerOptions& options);
+
 /// Checks `type` and `args` without building anything (config validation).
 void validate_optimizer(const std::string& type, const std::vector<std::string>& args);
 

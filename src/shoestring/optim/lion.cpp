@@ -70,4 +70,8 @@ LionOptions parse_lion_args(const std::vector<std::string>& args) {
   return o;
 }
 
+OptimizerStateSize Lion::state_size(at::IntArrayRef shape, const OptimizerOptions& options) {
+  return {c10::multiply_integers(shape) * state_element_bytes(options.state_dtype), 0};
+}
+
 }  // namespace shoestring

@@ -31,6 +31,9 @@ class Lion : public Optimizer {
   /// parameter's shape). Weight decay is params()[index].weight_decay.
   void update(size_t index, const at::Tensor& grad, double lr, int64_t step) override;
 
+  /// State of a parameter of `shape`: exp_avg of the shape in options.state_dtype.
+  static OptimizerStateSize state_size(at::IntArrayRef shape, const OptimizerOptions& options);
+
  private:
   LionOptions lion_;
 };

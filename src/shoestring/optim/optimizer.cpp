@@ -128,6 +128,12 @@ void Optimizer::load_state_tensors(const std::map<std::string, at::Tensor>& tens
   }
 }
 
+int64_t state_element_bytes(at::ScalarType state_dtype) { return c10::elementSize(state_dtype); }
+
+OptimizerStateSize AdamW::state_size(at::IntArrayRef shape, const OptimizerOptions& options) {
+  return {2 * c10::multiply_integers(shape) * state_element_bytes(options.state_dtype), 0};
+}
+
 int64_t Optimizer::state_bytes() const {
   int64_t bytes = 0;
   for (const auto& m : state_) {

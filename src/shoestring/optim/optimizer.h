@@ -42,6 +42,21 @@ struct OptimizerOptions {
   bool offload_state = false;
 };
 
+/// What an optimizer holds for one parameter, bytes: `state` kept between
+/// steps (what state_tensors() holds for it after its first update), and
+/// `scratch`, the transient bytes one update allocates beyond the gradient
+/// and an fp32 working copy of it (the memory planner's per-update peak).
+/// Each optimizer gives its own through a static state_size(); the memory
+/// planner and `plan --explain` use optimizer_state_size() (optim/factory.h).
+struct OptimizerStateSize {
+  int64_t state = 0;
+  int64_t scratch = 0;
+};
+
+/// Bytes per element of a full-size state tensor of dtype `state_dtype`
+/// (kFloat 4, kBFloat16 / kHalf 2).
+int64_t state_element_bytes(at::ScalarType state_dtype);
+
 /// Base class. Subclasses implement update() for one parameter.
 class Optimizer {
  public:
@@ -126,6 +141,10 @@ class AdamW : public Optimizer {
  public:
   AdamW(std::vector<OptimParam> params, AdamWOptions adam, OptimizerOptions options);
   void update(size_t index, const at::Tensor& grad, double lr, int64_t step) override;
+
+  /// State of a parameter of `shape`: exp_avg and exp_avg_sq of the shape in
+  /// options.state_dtype (2 x 4 bytes per element in fp32, 2 x 2 in bf16).
+  static OptimizerStateSize state_size(at::IntArrayRef shape, const OptimizerOptions& options);
 
  private:
   AdamWOptions adam_;

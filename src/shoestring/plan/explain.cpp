@@ -3,8 +3,10 @@
 #include <fmt/format.h>
 #include <torch/torch.h>
 
+#include "shoestring/core/units.h"
 #include "shoestring/models/architecture.h"
 #include "shoestring/models/denoiser.h"
+#include "shoestring/optim/factory.h"
 #include "shoestring/precision/policy.h"
 #include "shoestring/train/diffusion_model.h"
 
@@ -39,7 +41,20 @@ std::string explain_precision(const TrainConfig& c, int64_t vocab_size) {
   } else {
     state = c.optimizer_state_dtype;
   }
-  out += fmt::format("optimizer state ({}): {}{}\n", c.optimizer_type, state,
+  // Bytes from each optimizer's own state_size (optim/factory.h), per
+  // trainable parameter in its resolved storage dtype.
+  OptimizerOptions state_options;
+  state_options.state_dtype = c.optimizer_state_dtype == "bf16" ? at::kBFloat16 : at::kFloat;
+  int64_t state_bytes = 0;
+  for (const auto& p : resolution.params) {
+    if (!p.settings.trainable) continue;
+    state_bytes += optimizer_state_size(c.optimizer_type, c.optimizer_args, p.shape,
+                                        precision::container_dtype(p.settings.storage), state_options)
+                       .state;
+  }
+  // LoRA: the adapters are not in this tree (the plan counts their state).
+  const std::string bytes = c.network_module.empty() ? ", " + format_bytes(state_bytes) : std::string();
+  out += fmt::format("optimizer state ({}): {}{}{}\n", c.optimizer_type, state, bytes,
                      c.offload_optimizer_state ? ", in host memory (offload_optimizer_state)" : "");
   if (c.ema_decay > 0) out += "EMA copy: fp32\n";
   return out;

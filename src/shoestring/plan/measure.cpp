@@ -12,9 +12,7 @@
 #include "shoestring/core/error.h"
 #include "shoestring/core/memory_ledger.h"
 #include "shoestring/models/architecture.h"
-#include "shoestring/models/cascade.h"
-#include "shoestring/models/mmdit.h"
-#include "shoestring/models/unet_ldm.h"
+#include "shoestring/models/denoiser.h"
 #include "shoestring/nn/chunked_attention.h"
 #include "shoestring/optim/factory.h"
 #include "shoestring/optim/fused_backward.h"
@@ -81,50 +79,6 @@ std::vector<std::string> optimizer_args_for(const std::string& type) {
   return {};
 }
 
-// The architecture's training forward on random inputs of its shapes, and
-// the regression target.
-struct Runner {
-  std::function<at::Tensor()> forward;
-  at::Tensor target;
-};
-
-Runner make_runner(torch::nn::Module& module, const std::string& arch, int64_t batch, int64_t resolution,
-                   at::ScalarType dtype, bool checkpointing) {
-  const DenoiserInputs in = denoiser_inputs(arch, resolution);
-  const int64_t S = in.latent_side, L = in.context_tokens;
-  auto randn = [&](std::vector<int64_t> shape) { return torch::randn(shape).to(dtype); };
-  Runner r;
-  if (auto* unet = dynamic_cast<models::LdmUNetImpl*>(&module)) {
-    const auto& o = unet->options();
-    at::Tensor x = randn({batch, o.in_channels(), S, S});
-    at::Tensor t = torch::randint(0, 1000, {batch}).to(torch::kFloat32);
-    at::Tensor ctx = randn({batch, L, o.context_dim()});
-    at::Tensor y = o.adm_in_channels() > 0 ? randn({batch, o.adm_in_channels()}) : at::Tensor();
-    r.forward = [unet, x, t, ctx, y] { return unet->forward(x, t, ctx, y); };
-    r.target = x;
-  } else if (auto* dit = dynamic_cast<models::MMDiTImpl*>(&module)) {
-    const auto& o = dit->options();
-    at::Tensor x = randn({batch, o.in_channels(), S, S});
-    at::Tensor t = torch::rand({batch});
-    at::Tensor ctx = randn({batch, L, o.context_dim()});
-    at::Tensor y = randn({batch, o.adm_in_channels()});
-    r.forward = [dit, x, t, ctx, y] { return dit->forward(x, t, ctx, y); };
-    r.target = x;
-  } else if (auto* c = dynamic_cast<models::StageCImpl*>(&module)) {
-    const auto& o = c->options();
-    at::Tensor x = randn({batch, o.in_channels(), S, S});
-    at::Tensor rr = torch::rand({batch});
-    at::Tensor text = randn({batch, L, o.clip_text_dim()});
-    at::Tensor pooled = randn({batch, 1, o.clip_text_pooled_dim()});
-    at::Tensor img = randn({batch, 1, o.clip_image_dim()});
-    r.forward = [c, x, rr, text, pooled, img] { return c->forward(x, rr, text, pooled, img); };
-    r.target = x;
-  } else {
-    fail("model step: no example inputs for architecture '{}' (LDM UNets, sd35m, cascade-c, cascade-c-lite)", arch);
-  }
-  return r;
-}
-
 }  // namespace
 
 TrainConfig model_step_config(const ModelStepOptions& o) {
@@ -165,10 +119,7 @@ ModelStepResult measure_model_step(const ModelStepOptions& o) {
   // rules (full_bf16, gradient_checkpointing) on the model's block table, so
   // blocks are checkpointed the way a training run checkpoints them.
   {
-    std::vector<nn::BlockTable*> tables;
-    if (auto* u = dynamic_cast<models::LdmUNetImpl*>(module.get())) tables.push_back(u->block_table());
-    if (auto* d = dynamic_cast<models::MMDiTImpl*>(module.get())) tables.push_back(d->block_table());
-    if (auto* c = dynamic_cast<models::StageCImpl*>(module.get())) tables.push_back(c->block_table());
+    const std::vector<nn::BlockTable*> tables = models::denoiser_block_tables(*module);
     const precision::Resolution resolution =
         precision::resolve(*module, precision_policy(model_step_config(o)), {tables.begin(), tables.end()});
     ScopedMemoryCategory category(MemoryCategory::weights);
@@ -198,10 +149,12 @@ ModelStepResult measure_model_step(const ModelStepOptions& o) {
     });
   }
 
-  Runner runner;
+  models::DenoiserExample runner;
   {
     ScopedMemoryCategory category(MemoryCategory::activations);
-    runner = make_runner(*module, o.architecture, o.batch, o.resolution, dtype, o.checkpointing);
+    const models::Architecture& arch = models::find_architecture(o.architecture);
+    if (!arch.example) fail("model step: no example inputs for architecture '{}' (not a denoiser)", o.architecture);
+    runner = arch.example(*module, models::denoiser_batch(arch, o.batch, o.resolution), dtype);
   }
   const double lr = 1e-5;
   struct RestoreChunk {

@@ -39,10 +39,10 @@ Measurement measure_training(TrainConfig config, int64_t steps);
 /// One training step of a registered architecture's denoiser, as a user
 /// fine-tunes it with latents and text embeddings cached: random weights
 /// (the memory does not depend on values), random inputs of the shapes of
-/// plan::denoiser_inputs(), mse loss on an fp32 copy of the output, backward,
+/// its registry row (models::Architecture::example and denoiser_batch), mse loss on an fp32 copy of the output, backward,
 /// optimizer update. Shared by bench/model_step and tests/plan.
 struct ModelStepOptions {
-  std::string architecture = "sd15";  ///< a registered denoiser (plan::denoiser_inputs)
+  std::string architecture = "sd15";  ///< a registered denoiser (a registry row with `example`)
   bool tiny = false;                  ///< the architecture's tiny-width variant
   int64_t resolution = 512;           ///< image side in pixels
   int64_t batch = 1;

@@ -2,15 +2,17 @@
 // training step, per ledger category, for a config (model, resolution, batch,
 // precision, optimizer and its state dtype, fused backward, gradient
 // accumulation, checkpointing, chunked attention, offload) without building
-// the model's storage: parameter shapes and the forward pass are derived
-// analytically from the architecture's module tree (the emoji model's from
-// its config; registered real architectures are built on the meta device and
-// walked block by block; see plan/trace.h for the model of what autograd
-// keeps), and the optimizer's state and scratch from its documented
-// bytes per parameter (docs/optimizers/).
+// the model's storage: parameter shapes and the forward pass come from the
+// architecture's memory trace (models/<model>_trace.cpp, reached through its
+// registry row; the emoji model's from its config, registered real
+// architectures built on the meta device and walked block by block), replayed
+// by the memory simulator (nn/memory_simulator.h: what autograd keeps), and
+// the optimizer's state and scratch from its documented bytes per parameter
+// (docs/optimizers/).
 //
-// With a budget, advise() searches the switches a user can flip, cheapest in
-// expected speed first, and returns the config lines to paste.
+// With a budget, advise() (plan/advise.cpp) searches the switches a user can
+// flip, cheapest in expected speed first, and returns the config lines to
+// paste.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -18,14 +20,17 @@
 
 #include <nlohmann/json.hpp>
 
-#include "shoestring/plan/trace.h"
+#include "shoestring/nn/memory_simulator.h"
 #include "shoestring/train/config.h"
 
 namespace shoestring::plan {
 
+/// Bytes per ledger category (nn/memory_simulator.h).
+using Bytes = nn::Bytes;
+
 /// Everything the plan predicts, bytes.
 struct MemoryPlan {
-  int64_t parameters = 0;             ///< trainable parameters (UNet + caption encoder)
+  int64_t parameters = 0;             ///< trainable parameters (UNet + caption encoder; LoRA: the adapters)
   int64_t largest_parameter = 0;      ///< elements of the largest parameter tensor
   /// Steady-state peak of one optimizer step on the device (steps >= 2, when
   /// the optimizer state exists from the start of the step); excludes
@@ -38,11 +43,11 @@ struct MemoryPlan {
   std::string peak_phase;             ///< where the peak happens ("backward conv1", "optimizer step", ...)
   int64_t host_bytes = 0;             ///< optimizer state held in host memory (offload)
   int64_t weights_bytes = 0;          ///< parameters in their storage dtype
-  int64_t optimizer_state_bytes = 0;  ///< optimizer state on the device + EMA shadow (fp32)
+  int64_t optimizer_state_bytes = 0;  ///< optimizer state on the device + EMA shadow (fp32) + fp32 masters
   int64_t ema_bytes = 0;              ///< of which EMA
   int64_t activation_bytes = 0;       ///< kept by forward for backward (plus the batch), per micro-batch
   int64_t checkpointing_saving_bytes = 0;  ///< activations gradient checkpointing removes (0 when off)
-  std::vector<std::string> notes;     ///< what the plan does not model for this config
+  std::vector<std::string> notes;     ///< what the plan approximates or does not model for this config
 
   /// {"predicted_peak_bytes", "first_step_peak_bytes", "<category>_bytes" for
   /// weights, gradients, optimizer_state, activations, temporaries (at the
@@ -50,40 +55,31 @@ struct MemoryPlan {
   nlohmann::json to_json() const;
 };
 
-/// What the trainer (latents and text-encoder outputs cached up front) and
-/// bench/model_step feed the denoiser of a registered architecture at
-/// `resolution` pixels.
-struct DenoiserInputs {
-  /// Side of the square latent: resolution / 8 for LDM UNets and SD3.5
-  /// (VAE factor 8); for Stable Cascade stage C max(8, 3 * resolution / 128),
-  /// i.e. resolution / 42.67 (24 at 1024 px, the stage C compression).
-  int64_t latent_side = 0;
-  /// Text tokens of the context: 77 (CLIP) for LDM UNets and stage C's
-  /// clip_text, 154 (77 CLIP-L/G + 77 T5) for SD3.5.
-  int64_t context_tokens = 0;
-};
-
-/// Inputs of architecture `name` ("sd15", "sdxl", "ssd1b", "sd35m",
-/// "cascade-c", "cascade-c-lite"). Throws shoestring::Error for other names.
-DenoiserInputs denoiser_inputs(const std::string& name, int64_t resolution);
-
-/// True when plan_memory models `architecture`: "tiny-unet" (the emoji model
-/// with its caption encoder) and the denoisers above.
-bool planner_knows(const std::string& architecture);
-
 /// Predicts the memory of a training step of `config`.
 ///
 /// "tiny-unet": the emoji model and its caption encoder, as the trainer runs
 /// it. Registered real architectures (sd15, sdxl, ssd1b, sd35m, cascade-c,
 /// cascade-c-lite; config.tiny for their test widths): the denoiser only,
 /// built on the meta device for its module tree and parameter shapes, on
-/// the inputs of denoiser_inputs(), one forward, mse loss on an fp32 copy of
-/// the output, backward and the optimizer update (bench/model_step's step;
-/// the VAE and text encoders are not resident). `vocab_size` is the
-/// caption tokenizer's (it sets the token embedding's size; the trainer knows
-/// it, `shoestring plan` estimates it; unused for real architectures).
-/// Throws shoestring::Error for an architecture the planner does not know,
-/// LoRA configs (network_module), or invalid model options.
+/// the inputs of its registry row (models::denoiser_batch), one forward, mse
+/// loss on an fp32 copy of the output, backward and the optimizer update
+/// (bench/model_step's step; the VAE and text encoders are not resident).
+///
+/// Planned from the resolved precision policy (train/config.h
+/// precision_policy: the shorthands, LoRA's frozen base and the
+/// [[precision.rule]] entries, resolved with precision::resolve over the
+/// meta-built model and its block tables, as the trainer does): each
+/// parameter's storage dtype, trainable flag and fp32 master set the weights,
+/// gradients, optimizer state and masters; fp16 or masters add the fp32
+/// gradient bridge of loss scaling. The emoji model's trace takes each
+/// block's compute dtype (fp16 emulated in fp32 on the CPU) and checkpoint
+/// flag from its rule; real architectures' traces take the policy's dominant
+/// compute dtype and checkpointing (a note says so when rules are present).
+/// `vocab_size` is the caption tokenizer's (it sets the token embedding's
+/// size; the trainer knows it, `shoestring plan` estimates it; unused for
+/// real architectures). Throws shoestring::Error for an architecture the
+/// planner does not know, LoRA on tiny-unet, invalid model options or an
+/// invalid policy (precision::resolve's errors).
 MemoryPlan plan_memory(const TrainConfig& config, int64_t vocab_size);
 
 /// One proposal of advise().

@@ -1,10 +1,10 @@
-// The autograd memory simulation on hand-sized graphs.
+// The autograd memory simulator (nn/memory_simulator.h) on hand-sized graphs.
 #include <gtest/gtest.h>
 
-#include "shoestring/plan/trace.h"
+#include "shoestring/nn/memory_simulator.h"
 
 using namespace shoestring;
-using namespace shoestring::plan;
+using namespace shoestring::nn;
 
 namespace {
 constexpr int kA = static_cast<int>(MemoryCategory::activations);
@@ -12,8 +12,8 @@ constexpr int kT = static_cast<int>(MemoryCategory::temporaries);
 constexpr int kG = static_cast<int>(MemoryCategory::gradients);
 
 // x(100, persistent) -> a = f(x) [saves x] -> b = g(a) [saves a] -> loss(b) [saves b]
-Trace chain(bool checkpoint) {
-  Trace t;
+MemorySimulator chain(bool checkpoint) {
+  MemorySimulator t;
   const int x = t.tensor(100, true);
   const int a = t.tensor(200);
   const int b = t.tensor(300);
@@ -48,7 +48,7 @@ Trace chain(bool checkpoint) {
 }
 }  // namespace
 
-TEST(PlanTrace, ChainPeakByHand) {
+TEST(MemorySimulator, ChainPeakByHand) {
   TraceResult r = chain(false).simulate({});
   // End of forward: x 100 + a 200 (saved by g) + b 300 (saved by loss) + loss 4.
   EXPECT_EQ(r.forward_kept, 604);
@@ -61,7 +61,7 @@ TEST(PlanTrace, ChainPeakByHand) {
   EXPECT_EQ(r.gradients_after, 120);
 }
 
-TEST(PlanTrace, CheckpointKeepsOnlySegmentInputs) {
+TEST(MemorySimulator, CheckpointKeepsOnlySegmentInputs) {
   TraceResult plain = chain(false).simulate({});
   TraceResult ckpt = chain(true).simulate({});
   // a (200) is not kept; b is the segment output, saved by loss.
@@ -71,7 +71,7 @@ TEST(PlanTrace, CheckpointKeepsOnlySegmentInputs) {
   EXPECT_EQ(ckpt.gradients_after, plain.gradients_after);
 }
 
-TEST(PlanTrace, FusedBackwardFreesParameterGradients) {
+TEST(MemorySimulator, FusedBackwardFreesParameterGradients) {
   TraceOptions fused;
   fused.fused = true;
   fused.fused_transient_per_grad_byte = 2.0;
@@ -80,9 +80,9 @@ TEST(PlanTrace, FusedBackwardFreesParameterGradients) {
   EXPECT_EQ(r.peak_per_category[kG], 70);
 }
 
-TEST(PlanTrace, PassthroughSharesTheGradient) {
+TEST(MemorySimulator, PassthroughSharesTheGradient) {
   // y = x1 + x2 with both inputs requiring grad: add's backward allocates nothing.
-  Trace t;
+  MemorySimulator t;
   const int x1 = t.tensor(100), x2 = t.tensor(100), y = t.tensor(100);
   TraceOp mk;
   mk.name = "make";
@@ -101,10 +101,10 @@ TEST(PlanTrace, PassthroughSharesTheGradient) {
   EXPECT_EQ(r.peak_per_category[kT], 100);
 }
 
-TEST(PlanTrace, BroadcastOperandGetsItsOwnReducedGradient) {
+TEST(MemorySimulator, BroadcastOperandGetsItsOwnReducedGradient) {
   // y = x + b with b broadcast (10 bytes against 100): x's gradient is y's
   // (shared), b's a new 10-byte reduction; so backward holds 100 + 10.
-  Trace t;
+  MemorySimulator t;
   const int x = t.tensor(100), b = t.tensor(10), y = t.tensor(100);
   TraceOp mk;
   mk.name = "make";
@@ -122,7 +122,7 @@ TEST(PlanTrace, BroadcastOperandGetsItsOwnReducedGradient) {
   TraceResult r = t.simulate({});
   EXPECT_EQ(r.peak_per_category[kT], 110);
   add.broadcast = false;  // plain passthrough would alias b's gradient to y's
-  Trace t2;
+  MemorySimulator t2;
   t2.tensor(100), t2.tensor(10), t2.tensor(100);
   t2.op(mk);
   t2.op(add);

@@ -1,5 +1,7 @@
-// An analytic model of what libtorch's autograd keeps alive during one
-// forward + backward pass, for the memory planner (`shoestring plan`).
+// The memory simulator: an analytic model of what libtorch's autograd keeps
+// alive during one forward + backward pass, for the memory planner
+// (`shoestring plan`). Models describe their forward as ops through the op
+// vocabulary of nn/memory_trace.h; this file only replays a list of ops.
 //
 // A model is described as a list of ops over symbolic tensors (bytes only,
 // no storage): each op names the tensors it reads, the tensors it creates,
@@ -26,7 +28,7 @@
 
 #include "shoestring/core/memory_ledger.h"
 
-namespace shoestring::plan {
+namespace shoestring::nn {
 
 using Bytes = std::array<int64_t, kNumMemoryCategories>;
 
@@ -69,7 +71,8 @@ struct TraceResult {
   int64_t gradients_after = 0; ///< parameter-gradient bytes alive after backward
 };
 
-class Trace {
+/// The op list of one forward pass and its replay (see the file comment).
+class MemorySimulator {
  public:
   /// A new storage of `bytes`, e.g. an op's output. `persistent` storages
   /// (inputs of the pass such as the batch) are never freed by the simulation
@@ -112,4 +115,4 @@ class Trace {
   std::vector<Segment> segments_;
 };
 
-}  // namespace shoestring::plan
+}  // namespace shoestring::nn

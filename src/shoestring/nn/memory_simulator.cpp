@@ -1,4 +1,4 @@
-#include "shoestring/plan/trace.h"
+#include "shoestring/nn/memory_simulator.h"
 
 #include <algorithm>
 #include <limits>
@@ -6,7 +6,7 @@
 
 #include "shoestring/core/error.h"
 
-namespace shoestring::plan {
+namespace shoestring::nn {
 namespace {
 
 constexpr int kAct = static_cast<int>(MemoryCategory::activations);
@@ -33,34 +33,34 @@ struct Tracker {
 
 }  // namespace
 
-int Trace::tensor(int64_t bytes, bool persistent) {
-  if (bytes < 0) fail("plan trace: negative tensor size {}", bytes);
+int MemorySimulator::tensor(int64_t bytes, bool persistent) {
+  if (bytes < 0) fail("memory simulator: negative tensor size {}", bytes);
   const int id = static_cast<int>(tensors_.size());
   tensors_.push_back({bytes, id, persistent, false});
   return id;
 }
 
-int Trace::alias(int base, int64_t bytes) {
+int MemorySimulator::alias(int base, int64_t bytes) {
   const int id = static_cast<int>(tensors_.size());
   tensors_.push_back({bytes, tensors_.at(base).base, false, false});
   return id;
 }
 
-int Trace::op(TraceOp op) {
+int MemorySimulator::op(TraceOp op) {
   for (int id : op.inputs) tensors_.at(id);
   for (int id : op.outputs) tensors_.at(id);
   ops_.push_back(std::move(op));
   return static_cast<int>(ops_.size()) - 1;
 }
 
-void Trace::segment(int first, int last, std::vector<int> inputs) {
+void MemorySimulator::segment(int first, int last, std::vector<int> inputs) {
   if (first < 0 || last < first || last >= static_cast<int>(ops_.size())) {
-    fail("plan trace: bad segment [{}, {}] of {} ops", first, last, ops_.size());
+    fail("memory simulator: bad segment [{}, {}] of {} ops", first, last, ops_.size());
   }
   segments_.push_back({first, last, std::move(inputs)});
 }
 
-TraceResult Trace::simulate(const TraceOptions& options) const {
+TraceResult MemorySimulator::simulate(const TraceOptions& options) const {
   const int n_ops = static_cast<int>(ops_.size());
   const int n_t = static_cast<int>(tensors_.size());
   std::vector<int> seg_of(n_ops, -1);
@@ -247,4 +247,4 @@ TraceResult Trace::simulate(const TraceOptions& options) const {
   return r;
 }
 
-}  // namespace shoestring::plan
+}  // namespace shoestring::nn
