@@ -11,7 +11,7 @@
 #include "shoestring/plan/measure.h"
 #include "shoestring/plan/memory_plan.h"
 #include "shoestring/train/config.h"
-#include "shoestring/train/diffusion_model.h"
+#include "shoestring/train/tiny_unet_model.h"
 
 using namespace shoestring;
 
@@ -32,7 +32,7 @@ double rel_error(int64_t predicted, int64_t measured) {
 TEST(MemoryPlan, ParameterCountMatchesTheBuiltModel) {
   for (const char* base : {"model.base_channels=32", "model.base_channels=64"}) {
     TrainConfig c = emoji_config({base});
-    DiffusionModel model(DiffusionModelOptions::from_config(c, 300));
+    TinyUNetModel model(TinyUNetModelOptions::from_config(c, 300));
     int64_t n = 0;
     for (const auto& p : model->parameters()) n += p.numel();
     EXPECT_EQ(plan::plan_memory(c, 300).parameters, n) << base;

@@ -14,7 +14,7 @@
 #include "shoestring/nn/lora.h"
 #include "shoestring/train/checkpoint_io.h"
 #include "shoestring/train/config.h"
-#include "shoestring/train/diffusion_model.h"
+#include "shoestring/train/tiny_unet_model.h"
 #include "shoestring/train/trainer.h"
 #include "train_testing.h"
 
@@ -95,8 +95,8 @@ TEST(LoraTraining, TrainsOnlyTheAdapterAndWritesAKohyaFile) {
     EXPECT_TRUE(torch::equal(at_step2[k], v)) << k;
   }
   auto file = SafetensorsFile::open(final_model);
-  auto options = DiffusionModelOptions::from_json(nlohmann::json::parse(file.metadata().at("model_config")));
-  DiffusionModel fresh(options);
+  auto options = TinyUNetModelOptions::from_json(nlohmann::json::parse(file.metadata().at("model_config")));
+  TinyUNetModel fresh(options);
   load_module(*fresh, base, base_model());
 
   // The kohya LoRA file.

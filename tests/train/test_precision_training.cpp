@@ -13,7 +13,7 @@
 #include "shoestring/io/safetensors.h"
 #include "shoestring/precision/policy.h"
 #include "shoestring/train/config.h"
-#include "shoestring/train/diffusion_model.h"
+#include "shoestring/train/tiny_unet_model.h"
 #include "shoestring/train/trainer.h"
 #include "train_testing.h"
 
@@ -157,7 +157,7 @@ TEST(PrecisionTraining, RulesInConfigRoundTripAndErrorsNameTheRule) {
 
 TEST(PrecisionTraining, ShorthandsConfigureTheModelsBlocks) {
   auto c = tiny_config("/tmp/unused", "mixed_precision = \"bf16\"\ngradient_checkpointing = true\n");
-  DiffusionModel model(DiffusionModelOptions::from_config(c, 16));
+  TinyUNetModel model(TinyUNetModelOptions::from_config(c, 16));
   auto tables = model->block_tables();
   auto policy = precision_policy(c);
   auto res = precision::resolve(*model, policy, {tables.begin(), tables.end()});

@@ -11,7 +11,7 @@
 #include "shoestring/io/safetensors.h"
 #include "shoestring/train/checkpoint_io.h"
 #include "shoestring/train/config.h"
-#include "shoestring/train/diffusion_model.h"
+#include "shoestring/train/tiny_unet_model.h"
 #include "shoestring/train/sampling.h"
 #include "shoestring/train/trainer.h"
 #include "train_testing.h"
@@ -156,9 +156,9 @@ TEST(Checkpoint, SaveLoadIsBitExact) {
   for (bool bf16 : {false, true}) {
     auto cfg = tiny_config("unused");
     torch::manual_seed(1);
-    DiffusionModel a(DiffusionModelOptions::from_config(cfg, 20));
+    TinyUNetModel a(TinyUNetModelOptions::from_config(cfg, 20));
     torch::manual_seed(2);
-    DiffusionModel b(DiffusionModelOptions::from_config(cfg, 20));
+    TinyUNetModel b(TinyUNetModelOptions::from_config(cfg, 20));
     if (bf16) {
       a->to(torch::kBFloat16);
       b->to(torch::kBFloat16);
@@ -189,7 +189,7 @@ TEST(Sampling, OutputShapeAndRange) {
   auto cfg = tiny_config("unused");
   auto tok = WordTokenizer::build({"red heart", "grinning face"}, cfg.max_caption_length);
   torch::manual_seed(0);
-  DiffusionModel model(DiffusionModelOptions::from_config(cfg, tok.vocab_size()));
+  TinyUNetModel model(TinyUNetModelOptions::from_config(cfg, tok.vocab_size()));
   // Give the zero-initialised output layer some weight so images vary.
   {
     torch::NoGradGuard ng;

@@ -12,7 +12,7 @@
 #include "shoestring/data/tokenizer.h"
 #include "shoestring/io/safetensors.h"
 #include "shoestring/train/checkpoint_io.h"
-#include "shoestring/train/diffusion_model.h"
+#include "shoestring/train/tiny_unet_model.h"
 #include "shoestring/train/sampling.h"
 
 namespace shoestring::cli {
@@ -69,9 +69,9 @@ void register_sample(CLI::App& app) {
            "in ComfyUI / A1111 as it is",
            file.path(), arch->second, arch->second);
     }
-    auto options = DiffusionModelOptions::from_json(metadata_json(file, "model_config"));
+    auto options = TinyUNetModelOptions::from_json(metadata_json(file, "model_config"));
     auto tokenizer = WordTokenizer::from_json(metadata_json(file, "tokenizer"));
-    DiffusionModel model(options);
+    TinyUNetModel model(options);
     std::map<std::string, at::Tensor> tensors;
     for (const auto& info : file.tensors()) tensors[info.name] = file.get(info.name);
     // Keep the checkpoint's storage dtype (bf16 runs sample in bf16).

@@ -131,7 +131,7 @@ TORCH_MODULE(TinyUNet);
 class CaptionEncoderImpl;
 
 /// The memory trace of the emoji model's training forward
-/// (models/tiny_unet_trace.cpp), as train/DiffusionModel runs it on one
+/// (models/tiny_unet_trace.cpp), as train/TinyUNetModel runs it on one
 /// micro-batch of `batch` images of `resolution` px: the batch (x0, noise,
 /// x_t and target fp32, t, tokens int64), `text` in its scope, then `unet` in
 /// its scope, each ResBlock, SpatialTransformer and encoder layer a block

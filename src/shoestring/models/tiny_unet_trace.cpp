@@ -1,4 +1,4 @@
-// The memory trace of the emoji model (train/diffusion_model.h: the
+// The memory trace of the emoji model (train/tiny_unet_model.h: the
 // CaptionEncoder of models/caption_encoder.h, then the TinyUNet of
 // models/tiny_unet.h) for the planner: the ops their forwards run, in order,
 // through the op vocabulary of nn/memory_trace.h, block by block over the
@@ -145,7 +145,7 @@ void trace_text_to_image(const TinyUNetImpl& unet, const CaptionEncoderImpl& tex
   Sym tokens = t.input({B, L}, 8);
   Sym mask = t.make({B, L}, 1, false);
   t.op("mask", {tokens}, {mask});
-  // DiffusionModel::forward: the encoder's scope, then the UNet's on (x_t, hidden).
+  // TinyUNetModel::forward: the encoder's scope, then the UNet's on (x_t, hidden).
   Sym context = t.block1(&text, {}, false, [&](const std::vector<Sym>&) {
     return caption_encoder(t, text, tokens, mask);
   });

@@ -45,7 +45,7 @@ namespace shoestring::nn {
 /// path (relative to the root given to KohyaNameTable / LoraNetwork) starts
 /// with `module_prefix`; that prefix is removed before naming.
 /// Examples: {"lora_unet", ""} for a bare UNet; {"lora_unet", "unet."} and
-/// {"lora_te", "text_encoder."} for shoestring's DiffusionModel;
+/// {"lora_te", "text_encoder."} for shoestring's TinyUNetModel;
 /// {"lora_unet", "model.diffusion_model."} for a model holding LDM
 /// checkpoint names; {"lora_te1", "conditioner.embedders.0.transformer."}.
 struct LoraComponent {

@@ -8,7 +8,7 @@
 #include "shoestring/models/denoiser.h"
 #include "shoestring/optim/factory.h"
 #include "shoestring/precision/policy.h"
-#include "shoestring/train/diffusion_model.h"
+#include "shoestring/train/tiny_unet_model.h"
 
 namespace shoestring::plan {
 
@@ -18,10 +18,10 @@ std::string explain_precision(const TrainConfig& c, int64_t vocab_size) {
   std::vector<nn::BlockTable*> tables;
   const auto& a = models::find_architecture(c.architecture);
   if (a.family == models::Family::tiny_unet) {
-    DiffusionModelOptions o = DiffusionModelOptions::from_config(c, vocab_size);
+    TinyUNetModelOptions o = TinyUNetModelOptions::from_config(c, vocab_size);
     o.unet.init(nn::LayerInit{torch::kMeta});
     o.text.init(nn::LayerInit{torch::kMeta});
-    DiffusionModel m(o);
+    TinyUNetModel m(o);
     tables = m->block_tables();
     model = m.ptr();
   } else {

@@ -12,7 +12,7 @@
 #include "shoestring/nn/memory_trace.h"
 #include "shoestring/optim/factory.h"
 #include "shoestring/precision/policy.h"
-#include "shoestring/train/diffusion_model.h"
+#include "shoestring/train/tiny_unet_model.h"
 #include "shoestring/train/training_model.h"
 
 namespace shoestring::plan {
@@ -48,7 +48,7 @@ int compute_elem_of(precision::Dtype d) { return d == precision::Dtype::bf16 ? 2
 struct ResolvedModel {
   std::shared_ptr<torch::nn::Module> root;    // what the rules' paths are relative to
   torch::nn::Module* denoiser = nullptr;      // the registered architecture (real architectures)
-  DiffusionModel emoji{nullptr};              // the emoji model (tiny-unet)
+  TinyUNetModel emoji{nullptr};              // the emoji model (tiny-unet)
   precision::Resolution resolution;
   // Settings of every declared block and scope, from its resolved rule and
   // the parameters directly inside it (not inside an inner block).
@@ -86,10 +86,10 @@ ResolvedModel resolve_model_uncached(const models::Architecture& arch, const Tra
   ResolvedModel r;
   std::vector<nn::BlockTable*> tables;
   if (arch.family == models::Family::tiny_unet) {
-    DiffusionModelOptions o = DiffusionModelOptions::from_config(c, vocab);
+    TinyUNetModelOptions o = TinyUNetModelOptions::from_config(c, vocab);
     o.unet.init(nn::LayerInit{torch::kMeta});
     o.text.init(nn::LayerInit{torch::kMeta});
-    r.emoji = DiffusionModel(o);
+    r.emoji = TinyUNetModel(o);
     r.root = r.emoji.ptr();
     tables = r.emoji->block_tables();
   } else {
@@ -157,7 +157,7 @@ ResolvedModel resolve_model_uncached(const models::Architecture& arch, const Tra
 std::shared_ptr<const ResolvedModel> resolve_model(const models::Architecture& arch, const TrainConfig& c,
                                                    int64_t vocab) {
   std::string key = fmt::format("{}|{}|{}|{}|", arch.name, c.tiny, c.network_module, c.attention_chunk_mib);
-  if (arch.family == models::Family::tiny_unet) key += DiffusionModelOptions::from_config(c, vocab).to_json().dump();
+  if (arch.family == models::Family::tiny_unet) key += TinyUNetModelOptions::from_config(c, vocab).to_json().dump();
   const precision::Policy policy = precision_policy(c);
   for (const auto& rule : policy.rules()) {
     key += fmt::format("|{}:{}:{}:{}:{}:{}", rule.match, rule.storage ? precision::to_string(*rule.storage) : "-",

@@ -10,7 +10,7 @@
 
 namespace shoestring {
 
-at::Tensor generate_images(DiffusionModel& model, const WordTokenizer& tokenizer,
+at::Tensor generate_images(TinyUNetModel& model, const WordTokenizer& tokenizer,
                            const SampleRequest& request) {
   if (request.prompts.empty() || request.seeds.empty()) fail("sampling: no prompts or no seeds given");
   torch::NoGradGuard no_grad;

@@ -1,4 +1,4 @@
-// Text-to-image sampling with a trained DiffusionModel: Euler integration of
+// Text-to-image sampling with a trained TinyUNetModel: Euler integration of
 // the flow-matching ODE with classifier-free guidance (see flow_matching.h),
 // and the sample grid written during training and by `shoestring sample`.
 #pragma once
@@ -7,7 +7,7 @@
 
 #include <ATen/ATen.h>
 
-#include "shoestring/train/diffusion_model.h"
+#include "shoestring/train/tiny_unet_model.h"
 
 namespace shoestring {
 
@@ -27,7 +27,7 @@ struct SampleRequest {
 /// The model is put in eval mode for the duration and restored after; runs
 /// under no-grad; does not touch libtorch's global RNG (noise comes from a
 /// generator per seed). Throws shoestring::Error for an empty request.
-at::Tensor generate_images(DiffusionModel& model, const WordTokenizer& tokenizer,
+at::Tensor generate_images(TinyUNetModel& model, const WordTokenizer& tokenizer,
                            const SampleRequest& request);
 
 /// Writes a grid (rows = prompts, columns = seeds) with each prompt printed

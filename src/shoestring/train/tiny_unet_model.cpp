@@ -1,13 +1,30 @@
-#include "shoestring/train/diffusion_model.h"
+// The tiny-unet family (models::Family::tiny_unet): the emoji example's
+// TinyUNetModel (caption encoder + small UNet, trained together) and its
+// TrainingModel, on the flow-matching objective in pixel space with the
+// WordTokenizer built from the captions.
+#include "shoestring/train/tiny_unet_model.h"
+
+#include <filesystem>
+
+#include <torch/torch.h>
 
 #include "shoestring/core/error.h"
+#include "shoestring/core/memory_ledger.h"
+#include "shoestring/data/dataset.h"
+#include "shoestring/data/tokenizer.h"
+#include "shoestring/io/safetensors.h"
 #include "shoestring/models/architecture.h"
+#include "shoestring/precision/save_guard.h"
+#include "shoestring/train/checkpoint_io.h"
 #include "shoestring/train/config.h"
+#include "shoestring/train/flow_matching.h"
+#include "shoestring/train/training_model.h"
+#include "shoestring/train/training_model_impl.h"
 
 namespace shoestring {
 
-DiffusionModelOptions DiffusionModelOptions::from_config(const TrainConfig& c, int64_t vocab_size) {
-  DiffusionModelOptions o;
+TinyUNetModelOptions TinyUNetModelOptions::from_config(const TrainConfig& c, int64_t vocab_size) {
+  TinyUNetModelOptions o;
   o.unet.base_channels(c.base_channels);
   o.unet.channel_mult(c.channel_mult);
   o.unet.num_res_blocks(c.num_res_blocks);
@@ -25,7 +42,7 @@ DiffusionModelOptions DiffusionModelOptions::from_config(const TrainConfig& c, i
   return o;
 }
 
-nlohmann::json DiffusionModelOptions::to_json() const {
+nlohmann::json TinyUNetModelOptions::to_json() const {
   return {
       {"architecture", models::kTinyUNet},
       {"resolution", resolution},
@@ -65,9 +82,9 @@ T field(const nlohmann::json& obj, const std::string& section, const char* key) 
 }
 }  // namespace
 
-DiffusionModelOptions DiffusionModelOptions::from_json(const nlohmann::json& j) {
+TinyUNetModelOptions TinyUNetModelOptions::from_json(const nlohmann::json& j) {
   if (!j.is_object()) fail("model_config: expected a JSON object");
-  DiffusionModelOptions o;
+  TinyUNetModelOptions o;
   o.resolution = field<int64_t>(j, "", "resolution");
   const nlohmann::json& u = j.contains("unet") ? j.at("unet") : nlohmann::json();
   const nlohmann::json& t = j.contains("text") ? j.at("text") : nlohmann::json();
@@ -93,7 +110,7 @@ DiffusionModelOptions DiffusionModelOptions::from_json(const nlohmann::json& j) 
   return o;
 }
 
-DiffusionModelImpl::DiffusionModelImpl(const DiffusionModelOptions& options) : options_(options) {
+TinyUNetModelImpl::TinyUNetModelImpl(const TinyUNetModelOptions& options) : options_(options) {
   unet = register_module("unet", models::TinyUNet(options.unet));
   text_encoder = register_module("text_encoder", models::CaptionEncoder(options.text));
   // Whole-model scopes: they carry a compute dtype, never a checkpoint.
@@ -101,7 +118,7 @@ DiffusionModelImpl::DiffusionModelImpl(const DiffusionModelOptions& options) : o
   scopes_->declare(text_encoder.get(), /*checkpointable=*/false);
 }
 
-at::Tensor DiffusionModelImpl::forward(const at::Tensor& x_t, const at::Tensor& t,
+at::Tensor TinyUNetModelImpl::forward(const at::Tensor& x_t, const at::Tensor& t,
                                        const at::Tensor& tokens) {
   if (!scopes_->configured()) {
     auto text = text_encoder->forward(tokens);
@@ -124,6 +141,97 @@ at::Tensor DiffusionModelImpl::forward(const at::Tensor& x_t, const at::Tensor& 
         return std::vector<at::Tensor>{u->forward(in[0], t, in[1], mask)};
       },
       {x_t, text[0]})[0];
+}
+
+}  // namespace shoestring
+
+namespace shoestring {
+namespace fs = std::filesystem;
+
+namespace {
+
+class TinyUNetTrainingModel final : public TrainingModel {
+ public:
+  TinyUNetTrainingModel(const TrainConfig& config, const ImageCaptionDataset& dataset, const ModelSource& source)
+      : config_(config), dataset_(dataset) {
+    // A fine-tune or resume takes the tokenizer saved with the weights.
+    const std::string file = !source.resume_dir.empty()
+                                 ? (fs::path(source.resume_dir) / "model.safetensors").string()
+                                 : source.pretrained;
+    if (!file.empty()) {
+      auto meta = SafetensorsFile::open(file).metadata();
+      auto it = meta.find("tokenizer");
+      if (it == meta.end()) {
+        fail("{}: missing 'tokenizer' metadata (model.architecture = \"tiny-unet\" starts from a shoestring "
+             "model.safetensors; for a released checkpoint set model.architecture)",
+             file);
+      }
+      tokenizer_ = WordTokenizer::from_json(nlohmann::json::parse(it->second));
+    } else {
+      tokenizer_ = WordTokenizer::build(dataset.captions(), config.max_caption_length);
+    }
+    ScopedMemoryCategory category(MemoryCategory::weights);
+    model_ = TinyUNetModel(TinyUNetModelOptions::from_config(config, tokenizer_.vocab_size()));
+    if (!source.pretrained.empty()) load_module(*model_, load_safetensors(source.pretrained), source.pretrained);
+  }
+
+  torch::nn::Module& module() override { return *model_; }
+  std::vector<nn::BlockTable*> block_tables() override { return model_->block_tables(); }
+  std::vector<nn::LoraComponent> lora_components(bool unet_only) const override {
+    std::vector<nn::LoraComponent> c = {{"lora_unet", "unet."}};
+    if (!unet_only) c.push_back({"lora_te", "text_encoder."});
+    return c;
+  }
+
+  TrainBatch prepare(const std::vector<int64_t>& idx) override {
+    at::Tensor x0 = dataset_.batch_images(idx);
+    std::vector<std::string> captions = dataset_.batch_captions(idx);
+    at::Tensor drop = torch::rand({static_cast<int64_t>(captions.size())});
+    for (size_t i = 0; i < captions.size(); ++i) {
+      if (drop[static_cast<int64_t>(i)].item<double>() < config_.caption_dropout_rate) captions[i].clear();
+    }
+    at::Tensor tokens = tokenizer_.encode_batch(captions);
+    at::Tensor eps = torch::randn_like(x0);
+    at::Tensor t = sample_flow_times(x0.size(0), config_.timestep_sampling, config_.logit_mean, config_.logit_std);
+    return {{flow_interpolate(x0, eps, t), t, tokens}, flow_target(x0, eps)};
+  }
+
+  at::Tensor forward(const TrainBatch& b) override { return model_->forward(b.inputs[0], b.inputs[1], b.inputs[2]); }
+
+  at::Tensor sample(const SampleRequest& request) override { return generate_images(model_, tokenizer_, request); }
+
+  std::map<std::string, std::string> metadata(int64_t step) const override {
+    return {{"format", "shoestring"},
+            {"architecture", models::kTinyUNet},
+            {"model_config", model_->options().to_json().dump()},
+            {"tokenizer", tokenizer_.to_json().dump()},
+            {"step", std::to_string(step)},
+            {"config_hash", config_hash(config_)},
+            {"objective", "flow_matching"},
+            {"dtype", config_.full_bf16 ? "bf16" : config_.full_fp16 ? "fp16" : "fp32"}};
+  }
+
+  void save_final(const std::string& path, int64_t step, bool storage_dtype) override {
+    TrainConfig c = config_;
+    if (storage_dtype) c.save_precision = "auto";
+    save_module_tensors(path, module_tensors(*model_), metadata(step), c);
+  }
+
+  int64_t plan_vocab_size() const override { return tokenizer_.vocab_size(); }
+
+ private:
+  TrainConfig config_;
+  const ImageCaptionDataset& dataset_;
+  WordTokenizer tokenizer_ = WordTokenizer::build({}, 2);
+  TinyUNetModel model_{nullptr};
+};
+
+}  // namespace
+
+std::unique_ptr<TrainingModel> make_tiny_unet_training_model(const TrainConfig& config,
+                                                         const ImageCaptionDataset& dataset,
+                                                         const ModelSource& source) {
+  return std::make_unique<TinyUNetTrainingModel>(config, dataset, source);
 }
 
 }  // namespace shoestring

@@ -14,17 +14,17 @@ namespace shoestring {
 
 struct TrainConfig;
 
-/// Architecture hyper-parameters of DiffusionModel; stored as JSON in every
+/// Architecture hyper-parameters of TinyUNetModel; stored as JSON in every
 /// checkpoint's metadata ("model_config") so `shoestring sample` can rebuild it.
-struct DiffusionModelOptions {
+struct TinyUNetModelOptions {
   models::TinyUNetOptions unet;
   models::CaptionEncoderOptions text{1};
   int64_t resolution = 32;  ///< pixels the model was trained at
 
-  static DiffusionModelOptions from_config(const TrainConfig& config, int64_t vocab_size);
+  static TinyUNetModelOptions from_config(const TrainConfig& config, int64_t vocab_size);
   nlohmann::json to_json() const;
   /// Throws shoestring::Error naming the missing or mistyped field.
-  static DiffusionModelOptions from_json(const nlohmann::json& j);
+  static TinyUNetModelOptions from_json(const nlohmann::json& j);
 };
 
 /// UNet + caption encoder. forward(x_t [B,3,H,W], t [B] float32 in [0,1],
@@ -36,11 +36,11 @@ struct DiffusionModelOptions {
 /// ResBlock / SpatialTransformer / encoder layer is a block with its own, and
 /// the velocity comes back in the unet scope's compute dtype (fp32 holding
 /// fp16 values when fp16 is emulated).
-class DiffusionModelImpl : public torch::nn::Module {
+class TinyUNetModelImpl : public torch::nn::Module {
  public:
-  explicit DiffusionModelImpl(const DiffusionModelOptions& options);
+  explicit TinyUNetModelImpl(const TinyUNetModelOptions& options);
   at::Tensor forward(const at::Tensor& x_t, const at::Tensor& t, const at::Tensor& tokens);
-  const DiffusionModelOptions& options() const { return options_; }
+  const TinyUNetModelOptions& options() const { return options_; }
   /// Every block table of the model: the two scopes, then the UNet's and the
   /// encoder's blocks (for precision::resolve / apply / OverflowMonitor).
   std::vector<nn::BlockTable*> block_tables() const {
@@ -50,9 +50,9 @@ class DiffusionModelImpl : public torch::nn::Module {
   models::CaptionEncoder text_encoder{nullptr};
 
  private:
-  DiffusionModelOptions options_;
+  TinyUNetModelOptions options_;
   std::shared_ptr<nn::BlockTable> scopes_ = std::make_shared<nn::BlockTable>();
 };
-TORCH_MODULE(DiffusionModel);
+TORCH_MODULE(TinyUNetModel);
 
 }  // namespace shoestring

@@ -43,7 +43,7 @@ void check_training_config(const TrainConfig& config) {
 std::unique_ptr<TrainingModel> make_training_model(const TrainConfig& config, const ImageCaptionDataset& dataset,
                                                    const ModelSource& source) {
   switch (models::find_architecture(config.architecture).family) {
-    case models::Family::tiny_unet: return make_emoji_training_model(config, dataset, source);
+    case models::Family::tiny_unet: return make_tiny_unet_training_model(config, dataset, source);
     case models::Family::ldm_unet: return make_ldm_training_model(config, dataset, source);
     default: break;
   }

@@ -9,7 +9,7 @@
 //
 // Two families exist (make_training_model picks by the registry family of
 // `model.architecture`, models/architecture.h):
-//  - tiny-unet (Family::tiny_unet): the emoji example (train/diffusion_model.h): a caption
+//  - tiny-unet (Family::tiny_unet): the emoji example (train/tiny_unet_model.h): a caption
 //    encoder trained jointly with a small UNet, flow matching in pixel space.
 //  - the released LDM UNets (Family::ldm_unet: sd15, sdxl, ssd1b; train/ldm_model.cpp): images
 //    are encoded to VAE latents and captions to CLIP text embeddings once,
