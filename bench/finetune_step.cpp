@@ -79,8 +79,8 @@ int main(int argc, char** argv) {
   app.add_option("--threads", threads, "intra-op threads (0 = every allowed CPU)");
   CLI11_PARSE(app, argc, argv);
   if (resolution == 0) resolution = arch == "sd15" ? 512 : 1024;
-  const fs::path dir = keep.empty() ? fs::temp_directory_path() / fmt::format("shoestring_finetune_{}", ::getpid())
-                                    : fs::path(keep);
+  const fs::path dir =
+      keep.empty() ? fs::temp_directory_path() / fmt::format("shoestring_finetune_{}", ::getpid()) : fs::path(keep);
   try {
     fs::create_directories(dir);
     const std::string ckpt = (dir / (arch + "_random.safetensors")).string();
@@ -109,8 +109,8 @@ int main(int argc, char** argv) {
         "sample_steps = 2\n"
         "{}"
         "[model]\narchitecture = \"{}\"\n",
-        ckpt, SHOESTRING_BENCH_SOURCE_DIR "/tests/data", SHOESTRING_BENCH_SOURCE_DIR "/tests/data", (dir / "run").string(), resolution, steps,
-        lora ? "AdamW8bit" : "Adafactor", lora ? "false" : "true", threads,
+        ckpt, SHOESTRING_BENCH_SOURCE_DIR "/tests/data", SHOESTRING_BENCH_SOURCE_DIR "/tests/data",
+        (dir / "run").string(), resolution, steps, lora ? "AdamW8bit" : "Adafactor", lora ? "false" : "true", threads,
         lora ? "network_module = \"networks.lora\"\nnetwork_dim = 16\nnetwork_alpha = 8\n" : "", arch);
     TrainConfig config = parse_config(text, "finetune_step.toml", sets);
     TrainRunOptions options;

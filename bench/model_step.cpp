@@ -92,8 +92,9 @@ int main(int argc, char** argv) {
     } else {
       std::printf("%s at %lld px, batch %lld, %s, %s, %s%s, checkpointing %s: %.2f s/step (loss %.4f)\n",
                   j["arch"].get<std::string>().c_str(), static_cast<long long>(o.resolution),
-                  static_cast<long long>(o.batch), (r.parameters >= 100000000 ? fmt::format("{:.3f}B params", r.parameters / 1e9)
-                                              : fmt::format("{:.3f}M params", r.parameters / 1e6))
+                  static_cast<long long>(o.batch),
+                  (r.parameters >= 100000000 ? fmt::format("{:.3f}B params", r.parameters / 1e9)
+                                             : fmt::format("{:.3f}M params", r.parameters / 1e6))
                       .c_str(),
                   o.bf16 ? "bf16 + SR" : "fp32", o.optimizer.c_str(), o.fused ? " fused" : "",
                   o.checkpointing ? "on" : "off", r.seconds_per_step, r.loss);

@@ -253,8 +253,7 @@ struct Config {
 bool available(Algo a) {
   switch (a) {
     case Algo::adamw:
-    case Algo::lion_kernel:
-      return true;
+    case Algo::lion_kernel: return true;
     case Algo::adamw8bit:
 #ifdef SHOESTRING_BENCH_HAS_ADAMW8BIT
       return true;
@@ -283,8 +282,7 @@ std::unique_ptr<Optimizer> make_optimizer(const Config& c, std::vector<OptimPara
   o.seed = 1234;
   o.state_dtype = c.state_dtype;
   switch (c.algo) {
-    case Algo::adamw:
-      return std::make_unique<AdamW>(std::move(params), AdamWOptions{}, o);
+    case Algo::adamw: return std::make_unique<AdamW>(std::move(params), AdamWOptions{}, o);
     case Algo::adamw8bit:
 #ifdef SHOESTRING_BENCH_HAS_ADAMW8BIT
       return std::make_unique<AdamW8bit>(std::move(params), AdamW8bitOptions{}, o);
@@ -308,8 +306,7 @@ std::unique_ptr<Optimizer> make_optimizer(const Config& c, std::vector<OptimPara
 #else
       break;
 #endif
-    case Algo::lion_kernel:
-      return std::make_unique<LionKernelProbe>(std::move(params), o);
+    case Algo::lion_kernel: return std::make_unique<LionKernelProbe>(std::move(params), o);
   }
   fail("optimizer_memory: optimizer for '{}' is not built", c.name);
 }
@@ -483,8 +480,7 @@ int main(int argc, char** argv) {
   int64_t threads = 0;
   std::string only;
   bool json = false;
-  app.add_option("--params", target, "approximate number of parameters (default 100e6)")
-      ->check(CLI::Range(1e4, 3e9));
+  app.add_option("--params", target, "approximate number of parameters (default 100e6)")->check(CLI::Range(1e4, 3e9));
   app.add_option("--steps", steps, "timed optimizer steps per configuration (median)")->check(CLI::Range(1, 1000));
   app.add_option("--threads", threads, "intra-op threads (0 = every allowed CPU)");
   app.add_option("--only", only, "run only configurations whose name contains this text");
@@ -504,8 +500,8 @@ int main(int argc, char** argv) {
           "SDXL-UNet-shaped parameter set: model_channels {} (SDXL: 320), {} tensors, {} parameters\n"
           "  conv {:.1f}%, linear {:.1f}%, norm {:.2f}%, bias {:.2f}%\n"
           "  threads {}, load average {:.2f} at start\n",
-          c0, specs.size(), total, 100.0 * by_kind[0] / total, 100.0 * by_kind[1] / total,
-          100.0 * by_kind[2] / total, 100.0 * by_kind[3] / total, at::get_num_threads(), load_before);
+          c0, specs.size(), total, 100.0 * by_kind[0] / total, 100.0 * by_kind[1] / total, 100.0 * by_kind[2] / total,
+          100.0 * by_kind[3] / total, at::get_num_threads(), load_before);
     }
     const std::vector<Config> configs = {
         {"fp32 AdamW", Algo::adamw, at::kFloat, at::kFloat, false},
@@ -541,13 +537,12 @@ int main(int argc, char** argv) {
                                    r["skipped"].get<std::string>());
           continue;
         }
-        std::cout << fmt::format("{:<31} {:>9.3f} {:>7.3f} {:>7.3f} {:>7.3f} {:>9.1f} {:>8.2f} {:>8.2f} {:>7.2f}\n",
-                                 r["config"].get<std::string>(), r["bytes_per_param"].get<double>(),
-                                 r["weights_bytes_per_param"].get<double>(),
-                                 r["gradients_bytes_per_param"].get<double>(),
-                                 r["optimizer_state_bytes_per_param"].get<double>(),
-                                 1e3 * r["step_seconds"].get<double>(), r["step_gbps"].get<double>(),
-                                 r["memcpy_gbps"].get<double>(), r["memcpy_ratio"].get<double>());
+        std::cout << fmt::format(
+            "{:<31} {:>9.3f} {:>7.3f} {:>7.3f} {:>7.3f} {:>9.1f} {:>8.2f} {:>8.2f} {:>7.2f}\n",
+            r["config"].get<std::string>(), r["bytes_per_param"].get<double>(),
+            r["weights_bytes_per_param"].get<double>(), r["gradients_bytes_per_param"].get<double>(),
+            r["optimizer_state_bytes_per_param"].get<double>(), 1e3 * r["step_seconds"].get<double>(),
+            r["step_gbps"].get<double>(), r["memcpy_gbps"].get<double>(), r["memcpy_ratio"].get<double>());
       }
       std::cout << fmt::format(
           "\nB/param: ledger peak of weights + gradients + optimizer state during a step, per parameter.\n"

@@ -113,10 +113,11 @@ int main(int argc, char** argv) {
         if (r.ckpt) {
           const int64_t off = act_peak[fmt::format("{} b{} {}px", r.opt, r.batch, r.res)];
           const int64_t on = m.steps[1].peak_per_category[static_cast<int>(MemoryCategory::activations)];
-          fmt::print("    gradient checkpointing: activations peak {:.1f} -> {:.1f} MiB (measured saving {:.1f} MiB, "
-                     "{:.0f}%; planned saving {:.1f} MiB)\n",
-                     mib(off), mib(on), mib(off - on), 100.0 * (off - on) / std::max<int64_t>(1, off),
-                     mib(p.checkpointing_saving_bytes));
+          fmt::print(
+              "    gradient checkpointing: activations peak {:.1f} -> {:.1f} MiB (measured saving {:.1f} MiB, "
+              "{:.0f}%; planned saving {:.1f} MiB)\n",
+              mib(off), mib(on), mib(off - on), 100.0 * (off - on) / std::max<int64_t>(1, off),
+              mib(p.checkpointing_saving_bytes));
         }
       }
     }

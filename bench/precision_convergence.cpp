@@ -63,13 +63,27 @@ int main(int argc, char** argv) {
       if (!only.empty() && only != s.name) continue;
       std::string out = (fs::temp_directory_path() / ("shoestring_conv_" + std::to_string(::getpid()))).string();
       fs::remove_all(out);
-      std::vector<std::string> sets = {
-          "train_data_dir=\"" + data + "\"", "resolution=16", "train_batch_size=16",
-          "max_train_steps=" + std::to_string(steps), "learning_rate=2e-4", "lr_scheduler=\"constant_with_warmup\"",
-          "lr_warmup_steps=10", "ema_decay=0", "save_every_n_steps=0", "sample_every_n_steps=0",
-          "sample_seeds=1", "sample_steps=2", "sample_prompts=[\"x\"]", "seed=7", "output_dir=\"" + out + "\"",
-          "model.base_channels=32", "model.channel_mult=[1,2]", "model.num_res_blocks=1",
-          "model.attention_levels=[1]", "model.text_dim=128", "model.text_layers=1"};
+      std::vector<std::string> sets = {"train_data_dir=\"" + data + "\"",
+                                       "resolution=16",
+                                       "train_batch_size=16",
+                                       "max_train_steps=" + std::to_string(steps),
+                                       "learning_rate=2e-4",
+                                       "lr_scheduler=\"constant_with_warmup\"",
+                                       "lr_warmup_steps=10",
+                                       "ema_decay=0",
+                                       "save_every_n_steps=0",
+                                       "sample_every_n_steps=0",
+                                       "sample_seeds=1",
+                                       "sample_steps=2",
+                                       "sample_prompts=[\"x\"]",
+                                       "seed=7",
+                                       "output_dir=\"" + out + "\"",
+                                       "model.base_channels=32",
+                                       "model.channel_mult=[1,2]",
+                                       "model.num_res_blocks=1",
+                                       "model.attention_levels=[1]",
+                                       "model.text_dim=128",
+                                       "model.text_layers=1"};
       sets.insert(sets.end(), s.sets.begin(), s.sets.end());
       sets.insert(sets.end(), extra.begin(), extra.end());
       auto cfg = shoestring::load_config(source + "/examples/emoji.toml", sets);

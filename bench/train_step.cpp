@@ -65,8 +65,8 @@ int main(int argc, char** argv) {
       std::cout << r.dump() << "\n";
     } else {
       std::cout << fmt::format("{}: {} steps of {} images at {} px\n", config, steps, images, cfg.resolution)
-                << fmt::format("  {:.3f} s/step, {:.1f} images/s (steps 2..{})\n", s_per_step,
-                               images / s_per_step, steps)
+                << fmt::format("  {:.3f} s/step, {:.1f} images/s (steps 2..{})\n", s_per_step, images / s_per_step,
+                               steps)
                 << fmt::format("  loss {:.4f} (step 1) -> {:.4f} (step {})\n", losses.front(), losses.back(), steps)
                 << "  peak memory by category:\n";
       for (auto& [k, v] : summary.peak_memory.items()) {

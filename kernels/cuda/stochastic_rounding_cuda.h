@@ -18,12 +18,12 @@ namespace cuda {
 /// (nullptr = default stream); the launch is asynchronous.
 /// Returns the cudaError_t of the launch as an int (0 = cudaSuccess); n <= 0
 /// launches nothing and returns 0.
-int stochastic_round_bf16(const float* src, uint16_t* dst, int64_t n, uint64_t seed, uint64_t step,
-                          uint64_t tensor_id, int64_t element_offset, void* stream);
+int stochastic_round_bf16(const float* src, uint16_t* dst, int64_t n, uint64_t seed, uint64_t step, uint64_t tensor_id,
+                          int64_t element_offset, void* stream);
 
 /// As stochastic_round_bf16, to IEEE fp16 bit patterns (uint16).
-int stochastic_round_fp16(const float* src, uint16_t* dst, int64_t n, uint64_t seed, uint64_t step,
-                          uint64_t tensor_id, int64_t element_offset, void* stream);
+int stochastic_round_fp16(const float* src, uint16_t* dst, int64_t n, uint64_t seed, uint64_t step, uint64_t tensor_id,
+                          int64_t element_offset, void* stream);
 
 }  // namespace cuda
 }  // namespace shoestring

@@ -2,9 +2,9 @@
 // errors bad command lines and files must produce.
 #include <gtest/gtest.h>
 
-#include "run_cli.h"
 #include <sys/wait.h>
 #include <unistd.h>
+#include "run_cli.h"
 
 #include <array>
 #include <cstdio>
@@ -58,7 +58,8 @@ TEST(Cli, TrainSampleInspectFlow) {
   EXPECT_NE(r.output.find("step 5/5"), std::string::npos) << r.output;
 
   std::string png = temp_path("grid") + ".png";
-  Result s = run("sample " + out + "/model.safetensors --prompt \"red heart\" --prompt sun --steps 2 --count 2 --out " + png);
+  Result s =
+      run("sample " + out + "/model.safetensors --prompt \"red heart\" --prompt sun --steps 2 --count 2 --out " + png);
   ASSERT_EQ(s.code, 0) << s.output;
   EXPECT_TRUE(fs::exists(png));
 
@@ -89,7 +90,8 @@ TEST(Cli, BadInputsGiveClearErrors) {
   Result bad_value = run("train " + bad_cfg);
   EXPECT_EQ(bad_value.code, 1);
   EXPECT_NE(bad_value.output.find("learning_rate"), std::string::npos) << bad_value.output;
-  EXPECT_NE(bad_value.output.find(".toml:9: invalid value \"fast\" for 'learning_rate'"), std::string::npos) << bad_value.output;  // file:line
+  EXPECT_NE(bad_value.output.find(".toml:9: invalid value \"fast\" for 'learning_rate'"), std::string::npos)
+      << bad_value.output;  // file:line
 
   Result unwritable = run("train " + cfg + " --output-dir /proc/nope");
   EXPECT_EQ(unwritable.code, 1);

@@ -4,9 +4,9 @@
 // errors a user meets.
 #include <gtest/gtest.h>
 
-#include "run_cli.h"
 #include <sys/wait.h>
 #include <unistd.h>
+#include "run_cli.h"
 
 #include <array>
 #include <cstdio>
@@ -29,9 +29,8 @@ Result run(const std::string& args) { return shoestring::testing::run_cli(args);
 struct Dir {
   fs::path path;
   Dir() {
-    path = fs::temp_directory_path() /
-           ("shoestring_convert_" + std::to_string(::getpid()) + "_" +
-            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    path = fs::temp_directory_path() / ("shoestring_convert_" + std::to_string(::getpid()) + "_" +
+                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
     fs::remove_all(path);
     fs::create_directories(path);
   }

@@ -121,10 +121,8 @@ TEST_F(MemoryLedgerTest, PeakBreakdownIsTheSnapshotAtTheTotalPeak) {
   EXPECT_EQ(j.at("peak_bytes").get<int64_t>(), peak);
   EXPECT_EQ(j.at("current_bytes").get<int64_t>(), ledger().current_total());
   EXPECT_EQ(j.at("peak").at("gradients").get<int64_t>(), base[int(Cat::gradients)] + 8192);
-  EXPECT_EQ(j.at("current").at("activations").get<int64_t>(),
-            ledger().current_bytes(Cat::activations));
-  EXPECT_EQ(j.at("peak_per_category").at("activations").get<int64_t>(),
-            base[int(Cat::activations)] + 2048);
+  EXPECT_EQ(j.at("current").at("activations").get<int64_t>(), ledger().current_bytes(Cat::activations));
+  EXPECT_EQ(j.at("peak_per_category").at("activations").get<int64_t>(), base[int(Cat::activations)] + 2048);
   EXPECT_EQ(j.at("current").size(), static_cast<size_t>(kNumMemoryCategories));
 }
 

@@ -36,9 +36,7 @@ uint32_t to_bits(float f) {
 
 float bf16_to_float(uint16_t bits) { return from_bits(static_cast<uint32_t>(bits) << 16); }
 
-float half_to_float(uint16_t bits) {
-  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
-}
+float half_to_float(uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); }
 
 // Counts, over all 65536 values of the random word, how often SR(bits) is
 // each result.
@@ -52,9 +50,8 @@ std::map<uint16_t, int> bf16_outcomes(uint32_t bits) {
 
 TEST(CounterRng, MatchesPublishedSplitMix64Outputs) {
   // SplitMix64 seeded with 1234567: Rosetta Code reference values.
-  const uint64_t expected[] = {6457827717110365317ull, 3203168211198807973ull,
-                               9817491932198370423ull, 4593380528125082431ull,
-                               16408922859458223821ull};
+  const uint64_t expected[] = {6457827717110365317ull, 3203168211198807973ull, 9817491932198370423ull,
+                               4593380528125082431ull, 16408922859458223821ull};
   for (uint64_t i = 0; i < 5; ++i) EXPECT_EQ(counter_random64(1234567, i), expected[i]) << i;
 }
 
@@ -133,8 +130,7 @@ TEST(StochasticRoundingBf16, ExactValuesInfAndZerosUnchanged) {
 }
 
 TEST(StochasticRoundingBf16, NanStaysNanWithItsSign) {
-  const uint32_t nans[] = {0x7F800001u, 0x7F80FFFFu, 0x7FC00000u, 0x7FFFFFFFu,
-                           0xFF800001u, 0xFFC00000u, 0xFFFFFFFFu};
+  const uint32_t nans[] = {0x7F800001u, 0x7F80FFFFu, 0x7FC00000u, 0x7FFFFFFFu, 0xFF800001u, 0xFFC00000u, 0xFFFFFFFFu};
   for (uint32_t bits : nans) {
     for (uint32_t r : {0u, 0x7FFFu, 0xFFFFu}) {
       const uint16_t out = sr_bf16_from_fp32_bits(bits, r);
@@ -142,8 +138,7 @@ TEST(StochasticRoundingBf16, NanStaysNanWithItsSign) {
       EXPECT_EQ(out & 0x8000u, (bits >> 16) & 0x8000u) << std::hex << bits;
     }
   }
-  EXPECT_TRUE(std::isnan(bf16_to_float(
-      stochastic_round_bf16_bits(std::numeric_limits<float>::quiet_NaN(), 0xFFFF))));
+  EXPECT_TRUE(std::isnan(bf16_to_float(stochastic_round_bf16_bits(std::numeric_limits<float>::quiet_NaN(), 0xFFFF))));
 }
 
 TEST(StochasticRoundingBf16, NearFltMaxRoundsToInfWithItsProbability) {
@@ -181,9 +176,8 @@ std::pair<float, float> half_neighbours(float x) {
 
 TEST(StochasticRoundingFp16, ResultIsOneOfTorchsTwoNeighbours) {
   std::mt19937 gen(7);
-  std::vector<float> xs = {1.0f, 1.0001f, -1.0001f, 0.1f, -0.3f, 3.14159f, 1000.7f, 65000.5f,
-                           65504.0f, 6.1e-5f, 6.0e-5f, 3.3e-6f, -3.3e-6f, 1e-7f, 2e-8f,
-                           5.96e-8f, 1e-30f, 0.0f, -0.0f};
+  std::vector<float> xs = {1.0f,    1.0001f, -1.0001f, 0.1f,  -0.3f, 3.14159f, 1000.7f, 65000.5f, 65504.0f, 6.1e-5f,
+                           6.0e-5f, 3.3e-6f, -3.3e-6f, 1e-7f, 2e-8f, 5.96e-8f, 1e-30f,  0.0f,     -0.0f};
   std::uniform_real_distribution<float> expo(-27.0f, 15.9f);
   for (int i = 0; i < 300; ++i) {
     const float m = std::ldexp(1.0f, static_cast<int>(std::floor(expo(gen))));
@@ -195,8 +189,8 @@ TEST(StochasticRoundingFp16, ResultIsOneOfTorchsTwoNeighbours) {
     ASSERT_GE(hi, x);
     for (uint32_t r : {0u, 1u, 0x1FFFu, 0x800u, 0xFFFFF800u, 0xFFFFFFFFu, 0x9E3779B9u}) {
       const float y = half_to_float(stochastic_round_fp16_bits(x, r));
-      EXPECT_TRUE(y == lo || y == hi) << "x=" << x << " r=" << r << " got " << y << " not in ["
-                                      << lo << ", " << hi << "]";
+      EXPECT_TRUE(y == lo || y == hi) << "x=" << x << " r=" << r << " got " << y << " not in [" << lo << ", " << hi
+                                      << "]";
     }
   }
 }
@@ -206,8 +200,7 @@ TEST(StochasticRoundingFp16, ExactProbabilitiesNormal) {
   const float xs[] = {1.0001f, -2.7182817f, 0.33333334f, 1000.7f, 6.2e-5f};
   for (float x : xs) {
     const auto [lo, hi] = half_neighbours(x);
-    const double p_up = (std::fabs(static_cast<double>(x)) - std::fabs(static_cast<double>(
-                                                                 x > 0 ? lo : hi))) /
+    const double p_up = (std::fabs(static_cast<double>(x)) - std::fabs(static_cast<double>(x > 0 ? lo : hi))) /
                         (static_cast<double>(hi) - static_cast<double>(lo));
     int up = 0;
     for (uint32_t r = 0; r < 8192; ++r) {
@@ -287,9 +280,8 @@ TEST(StochasticRoundingTensor, UnbiasedOverAMillionDraws) {
     float x;
     torch::ScalarType dtype;
   };
-  const Case cases[] = {{1.001953125f, torch::kBFloat16}, {0.1f, torch::kBFloat16},
-                        {-3.3f, torch::kBFloat16},        {1e-20f, torch::kBFloat16},
-                        {1.0001f, torch::kHalf},          {-0.3f, torch::kHalf},
+  const Case cases[] = {{1.001953125f, torch::kBFloat16}, {0.1f, torch::kBFloat16}, {-3.3f, torch::kBFloat16},
+                        {1e-20f, torch::kBFloat16},       {1.0001f, torch::kHalf},  {-0.3f, torch::kHalf},
                         {3.3e-6f, torch::kHalf},          {2e-8f, torch::kHalf}};
   const int64_t n = 1 << 20;
   uint64_t id = 0;

@@ -105,8 +105,9 @@ TEST(ClipTokenizer, CleansWhitespaceCaseAndHtml) {
   EXPECT_EQ(tok().encode("cat &amp; dog"), (Ids{519, 261, 524}));
   EXPECT_EQ(ClipTokenizer::clean_text("  A&amp;amp;B\xC2\xA0\xE3\x80\x80 &#65;&#x42; &bogus;  "),
             "a&b ab &bogus;");  // entities twice (so &amp;amp; -> &), NBSP and ideographic space collapse
-  EXPECT_EQ(ClipTokenizer::clean_text("\xC3\x89T\xC3\x89 \xCE\xA3\xCE\x9F\xCE\xA6\xCE\x99\xCE\x91 \xD0\x9C\xD0\x98\xD0\xA0"),
-            "\xC3\xA9t\xC3\xA9 \xCF\x83\xCE\xBF\xCF\x86\xCE\xB9\xCE\xB1 \xD0\xBC\xD0\xB8\xD1\x80");  // été σοφια мир
+  EXPECT_EQ(
+      ClipTokenizer::clean_text("\xC3\x89T\xC3\x89 \xCE\xA3\xCE\x9F\xCE\xA6\xCE\x99\xCE\x91 \xD0\x9C\xD0\x98\xD0\xA0"),
+      "\xC3\xA9t\xC3\xA9 \xCF\x83\xCE\xBF\xCF\x86\xCE\xB9\xCE\xB1 \xD0\xBC\xD0\xB8\xD1\x80");  // été σοφια мир
 }
 
 // "café" = c a f 0xC3 0xA9: é is a letter, so one word. Byte 0xC3 -> "Ã"

@@ -32,8 +32,8 @@ struct TempDir {
   fs::path path;
   TempDir() {
     static int counter = 0;
-    path = fs::temp_directory_path() / ("shoestring_test_dataset_" + std::to_string(::getpid()) +
-                                        "_" + std::to_string(counter++));
+    path = fs::temp_directory_path() /
+           ("shoestring_test_dataset_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
     fs::remove_all(path);
     fs::create_directories(path);
   }
@@ -101,11 +101,8 @@ TEST(TwemojiDataset, LoadsFixtureWithCaptionsFromEmojiJson) {
   }
   // The examples given in the design brief.
   const auto& caps = ds.captions();
-  EXPECT_NE(std::find(caps.begin(), caps.end(), "grinning face, grinning, smileys & emotion"),
-            caps.end());
-  EXPECT_NE(std::find(caps.begin(), caps.end(),
-                      "waving hand sign, medium skin tone, wave, people & body"),
-            caps.end());
+  EXPECT_NE(std::find(caps.begin(), caps.end(), "grinning face, grinning, smileys & emotion"), caps.end());
+  EXPECT_NE(std::find(caps.begin(), caps.end(), "waving hand sign, medium skin tone, wave, people & body"), caps.end());
   // Each stored image is what load_image gives for its file.
   for (int64_t i : {0, 5, 10}) {
     EXPECT_TRUE(ds.images()[i].equal(shoestring::load_image(ds.paths()[i], 32))) << i;
@@ -149,17 +146,15 @@ TEST(FolderDataset, KohyaLayoutWithCorruptAndUncaptionedImages) {
   for (int64_t i = 0; i < ds.size(); ++i) {
     by_file[fs::relative(ds.paths()[i], kFolder).string()] = ds.captions()[i];
   }
-  const std::map<std::string, std::string> want = {
-      {"grinning.png", "a grinning face, yellow"},
-      {"heart.png", "a red heart"},
-      {"nested/wave.png", "a waving hand, medium skin tone"},
-      {"no_caption.png", ""}};
+  const std::map<std::string, std::string> want = {{"grinning.png", "a grinning face, yellow"},
+                                                   {"heart.png", "a red heart"},
+                                                   {"nested/wave.png", "a waving hand, medium skin tone"},
+                                                   {"no_caption.png", ""}};
   EXPECT_EQ(by_file, want);
   EXPECT_EQ(ds.missing_captions(), 1);
   ASSERT_EQ(ds.skipped().size(), 1u);
   EXPECT_EQ(filename(ds.skipped()[0].path), "corrupt.png");
-  EXPECT_NE(ds.skipped()[0].reason.find("corrupt.png"), std::string::npos)
-      << ds.skipped()[0].reason;
+  EXPECT_NE(ds.skipped()[0].reason.find("corrupt.png"), std::string::npos) << ds.skipped()[0].reason;
 
   // load() picks the folder layout here.
   EXPECT_EQ(ImageCaptionDataset::load(kFolder, 24).size(), 4);
@@ -273,10 +268,8 @@ TEST(TwemojiDataset, FullDatasetLoadsQuickly) {
   if (!dir) GTEST_SKIP() << "set SHOESTRING_TWEMOJI_DIR to the fetched dataset to run";
   const auto t0 = std::chrono::steady_clock::now();
   const auto ds = ImageCaptionDataset::load(dir, 64);
-  const double seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  EXPECT_EQ(ds.size() + static_cast<int64_t>(ds.skipped().size()),
-            static_cast<int64_t>(expected_twemoji(dir).size()));
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(ds.size() + static_cast<int64_t>(ds.skipped().size()), static_cast<int64_t>(expected_twemoji(dir).size()));
   EXPECT_TRUE(ds.skipped().empty());
   std::printf("loaded %lld images in %.2f s\n", static_cast<long long>(ds.size()), seconds);
 }

@@ -92,8 +92,7 @@ TEST(Image, ResizeGivesRequestedSizeAndKeepsContent) {
     EXPECT_LT((m_full - m_small).abs().max().item<float>(), 4.0f) << "resolution " << r;
   }
   // 64 -> 32 is close to a 2x2 box average (the filters differ only at edges).
-  const at::Tensor box =
-      at::avg_pool2d(full.to(at::kFloat).unsqueeze(0), {2, 2}).squeeze(0);
+  const at::Tensor box = at::avg_pool2d(full.to(at::kFloat).unsqueeze(0), {2, 2}).squeeze(0);
   const at::Tensor half = shoestring::load_image(kGrinning, 32).to(at::kFloat);
   EXPECT_LT((box - half).abs().mean().item<float>(), 6.0f);
 }
@@ -169,8 +168,7 @@ TEST(Image, SavePngRoundTrip) {
   ASSERT_NE(back, nullptr);
   EXPECT_EQ(w, 23);
   EXPECT_EQ(h, 17);
-  const at::Tensor decoded =
-      at::from_blob(back, {17, 23, 3}, at::kByte).permute({2, 0, 1}).clone();
+  const at::Tensor decoded = at::from_blob(back, {17, 23, 3}, at::kByte).permute({2, 0, 1}).clone();
   stbi_image_free(back);
   EXPECT_TRUE(decoded.equal(chw));
 
@@ -199,12 +197,10 @@ TEST(Image, MakeGridPlacesImagesWithWhitePadding) {
   // Padding and the empty sixth cell are white: exactly 5 images' worth of non-white pixels.
   EXPECT_EQ((grid != 255).sum().item<int64_t>(), 5 * 3 * 8 * 10);
   // Fewer images than columns: one row as wide as the images.
-  EXPECT_EQ(shoestring::make_grid({images[0], images[1]}, 8, 1).sizes(),
-            (std::vector<int64_t>{3, 10, 23}));
+  EXPECT_EQ(shoestring::make_grid({images[0], images[1]}, 8, 1).sizes(), (std::vector<int64_t>{3, 10, 23}));
 
   const at::Tensor captioned = shoestring::make_grid(images, 3, 2, {"ROW 1", "row 2"});
-  ASSERT_EQ(captioned.sizes(),
-            (std::vector<int64_t>{3, 22 + 2 * shoestring::kGridCaptionBand, 38}));
+  ASSERT_EQ(captioned.sizes(), (std::vector<int64_t>{3, 22 + 2 * shoestring::kGridCaptionBand, 38}));
   const at::Tensor band = captioned.narrow(1, 2 + 8, shoestring::kGridCaptionBand);
   EXPECT_GT((band == 0).sum().item<int64_t>(), 20);  // black text ink
 
@@ -215,8 +211,7 @@ TEST(Image, MakeGridPlacesImagesWithWhitePadding) {
 }
 
 TEST(Font, GlyphsAreDistinctAndCaseInsensitive) {
-  const std::string charset =
-      " ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,:;!?-+_/()'\"&#%=<>*[]";
+  const std::string charset = " ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,:;!?-+_/()'\"&#%=<>*[]";
   const auto box = shoestring::font_glyph('\x01');
   std::set<std::array<uint8_t, 7>> seen;
   for (char c : charset) {

@@ -14,8 +14,7 @@ using Ids = std::vector<int64_t>;
 TEST(Tokenizer, SplitsLowercaseAlphanumericRuns) {
   EXPECT_EQ(WordTokenizer::split_words("Grinning FACE, smileys & emotion! 100%  x2"),
             (std::vector<std::string>{"grinning", "face", "smileys", "emotion", "100", "x2"}));
-  EXPECT_EQ(WordTokenizer::split_words("medium-light_skin"),
-            (std::vector<std::string>{"medium", "light", "skin"}));
+  EXPECT_EQ(WordTokenizer::split_words("medium-light_skin"), (std::vector<std::string>{"medium", "light", "skin"}));
   EXPECT_EQ(WordTokenizer::split_words("caf\xc3\xa9 ok"), (std::vector<std::string>{"caf", "ok"}));
   EXPECT_TRUE(WordTokenizer::split_words(" ,;- ").empty());
 }
@@ -23,8 +22,7 @@ TEST(Tokenizer, SplitsLowercaseAlphanumericRuns) {
 TEST(Tokenizer, VocabularyByCountThenAlphabetical) {
   // counts: a=3, b=2, c=2, z=1, y=1.
   const auto tok = WordTokenizer::build({"b a z", "A c", "a, b c y"}, 6);
-  EXPECT_EQ(tok.vocab(),
-            (std::vector<std::string>{"<pad>", "<unk>", "<bos>", "a", "b", "c", "y", "z"}));
+  EXPECT_EQ(tok.vocab(), (std::vector<std::string>{"<pad>", "<unk>", "<bos>", "a", "b", "c", "y", "z"}));
   EXPECT_EQ(tok.vocab_size(), 8);
   EXPECT_EQ(tok.max_length(), 6);
   // Same captions in another order: same ids.
@@ -51,8 +49,7 @@ TEST(Tokenizer, EncodePadsTruncatesAndMapsUnknown) {
   const at::Tensor batch = tok.encode_batch({"red apple", "", "heart"});
   ASSERT_EQ(batch.scalar_type(), at::kLong);
   ASSERT_EQ(batch.sizes(), (std::vector<int64_t>{3, 5}));
-  EXPECT_TRUE(batch.equal(at::tensor({2, 4, 3, 0, 0, 2, 0, 0, 0, 0, 2, 6, 0, 0, 0}, at::kLong)
-                              .view({3, 5})));
+  EXPECT_TRUE(batch.equal(at::tensor({2, 4, 3, 0, 0, 2, 0, 0, 0, 0, 2, 6, 0, 0, 0}, at::kLong).view({3, 5})));
   EXPECT_EQ(tok.encode_batch({}).sizes(), (std::vector<int64_t>{0, 5}));
 
   const auto tiny = WordTokenizer::build({"a"}, 1);

@@ -25,8 +25,7 @@ class TempDir {
     for (char& c : name) {
       if (c == '/') c = '_';
     }
-    path_ = std::filesystem::temp_directory_path() /
-            fmt::format("shoestring_io_{}_{}_{}", ::getpid(), counter++, name);
+    path_ = std::filesystem::temp_directory_path() / fmt::format("shoestring_io_{}_{}_{}", ::getpid(), counter++, name);
     std::filesystem::remove_all(path_);
     std::filesystem::create_directories(path_);
   }

@@ -43,12 +43,9 @@ TEST(Inspect, JsonSummary) {
   ASSERT_EQ(j["tensors"].size(), 5u);
   std::map<std::string, json> by_name;
   for (const auto& t : j["tensors"]) by_name[t["name"].get<std::string>()] = t;
-  EXPECT_EQ(by_name["conv.weight"],
-            json({{"name", "conv.weight"},
-                  {"dtype", "F32"},
-                  {"shape", {8, 4, 3, 3}},
-                  {"parameters", 288},
-                  {"bytes", 1152}}));
+  EXPECT_EQ(
+      by_name["conv.weight"],
+      json({{"name", "conv.weight"}, {"dtype", "F32"}, {"shape", {8, 4, 3, 3}}, {"parameters", 288}, {"bytes", 1152}}));
   EXPECT_EQ(by_name["scale"]["shape"], json::array());
   EXPECT_EQ(by_name["scale"]["parameters"], 1);
   EXPECT_EQ(by_name["empty"]["parameters"], 0);

@@ -21,9 +21,9 @@ using ::testing::HasSubstr;
 using testing::TempDir;
 using json = nlohmann::json;
 
-constexpr StDtype kAllDtypes[] = {StDtype::F64,     StDtype::F32, StDtype::F16, StDtype::BF16,
+constexpr StDtype kAllDtypes[] = {StDtype::F64,     StDtype::F32,     StDtype::F16, StDtype::BF16,
                                   StDtype::F8_E4M3, StDtype::F8_E5M2, StDtype::I64, StDtype::I32,
-                                  StDtype::I16,     StDtype::I8,  StDtype::U8,  StDtype::BOOL};
+                                  StDtype::I16,     StDtype::I8,      StDtype::U8,  StDtype::BOOL};
 
 bool is_f8(StDtype d) { return d == StDtype::F8_E4M3 || d == StDtype::F8_E5M2; }
 
@@ -43,10 +43,8 @@ std::string st_file(const std::string& header, const std::string& data = "") {
 std::string u64(uint64_t v) { return std::string(reinterpret_cast<const char*>(&v), 8); }
 
 /// Header entry text for one tensor.
-std::string entry(const std::string& dtype, const std::string& shape, uint64_t begin,
-                  uint64_t end) {
-  return fmt::format(R"({{"dtype":"{}","shape":{},"data_offsets":[{},{}]}})", dtype, shape, begin,
-                     end);
+std::string entry(const std::string& dtype, const std::string& shape, uint64_t begin, uint64_t end) {
+  return fmt::format(R"({{"dtype":"{}","shape":{},"data_offsets":[{},{}]}})", dtype, shape, begin, end);
 }
 
 /// Header length N as written in the file at `path`.
@@ -61,8 +59,7 @@ uint64_t header_len(const std::string& path) {
 // dtypes
 
 TEST(Safetensors, DtypeNamesRoundTrip) {
-  const char* names[] = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2",
-                         "I64", "I32", "I16", "I8",   "U8",      "BOOL"};
+  const char* names[] = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "I64", "I32", "I16", "I8", "U8", "BOOL"};
   int i = 0;
   for (StDtype d : kAllDtypes) {
     EXPECT_STREQ(to_string(d), names[i++]);
@@ -108,18 +105,16 @@ std::vector<NamedTensor> every_dtype_tensors() {
   at::Tensor f32 = torch::randn({4, 5});
   f32[0][1] = -inf;
   f32[3][4] = 1e-40;  // subnormal
-  at::Tensor i64 = torch::tensor({std::numeric_limits<int64_t>::min(), int64_t{-1}, int64_t{0},
-                                  std::numeric_limits<int64_t>::max()});
+  at::Tensor i64 = torch::tensor(
+      {std::numeric_limits<int64_t>::min(), int64_t{-1}, int64_t{0}, std::numeric_limits<int64_t>::max()});
   return {
       {"f64", f64, std::nullopt},
       {"f32", f32, std::nullopt},
       {"f32.transposed", torch::arange(12, torch::kFloat).reshape({3, 4}).t(), std::nullopt},
       {"f16", torch::randn({7}).to(torch::kHalf), std::nullopt},
       {"bf16", torch::randn({2, 3, 2}).to(torch::kBFloat16), std::nullopt},
-      {"f8_e4m3", torch::arange(256, torch::kInt).to(torch::kByte).reshape({16, 16}),
-       StDtype::F8_E4M3},
-      {"f8_e5m2", torch::tensor({0x3c, 0xbc, 0x7b, 0x04, 0xff}, torch::kInt).to(torch::kByte),
-       StDtype::F8_E5M2},
+      {"f8_e4m3", torch::arange(256, torch::kInt).to(torch::kByte).reshape({16, 16}), StDtype::F8_E4M3},
+      {"f8_e5m2", torch::tensor({0x3c, 0xbc, 0x7b, 0x04, 0xff}, torch::kInt).to(torch::kByte), StDtype::F8_E5M2},
       {"i64", i64, std::nullopt},
       {"i32", torch::randint(-(1LL << 31), (1LL << 31) - 1, {3, 3}, torch::kInt), std::nullopt},
       {"i16", torch::randint(-32768, 32767, {9}, torch::kShort), std::nullopt},
@@ -136,8 +131,7 @@ TEST(Safetensors, RoundTripEveryDtypeBitExact) {
   TempDir dir;
   std::string path = dir.file("all.safetensors");
   auto tensors = every_dtype_tensors();
-  std::map<std::string, std::string> metadata = {
-      {"format", "pt"}, {"unicode", "\xc3\xbc \xe2\x9c\x93"}, {"empty", ""}};
+  std::map<std::string, std::string> metadata = {{"format", "pt"}, {"unicode", "\xc3\xbc \xe2\x9c\x93"}, {"empty", ""}};
   save_safetensors(path, tensors, metadata);
   EXPECT_EQ(dir.entries(), std::vector<std::string>{"all.safetensors"});
 
@@ -312,8 +306,7 @@ TEST(Safetensors, ReadsReferenceFileFromPython) {
 // ---------------------------------------------------------------------------
 // writer rejections
 
-void expect_save_error(const std::vector<NamedTensor>& tensors,
-                       const std::vector<std::string>& needles) {
+void expect_save_error(const std::vector<NamedTensor>& tensors, const std::vector<std::string>& needles) {
   TempDir dir;
   std::string path = dir.file("bad.safetensors");
   try {
@@ -332,10 +325,8 @@ TEST(Safetensors, SaveRejectsBadInput) {
   expect_save_error({{"", x, std::nullopt}}, {"empty name"});
   expect_save_error({{"__metadata__", x, std::nullopt}}, {"__metadata__", "reserved"});
   expect_save_error({{"w", x, StDtype::F8_E4M3}}, {"'w'", "does not match", "F8_E4M3"});
-  expect_save_error({{"u", torch::ones({4}, torch::kByte), StDtype::F32}},
-                    {"'u'", "does not match", "F32"});
-  expect_save_error({{"z", torch::empty({0}, torch::kByte), StDtype::I16}},
-                    {"'z'", "does not match"});
+  expect_save_error({{"u", torch::ones({4}, torch::kByte), StDtype::F32}}, {"'u'", "does not match", "F32"});
+  expect_save_error({{"z", torch::empty({0}, torch::kByte), StDtype::I16}}, {"'z'", "does not match"});
   expect_save_error({{"c", torch::ones({2}, torch::kComplexFloat), std::nullopt}},
                     {"'c'", "no safetensors equivalent"});
 }
@@ -373,22 +364,27 @@ std::vector<BadFile> bad_files() {
       {"TrailingGarbage", st_file("{}x"), {"not valid JSON"}},
       {"HeaderNotObject", st_file("[1,2]"), {"header is not a JSON object"}},
       {"EntryNotObject", st_file(R"({"w":5})"), {"tensor 'w'", "entry is not a JSON object"}},
-      {"MissingDtype", st_file(R"({"w":{"shape":[2],"data_offsets":[0,8]}})", d8),
-       {"tensor 'w'", "missing \"dtype\""}},
-      {"DtypeNotString", st_file(R"({"w":{"dtype":4,"shape":[2],"data_offsets":[0,8]}})", d8),
+      {"MissingDtype", st_file(R"({"w":{"shape":[2],"data_offsets":[0,8]}})", d8), {"tensor 'w'", "missing \"dtype\""}},
+      {"DtypeNotString",
+       st_file(R"({"w":{"dtype":4,"shape":[2],"data_offsets":[0,8]}})", d8),
        {"tensor 'w'", "\"dtype\" must be a string"}},
-      {"MissingShape", st_file(R"({"w":{"dtype":"F32","data_offsets":[0,8]}})", d8),
+      {"MissingShape",
+       st_file(R"({"w":{"dtype":"F32","data_offsets":[0,8]}})", d8),
        {"tensor 'w'", "missing \"shape\""}},
-      {"ShapeNotArray", st_file("{\"w\":" + entry("F32", "\"2\"", 0, 8) + "}", d8),
+      {"ShapeNotArray",
+       st_file("{\"w\":" + entry("F32", "\"2\"", 0, 8) + "}", d8),
        {"tensor 'w'", "\"shape\" must be an array of integers"}},
-      {"ShapeFloat", st_file("{\"w\":" + entry("F32", "[2.0]", 0, 8) + "}", d8),
+      {"ShapeFloat",
+       st_file("{\"w\":" + entry("F32", "[2.0]", 0, 8) + "}", d8),
        {"tensor 'w'", "\"shape\" must be an array of integers"}},
-      {"ShapeNegative", st_file("{\"w\":" + entry("F32", "[-2]", 0, 8) + "}", d8),
+      {"ShapeNegative",
+       st_file("{\"w\":" + entry("F32", "[-2]", 0, 8) + "}", d8),
        {"tensor 'w'", "negative dimension -2"}},
       {"ShapeOverflow",
        st_file("{\"w\":" + entry("F32", "[4611686018427387904,4]", 0, 8) + "}", d8),
        {"tensor 'w'", "too large"}},
-      {"MissingOffsets", st_file(R"({"w":{"dtype":"F32","shape":[2]}})", d8),
+      {"MissingOffsets",
+       st_file(R"({"w":{"dtype":"F32","shape":[2]}})", d8),
        {"tensor 'w'", "missing \"data_offsets\""}},
       {"OffsetsOneNumber",
        st_file(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[8]}})", d8),
@@ -399,37 +395,41 @@ std::vector<BadFile> bad_files() {
       {"OffsetsNotArray",
        st_file(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":"0-8"}})", d8),
        {"tensor 'w'", "\"data_offsets\" must be an array of two non-negative integers"}},
-      {"MetadataNotObject", st_file(R"({"__metadata__":["a"]})"),
+      {"MetadataNotObject",
+       st_file(R"({"__metadata__":["a"]})"),
        {"__metadata__ must be an object mapping strings to strings"}},
-      {"MetadataValueNotString", st_file(R"({"__metadata__":{"epoch":3}})"),
+      {"MetadataValueNotString",
+       st_file(R"({"__metadata__":{"epoch":3}})"),
        {"__metadata__ must be an object mapping strings to strings", "'epoch'"}},
-      {"UnknownDtype", st_file("{\"w\":" + entry("F128", "[2]", 0, 8) + "}", d8),
+      {"UnknownDtype",
+       st_file("{\"w\":" + entry("F128", "[2]", 0, 8) + "}", d8),
        {"tensor 'w'", "unknown dtype 'F128'"}},
-      {"SizeMismatch", st_file("{\"w\":" + entry("F32", "[2,2]", 0, 12) + "}", std::string(12, 0)),
+      {"SizeMismatch",
+       st_file("{\"w\":" + entry("F32", "[2,2]", 0, 12) + "}", std::string(12, 0)),
        {"tensor 'w'", "hold 12 bytes", "needs 16 bytes", "does not match"}},
-      {"BeginAfterEnd", st_file("{\"w\":" + entry("U8", "[0]", 8, 0) + "}", d8),
+      {"BeginAfterEnd",
+       st_file("{\"w\":" + entry("U8", "[0]", 8, 0) + "}", d8),
        {"tensor 'w'", "begin greater than end"}},
       {"Overlap",
        st_file("{\"a\":" + entry("F32", "[2]", 0, 8) + ",\"b\":" + entry("F32", "[2]", 4, 12) + "}",
                std::string(12, 0)),
        {"tensor 'b'", "overlap tensor 'a'"}},
       {"OverlapIdentical",
-       st_file("{\"a\":" + entry("F32", "[2]", 0, 8) + ",\"b\":" + entry("I32", "[2]", 0, 8) + "}",
-               d8),
+       st_file("{\"a\":" + entry("F32", "[2]", 0, 8) + ",\"b\":" + entry("I32", "[2]", 0, 8) + "}", d8),
        {"tensor 'b'", "overlap tensor 'a'"}},
       {"HoleBetween",
        st_file("{\"a\":" + entry("F32", "[1]", 0, 4) + ",\"b\":" + entry("F32", "[1]", 8, 12) + "}",
                std::string(12, 0)),
        {"tensor 'b'", "hole of 4 bytes after tensor 'a'"}},
-      {"HoleAtStart", st_file("{\"a\":" + entry("F32", "[1]", 4, 8) + "}", d8),
+      {"HoleAtStart",
+       st_file("{\"a\":" + entry("F32", "[1]", 4, 8) + "}", d8),
        {"tensor 'a'", "hole of 4 bytes at the start"}},
-      {"PastEnd", st_file("{\"a\":" + entry("F32", "[4]", 0, 16) + "}", d8),
+      {"PastEnd",
+       st_file("{\"a\":" + entry("F32", "[4]", 0, 16) + "}", d8),
        {"tensor 'a'", "past the end of the file"}},
-      {"UnusedBytesAtEnd", st_file("{\"a\":" + entry("F32", "[1]", 0, 4) + "}", d8),
-       {"4 unused bytes at the end"}},
+      {"UnusedBytesAtEnd", st_file("{\"a\":" + entry("F32", "[1]", 0, 4) + "}", d8), {"4 unused bytes at the end"}},
       {"DuplicateName",
-       st_file("{\"a\":" + entry("F32", "[2]", 0, 8) + ",\"a\":" + entry("F32", "[2]", 0, 8) + "}",
-               d8),
+       st_file("{\"a\":" + entry("F32", "[2]", 0, 8) + ",\"a\":" + entry("F32", "[2]", 0, 8) + "}", d8),
        {"duplicate tensor name 'a'"}},
       {"DuplicateKeyInEntry",
        st_file(R"({"w":{"dtype":"F32","dtype":"I32","shape":[2],"data_offsets":[0,8]}})", d8),
@@ -453,17 +453,14 @@ TEST_P(SafetensorsRejects, WithErrorNamingFileAndRule) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Safetensors, SafetensorsRejects, ::testing::ValuesIn(bad_files()),
-                         [](const ::testing::TestParamInfo<BadFile>& info) {
-                           return info.param.label;
-                         });
+                         [](const ::testing::TestParamInfo<BadFile>& info) { return info.param.label; });
 
 TEST(Safetensors, AcceptsZeroElementTensorsAnywhere) {
   TempDir dir;
   // Zero-element tensors at the start, between, and at the end of the buffer.
-  std::string header = "{\"z0\":" + entry("F32", "[0,3]", 0, 0) + ",\"a\":" +
-                       entry("I16", "[2]", 0, 4) + ",\"z1\":" + entry("F64", "[0]", 4, 4) +
-                       ",\"b\":" + entry("U8", "[4]", 4, 8) + ",\"z2\":" +
-                       entry("BOOL", "[5,0]", 8, 8) + "}";
+  std::string header = "{\"z0\":" + entry("F32", "[0,3]", 0, 0) + ",\"a\":" + entry("I16", "[2]", 0, 4) +
+                       ",\"z1\":" + entry("F64", "[0]", 4, 4) + ",\"b\":" + entry("U8", "[4]", 4, 8) +
+                       ",\"z2\":" + entry("BOOL", "[5,0]", 8, 8) + "}";
   std::string data("\x01\x00\xff\xff\x05\x06\x07\x08", 8);
   std::string path = dir.write("z.safetensors", st_file(header, data));
   auto file = SafetensorsFile::open(path);

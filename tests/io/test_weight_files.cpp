@@ -40,9 +40,9 @@ std::string write_sharded(const TempDir& dir, const std::string& extra_index_ent
                                {{"a.weight", torch::arange(6, torch::kFloat32).view({2, 3}), {}}});
   shoestring::save_safetensors(dir.file("m-00002-of-00002.safetensors"),
                                {{"b.weight", torch::full({4}, 2.5), {}}, {"stats", torch::ones({2}), {}}});
-  return dir.write("m.safetensors.index.json",
-                   R"({"metadata": {"total_size": 48}, "weight_map": {)" + extra_index_entry +
-                       R"("a.weight": "m-00001-of-00002.safetensors",
+  return dir.write("m.safetensors.index.json", R"({"metadata": {"total_size": 48}, "weight_map": {)" +
+                                                   extra_index_entry +
+                                                   R"("a.weight": "m-00001-of-00002.safetensors",
                           "b.weight": "m-00002-of-00002.safetensors",
                           "stats": "m-00002-of-00002.safetensors"}})");
 }
@@ -71,16 +71,13 @@ TEST(WeightFiles, BadIndexesNameTheProblem) {
   write_sharded(dir);
   EXPECT_NE(error_of([&] { WeightFiles::open(dir.write("x.index.json", "{not json")); }).find("JSON"),
             std::string::npos);
-  EXPECT_NE(error_of([&] { WeightFiles::open(dir.write("y.index.json", R"({"metadata": {}})")); })
-                .find("weight_map"),
+  EXPECT_NE(error_of([&] { WeightFiles::open(dir.write("y.index.json", R"({"metadata": {}})")); }).find("weight_map"),
             std::string::npos);
-  std::string msg = error_of([&] {
-    WeightFiles::open(dir.write("z.index.json", R"({"weight_map": {"a.weight": "gone.safetensors"}})"));
-  });
+  std::string msg = error_of(
+      [&] { WeightFiles::open(dir.write("z.index.json", R"({"weight_map": {"a.weight": "gone.safetensors"}})")); });
   EXPECT_NE(msg.find("gone.safetensors"), std::string::npos) << msg;
-  msg = error_of([&] {
-    WeightFiles::open(dir.write("w.index.json", R"({"weight_map": {"a.weight": "../m.safetensors"}})"));
-  });
+  msg = error_of(
+      [&] { WeightFiles::open(dir.write("w.index.json", R"({"weight_map": {"a.weight": "../m.safetensors"}})")); });
   EXPECT_NE(msg.find("inside the index's folder"), std::string::npos) << msg;
   // The index names a tensor its shard lacks.
   msg = error_of([&] { WeightFiles::open(write_sharded(dir, R"("ghost": "m-00001-of-00002.safetensors", )")); });
@@ -96,9 +93,9 @@ TEST(WeightFiles, BadIndexesNameTheProblem) {
 TEST(WeightFiles, MissingUnexpectedAndMisShapedKeysAreListed) {
   TempDir dir;
   const std::string path = dir.file("one.safetensors");
-  shoestring::save_safetensors(path, {{"a.weight", torch::ones({3, 2}), {}},
-                                      {"b.weight", torch::ones({4}), {}},
-                                      {"extra", torch::ones({1}), {}}});
+  shoestring::save_safetensors(
+      path,
+      {{"a.weight", torch::ones({3, 2}), {}}, {"b.weight", torch::ones({4}), {}}, {"extra", torch::ones({1}), {}}});
   WeightFiles files = WeightFiles::open(path);
   TwoLayers m;
   const std::string msg = error_of([&] { shoestring::load_weights(m, files); });

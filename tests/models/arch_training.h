@@ -76,7 +76,8 @@ inline TinyArch tiny_arch(const std::string& arch, int64_t batch = 2, int64_t to
     a.table = s->block_table();
     const auto& o = s->options();
     a.latent_channels = o.in_channels();
-    a.cond_shapes = {{batch, tokens, o.clip_text_dim()}, {batch, 1, o.clip_text_pooled_dim()}, {batch, 1, o.clip_image_dim()}};
+    a.cond_shapes = {
+        {batch, tokens, o.clip_text_dim()}, {batch, 1, o.clip_text_pooled_dim()}, {batch, 1, o.clip_image_dim()}};
     a.forward = [s](const torch::Tensor& x, const torch::Tensor& sigma, const std::vector<torch::Tensor>& c) {
       return s->forward(x, sigma, c[0], c[1], c[2]);
     };

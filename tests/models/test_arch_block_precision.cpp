@@ -72,7 +72,8 @@ TEST(ArchBlocks, LdmDeclaresResBlocksTransformerBlocksAndScopes) {
     const int64_t levels = static_cast<int64_t>(o.channel_mult().size()), nrb = o.num_res_blocks();
     const int64_t mid = o.transformer_depth_middle();
     const int64_t res_blocks = levels * nrb + levels * (nrb + 1) + (mid >= 0 ? 2 : 1);
-    const int64_t transformer_blocks = sum(o.transformer_depth()) + sum(o.transformer_depth_output()) + std::max<int64_t>(mid, 0);
+    const int64_t transformer_blocks =
+        sum(o.transformer_depth()) + sum(o.transformer_depth_output()) + std::max<int64_t>(mid, 0);
     int64_t spatial = mid > 0 ? 1 : 0;
     for (int64_t d : o.transformer_depth()) spatial += d > 0;
     for (int64_t d : o.transformer_depth_output()) spatial += d > 0;
@@ -81,10 +82,10 @@ TEST(ArchBlocks, LdmDeclaresResBlocksTransformerBlocksAndScopes) {
     EXPECT_EQ(blocks, res_blocks + transformer_blocks) << arch;
     EXPECT_EQ(scopes, spatial + 1) << arch;  // + the UNet itself
     EXPECT_EQ(kinds[""], "scope") << arch;
-    EXPECT_EQ(kinds["input_blocks.1.0"], "block") << arch;        // a ResBlock
+    EXPECT_EQ(kinds["input_blocks.1.0"], "block") << arch;  // a ResBlock
     EXPECT_EQ(kinds["output_blocks.0.0"], "block") << arch;
-    EXPECT_EQ(kinds.count("input_blocks.0.0"), 0u) << arch;       // conv_in: not a block
-    EXPECT_EQ(kinds.count("input_blocks.3.0"), 0u) << arch;       // downsample
+    EXPECT_EQ(kinds.count("input_blocks.0.0"), 0u) << arch;  // conv_in: not a block
+    EXPECT_EQ(kinds.count("input_blocks.3.0"), 0u) << arch;  // downsample
     if (arch == "sd15") {
       EXPECT_EQ(kinds["input_blocks.1.1"], "scope");
       EXPECT_EQ(kinds["input_blocks.1.1.transformer_blocks.0"], "block");
@@ -216,7 +217,8 @@ TEST_P(ArchPrecision, RuleOnSomeBlocksSetsOnlyThose) {
     std::string st_path;
     for (const auto& item : a.module->named_modules()) {
       const std::string& k = item.key();
-      if (k.rfind("output_blocks.", 0) == 0 && k.size() > 21 && k.compare(k.size() - 21, 21, ".transformer_blocks.0") == 0) {
+      if (k.rfind("output_blocks.", 0) == 0 && k.size() > 21 &&
+          k.compare(k.size() - 21, 21, ".transformer_blocks.0") == 0) {
         st_path = k.substr(0, k.size() - 21);
         break;
       }
@@ -262,7 +264,8 @@ TEST_P(ArchPrecision, CheckpointRuleKeepsGradients) {
     if (nodes) *nodes = st::count_graph_nodes(loss);
     loss.backward();
     std::vector<torch::Tensor> g;
-    for (const auto& p : a.module->parameters()) g.push_back(p.grad().defined() ? p.grad().clone() : torch::zeros_like(p));
+    for (const auto& p : a.module->parameters())
+      g.push_back(p.grad().defined() ? p.grad().clone() : torch::zeros_like(p));
     return g;
   };
   size_t plain_nodes = 0, ckpt_nodes = 0;

@@ -49,10 +49,11 @@ TEST(ArchLora, MMDiTTargetsFusedQkvAndProjUnderKohyaSd3Names) {
   const auto& o = std::dynamic_pointer_cast<models::MMDiTImpl>(a.module)->options();
   nn::LoraNetwork net(*a.module, std::vector<nn::LoraComponent>{{"lora_unet", ""}}, options(4, 2.0));
   const auto names = names_of(*net);
-  for (const char* n : {"lora_unet_joint_blocks_0_context_block_attn_qkv", "lora_unet_joint_blocks_0_context_block_attn_proj",
-                        "lora_unet_joint_blocks_0_x_block_attn_qkv", "lora_unet_joint_blocks_0_x_block_attn_proj",
-                        "lora_unet_joint_blocks_1_x_block_attn2_qkv", "lora_unet_joint_blocks_1_x_block_attn2_proj",
-                        "lora_unet_joint_blocks_2_context_block_attn_qkv"}) {
+  for (const char* n :
+       {"lora_unet_joint_blocks_0_context_block_attn_qkv", "lora_unet_joint_blocks_0_context_block_attn_proj",
+        "lora_unet_joint_blocks_0_x_block_attn_qkv", "lora_unet_joint_blocks_0_x_block_attn_proj",
+        "lora_unet_joint_blocks_1_x_block_attn2_qkv", "lora_unet_joint_blocks_1_x_block_attn2_proj",
+        "lora_unet_joint_blocks_2_context_block_attn_qkv"}) {
     EXPECT_TRUE(names.count(n)) << n;
   }
   // The last context block is pre-only (no proj, no MLP); attention only by default.
@@ -91,11 +92,11 @@ TEST(ArchLora, StageCTargetsPackedInProjThirdsAndOutProj) {
   const auto& o = std::dynamic_pointer_cast<models::StageCImpl>(a.module)->options();
   nn::LoraNetwork net(*a.module, std::vector<nn::LoraComponent>{{"lora_prior_unet", ""}}, options(4, 4.0));
   const auto names = names_of(*net);
-  for (const char* n : {"lora_prior_unet_down_blocks_0_2_attention_attn_to_q",
-                        "lora_prior_unet_down_blocks_0_2_attention_attn_to_k",
-                        "lora_prior_unet_down_blocks_0_2_attention_attn_to_v",
-                        "lora_prior_unet_down_blocks_0_2_attention_attn_out_proj",
-                        "lora_prior_unet_up_blocks_1_2_attention_attn_to_v"}) {
+  for (const char* n :
+       {"lora_prior_unet_down_blocks_0_2_attention_attn_to_q", "lora_prior_unet_down_blocks_0_2_attention_attn_to_k",
+        "lora_prior_unet_down_blocks_0_2_attention_attn_to_v",
+        "lora_prior_unet_down_blocks_0_2_attention_attn_out_proj",
+        "lora_prior_unet_up_blocks_1_2_attention_attn_to_v"}) {
     EXPECT_TRUE(names.count(n)) << n;
   }
   for (const auto& n : names) EXPECT_EQ(n.find("kv_mapper"), std::string::npos) << n;

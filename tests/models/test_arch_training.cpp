@@ -95,8 +95,8 @@ TEST_P(ArchTraining, LoraTrainsOnlyAdaptersAndLossFalls) {
   EXPECT_GT(up_norm, 0.0);
 }
 
-INSTANTIATE_TEST_SUITE_P(Tiny, ArchTraining,
-                         ::testing::Values("sd15", "sdxl", "ssd1b", "sd35m", "cascade-c"), test_name);
+INSTANTIATE_TEST_SUITE_P(Tiny, ArchTraining, ::testing::Values("sd15", "sdxl", "ssd1b", "sd35m", "cascade-c"),
+                         test_name);
 
 class ArchTrainingBf16 : public ::testing::TestWithParam<std::string> {};
 

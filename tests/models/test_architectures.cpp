@@ -39,10 +39,10 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 // the layer shapes in openaimodel.py / attention.py, independent of the
 // module code under test.
 int64_t transformer_block_params(int64_t c, int64_t ctx) {
-  const int64_t attn1 = 4 * c * c + c;                      // to_q, to_k, to_v (no bias), to_out.0
-  const int64_t attn2 = 2 * c * c + 2 * ctx * c + c;        // to_k / to_v read the context
+  const int64_t attn1 = 4 * c * c + c;                       // to_q, to_k, to_v (no bias), to_out.0
+  const int64_t attn2 = 2 * c * c + 2 * ctx * c + c;         // to_k / to_v read the context
   const int64_t ff = (c * 8 * c + 8 * c) + (4 * c * c + c);  // GEGLU proj c -> 8c, out 4c -> c
-  return attn1 + attn2 + ff + 3 * 2 * c;                    // norm1..3
+  return attn1 + attn2 + ff + 3 * 2 * c;                     // norm1..3
 }
 int64_t resblock_params(int64_t in, int64_t out, int64_t temb) {
   int64_t n = 2 * in + (9 * in * out + out) + (temb * out + out) + 2 * out + (9 * out * out + out);
@@ -76,10 +76,10 @@ TEST(Architectures, SdxlParameterCountIsPublished) {
 // 0,0,2,2,4,4) and stable-diffusion.cpp unet.hpp (VERSION_SDXL_SSD1B). The exact
 // count is the published SDXL count minus the removed blocks, in closed form.
 TEST(Architectures, Ssd1bParameterCountIsSdxlMinusRemovedBlocks) {
-  const int64_t removed_1280 = (10 - 4) * 2     // input level 2: depth 10 -> 4 in two blocks
-                               + (10 - 4) * 2   // output level 2: blocks 0 and 1 depth 10 -> 4
-                               + 10;            // middle_block.1: all 10 blocks
-  const int64_t removed_640 = 2;                // output level 1: blocks 1 and 2 depth 2 -> 1
+  const int64_t removed_1280 = (10 - 4) * 2                       // input level 2: depth 10 -> 4 in two blocks
+                               + (10 - 4) * 2                     // output level 2: blocks 0 and 1 depth 10 -> 4
+                               + 10;                              // middle_block.1: all 10 blocks
+  const int64_t removed_640 = 2;                                  // output level 1: blocks 1 and 2 depth 2 -> 1
   const int64_t mid_shell = 2 * 1280 + 2 * (1280 * 1280 + 1280);  // middle_block.1 norm, proj_in, proj_out
   const int64_t expected = 2'567'463'684 - removed_1280 * transformer_block_params(1280, 2048) -
                            removed_640 * transformer_block_params(640, 2048) - mid_shell -
@@ -377,7 +377,7 @@ TEST(Architectures, LdmLayoutOnlyRenames) {
 TEST(Architectures, RejectsBadInputs) {
   LdmUNet unet(LdmUNetOptions::sdxl().tiny());
   torch::Tensor x = torch::randn({1, 4, 8, 8}), t = torch::tensor({1.0}), ctx = torch::randn({1, 3, 64});
-  EXPECT_THROW(unet->forward(x, t, ctx), Error);                          // SDXL needs y
+  EXPECT_THROW(unet->forward(x, t, ctx), Error);  // SDXL needs y
   EXPECT_THROW(unet->forward(x, t, torch::randn({1, 3, 65}), torch::randn({1, 64})), Error);
   EXPECT_THROW(unet->forward(torch::randn({1, 4, 6, 6}), t, ctx, torch::randn({1, 64})), Error);
   EXPECT_THROW(LdmUNet(LdmUNetOptions::sd15().transformer_depth({1, 1})), Error);
@@ -443,7 +443,8 @@ TEST(Architectures, DetectsUNetAndVaeOfASingleFileAndReportsDifferences) {
 
 TEST(Architectures, DetectsTinyWidthAndNothingInUnrelatedFiles) {
   std::vector<models::TensorShape> tiny;
-  for (const auto& t : models::architecture_tensors("sd15", true)) tiny.push_back({"model.diffusion_model." + t.name, t.shape});
+  for (const auto& t : models::architecture_tensors("sd15", true))
+    tiny.push_back({"model.diffusion_model." + t.name, t.shape});
   auto found = models::detect_architectures(tiny);
   ASSERT_EQ(found.size(), 1u);
   EXPECT_EQ(found[0].architecture, "sd15");
@@ -522,8 +523,10 @@ TEST(KeyMap, VaeRoundTripsAndKnownNames) {
   EXPECT_EQ(io::vae_ldm_to_diffusers("encoder.mid.attn_1.q.weight"), "encoder.mid_block.attentions.0.to_q.weight");
   EXPECT_EQ(io::vae_ldm_to_diffusers("decoder.mid.attn_1.proj_out.bias"),
             "decoder.mid_block.attentions.0.to_out.0.bias");
-  EXPECT_EQ(io::vae_ldm_to_diffusers("decoder.mid.attn_1.norm.weight"), "decoder.mid_block.attentions.0.group_norm.weight");
-  EXPECT_EQ(io::vae_ldm_to_diffusers("decoder.up.3.upsample.conv.weight"), "decoder.up_blocks.0.upsamplers.0.conv.weight");
+  EXPECT_EQ(io::vae_ldm_to_diffusers("decoder.mid.attn_1.norm.weight"),
+            "decoder.mid_block.attentions.0.group_norm.weight");
+  EXPECT_EQ(io::vae_ldm_to_diffusers("decoder.up.3.upsample.conv.weight"),
+            "decoder.up_blocks.0.upsamplers.0.conv.weight");
   EXPECT_EQ(io::vae_ldm_to_diffusers("decoder.up.0.block.0.nin_shortcut.weight"),
             "decoder.up_blocks.3.resnets.0.conv_shortcut.weight");
   EXPECT_EQ(io::vae_ldm_to_diffusers("encoder.down.2.downsample.conv.bias"),

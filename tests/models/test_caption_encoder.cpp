@@ -55,9 +55,9 @@ TEST(CaptionEncoder, ShapesMaskAndNames) {
   EXPECT_EQ(out.hidden.sizes(), (std::vector<int64_t>{2, 5, 16}));
   EXPECT_TRUE(torch::equal(out.mask, tokens.ne(0)));
   auto params = enc->named_parameters();
-  for (const char* key : {"token_embedding.weight", "position_embedding", "layers.1.norm1.weight",
-                          "layers.0.attn.to_q.weight", "layers.0.attn.to_out.bias", "layers.1.mlp.proj.weight",
-                          "layers.1.mlp.out.bias", "final_norm.weight"}) {
+  for (const char* key :
+       {"token_embedding.weight", "position_embedding", "layers.1.norm1.weight", "layers.0.attn.to_q.weight",
+        "layers.0.attn.to_out.bias", "layers.1.mlp.proj.weight", "layers.1.mlp.out.bias", "final_norm.weight"}) {
     EXPECT_TRUE(params.contains(key)) << key;
   }
   EXPECT_EQ(params["position_embedding"].sizes(), (std::vector<int64_t>{8, 16}));
@@ -97,7 +97,8 @@ TEST(CaptionEncoder, RunsInBf16AndBackward) {
   auto ref = enc->forward(tokens).hidden.detach();
   enc->forward(tokens).hidden.pow(2).sum().backward();
   EXPECT_TRUE(enc->position_embedding.grad().defined());
-  EXPECT_GT(enc->layers[0]->as<models::CaptionEncoderLayerImpl>()->attn->to_q->weight.grad().abs().sum().item<float>(), 0.0f);
+  EXPECT_GT(enc->layers[0]->as<models::CaptionEncoderLayerImpl>()->attn->to_q->weight.grad().abs().sum().item<float>(),
+            0.0f);
   enc->to(torch::kBFloat16);
   torch::NoGradGuard no_grad;
   auto out = enc->forward(tokens).hidden;
@@ -109,9 +110,9 @@ TEST(CaptionEncoder, RunsInBf16AndBackward) {
 
 TEST(CaptionEncoder, RejectsBadTokens) {
   CaptionEncoder enc(small());
-  EXPECT_THROW(enc->forward(torch::zeros({2, 9}, torch::kInt64)), Error);   // longer than max_length
-  EXPECT_THROW(enc->forward(torch::zeros({2, 4}, torch::kInt32)), Error);   // dtype
-  EXPECT_THROW(enc->forward(torch::zeros({4}, torch::kInt64)), Error);      // rank
+  EXPECT_THROW(enc->forward(torch::zeros({2, 9}, torch::kInt64)), Error);     // longer than max_length
+  EXPECT_THROW(enc->forward(torch::zeros({2, 4}, torch::kInt32)), Error);     // dtype
+  EXPECT_THROW(enc->forward(torch::zeros({4}, torch::kInt64)), Error);        // rank
   EXPECT_THROW(enc->forward(torch::full({1, 3}, 50, torch::kInt64)), Error);  // id out of range
   EXPECT_THROW(enc->forward(torch::full({1, 3}, -1, torch::kInt64)), Error);
   EXPECT_THROW(CaptionEncoder(CaptionEncoderOptions(10).dim(10).heads(4)), Error);

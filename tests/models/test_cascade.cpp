@@ -7,6 +7,7 @@
 // from the module layout of Stability-AI/StableCascade modules/stage_c.py with
 // torch.nn's own layer names) and cascade_small.{json,bin} (a small stage C
 // run in PyTorch, attention by torch.nn.MultiheadAttention).
+#include <unistd.h>
 #include <chrono>
 #include <cstring>
 #include <fstream>
@@ -14,13 +15,12 @@
 #include <sstream>
 #include <string>
 #include <unordered_set>
-#include <unistd.h>
 
 #include <gtest/gtest.h>
 
-#include "../nn/graph_testing.h"
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
+#include "../nn/graph_testing.h"
 
 #include "model_testing.h"
 #include "shoestring/core/error.h"
@@ -184,8 +184,8 @@ TEST(StageC, TinyVariantRunsInBf16) {
   torch::NoGradGuard no_grad;
   torch::Tensor ref = net->forward(x, r, text, pooled, img);
   net->to(torch::kBFloat16);
-  torch::Tensor out = net->forward(x.to(torch::kBFloat16), r, text.to(torch::kBFloat16),
-                                   pooled.to(torch::kBFloat16), img.to(torch::kBFloat16));
+  torch::Tensor out = net->forward(x.to(torch::kBFloat16), r, text.to(torch::kBFloat16), pooled.to(torch::kBFloat16),
+                                   img.to(torch::kBFloat16));
   EXPECT_EQ(out.scalar_type(), torch::kBFloat16);
   const float scale = ref.abs().max().item<float>();
   EXPECT_LT((out.to(torch::kFloat32) - ref).abs().max().item<float>(), 0.1f * scale + 1e-3f);
@@ -210,12 +210,9 @@ TEST(StageC, RejectsBadInputsAndOptions) {
 // latent size the up path resizes to the skip connection.
 TEST(StageC, ResamplingRepeatsAndPatchesRun) {
   torch::manual_seed(6);
-  StageC net(StageCOptions::tiny()
-                 .patch_size(2)
-                 .switch_level({true})
-                 .down_repeat({2, 1})
-                 .up_repeat({1, 3})
-                 .level_config({"CTAF", "CTA"}));
+  StageC net(
+      StageCOptions::tiny().patch_size(2).switch_level({true}).down_repeat({2, 1}).up_repeat({1, 3}).level_config(
+          {"CTAF", "CTA"}));
   const auto keys = module_keys(*net);
   expect_shape(keys, "down_repeat_mappers.0.0.weight", {32, 32, 1, 1});
   expect_shape(keys, "up_repeat_mappers.1.1.bias", {32});

@@ -65,9 +65,9 @@ void expect_matches_reference(const ClipTextOptions& options, const std::string&
   }
   std::cout << name << ": largest difference to the PyTorch reference " << worst << "\n";
   // The comparison can fail: the other activation or pooling at the last position is far off.
-  ClipTextModel other(ClipTextOptions(options).activation(
-      options.activation() == models::ClipActivation::kGelu ? models::ClipActivation::kQuickGelu
-                                                            : models::ClipActivation::kGelu));
+  ClipTextModel other(ClipTextOptions(options).activation(options.activation() == models::ClipActivation::kGelu
+                                                              ? models::ClipActivation::kQuickGelu
+                                                              : models::ClipActivation::kGelu));
   models::load_clip_text_weights(*other, files, prefix);
   EXPECT_GT(max_diff(other->forward(ids).last_hidden, ref.at("last_hidden")), 1e-3);
   const torch::Tensor at_end = model->forward(ids).last_hidden.select(1, ids.size(1) - 1);

@@ -5,8 +5,8 @@
 #include <filesystem>
 #include <set>
 
-#include <gtest/gtest.h>
 #include <unistd.h>
+#include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include "shoestring/io/safetensors.h"
@@ -37,7 +37,8 @@ TinyLdm tiny_root(const std::string& arch) {
 TEST(LoraLdm, SdxlNamesFollowKohyaLdmLayout) {
   TinyLdm m = tiny_root("sdxl");
   ASSERT_NE(m.unet, nullptr);
-  nn::LoraNetwork net(*m.root, std::vector<nn::LoraComponent>{{"lora_unet", "model.diffusion_model."}}, nn::LoraOptions{});
+  nn::LoraNetwork net(*m.root, std::vector<nn::LoraComponent>{{"lora_unet", "model.diffusion_model."}},
+                      nn::LoraOptions{});
   std::set<std::string> names;
   for (const auto& mod : net->modules()) names.insert(mod->layer().kohya_name);
   // SDXL's first attention level is input_blocks.4 (level 1, after the first downsample).
@@ -67,7 +68,8 @@ TEST(LoraLdm, TrainingMovesOnlyAdaptersAndTheFileRoundTrips) {
     for (const auto& p : m.root->parameters()) p.add_(torch::randn_like(p) * 0.02);
     for (const auto& p : m.root->named_parameters()) base[p.key()] = p.value().detach().clone();
   }
-  nn::LoraNetwork net(*m.root, std::vector<nn::LoraComponent>{{"lora_unet", "model.diffusion_model."}}, nn::LoraOptions{});
+  nn::LoraNetwork net(*m.root, std::vector<nn::LoraComponent>{{"lora_unet", "model.diffusion_model."}},
+                      nn::LoraOptions{});
   torch::optim::Adam opt(net->parameters(), torch::optim::AdamOptions(1e-2));
   const auto& o = m.unet->options();
   torch::Tensor x = torch::randn({2, 4, 16, 16}), t = torch::tensor({50.0, 700.0});
@@ -87,9 +89,9 @@ TEST(LoraLdm, TrainingMovesOnlyAdaptersAndTheFileRoundTrips) {
       EXPECT_TRUE(torch::equal(p.value(), base.at(p.key()))) << p.key();
     }
   }
-  const std::string path = (std::filesystem::temp_directory_path() /
-                            ("shoestring_lora_ldm_" + std::to_string(::getpid()) + ".safetensors"))
-                               .string();
+  const std::string path =
+      (std::filesystem::temp_directory_path() / ("shoestring_lora_ldm_" + std::to_string(::getpid()) + ".safetensors"))
+          .string();
   net->save(path);
   auto file = load_safetensors(path);
   EXPECT_TRUE(file.count("lora_unet_input_blocks_1_1_transformer_blocks_0_attn1_to_q.lora_down.weight"));

@@ -7,9 +7,9 @@
 
 #include <torch/torch.h>
 
-#include "shoestring/nn/lora.h"
-#include "shoestring/models/tiny_unet.h"
 #include "model_testing.h"
+#include "shoestring/models/tiny_unet.h"
+#include "shoestring/nn/lora.h"
 
 using namespace shoestring;
 using namespace shoestring::models;
@@ -136,10 +136,11 @@ TEST(LoraTinyUNet, TrainedAdaptersEqualMergedWeights) {
   std::map<std::string, torch::Tensor> expected;
   for (const auto& m : net->modules()) {
     torch::Tensor up = m->up().to(torch::kFloat64), down = m->down().to(torch::kFloat64);
-    torch::Tensor dw = down.dim() == 2 ? torch::matmul(up, down)
-                                       : torch::conv2d(down.permute({1, 0, 2, 3}), up).permute({1, 0, 2, 3});
+    torch::Tensor dw =
+        down.dim() == 2 ? torch::matmul(up, down) : torch::conv2d(down.permute({1, 0, 2, 3}), up).permute({1, 0, 2, 3});
     const double alpha = m->rank() == 2 && down.dim() == 4 && down.size(2) == 3 ? 4.0 : 2.0;
-    expected[m->layer().path + ".weight"] = base[m->layer().path + ".weight"].to(torch::kFloat64) + 0.8 * alpha / m->rank() * dw;
+    expected[m->layer().path + ".weight"] =
+        base[m->layer().path + ".weight"].to(torch::kFloat64) + 0.8 * alpha / m->rank() * dw;
   }
   EXPECT_EQ(net->merge(), static_cast<int64_t>(expected.size()));
   auto params = unet->named_parameters();

@@ -7,6 +7,7 @@
 // "model.diffusion_model.", from the module layout of Stability-AI/sd3.5
 // mmditx.py) and mmdit_small{,_gqa}.{json,bin} (a small MMDiT-X run in
 // PyTorch; grouped-query attention by repeating key/value heads).
+#include <unistd.h>
 #include <chrono>
 #include <cstring>
 #include <fstream>
@@ -14,13 +15,12 @@
 #include <sstream>
 #include <string>
 #include <unordered_set>
-#include <unistd.h>
 
 #include <gtest/gtest.h>
 
-#include "../nn/graph_testing.h"
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
+#include "../nn/graph_testing.h"
 
 #include "model_testing.h"
 #include "shoestring/core/error.h"
@@ -286,9 +286,9 @@ TEST(MMDiT, RejectsBadInputsAndOptions) {
   EXPECT_THROW(net->forward(x, torch::rand({2}), ctx, y), Error);
   EXPECT_THROW(net->forward(x, t, torch::randn({1, 2, 11}), y), Error);
   EXPECT_THROW(net->forward(x, t, ctx, torch::randn({1, 9})), Error);
-  EXPECT_THROW(MMDiT(small_options(3)), Error);                                   // 3 does not divide 4
-  EXPECT_THROW(MMDiT(small_options(0).x_block_self_attn_layers({3})), Error);     // depth 3
-  EXPECT_THROW(MMDiT(small_options(0).hidden_size(30)), Error);                   // not divisible by 4 heads
+  EXPECT_THROW(MMDiT(small_options(3)), Error);                                // 3 does not divide 4
+  EXPECT_THROW(MMDiT(small_options(0).x_block_self_attn_layers({3})), Error);  // depth 3
+  EXPECT_THROW(MMDiT(small_options(0).hidden_size(30)), Error);                // not divisible by 4 heads
 }
 
 // Checkpointed joint blocks give the gradients of the plain forward.

@@ -5,12 +5,12 @@
 
 #include <gtest/gtest.h>
 
-#include "../nn/graph_testing.h"
 #include <torch/torch.h>
+#include "../nn/graph_testing.h"
 
+#include "model_testing.h"
 #include "shoestring/core/error.h"
 #include "shoestring/models/tiny_unet.h"
-#include "model_testing.h"
 
 using namespace shoestring;
 using models::TinyUNet;

@@ -3,8 +3,8 @@
 
 #include <gtest/gtest.h>
 
-#include "graph_testing.h"
 #include <torch/torch.h>
+#include "graph_testing.h"
 
 #include "shoestring/core/error.h"
 #include "shoestring/nn/checkpoint.h"
@@ -115,7 +115,10 @@ TEST(Checkpoint, UnusedOutputGetsNoGradient) {
   auto w = torch::randn({4}, torch::requires_grad());
   auto x = torch::randn({4}, torch::requires_grad());
   auto outs = nn::checkpoint(
-      [w](const std::vector<torch::Tensor>& in) { return std::vector<torch::Tensor>{in[0] * w, in[0] + w}; }, {x});
+      [w](const std::vector<torch::Tensor>& in) {
+        return std::vector<torch::Tensor>{in[0] * w, in[0] + w};
+      },
+      {x});
   outs[0].sum().backward();
   EXPECT_TRUE(torch::equal(x.grad(), w.detach()));
   EXPECT_TRUE(torch::equal(w.grad(), x.detach()));

@@ -68,8 +68,9 @@ TEST(ChunkedAttention, MatchesDoublePrecisionFormula) {
   auto q = torch::randn({1, 2, 12, 4});
   auto k = torch::randn({1, 2, 9, 4});
   auto v = torch::randn({1, 2, 9, 4});
-  auto expected = torch::matmul(torch::softmax(torch::matmul(q.to(torch::kDouble), k.to(torch::kDouble).transpose(-1, -2)), -1),
-                                v.to(torch::kDouble));
+  auto expected =
+      torch::matmul(torch::softmax(torch::matmul(q.to(torch::kDouble), k.to(torch::kDouble).transpose(-1, -2)), -1),
+                    v.to(torch::kDouble));
   expect_close(nn::chunked_attention(q, k, v, {}, 5), expected, 1e-6, 1e-6, "out vs double");
 }
 
@@ -89,10 +90,10 @@ TEST(ChunkedAttention, MatchesPlainInBf16) {
 
 TEST(ChunkedAttention, ThresholdChoosesBlocks) {
   // 2 x 4 x 64 rows x 64 keys x 4 bytes = 128 KiB of scores.
-  EXPECT_EQ(nn::attention_block_rows(2, 4, 64, 64, 4, 128 << 10), 0);      // fits
-  EXPECT_EQ(nn::attention_block_rows(2, 4, 64, 64, 4, 0), 0);              // disabled
-  EXPECT_EQ(nn::attention_block_rows(2, 4, 64, 64, 4, 32 << 10), 16);      // a quarter per block
-  EXPECT_EQ(nn::attention_block_rows(2, 4, 64, 64, 4, 1), 1);              // at least one row
+  EXPECT_EQ(nn::attention_block_rows(2, 4, 64, 64, 4, 128 << 10), 0);  // fits
+  EXPECT_EQ(nn::attention_block_rows(2, 4, 64, 64, 4, 0), 0);          // disabled
+  EXPECT_EQ(nn::attention_block_rows(2, 4, 64, 64, 4, 32 << 10), 16);  // a quarter per block
+  EXPECT_EQ(nn::attention_block_rows(2, 4, 64, 64, 4, 1), 1);          // at least one row
   EXPECT_THROW(nn::set_attention_chunk_bytes(-1), Error);
 }
 
@@ -143,7 +144,7 @@ TEST(ChunkedAttention, BackwardNeverHoldsTheScoreMatrix) {
     return std::make_pair(kept, peak);
   };
   auto plain = measure(0);
-  auto chunked = measure(32);  // blocks of 32 rows: 1/16 of the scores
+  auto chunked = measure(32);                 // blocks of 32 rows: 1/16 of the scores
   EXPECT_GT(plain.first, score_bytes);        // plain keeps the probabilities
   EXPECT_LT(chunked.first, score_bytes / 8);  // chunked keeps q, k, v, out only
   EXPECT_GT(plain.second, 2 * score_bytes);

@@ -144,7 +144,7 @@ TEST(Lora, FeedForwardAndConvTargets) {
   std::map<std::string, int64_t> ranks;
   for (const auto& m : net->modules()) ranks[m->layer().kohya_name] = m->rank();
   const std::map<std::string, int64_t> expected = {
-      {"lora_unet_input_blocks_1_0_in_layers_2", 2},       // 3x3: conv_dim
+      {"lora_unet_input_blocks_1_0_in_layers_2", 2},      // 3x3: conv_dim
       {"lora_unet_input_blocks_1_0_skip_connection", 4},  // 1x1: network_dim, as kohya
       {"lora_unet_input_blocks_4_1_proj_in", 4},
       {"lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q", 4},
@@ -363,10 +363,12 @@ TEST(Lora, LoadListsMissingAndUnexpectedKeys) {
       << msg;
   EXPECT_NE(msg.find("1 unexpected: lora_unet_out_2.lora_down.weight"), std::string::npos) << msg;
   // A strict load that fails changes nothing.
-  EXPECT_EQ(other->find("lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q")->up().abs().max().item<float>(), 0.0f);
+  EXPECT_EQ(other->find("lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q")->up().abs().max().item<float>(),
+            0.0f);
 
   LoraLoadReport r = other->load(path, /*partial=*/true);
-  EXPECT_EQ(r.missing, std::vector<std::string>{"lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_k.lora_up.weight"});
+  EXPECT_EQ(r.missing,
+            std::vector<std::string>{"lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_k.lora_up.weight"});
   EXPECT_EQ(r.unexpected, std::vector<std::string>{"lora_unet_out_2.lora_down.weight"});
   EXPECT_TRUE(torch::equal(other->find("lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q")->up(),
                            net->find("lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q")->up()));
@@ -424,8 +426,9 @@ TEST(Lora, NetworkArgs) {
   EXPECT_EQ(o.conv_rank, 4);
   EXPECT_DOUBLE_EQ(o.conv_alpha, 0.5);
   EXPECT_TRUE(o.feed_forward);
-  EXPECT_NE(error_of([] { apply_network_args({}, {"conv_rank=4"}); })
-                .find("unknown key 'conv_rank' (valid: conv_dim, conv_alpha, train_ff)"),
+  EXPECT_NE(error_of([] {
+              apply_network_args({}, {"conv_rank=4"});
+            }).find("unknown key 'conv_rank' (valid: conv_dim, conv_alpha, train_ff)"),
             std::string::npos);
   EXPECT_NE(error_of([] { apply_network_args({}, {"conv_dim=four"}); }).find("'four' is not a number"),
             std::string::npos);

@@ -127,8 +127,8 @@ TEST(Adafactor, MatrixVectorConvThreeStepsFollowThePaperFormulas) {
   };
   AdafactorOptions with_beta1 = parse_adafactor_args({"beta1=0.9", "clip_threshold=0.3", "decay_rate=-0.5"});
   with_beta1.weight_decay = 0.05;
-  std::vector<Case> cases = {{"kohya", kohya_options(), 0.02}, {"defaults", AdafactorOptions{}, 7.0},
-                             {"beta1", with_beta1, 0.0}};
+  std::vector<Case> cases = {
+      {"kohya", kohya_options(), 0.02}, {"defaults", AdafactorOptions{}, 7.0}, {"beta1", with_beta1, 0.0}};
   for (const auto& cs : cases) {
     torch::manual_seed(5);
     std::vector<at::Tensor> params = {torch::randn({3, 4}), torch::randn({5}), torch::randn({4, 2, 3, 3})};
@@ -152,8 +152,8 @@ TEST(Adafactor, MatrixVectorConvThreeStepsFollowThePaperFormulas) {
       }
       opt.step(cs.lr);
       for (size_t i = 0; i < params.size(); ++i) {
-        expect_close(params[i], x[i], 2e-6, std::string(cs.name) + " step " + std::to_string(t) + " param " +
-                                                std::to_string(i));
+        expect_close(params[i], x[i], 2e-6,
+                     std::string(cs.name) + " step " + std::to_string(t) + " param " + std::to_string(i));
       }
     }
   }

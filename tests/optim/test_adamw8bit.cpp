@@ -191,7 +191,8 @@ TEST(AdamW8bit, NonFiniteGradientElementsLeaveParamAndStateUntouched) {
     EXPECT_TRUE(torch::isfinite(after.at(s)).all().item<bool>()) << s;
   }
   // scattered elements: their moment keeps its value up to requantization with the block's new absmax
-  auto m_before = dequantize_blockwise(before.at("big.exp_avg_q"), before.at("big.exp_avg_absmax"), signed_dynamic_map());
+  auto m_before =
+      dequantize_blockwise(before.at("big.exp_avg_q"), before.at("big.exp_avg_absmax"), signed_dynamic_map());
   auto m_after = dequantize_blockwise(after.at("big.exp_avg_q"), after.at("big.exp_avg_absmax"), signed_dynamic_map());
   auto absmax_after = after.at("big.exp_avg_absmax");
   for (int64_t i : bad) {
@@ -302,8 +303,8 @@ TEST(AdamW8bit, Bf16WeightsWithStochasticRoundingFollowFp32) {
 }
 
 TEST(AdamW8bit, ParsesKohyaArgs) {
-  auto o = parse_adamw8bit_args({"weight_decay=0.05", "betas=0.8,0.95", "eps=1e-6", "min_8bit_size=16384",
-                                 "block_size=2048"});
+  auto o = parse_adamw8bit_args(
+      {"weight_decay=0.05", "betas=0.8,0.95", "eps=1e-6", "min_8bit_size=16384", "block_size=2048"});
   EXPECT_DOUBLE_EQ(o.adam.weight_decay, 0.05);
   EXPECT_DOUBLE_EQ(o.adam.beta1, 0.8);
   EXPECT_DOUBLE_EQ(o.adam.beta2, 0.95);

@@ -141,8 +141,7 @@ TEST(Compass, ParsesKohyaArgs) {
     parse_compass_args({"momentum=0.9"});
     FAIL();
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("valid: weight_decay, betas, eps, amp_fac, centralization"),
-              std::string::npos)
+    EXPECT_NE(std::string(e.what()).find("valid: weight_decay, betas, eps, amp_fac, centralization"), std::string::npos)
         << e.what();
   }
   try {

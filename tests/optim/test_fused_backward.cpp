@@ -22,7 +22,8 @@ struct Mlp {
   explicit Mlp(std::vector<int64_t> widths, uint64_t seed = 11, at::ScalarType dtype = torch::kFloat32) {
     torch::manual_seed(seed);
     for (size_t l = 0; l + 1 < widths.size(); ++l) {
-      params.push_back((torch::randn({widths[l + 1], widths[l]}) / std::sqrt(double(widths[l]))).to(dtype).requires_grad_(true));
+      params.push_back(
+          (torch::randn({widths[l + 1], widths[l]}) / std::sqrt(double(widths[l]))).to(dtype).requires_grad_(true));
       params.push_back((torch::randn({widths[l + 1]}) * 0.1).to(dtype).requires_grad_(true));
     }
   }
@@ -75,8 +76,8 @@ enum class Clip { none, previous, exact };
 
 // Reference: backward per micro-batch (autograd accumulates .grad), then the
 // trainer's clipping and Optimizer::step.
-void reference_train(Mlp& m, Optimizer& opt, const std::vector<Batch>& data, int64_t accum, int64_t steps,
-                     double lr, Clip clip, double max_norm, std::vector<double>* norms = nullptr) {
+void reference_train(Mlp& m, Optimizer& opt, const std::vector<Batch>& data, int64_t accum, int64_t steps, double lr,
+                     Clip clip, double max_norm, std::vector<double>* norms = nullptr) {
   double prev = std::nan("");
   for (int64_t s = 0; s < steps; ++s) {
     for (int64_t k = 0; k < accum; ++k) (loss_of(m, data[s * accum + k]) / double(accum)).backward();

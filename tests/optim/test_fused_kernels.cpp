@@ -378,7 +378,7 @@ TEST(FusedAdamW8bit, BitIdenticalToReference) {
           }
           EXPECT_FALSE(torch::equal(p_fused, init));
           EXPECT_TRUE(torch::equal(p_fused[5], init[5]));  // NaN gradient: untouched
-          EXPECT_EQ(ma_f[1].item<float>(), 0.0f);           // the all-zero block stays zero
+          EXPECT_EQ(ma_f[1].item<float>(), 0.0f);          // the all-zero block stays zero
         }
       }
     }

@@ -35,8 +35,8 @@ TEST(GradientAccumulator, Bf16RoundToNearestLosesTinyGradientsStochasticRounding
   EXPECT_EQ(rtn.max().item<double>(), 1.0);
   const double mean = sr.mean().item<double>();
   const double se = sr.std().item<double>() / std::sqrt(static_cast<double>(n));
-  EXPECT_GT(se, 0.0);     // SR is random per element
-  EXPECT_LT(se, 2e-3);    // and not wildly so
+  EXPECT_GT(se, 0.0);   // SR is random per element
+  EXPECT_LT(se, 2e-3);  // and not wildly so
   EXPECT_LT(std::abs(mean - exact), 4 * se) << "mean " << mean << " exact " << exact << " se " << se;
   EXPECT_GT(mean, 1.09);  // far from the round-to-nearest result
 }

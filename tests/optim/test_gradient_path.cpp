@@ -70,7 +70,8 @@ Expected sgd_reference(const Named& params, int64_t micro_batches, double lr, do
   const double clip = max_norm > 0 && norm > max_norm ? max_norm / (norm + 1e-6) : 1.0;
   Expected e;
   e.norm = norm;
-  for (size_t i = 0; i < 2; ++i) e.weights.push_back(params[i].second.detach().to(torch::kFloat64) - lr * clip * sum[i]);
+  for (size_t i = 0; i < 2; ++i)
+    e.weights.push_back(params[i].second.detach().to(torch::kFloat64) - lr * clip * sum[i]);
   return e;
 }
 

@@ -23,14 +23,16 @@ std::vector<std::pair<std::string, at::Tensor>> make_params(at::ScalarType dtype
 
 // Runs `steps` steps with deterministic gradients; returns the final
 // parameters and state.
-std::pair<std::vector<at::Tensor>, std::vector<std::pair<std::string, at::Tensor>>> run(
-    const std::string& type, at::ScalarType dtype, bool offload, bool fused, int steps) {
+std::pair<std::vector<at::Tensor>, std::vector<std::pair<std::string, at::Tensor>>> run(const std::string& type,
+                                                                                        at::ScalarType dtype,
+                                                                                        bool offload, bool fused,
+                                                                                        int steps) {
   auto params = make_params(dtype);
   OptimizerOptions o;
   o.seed = 3;
   o.offload_state = offload;
-  std::vector<std::string> args = type == "AdamW8bit" ? std::vector<std::string>{"min_8bit_size=100"}
-                                                      : std::vector<std::string>{};
+  std::vector<std::string> args =
+      type == "AdamW8bit" ? std::vector<std::string>{"min_8bit_size=100"} : std::vector<std::string>{};
   auto opt = make_optimizer(type, args, params, o);
   std::unique_ptr<FusedBackward> fb;
   if (fused) fb = std::make_unique<FusedBackward>(*opt, FusedBackwardOptions{});

@@ -47,7 +47,8 @@ TEST(DynamicMap, MatchesReferenceValues) {
     ASSERT_EQ(got.size(), 256u);
     ASSERT_EQ(expected.size(), 256u);
     for (size_t i = 0; i < 256; ++i) {
-      EXPECT_NEAR(got[i], expected[i], 1e-6 * std::abs(expected[i]) + 1e-30) << (is_signed ? "signed " : "unsigned ") << i;
+      EXPECT_NEAR(got[i], expected[i], 1e-6 * std::abs(expected[i]) + 1e-30)
+          << (is_signed ? "signed " : "unsigned ") << i;
     }
   }
   const auto s = create_dynamic_map(true);
@@ -237,7 +238,8 @@ TEST(BlockwiseQuantization, ZeroBlocksAndErrors) {
   auto qu = quantize_blockwise(torch::zeros({10}), unsigned_dynamic_map());
   EXPECT_TRUE(torch::equal(dequantize_blockwise(qu.codes, qu.absmax, unsigned_dynamic_map()), torch::zeros({10})));
   // any shape; custom block size
-  EXPECT_EQ(quantize_blockwise(torch::ones({3, 5, 7}), signed_dynamic_map()).codes.sizes(), torch::IntArrayRef({3, 5, 7}));
+  EXPECT_EQ(quantize_blockwise(torch::ones({3, 5, 7}), signed_dynamic_map()).codes.sizes(),
+            torch::IntArrayRef({3, 5, 7}));
   auto q64 = quantize_blockwise(x, signed_dynamic_map(), 64);
   EXPECT_EQ(q64.absmax.numel(), 16);
 

@@ -45,8 +45,8 @@ TEST(OptimizerStateSize, MatchesTheStateTensorsAfterOneStep) {
   };
   // 1-D, odd sizes around the 8-bit threshold (4096) and the 64 / 256 blocks,
   // 2-D and 4-D (Adafactor factors them), an empty tensor.
-  const std::vector<std::vector<int64_t>> shapes = {
-      {7}, {99}, {100}, {257}, {4095}, {4096}, {4097}, {64, 80}, {3, 5}, {12, 4, 3, 3}, {1, 300}, {0}};
+  const std::vector<std::vector<int64_t>> shapes = {{7},    {99},     {100},  {257},         {4095},   {4096},
+                                                    {4097}, {64, 80}, {3, 5}, {12, 4, 3, 3}, {1, 300}, {0}};
   int checked = 0;
   for (const ArgsCase& k : optimizers) {
     for (at::ScalarType state_dtype : {at::kFloat, at::kBFloat16}) {

@@ -102,8 +102,8 @@ TEST(MemoryPlan, PredictsMeasuredPeakWithin10Percent) {
     c.resolution = k.res;
     c.gradient_checkpointing = k.ckpt;
     c.fused_backward_pass = k.fused;
-    std::string label = fmt::format("{} batch {} {}px{}{}", k.opt, k.batch, k.res, k.ckpt ? " ckpt" : "",
-                                    k.fused ? " fused" : "");
+    std::string label =
+        fmt::format("{} batch {} {}px{}{}", k.opt, k.batch, k.res, k.ckpt ? " ckpt" : "", k.fused ? " fused" : "");
     for (const auto& s : k.sets) label += " " + s;
     plan::Measurement m = plan::measure_training(c, 2);
     ASSERT_EQ(m.steps.size(), 2u);
@@ -111,8 +111,8 @@ TEST(MemoryPlan, PredictsMeasuredPeakWithin10Percent) {
     const double e1 = rel_error(m.plan.first_step_peak_bytes, m.steps[0].peak_bytes);
     EXPECT_LE(std::abs(e2), 0.10) << label << ": predicted " << m.plan.predicted_peak_bytes << " measured "
                                   << m.steps[1].peak_bytes;
-    EXPECT_LE(std::abs(e1), 0.10) << label << " (step 1): predicted " << m.plan.first_step_peak_bytes
-                                  << " measured " << m.steps[0].peak_bytes;
+    EXPECT_LE(std::abs(e1), 0.10) << label << " (step 1): predicted " << m.plan.first_step_peak_bytes << " measured "
+                                  << m.steps[0].peak_bytes;
     if (c.offload_optimizer_state) {
       // The state lives on the host: the ledger charges it there, the plan reports it there.
       EXPECT_GT(m.plan.host_bytes, 0);
@@ -172,8 +172,8 @@ TEST(MemoryPlan, JsonHasStableFieldNames) {
     EXPECT_GE(j[k].get<int64_t>(), 0) << k;
   }
   int64_t sum = 0;
-  for (const char* k : {"weights_bytes", "gradients_bytes", "optimizer_state_bytes", "activations_bytes",
-                        "temporaries_bytes"}) {
+  for (const char* k :
+       {"weights_bytes", "gradients_bytes", "optimizer_state_bytes", "activations_bytes", "temporaries_bytes"}) {
     sum += j[k].get<int64_t>();
   }
   EXPECT_EQ(sum, j["predicted_peak_bytes"].get<int64_t>());

@@ -47,8 +47,8 @@ void expect_within(const std::string& arch, int64_t resolution, const std::vecto
       detail += fmt::format(" {} {}/{}", to_string(static_cast<MemoryCategory>(c)), format_bytes(p.at_peak[c]),
                             format_bytes(r.step.at_peak[c]));
     }
-    const std::string label = fmt::format("{} tiny {}px {}{}{}", arch, resolution, k.optimizer,
-                                          k.fused ? " fused" : "", k.checkpointing ? " ckpt" : "");
+    const std::string label = fmt::format("{} tiny {}px {}{}{}", arch, resolution, k.optimizer, k.fused ? " fused" : "",
+                                          k.checkpointing ? " ckpt" : "");
     std::printf("[plan] %s: predicted %s measured %s (%+.1f%%) predicted/measured:%s\n", label.c_str(),
                 format_bytes(p.predicted_peak_bytes).c_str(), format_bytes(r.step.peak_bytes).c_str(), 100 * err,
                 detail.c_str());
@@ -134,9 +134,15 @@ TEST(RealArchitecturePlan, TrainerRunsFullAndLoraWithinTolerance) {
     double low, high;  // allowed relative error, predicted vs measured
   };
   const std::vector<Case> cases = {
-      {"sd15", {"optimizer_type=\"Adafactor\"", "fused_backward_pass=true", "gradient_checkpointing=true"}, -0.15, 0.15},
-      {"sd15", {"network_module=\"networks.lora\"", "network_dim=8", "optimizer_type=\"AdamW8bit\"",
-                "gradient_checkpointing=true"}, -0.15, 0.20},
+      {"sd15",
+       {"optimizer_type=\"Adafactor\"", "fused_backward_pass=true", "gradient_checkpointing=true"},
+       -0.15,
+       0.15},
+      {"sd15",
+       {"network_module=\"networks.lora\"", "network_dim=8", "optimizer_type=\"AdamW8bit\"",
+        "gradient_checkpointing=true"},
+       -0.15,
+       0.20},
       {"sdxl", {"network_module=\"networks.lora\"", "network_dim=8", "optimizer_type=\"AdamW\""}, -0.15, 0.20},
   };
   for (const Case& k : cases) {

@@ -132,7 +132,8 @@ TEST(Policy, ContradictionsAndUnknownNamesAreErrorsNamingRuleAndKey) {
       Policy::from_specs(specs);
       ADD_FAILURE() << "no error";
     } catch (const Error& e) {
-      for (const auto& n : needles) EXPECT_NE(std::string(e.what()).find(n), std::string::npos) << e.what() << " lacks " << n;
+      for (const auto& n : needles)
+        EXPECT_NE(std::string(e.what()).find(n), std::string::npos) << e.what() << " lacks " << n;
     }
   };
   auto ok = spec("*");

@@ -148,7 +148,8 @@ TEST(LossScaler, FollowsGradScalerRule) {
   LossScaler s(o);
   EXPECT_EQ(s.scale(), 65536.0);
   const std::vector<bool> inf = {false, false, true, false, false, false, false, false, false, true, true, false};
-  const std::vector<double> scale = {65536, 65536, 32768, 32768, 32768, 65536, 65536, 65536, 131072, 65536, 32768, 32768};
+  const std::vector<double> scale = {65536, 65536, 32768,  32768, 32768, 65536,
+                                     65536, 65536, 131072, 65536, 32768, 32768};
   const std::vector<int64_t> tracker = {1, 2, 0, 1, 2, 0, 1, 2, 0, 0, 0, 1};
   for (size_t i = 0; i < inf.size(); ++i) {
     s.update(inf[i]);
@@ -397,11 +398,18 @@ TEST(SaveGuard, OverflowAndBulkFlushAreErrorsNamingTensors) {
 
 TEST(Fp8, RoundingMatchesFormatDefinitions) {
   // e4m3fn: 3 mantissa bits, min normal 2^-6, max 448, subnormal step 2^-9.
-  at::Tensor x = torch::tensor({1.0f, 1.0625f, 1.1875f, 448.0f, 464.0f, 1000.0f, std::ldexp(1.0f, -10),
-                                std::ldexp(3.0f, -11), -0.3f});
+  at::Tensor x = torch::tensor(
+      {1.0f, 1.0625f, 1.1875f, 448.0f, 464.0f, 1000.0f, std::ldexp(1.0f, -10), std::ldexp(3.0f, -11), -0.3f});
   at::Tensor y = round_to_fp8(x, Dtype::fp8_e4m3);
-  std::vector<float> want = {1.0f, 1.0f /*tie to even*/, 1.25f /*tie to even*/, 448.0f, 448.0f /*saturates*/,
-                             448.0f, 0.0f /*half of 2^-9 ties to 0*/, std::ldexp(2.0f, -10), -0.3125f};
+  std::vector<float> want = {1.0f,
+                             1.0f /*tie to even*/,
+                             1.25f /*tie to even*/,
+                             448.0f,
+                             448.0f /*saturates*/,
+                             448.0f,
+                             0.0f /*half of 2^-9 ties to 0*/,
+                             std::ldexp(2.0f, -10),
+                             -0.3125f};
   for (size_t i = 0; i < want.size(); ++i) EXPECT_EQ(y[i].item<float>(), want[i]) << i;
   // e5m2: 2 mantissa bits, max 57344, overflow to inf at 61440.
   at::Tensor z = round_to_fp8(torch::tensor({57344.0f, 61439.0f, 61440.0f, 1.125f, 1.375f}), Dtype::fp8_e5m2);

@@ -72,8 +72,9 @@ TEST(Config, CrossKeyValidation) {
 }
 
 TEST(Config, SetOverrides) {
-  auto c = parse_config("seed = 1\n", "run.toml",
-                        {"seed=5", "output_dir=runs/x", "model.channel_mult=[1,2]", "attention_levels=[1]", "num_heads=2"});
+  auto c =
+      parse_config("seed = 1\n", "run.toml",
+                   {"seed=5", "output_dir=runs/x", "model.channel_mult=[1,2]", "attention_levels=[1]", "num_heads=2"});
   EXPECT_EQ(c.seed, 5);
   EXPECT_EQ(c.output_dir, "runs/x");
   EXPECT_EQ(c.channel_mult, (std::vector<int64_t>{1, 2}));
@@ -85,8 +86,7 @@ TEST(Config, SetOverrides) {
 }
 
 TEST(Config, ResolvedTomlRoundTrips) {
-  auto c = parse_config("learning_rate = 3e-4\nsample_prompts = [\"a\", \"b c\"]\nfull_bf16 = true\n",
-                        "run.toml");
+  auto c = parse_config("learning_rate = 3e-4\nsample_prompts = [\"a\", \"b c\"]\nfull_bf16 = true\n", "run.toml");
   std::string text = shoestring::to_toml(c);
   auto d = parse_config(text, "resolved.toml");
   EXPECT_EQ(shoestring::to_toml(d), text);
@@ -118,8 +118,7 @@ TEST(Config, DocsPageIsCurrent) {
     std::ofstream out(std::string(::testing::TempDir()) + "/config.md");
     out << expected;
   }
-  EXPECT_EQ(ss.str(), expected) << "docs/config.md is stale: copy " << ::testing::TempDir()
-                                << "config.md over it";
+  EXPECT_EQ(ss.str(), expected) << "docs/config.md is stale: copy " << ::testing::TempDir() << "config.md over it";
 }
 
 // The schema's resume attributes: every key a checkpoint depends on is
@@ -128,12 +127,11 @@ TEST(Config, ResumeDifferencesNameEachKeyTheCheckpointDependsOn) {
   const auto was = parse_config("optimizer_type = \"AdamW\"\nema_decay = 0.99\n", "run.toml");
   EXPECT_TRUE(shoestring::resume_differences(was, was).empty());
   // Keys the checkpoint does not depend on may change.
-  auto now = parse_config("optimizer_type = \"AdamW\"\nema_decay = 0.9\nlearning_rate = 1\nmax_train_steps = 9\n",
-                          "now.toml");
+  auto now =
+      parse_config("optimizer_type = \"AdamW\"\nema_decay = 0.9\nlearning_rate = 1\nmax_train_steps = 9\n", "now.toml");
   EXPECT_TRUE(shoestring::resume_differences(was, now).empty());
   now = parse_config(
-      "optimizer_type = \"Lion\"\nema_decay = 0\n[model]\nchannel_mult = [1, 2]\nattention_levels = [1]\n",
-      "now.toml");
+      "optimizer_type = \"Lion\"\nema_decay = 0\n[model]\nchannel_mult = [1, 2]\nattention_levels = [1]\n", "now.toml");
   const auto diffs = shoestring::resume_differences(was, now);
   ASSERT_EQ(diffs.size(), 4u);
   EXPECT_EQ(diffs[0], "model.channel_mult (run: \"[1, 2, 4]\", now: \"[1, 2]\")");

@@ -55,7 +55,6 @@ TrainConfig ldm_config(const std::string& arch, const std::string& out, const st
   return parse_config(text, arch + ".toml");
 }
 
-
 std::vector<double> run_losses(const std::string& run_dir) { return losses_of(run_dir + "/metrics.jsonl"); }
 
 std::vector<models::TensorShape> shapes_of(const WeightFiles& f) {
@@ -169,9 +168,9 @@ TEST(LdmTraining, FineTuneAndLoraStartFromTheSavedFile) {
   }
 
   // LoRA on it: kohya names from the LDM layout, base weights untouched.
-  TrainConfig lora = ldm_config("sd15", temp_dir("lora"),
-                                "pretrained_model_name_or_path = \"" + base +
-                                    "\"\nnetwork_module = \"networks.lora\"\nnetwork_dim = 2\n");
+  TrainConfig lora = ldm_config(
+      "sd15", temp_dir("lora"),
+      "pretrained_model_name_or_path = \"" + base + "\"\nnetwork_module = \"networks.lora\"\nnetwork_dim = 2\n");
   lora.max_train_steps = 3;
   auto ls = train(lora, quiet());
   for (double l : run_losses(ls.run_dir)) EXPECT_TRUE(std::isfinite(l));
@@ -195,7 +194,8 @@ TEST(LdmTraining, FineTuneAndLoraStartFromTheSavedFile) {
   o.resume_dir = dir;
   train(part, o);
   EXPECT_EQ(run_losses(dir), run_losses(ls.run_dir));
-  auto resumed = load_safetensors(dir + "/lora.safetensors"), whole = load_safetensors(ls.run_dir + "/lora.safetensors");
+  auto resumed = load_safetensors(dir + "/lora.safetensors"),
+       whole = load_safetensors(ls.run_dir + "/lora.safetensors");
   ASSERT_EQ(resumed.size(), whole.size());
   for (const auto& [k, v] : whole) EXPECT_TRUE(torch::equal(v, resumed.at(k))) << k;
 }

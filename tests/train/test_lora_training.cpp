@@ -70,8 +70,6 @@ std::string base_model() {
 
 std::string pretrained_line() { return "pretrained_model_name_or_path = \"" + base_model() + "\"\n"; }
 
-
-
 }  // namespace
 
 TEST(LoraTraining, TrainsOnlyTheAdapterAndWritesAKohyaFile) {
@@ -121,8 +119,8 @@ TEST(LoraTraining, TrainsOnlyTheAdapterAndWritesAKohyaFile) {
 
   // It loads back onto the base model, from the file alone or into a network
   // built from the same options, with the same values.
-  auto from_file = nn::LoraNetworkImpl::from_file(*fresh, {{"lora_unet", "unet."}, {"lora_te", "text_encoder."}},
-                                                   lora_path);
+  auto from_file =
+      nn::LoraNetworkImpl::from_file(*fresh, {{"lora_unet", "unet."}, {"lora_te", "text_encoder."}}, lora_path);
   EXPECT_EQ(from_file->modules().size() * 3, lora.tensors().size());
   auto values = load_safetensors(lora_path);
   for (const auto& p : from_file->named_parameters()) EXPECT_TRUE(torch::equal(p.value(), values.at(p.key())));
@@ -136,7 +134,8 @@ TEST(LoraTraining, TrainsOnlyTheAdapterAndWritesAKohyaFile) {
 }
 
 TEST(LoraTraining, UnetOnlyAndResume) {
-  TrainConfig full = lora_config(temp_dir("full"), pretrained_line() + "network_train_unet_only = true\nsave_precision = \"bf16\"\n");
+  TrainConfig full =
+      lora_config(temp_dir("full"), pretrained_line() + "network_train_unet_only = true\nsave_precision = \"bf16\"\n");
   auto a = train(full, quiet());
   // save_precision applies to the final LoRA file only; checkpoints keep fp32.
   EXPECT_EQ(SafetensorsFile::open(a.run_dir + "/lora.safetensors").tensors()[0].dtype, StDtype::BF16);

@@ -90,7 +90,7 @@ TEST(PrecisionTraining, FullFp16AutoUpcastMovesExactlyTheOverflowingBlockAndResu
   auto recs = records_of(a.run_dir);
   ASSERT_EQ(recs.size(), 4u);
   EXPECT_TRUE(recs[0]["skipped"].get<bool>());  // the overflowing step
-  EXPECT_TRUE(recs[0]["loss"].is_null());  // inf is written as null
+  EXPECT_TRUE(recs[0]["loss"].is_null());       // inf is written as null
   for (size_t i = 1; i < recs.size(); ++i) {
     ASSERT_TRUE(recs[i]["loss"].is_number()) << "step " << i + 1;
     EXPECT_TRUE(std::isfinite(recs[i]["loss"].get<double>())) << "step " << i + 1;
@@ -165,8 +165,8 @@ TEST(PrecisionTraining, ShorthandsConfigureTheModelsBlocks) {
   precision::apply(*model, res, tables);
   // Weights stay fp32; every UNet block computes in bf16 and is checkpointed; scopes are never checkpointed.
   EXPECT_EQ(model->unet->conv_in->weight.scalar_type(), at::kFloat);
-  const nn::BlockPrecision* res0 = model->unet->block_table()->find(
-      model->unet->down[0]->as<models::TinyUNetLevelImpl>()->res[0].get());
+  const nn::BlockPrecision* res0 =
+      model->unet->block_table()->find(model->unet->down[0]->as<models::TinyUNetLevelImpl>()->res[0].get());
   ASSERT_NE(res0, nullptr);
   EXPECT_EQ(res0->compute, at::kBFloat16);
   EXPECT_TRUE(res0->checkpoint);
@@ -216,7 +216,6 @@ TEST(PrecisionTraining, SavePrecisionGuardRefusesOverflowUnlessForced) {
   auto ok = tiny_config(temp_dir("save_bf16"), "save_precision = \"bf16\"\n");
   ok.max_train_steps = 1;
   auto s2 = train(ok, plant());
-  EXPECT_EQ(SafetensorsFile::open(s2.run_dir + "/model.safetensors").find("unet.conv_in.weight")->dtype,
-            StDtype::BF16);
+  EXPECT_EQ(SafetensorsFile::open(s2.run_dir + "/model.safetensors").find("unet.conv_in.weight")->dtype, StDtype::BF16);
   fs::remove_all(s2.run_dir);
 }

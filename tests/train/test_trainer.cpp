@@ -11,8 +11,8 @@
 #include "shoestring/io/safetensors.h"
 #include "shoestring/train/checkpoint_io.h"
 #include "shoestring/train/config.h"
-#include "shoestring/train/tiny_unet_model.h"
 #include "shoestring/train/sampling.h"
+#include "shoestring/train/tiny_unet_model.h"
 #include "shoestring/train/trainer.h"
 #include "train_testing.h"
 
@@ -59,9 +59,8 @@ TEST(Trainer, LossFallsOnFixtures) {
     std::getline(in, l);
     return l;
   }());
-  for (const char* key : {"step", "loss", "lr", "seconds", "images_per_second", "peak_bytes",
-                          "peak_weights_bytes", "peak_gradients_bytes", "peak_optimizer_state_bytes",
-                          "peak_activations_bytes"}) {
+  for (const char* key : {"step", "loss", "lr", "seconds", "images_per_second", "peak_bytes", "peak_weights_bytes",
+                          "peak_gradients_bytes", "peak_optimizer_state_bytes", "peak_activations_bytes"}) {
     EXPECT_TRUE(rec.contains(key)) << key;
   }
   EXPECT_GT(rec["peak_weights_bytes"].get<int64_t>(), 0);
@@ -129,15 +128,15 @@ TEST_P(ResumeTest, ResumedLossesEqualUninterruptedRun) {
   fs::remove_all(a.run_dir);
   fs::remove_all(b.run_dir);
 }
-INSTANTIATE_TEST_SUITE_P(
-    Precision, ResumeTest,
-    ::testing::Values(Variant{"fp32_adamw", false, "AdamW", false, "fp32"},
-                      Variant{"bf16_adamw", true, "AdamW", false, "fp32"},
-                      Variant{"bf16_adamw8bit_sr_accumulation", true, "AdamW8bit", false, "bf16_sr"},
-                      Variant{"bf16_adafactor_fused", true, "Adafactor", true, "bf16_sr"},
-                      Variant{"fp32_lion_fused", false, "Lion", true, "fp32"},
-                      Variant{"bf16_compass", true, "Compass", false, "fp32"}),
-    [](const auto& info) { return std::string(info.param.name); });
+INSTANTIATE_TEST_SUITE_P(Precision, ResumeTest,
+                         ::testing::Values(Variant{"fp32_adamw", false, "AdamW", false, "fp32"},
+                                           Variant{"bf16_adamw", true, "AdamW", false, "fp32"},
+                                           Variant{"bf16_adamw8bit_sr_accumulation", true, "AdamW8bit", false,
+                                                   "bf16_sr"},
+                                           Variant{"bf16_adafactor_fused", true, "Adafactor", true, "bf16_sr"},
+                                           Variant{"fp32_lion_fused", false, "Lion", true, "fp32"},
+                                           Variant{"bf16_compass", true, "Compass", false, "fp32"}),
+                         [](const auto& info) { return std::string(info.param.name); });
 
 TEST(Trainer, RefusesToOverwriteAndReportsMissingDataset) {
   auto cfg = tiny_config(temp_dir("missing"));

@@ -18,7 +18,8 @@ void register_inspect(CLI::App& app);
 /// `shoestring plan CONFIG [--set k=v]... [--budget 8GiB] [--vocab-size N] [--json] [--explain]`
 void register_plan(CLI::App& app);
 
-/// `shoestring convert IN --to ldm|diffusers [--dtype keep|fp32|bf16|fp16] [--component unet|vae] [--arch NAME] [--force] OUT`
+/// `shoestring convert IN --to ldm|diffusers [--dtype keep|fp32|bf16|fp16] [--component unet|vae] [--arch NAME]
+/// [--force] OUT`
 void register_convert(CLI::App& app);
 
 }  // namespace shoestring::cli

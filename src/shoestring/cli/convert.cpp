@@ -99,21 +99,25 @@ std::vector<Planned> plan_to_diffusers(const WeightFiles& files, const ConvertOp
     for (const auto& n : files.names()) {
       if (n.rfind("down_blocks.", 0) == 0 || n.rfind("encoder.down_blocks.", 0) == 0) diffusers_names = true;
     }
-    fail("convert: {} holds no SD 1.5 / SDXL / SSD-1B UNet or SD VAE in the LDM layout{}{} (see `shoestring inspect "
-         "{}`)",
-         files.path(), o.arch.empty() ? "" : fmt::format(" matching --arch {}", o.arch),
-         diffusers_names ? "; its names look like the diffusers layout already (use --to ldm to convert it back)" : "",
-         files.path());
+    fail(
+        "convert: {} holds no SD 1.5 / SDXL / SSD-1B UNet or SD VAE in the LDM layout{}{} (see `shoestring inspect "
+        "{}`)",
+        files.path(), o.arch.empty() ? "" : fmt::format(" matching --arch {}", o.arch),
+        diffusers_names ? "; its names look like the diffusers layout already (use --to ldm to convert it back)" : "",
+        files.path());
   }
   if (usable.size() > 1)
-    fail("convert: {} holds several models ({} and {}); pick one with --component unet|vae (diffusers keeps one "
-         "component per file)",
-         files.path(), usable[0].architecture, usable[1].architecture);
+    fail(
+        "convert: {} holds several models ({} and {}); pick one with --component unet|vae (diffusers keeps one "
+        "component per file)",
+        files.path(), usable[0].architecture, usable[1].architecture);
   const models::Detection& d = usable[0];
   if (!d.exact())
     fail("convert: {} is not a complete {} checkpoint: {} missing, {} unexpected, {} mis-shaped tensors (first: {})",
          files.path(), d.architecture, d.missing.size(), d.unexpected.size(), d.mismatched.size(),
-         !d.missing.empty() ? d.missing[0] : !d.unexpected.empty() ? d.unexpected[0] : d.mismatched[0]);
+         !d.missing.empty()      ? d.missing[0]
+         : !d.unexpected.empty() ? d.unexpected[0]
+                                 : d.mismatched[0]);
   arch_out = d.architecture;
   std::vector<Planned> plan;
   for (const auto& n : files.names()) {
@@ -150,7 +154,8 @@ std::vector<Planned> plan_to_ldm(const WeightFiles& files, const ConvertOptions&
       try {
         std::string key = is_unet(arch) ? io::unet_diffusers_to_ldm(n, layout_of(arch)) : io::vae_diffusers_to_ldm(n);
         Planned p{a.prefix + key, n, files.find(n)->shape};
-        if (is_vae(arch) && is_vae_attention_weight(key) && p.out_shape.size() == 2) p.out_shape.insert(p.out_shape.end(), {1, 1});
+        if (is_vae(arch) && is_vae_attention_weight(key) && p.out_shape.size() == 2)
+          p.out_shape.insert(p.out_shape.end(), {1, 1});
         shapes.push_back({p.out_name, p.out_shape});
         plan.push_back(std::move(p));
       } catch (const Error& e) {
@@ -204,7 +209,8 @@ void run_convert(const ConvertOptions& o) {
   }
   std::string arch;
   int64_t dropped = 0;
-  std::vector<Planned> plan = o.to == "diffusers" ? plan_to_diffusers(files, o, arch, dropped) : plan_to_ldm(files, o, arch);
+  std::vector<Planned> plan =
+      o.to == "diffusers" ? plan_to_diffusers(files, o, arch, dropped) : plan_to_ldm(files, o, arch);
 
   // Range guard first (reads every value once), then write.
   std::vector<std::string> problems;

@@ -74,8 +74,8 @@ void print_architecture(const InspectOptions& o) {
 }
 
 nlohmann::json detection_json(const models::Detection& d) {
-  return {{"architecture", d.architecture}, {"tiny", d.tiny},           {"prefix", d.prefix},
-          {"matched", d.matched},           {"missing", d.missing},     {"unexpected", d.unexpected},
+  return {{"architecture", d.architecture}, {"tiny", d.tiny},       {"prefix", d.prefix},
+          {"matched", d.matched},           {"missing", d.missing}, {"unexpected", d.unexpected},
           {"mismatched", d.mismatched},     {"exact", d.exact()}};
 }
 
@@ -133,7 +133,8 @@ void inspect_sharded(const InspectOptions& o) {
     std::cout << j.dump(2) << '\n';
   } else {
     std::cout << fmt::format("{}: sharded checkpoint, {} shards, {} tensors, {} parameters, {} of data\n", o.file,
-                             per_file.size(), shapes.size(), params, format_bytes(static_cast<int64_t>(files.data_bytes())));
+                             per_file.size(), shapes.size(), params,
+                             format_bytes(static_cast<int64_t>(files.data_bytes())));
     for (const auto& [f, n] : per_file) std::cout << fmt::format("  {}: {} tensors\n", f, n);
     std::cout << detection_text(found);
   }
@@ -145,8 +146,9 @@ void inspect_sharded(const InspectOptions& o) {
 void register_inspect(CLI::App& app) {
   auto opts = std::make_shared<InspectOptions>();
   CLI::App* sub = app.add_subcommand(
-      "inspect", "Validate a .safetensors file and list its tensors, dtypes, shapes, parameter count, bytes per "
-                 "dtype, metadata and detected architecture; or, with --arch, size a registered architecture");
+      "inspect",
+      "Validate a .safetensors file and list its tensors, dtypes, shapes, parameter count, bytes per "
+      "dtype, metadata and detected architecture; or, with --arch, size a registered architecture");
   sub->add_option("file", opts->file, "path to a .safetensors file or a sharded *.safetensors.index.json");
   sub->add_option("--arch", opts->arch, "a registered architecture (sd15, sdxl, ssd1b, vae, tiny-unet, ...)");
   sub->add_flag("--tiny", opts->tiny, "with --arch: the test-size variant of the architecture");

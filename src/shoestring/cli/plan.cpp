@@ -7,8 +7,8 @@
 
 #include "shoestring/cli/commands.h"
 #include "shoestring/core/error.h"
-#include "shoestring/models/architecture.h"
 #include "shoestring/core/units.h"
+#include "shoestring/models/architecture.h"
 #include "shoestring/plan/explain.h"
 #include "shoestring/plan/memory_plan.h"
 #include "shoestring/train/config.h"
@@ -27,8 +27,7 @@ void print_plan(const TrainConfig& c, const plan::MemoryPlan& p) {
              models::find_architecture(c.architecture).family != models::Family::tiny_unet
                  ? (c.tiny ? " (tiny) denoiser" : " denoiser")
                  : "",
-             p.parameters / 1e6,
-             c.full_bf16 ? "bf16" : (c.mixed_precision == "bf16" ? "fp32 (bf16 autocast)" : "fp32"),
+             p.parameters / 1e6, c.full_bf16 ? "bf16" : (c.mixed_precision == "bf16" ? "fp32 (bf16 autocast)" : "fp32"),
              c.optimizer_type, c.optimizer_state_dtype == "bf16" ? " (bf16 state)" : "",
              c.fused_backward_pass ? ", fused backward" : "");
   fmt::print("batch {} x {} accumulation at {} px{}{}\n", c.train_batch_size, c.gradient_accumulation_steps,
@@ -64,7 +63,8 @@ void register_plan(CLI::App& app) {
   cmd->add_option("config", args->config, "run config (TOML)")->required();
   cmd->add_option("--set", args->sets, "override a config key: --set train_batch_size=8 (repeatable)")
       ->allow_extra_args(false);
-  CLI::Option* budget_option = cmd->add_option("--budget", args->budget, "memory budget (e.g. 8GiB): propose the cheapest switches that fit");
+  CLI::Option* budget_option =
+      cmd->add_option("--budget", args->budget, "memory budget (e.g. 8GiB): propose the cheapest switches that fit");
   cmd->add_option("--vocab-size", args->vocab_size,
                   "caption vocabulary size (sets the token embedding; the trainer builds it from the dataset)")
       ->check(CLI::Range(int64_t{1}, int64_t{100000000}));
@@ -77,7 +77,8 @@ void register_plan(CLI::App& app) {
     plan::MemoryPlan p = plan::plan_memory(config, args->vocab_size);
     nlohmann::json out = p.to_json();
     std::optional<plan::Advice> advice;
-    if (budget_option->count() > 0 && args->budget.empty()) fail("--budget: expected a memory size such as 8GiB, got ''");
+    if (budget_option->count() > 0 && args->budget.empty())
+      fail("--budget: expected a memory size such as 8GiB, got ''");
     if (!args->budget.empty()) {
       const int64_t budget = plan::parse_byte_size(args->budget);
       advice = plan::advise(config, args->vocab_size, budget);

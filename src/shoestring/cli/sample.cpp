@@ -7,13 +7,13 @@
 
 #include "shoestring/cli/commands.h"
 #include "shoestring/core/error.h"
-#include "shoestring/models/architecture.h"
 #include "shoestring/core/threads.h"
 #include "shoestring/data/tokenizer.h"
 #include "shoestring/io/safetensors.h"
+#include "shoestring/models/architecture.h"
 #include "shoestring/train/checkpoint_io.h"
-#include "shoestring/train/tiny_unet_model.h"
 #include "shoestring/train/sampling.h"
+#include "shoestring/train/tiny_unet_model.h"
 
 namespace shoestring::cli {
 
@@ -43,14 +43,14 @@ void register_sample(CLI::App& app) {
   };
   auto args = std::make_shared<Args>();
   CLI::App* cmd = app.add_subcommand("sample", "generate images from a trained checkpoint");
-  cmd->add_option("checkpoint", args->checkpoint, "model .safetensors written by shoestring train")
-      ->required();
+  cmd->add_option("checkpoint", args->checkpoint, "model .safetensors written by shoestring train")->required();
   cmd->add_option("--prompt", args->prompts, "prompt (repeatable; one grid row each)")
       ->required()
       ->allow_extra_args(false);
   cmd->add_option("--steps", args->steps, "Euler steps")->check(CLI::Range(1, 1000));
   cmd->add_option("--cfg", args->cfg, "classifier-free guidance scale (1 = off)")->check(CLI::Range(0.0, 100.0));
-  cmd->add_option("--seed", args->seed, "first seed; columns use seed, seed+1, ...")->check(CLI::Range(int64_t{0}, int64_t{1} << 62));
+  cmd->add_option("--seed", args->seed, "first seed; columns use seed, seed+1, ...")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 62));
   cmd->add_option("--count", args->count, "images per prompt (grid columns)")->check(CLI::Range(1, 64));
   cmd->add_option("--out", args->out, "output PNG")->required();
   cmd->callback([args] {
@@ -64,10 +64,11 @@ void register_sample(CLI::App& app) {
     auto file = SafetensorsFile::open(args->checkpoint);
     auto arch = file.metadata().find("architecture");
     if (arch != file.metadata().end() && arch->second != models::kTinyUNet) {
-      fail("{}: a {} checkpoint; `shoestring sample` draws from the emoji example's tiny-unet only — for {} the "
-           "trainer writes sample grids during training (sample_prompts, sample_every_n_steps), and the file loads "
-           "in ComfyUI / A1111 as it is",
-           file.path(), arch->second, arch->second);
+      fail(
+          "{}: a {} checkpoint; `shoestring sample` draws from the emoji example's tiny-unet only — for {} the "
+          "trainer writes sample grids during training (sample_prompts, sample_every_n_steps), and the file loads "
+          "in ComfyUI / A1111 as it is",
+          file.path(), arch->second, arch->second);
     }
     auto options = TinyUNetModelOptions::from_json(metadata_json(file, "model_config"));
     auto tokenizer = WordTokenizer::from_json(metadata_json(file, "tokenizer"));

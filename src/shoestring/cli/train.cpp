@@ -22,8 +22,7 @@ void register_train(CLI::App& app) {
   };
   auto args = std::make_shared<Args>();
   CLI::App* cmd = app.add_subcommand("train", "train a model (or resume a run)");
-  cmd->add_option("config", args->config,
-                  "run config (TOML); optional with --resume, which reads RUN_DIR/config.toml");
+  cmd->add_option("config", args->config, "run config (TOML); optional with --resume, which reads RUN_DIR/config.toml");
   cmd->add_option("--set", args->sets, "override a config key: --set learning_rate=2e-4 (repeatable)")
       ->allow_extra_args(false);
   cmd->add_option("--max-steps", args->max_steps, "override max_train_steps (cumulative across resumes)")
@@ -39,7 +38,8 @@ void register_train(CLI::App& app) {
       if (!fs::is_directory(args->resume)) fail("--resume '{}': not a run folder", args->resume);
       if (config_path.empty()) config_path = (fs::path(args->resume) / "config.toml").string();
       options.resume_dir = args->resume;
-      if (!args->output_dir.empty()) fail("--output-dir cannot be combined with --resume (the run continues in RUN_DIR)");
+      if (!args->output_dir.empty())
+        fail("--output-dir cannot be combined with --resume (the run continues in RUN_DIR)");
     } else if (config_path.empty()) {
       fail("train: a CONFIG file is required (or --resume RUN_DIR)");
     }

@@ -43,8 +43,7 @@ SHOESTRING_HOST_DEVICE inline uint64_t mix64(uint64_t z) {
 /// Stream key for one (seed, step, tensor_id). Distinct steps (or tensor ids)
 /// under the same other two components always give distinct keys, because
 /// every link of the chain is a bijection.
-SHOESTRING_HOST_DEVICE inline uint64_t counter_rng_key(uint64_t seed, uint64_t step,
-                                                       uint64_t tensor_id) {
+SHOESTRING_HOST_DEVICE inline uint64_t counter_rng_key(uint64_t seed, uint64_t step, uint64_t tensor_id) {
   uint64_t k = mix64(seed + kSplitMix64Gamma);
   k = mix64(k ^ (step + 2 * kSplitMix64Gamma));
   k = mix64(k ^ (tensor_id + 3 * kSplitMix64Gamma));

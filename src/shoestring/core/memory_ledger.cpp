@@ -82,9 +82,7 @@ void discharge(int category, int64_t bytes) {
   g_counters.current_total.fetch_sub(bytes);
 }
 
-BlockHeader* header_of(void* data) {
-  return reinterpret_cast<BlockHeader*>(static_cast<char*>(data) - kHeaderBytes);
-}
+BlockHeader* header_of(void* data) { return reinterpret_cast<BlockHeader*>(static_cast<char*>(data) - kHeaderBytes); }
 
 // The deleter of every DataPtr the ledger hands out; also raw_deleter().
 // The DataPtr's context is its data pointer, so this receives the data.
@@ -103,12 +101,11 @@ c10::DataPtr allocate_block(size_t nbytes) {
   // Zero bytes: a null DataPtr with our deleter, as c10's default allocator
   // does; free_block ignores null.
   if (nbytes == 0) return {nullptr, nullptr, &free_block, cpu};
-  TORCH_CHECK(nbytes <= static_cast<size_t>(INT64_MAX) - kHeaderBytes,
-              "memory ledger: allocation of ", nbytes, " bytes is too large");
+  TORCH_CHECK(nbytes <= static_cast<size_t>(INT64_MAX) - kHeaderBytes, "memory ledger: allocation of ", nbytes,
+              " bytes is too large");
   void* block = nullptr;
   if (posix_memalign(&block, kHeaderBytes, nbytes + kHeaderBytes) != 0 || block == nullptr) {
-    TORCH_CHECK(false, "memory ledger: not enough memory: you tried to allocate ", nbytes,
-                " bytes.");
+    TORCH_CHECK(false, "memory ledger: not enough memory: you tried to allocate ", nbytes, " bytes.");
   }
   const int category = category_now();
   auto* h = new (block) BlockHeader;
@@ -124,9 +121,7 @@ class LedgerAllocator final : public c10::Allocator {
  public:
 #if SHOESTRING_ALLOCATOR_API_2_3
   c10::DataPtr allocate(size_t nbytes) override { return allocate_block(nbytes); }
-  void copy_data(void* dest, const void* src, std::size_t count) const override {
-    default_copy_data(dest, src, count);
-  }
+  void copy_data(void* dest, const void* src, std::size_t count) const override { default_copy_data(dest, src, count); }
 #else
   c10::DataPtr allocate(size_t nbytes) const override { return allocate_block(nbytes); }
 #endif
@@ -148,8 +143,7 @@ BlockHeader* ledger_block(const at::Tensor& t) {
 int checked_index(MemoryCategory category) {
   const int c = static_cast<int>(category);
   if (c < 0 || c >= kNumMemoryCategories) {
-    fail("memory ledger: invalid memory category {} (expected 0..{})", c,
-         kNumMemoryCategories - 1);
+    fail("memory ledger: invalid memory category {} (expected 0..{})", c, kNumMemoryCategories - 1);
   }
   return c;
 }
@@ -180,9 +174,10 @@ void MemoryLedger::install() {
   if (installed()) return;
   c10::SetCPUAllocator(&g_allocator, kAllocatorPriority);
   if (!installed()) {
-    fail("memory ledger: could not install the tracking CPU allocator: libtorch keeps another "
-         "CPU allocator registered with a priority above {}",
-         static_cast<int>(kAllocatorPriority));
+    fail(
+        "memory ledger: could not install the tracking CPU allocator: libtorch keeps another "
+        "CPU allocator registered with a priority above {}",
+        static_cast<int>(kAllocatorPriority));
   }
 }
 

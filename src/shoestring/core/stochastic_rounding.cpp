@@ -30,23 +30,22 @@ constexpr int64_t kGrainSize = 32768;
 // 50-80% of a memcpy moving the same bytes. Results are bit-identical across
 // variants (integer-only rules).
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
-#define SHOESTRING_SR_TARGET_CLONES \
-  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#define SHOESTRING_SR_TARGET_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define SHOESTRING_SR_TARGET_CLONES
 #endif
 
 SHOESTRING_SR_TARGET_CLONES
-void round_range_bf16(const uint32_t* __restrict in, uint16_t* __restrict out, int64_t n,
-                      uint64_t key, uint64_t first_index) {
+void round_range_bf16(const uint32_t* __restrict in, uint16_t* __restrict out, int64_t n, uint64_t key,
+                      uint64_t first_index) {
   for (int64_t i = 0; i < n; ++i) {
     out[i] = sr_bf16_from_fp32_bits(in[i], counter_random32(key, first_index + i));
   }
 }
 
 SHOESTRING_SR_TARGET_CLONES
-void round_range_fp16(const uint32_t* __restrict in, uint16_t* __restrict out, int64_t n,
-                      uint64_t key, uint64_t first_index) {
+void round_range_fp16(const uint32_t* __restrict in, uint16_t* __restrict out, int64_t n, uint64_t key,
+                      uint64_t first_index) {
   for (int64_t i = 0; i < n; ++i) {
     out[i] = sr_fp16_from_fp32_bits(in[i], counter_random32(key, first_index + i));
   }
@@ -60,31 +59,29 @@ uint32_t float_bits(float x) {
 
 }  // namespace
 
-void stochastic_round_into(const at::Tensor& src, at::Tensor& dst, RoundingKey key,
-                           int64_t element_offset) {
+void stochastic_round_into(const at::Tensor& src, at::Tensor& dst, RoundingKey key, int64_t element_offset) {
   if (!src.defined() || !dst.defined()) {
     fail("stochastic_round_into: src and dst must be defined tensors");
   }
   if (!src.device().is_cpu() || !dst.device().is_cpu()) {
-    fail("stochastic_round_into: expected CPU tensors, got src on {} and dst on {}",
-         src.device().str(), dst.device().str());
+    fail("stochastic_round_into: expected CPU tensors, got src on {} and dst on {}", src.device().str(),
+         dst.device().str());
   }
   if (src.scalar_type() != at::kFloat) {
     fail("stochastic_round_into: src must be float32, got {}", c10::toString(src.scalar_type()));
   }
   if (dst.scalar_type() != at::kBFloat16 && dst.scalar_type() != at::kHalf) {
-    fail("stochastic_round_into: dst must be bfloat16 or float16, got {}",
-         c10::toString(dst.scalar_type()));
+    fail("stochastic_round_into: dst must be bfloat16 or float16, got {}", c10::toString(dst.scalar_type()));
   }
   if (!src.is_contiguous() || !dst.is_contiguous()) {
-    fail("stochastic_round_into: src and dst must be contiguous (src contiguous: {}, dst "
-         "contiguous: {})",
-         src.is_contiguous(), dst.is_contiguous());
+    fail(
+        "stochastic_round_into: src and dst must be contiguous (src contiguous: {}, dst "
+        "contiguous: {})",
+        src.is_contiguous(), dst.is_contiguous());
   }
   const int64_t n = src.numel();
   if (dst.numel() != n) {
-    fail("stochastic_round_into: dst has {} elements, expected {} (the numel of src)",
-         dst.numel(), n);
+    fail("stochastic_round_into: dst has {} elements, expected {} (the numel of src)", dst.numel(), n);
   }
   if (element_offset < 0) {
     fail("stochastic_round_into: element_offset must be >= 0, got {}", element_offset);
@@ -95,8 +92,7 @@ void stochastic_round_into(const at::Tensor& src, at::Tensor& dst, RoundingKey k
   auto* out = static_cast<uint16_t*>(dst.data_ptr());
   const auto in_begin = reinterpret_cast<uintptr_t>(in);
   const auto out_begin = reinterpret_cast<uintptr_t>(out);
-  if (in_begin < out_begin + static_cast<uintptr_t>(n) * 2 &&
-      out_begin < in_begin + static_cast<uintptr_t>(n) * 4) {
+  if (in_begin < out_begin + static_cast<uintptr_t>(n) * 2 && out_begin < in_begin + static_cast<uintptr_t>(n) * 4) {
     fail("stochastic_round_into: dst memory overlaps src");
   }
 
@@ -115,8 +111,7 @@ void stochastic_round_into(const at::Tensor& src, at::Tensor& dst, RoundingKey k
 
 at::Tensor stochastic_round(const at::Tensor& src, at::ScalarType dtype, RoundingKey key) {
   if (dtype != at::kBFloat16 && dtype != at::kHalf) {
-    fail("stochastic_round: target dtype must be bfloat16 or float16, got {}",
-         c10::toString(dtype));
+    fail("stochastic_round: target dtype must be bfloat16 or float16, got {}", c10::toString(dtype));
   }
   if (!src.defined()) fail("stochastic_round: src must be a defined tensor");
   const at::Tensor in = src.contiguous();

@@ -40,8 +40,7 @@ struct RoundingKey {
 /// sr_fp16_from_fp32_bits.
 /// Throws shoestring::Error on wrong device, dtype, layout, numel, overlap or a
 /// negative element_offset.
-void stochastic_round_into(const at::Tensor& src, at::Tensor& dst, RoundingKey key,
-                           int64_t element_offset = 0);
+void stochastic_round_into(const at::Tensor& src, at::Tensor& dst, RoundingKey key, int64_t element_offset = 0);
 
 /// Returns SR(src) as a new tensor of dtype `dtype` (at::kBFloat16 or at::kHalf)
 /// with src's shape. src: float32 CPU tensor of any layout (element indices

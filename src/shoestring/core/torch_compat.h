@@ -4,8 +4,7 @@
 #include <torch/version.h>
 
 #define SHOESTRING_TORCH_AT_LEAST(major, minor) \
-  (TORCH_VERSION_MAJOR > (major) ||             \
-   (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
+  (TORCH_VERSION_MAJOR > (major) || (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
 
 // Native float8 dtypes (at::kFloat8_e4m3fn, at::kFloat8_e5m2) exist from 2.1.
 // Before that, F8 tensors are carried as raw bytes (uint8).

@@ -10,8 +10,7 @@ std::string format_bytes(int64_t bytes) {
   static constexpr const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
   const char* sign = bytes < 0 ? "-" : "";
   // Magnitude as unsigned so INT64_MIN is representable.
-  const uint64_t magnitude =
-      bytes < 0 ? uint64_t{0} - static_cast<uint64_t>(bytes) : static_cast<uint64_t>(bytes);
+  const uint64_t magnitude = bytes < 0 ? uint64_t{0} - static_cast<uint64_t>(bytes) : static_cast<uint64_t>(bytes);
   if (magnitude < 1024) return fmt::format("{}{} B", sign, magnitude);
   double value = static_cast<double>(magnitude);
   int unit = 0;

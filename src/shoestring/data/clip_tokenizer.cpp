@@ -114,7 +114,7 @@ bool is_letter(char32_t c) {
   if (in(c, 0x5D0, 0x5EA) || in(c, 0x5EF, 0x5F2)) return true;                // Hebrew
   if (in(c, 0x620, 0x64A) || in(c, 0x66E, 0x66F) || in(c, 0x671, 0x6D3) || c == 0x6D5 || in(c, 0x6E5, 0x6E6) ||
       in(c, 0x6EE, 0x6EF) || in(c, 0x6FA, 0x6FC) || c == 0x6FF)
-    return true;  // Arabic
+    return true;              // Arabic
   if (in(c, 0x900, 0xDFF)) {  // Indic scripts: vowels and consonants; signs (marks) are not letters
     const char32_t o = c & 0x7F;
     return in(o, 0x05, 0x39) || o == 0x3D || o == 0x50 || in(o, 0x58, 0x61) || in(o, 0x71, 0x7F);
@@ -142,7 +142,7 @@ bool is_letter(char32_t c) {
   if (in(c, 0xAC00, 0xD7A3) || in(c, 0xD7B0, 0xD7FB)) return true;  // Hangul syllables
   if (in(c, 0xFB00, 0xFB06) || in(c, 0xFB1D, 0xFB4F) || in(c, 0xFB50, 0xFDFB) || in(c, 0xFE70, 0xFEFC)) return true;
   if (in(c, 0xFF21, 0xFF3A) || in(c, 0xFF41, 0xFF5A) || in(c, 0xFF66, 0xFFDC)) return true;  // fullwidth, halfwidth
-  return in(c, 0x20000, 0x323AF);                                                         // CJK extensions B..H
+  return in(c, 0x20000, 0x323AF);                                                            // CJK extensions B..H
 }
 
 // str.lower() for the scripts listed in the header.
@@ -172,9 +172,9 @@ char32_t to_lower(char32_t c) {
 // Replaces "&name;" (amp, lt, gt, quot, apos, nbsp, and upper-case AMP/LT/GT/QUOT)
 // and numeric "&#NNN;" / "&#xHH;" references; anything else is kept.
 std::string html_unescape(std::string_view s) {
-  static const std::pair<const char*, char32_t> kNamed[] = {
-      {"amp", '&'}, {"lt", '<'},   {"gt", '>'},    {"quot", '"'}, {"apos", '\''}, {"nbsp", 0xA0},
-      {"AMP", '&'}, {"LT", '<'},   {"GT", '>'},    {"QUOT", '"'}};
+  static const std::pair<const char*, char32_t> kNamed[] = {{"amp", '&'},   {"lt", '<'},    {"gt", '>'},  {"quot", '"'},
+                                                            {"apos", '\''}, {"nbsp", 0xA0}, {"AMP", '&'}, {"LT", '<'},
+                                                            {"GT", '>'},    {"QUOT", '"'}};
   std::string out;
   out.reserve(s.size());
   for (size_t i = 0; i < s.size();) {

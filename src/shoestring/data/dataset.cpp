@@ -51,8 +51,7 @@ std::string skin_tones_text(const std::string& key) {
   size_t start = 0;
   while (start <= key.size()) {
     const size_t dash = key.find('-', start);
-    const std::string part = key.substr(start, dash == std::string::npos ? std::string::npos
-                                                                          : dash - start);
+    const std::string part = key.substr(start, dash == std::string::npos ? std::string::npos : dash - start);
     std::string name = skin_tone_name(part);
     if (!part.empty() && std::find(tones.begin(), tones.end(), name) == tones.end()) {
       tones.push_back(std::move(name));
@@ -63,12 +62,11 @@ std::string skin_tones_text(const std::string& key) {
   return fmt::format("{}", fmt::join(tones, ", "));
 }
 
-const nlohmann::json& require(const nlohmann::json& entry, const char* key,
-                              nlohmann::json::value_t type, const std::string& file, size_t i) {
+const nlohmann::json& require(const nlohmann::json& entry, const char* key, nlohmann::json::value_t type,
+                              const std::string& file, size_t i) {
   const auto it = entry.find(key);
-  const bool ok = it != entry.end() && (it->type() == type ||
-                                        (type == nlohmann::json::value_t::number_integer &&
-                                         it->is_number_integer()));
+  const bool ok = it != entry.end() &&
+                  (it->type() == type || (type == nlohmann::json::value_t::number_integer && it->is_number_integer()));
   if (!ok) {
     nlohmann::json expected(type);
     fail("{}: entry {}: key '{}' must be a {}", file, i, key, expected.type_name());
@@ -77,8 +75,7 @@ const nlohmann::json& require(const nlohmann::json& entry, const char* key,
 }
 
 bool is_image_extension(const std::string& ext) {
-  return ext == ".png" || ext == ".jpg" || ext == ".jpeg" || ext == ".bmp" || ext == ".gif" ||
-         ext == ".tga";
+  return ext == ".png" || ext == ".jpg" || ext == ".jpeg" || ext == ".bmp" || ext == ".gif" || ext == ".tga";
 }
 
 }  // namespace
@@ -196,25 +193,27 @@ ImageCaptionDataset ImageCaptionDataset::load(const std::string& path, int resol
   std::error_code ec;
   const fs::path p(path);
   if (!fs::exists(p, ec)) {
-    fail("dataset path {} does not exist. For the emoji example, run scripts/fetch_twemoji.sh: it "
-         "downloads emoji-datasource-twitter@16.0.0 and prints the dataset path to use "
-         "(by default ~/.cache/shoestring/emoji-datasource-twitter-16.0.0)",
-         path);
+    fail(
+        "dataset path {} does not exist. For the emoji example, run scripts/fetch_twemoji.sh: it "
+        "downloads emoji-datasource-twitter@16.0.0 and prints the dataset path to use "
+        "(by default ~/.cache/shoestring/emoji-datasource-twitter-16.0.0)",
+        path);
   }
   if (fs::is_regular_file(p, ec) && p.filename() == "emoji.json") {
     return load_twemoji(p.parent_path().string(), resolution);
   }
   if (!fs::is_directory(p, ec)) {
-    fail("dataset path {}: expected a folder (Twemoji layout with emoji.json, or images with "
-         ".txt captions)",
-         path);
+    fail(
+        "dataset path {}: expected a folder (Twemoji layout with emoji.json, or images with "
+        ".txt captions)",
+        path);
   }
   if (fs::is_regular_file(p / "emoji.json", ec)) return load_twemoji(path, resolution);
   return load_folder(path, resolution);
 }
 
-ImageCaptionDataset ImageCaptionDataset::decode_all(std::vector<Candidate> candidates,
-                                                    int resolution, const std::string& source) {
+ImageCaptionDataset ImageCaptionDataset::decode_all(std::vector<Candidate> candidates, int resolution,
+                                                    const std::string& source) {
   if (resolution < 1) fail("dataset {}: resolution must be >= 1, got {}", source, resolution);
   const int64_t n = static_cast<int64_t>(candidates.size());
   auto all = at::empty({n, 3, resolution, resolution}, at::kByte);
@@ -230,8 +229,7 @@ ImageCaptionDataset ImageCaptionDataset::decode_all(std::vector<Candidate> candi
       }
       try {
         const at::Tensor img = load_image(c.path, resolution);
-        std::memcpy(base + i * image_bytes, img.data_ptr<uint8_t>(),
-                    static_cast<size_t>(image_bytes));
+        std::memcpy(base + i * image_bytes, img.data_ptr<uint8_t>(), static_cast<size_t>(image_bytes));
       } catch (const std::exception& e) {
         reasons[static_cast<size_t>(i)] = e.what();
       }
@@ -253,13 +251,10 @@ ImageCaptionDataset ImageCaptionDataset::decode_all(std::vector<Candidate> candi
     }
   }
   if (keep.empty()) {
-    fail("dataset {}: no image could be loaded ({} candidates, {} skipped{})", source, n,
-         ds.skipped_.size(),
+    fail("dataset {}: no image could be loaded ({} candidates, {} skipped{})", source, n, ds.skipped_.size(),
          ds.skipped_.empty() ? std::string() : "; first: " + ds.skipped_.front().reason);
   }
-  ds.images_ = static_cast<int64_t>(keep.size()) == n
-                   ? all
-                   : all.index_select(0, at::tensor(keep, at::kLong));
+  ds.images_ = static_cast<int64_t>(keep.size()) == n ? all : all.index_select(0, at::tensor(keep, at::kLong));
   return ds;
 }
 
@@ -287,9 +282,10 @@ BatchSampler::BatchSampler(int64_t dataset_size, int64_t batch_size, uint64_t se
     : dataset_size_(dataset_size), batch_size_(batch_size), seed_(seed) {
   if (batch_size < 1) fail("batch sampler: batch_size must be >= 1, got {}", batch_size);
   if (dataset_size < batch_size) {
-    fail("batch sampler: the dataset has {} images, fewer than batch_size {} (batches never "
-         "span epochs, so no full batch could be formed)",
-         dataset_size, batch_size);
+    fail(
+        "batch sampler: the dataset has {} images, fewer than batch_size {} (batches never "
+        "span epochs, so no full batch could be formed)",
+        dataset_size, batch_size);
   }
 }
 
@@ -297,15 +293,14 @@ std::vector<int64_t> BatchSampler::epoch_permutation(int64_t epoch) const {
   std::vector<int64_t> perm(static_cast<size_t>(dataset_size_));
   for (int64_t i = 0; i < dataset_size_; ++i) perm[static_cast<size_t>(i)] = i;
   const auto e = static_cast<uint64_t>(epoch);
-  std::seed_seq seq{static_cast<uint32_t>(seed_), static_cast<uint32_t>(seed_ >> 32),
-                    static_cast<uint32_t>(e), static_cast<uint32_t>(e >> 32)};
+  std::seed_seq seq{static_cast<uint32_t>(seed_), static_cast<uint32_t>(seed_ >> 32), static_cast<uint32_t>(e),
+                    static_cast<uint32_t>(e >> 32)};
   std::mt19937_64 gen(seq);
   // Uniform integer in [0, bound] by rejection: draws in the incomplete top
   // block of 2^64 are redrawn, so each value is equally likely.
   auto uniform = [&gen](uint64_t bound) -> uint64_t {
     const uint64_t range = bound + 1;  // bound < 2^63 here, no overflow
-    const uint64_t limit = std::numeric_limits<uint64_t>::max() -
-                           std::numeric_limits<uint64_t>::max() % range;
+    const uint64_t limit = std::numeric_limits<uint64_t>::max() - std::numeric_limits<uint64_t>::max() % range;
     uint64_t r;
     do {
       r = gen();
@@ -335,9 +330,10 @@ std::vector<int64_t> BatchSampler::next() {
 
 void BatchSampler::set_position(Position p) {
   if (p.epoch < 0 || p.index < 0 || p.index >= batches_per_epoch()) {
-    fail("batch sampler: position (epoch {}, batch {}) is invalid; expected epoch >= 0 and batch "
-         "in [0, {})",
-         p.epoch, p.index, batches_per_epoch());
+    fail(
+        "batch sampler: position (epoch {}, batch {}) is invalid; expected epoch >= 0 and batch "
+        "in [0, {})",
+        p.epoch, p.index, batches_per_epoch());
   }
   position_ = p;
 }

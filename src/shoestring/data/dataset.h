@@ -77,11 +77,10 @@ class ImageCaptionDataset {
     std::string path;
     std::string caption;
     bool missing_caption = false;  ///< no caption file was found
-    std::string skip_reason;  ///< non-empty: skip without decoding
+    std::string skip_reason;       ///< non-empty: skip without decoding
   };
   /// Decodes candidates in parallel (at::parallel_for); failures go to skipped().
-  static ImageCaptionDataset decode_all(std::vector<Candidate> candidates, int resolution,
-                                        const std::string& source);
+  static ImageCaptionDataset decode_all(std::vector<Candidate> candidates, int resolution, const std::string& source);
 
   int resolution_ = 0;
   std::vector<std::string> captions_;

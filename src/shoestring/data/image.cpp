@@ -5,10 +5,10 @@
 #include <cctype>
 #include <memory>
 
-#include <fmt/ranges.h>
 #include <stb_image.h>
 #include <stb_image_resize.h>
 #include <stb_image_write.h>
+#include <fmt/ranges.h>
 #include <torch/torch.h>
 
 #include "shoestring/core/error.h"
@@ -23,30 +23,28 @@ constexpr int kMaxResolution = 16384;
 at::Tensor as_hwc(const at::Tensor& image, const std::string& what) {
   if (!image.defined() || image.scalar_type() != at::kByte || image.dim() != 3) {
     fail("{}: expected a uint8 image [H, W, 3] or [3, H, W], got {}", what,
-         image.defined() ? fmt::format("{} {}", std::string(c10::toString(image.scalar_type())),
-                                       fmt::join(image.sizes(), "x"))
-                         : std::string("an undefined tensor"));
+         image.defined()
+             ? fmt::format("{} {}", std::string(c10::toString(image.scalar_type())), fmt::join(image.sizes(), "x"))
+             : std::string("an undefined tensor"));
   }
   if (image.size(0) == 3) return image.permute({1, 2, 0});
   if (image.size(2) == 3) return image;
-  fail("{}: expected a uint8 image [H, W, 3] or [3, H, W], got shape [{}]", what,
-       fmt::join(image.sizes(), ", "));
+  fail("{}: expected a uint8 image [H, W, 3] or [3, H, W], got shape [{}]", what, fmt::join(image.sizes(), ", "));
 }
 
 }  // namespace
 
 at::Tensor decode_image(std::string_view bytes, const std::string& name, int resolution) {
   if (resolution < 1 || resolution > kMaxResolution) {
-    fail("image {}: resolution {} is out of range, expected 1..{}", name, resolution,
-         kMaxResolution);
+    fail("image {}: resolution {} is out of range, expected 1..{}", name, resolution, kMaxResolution);
   }
   if (bytes.size() > static_cast<size_t>(std::numeric_limits<int>::max())) {
     fail("image {}: file too large ({} bytes)", name, bytes.size());
   }
   int w = 0, h = 0, channels_in_file = 0;
   std::unique_ptr<stbi_uc, void (*)(void*)> rgba(
-      stbi_load_from_memory(reinterpret_cast<const stbi_uc*>(bytes.data()),
-                            static_cast<int>(bytes.size()), &w, &h, &channels_in_file, 4),
+      stbi_load_from_memory(reinterpret_cast<const stbi_uc*>(bytes.data()), static_cast<int>(bytes.size()), &w, &h,
+                            &channels_in_file, 4),
       &stbi_image_free);
   if (!rgba) {
     const char* reason = stbi_failure_reason();
@@ -70,10 +68,9 @@ at::Tensor decode_image(std::string_view bytes, const std::string& name, int res
   auto hwc = at::empty({resolution, resolution, 3}, at::kByte);
   if (side == resolution) {
     std::memcpy(hwc.data_ptr<uint8_t>(), square.data(), square.size());
-  } else if (!stbir_resize_uint8(square.data(), side, side, side * 3, hwc.data_ptr<uint8_t>(),
-                                 resolution, resolution, resolution * 3, 3)) {
-    fail("image {}: stb_image_resize failed to resize {}x{} to {}x{}", name, side, side,
-         resolution, resolution);
+  } else if (!stbir_resize_uint8(square.data(), side, side, side * 3, hwc.data_ptr<uint8_t>(), resolution, resolution,
+                                 resolution * 3, 3)) {
+    fail("image {}: stb_image_resize failed to resize {}x{} to {}x{}", name, side, side, resolution, resolution);
   }
   return hwc.permute({2, 0, 1}).contiguous();
 }
@@ -91,11 +88,10 @@ void save_png(const std::string& path, const at::Tensor& image) {
   }
   std::string encoded;
   auto append = [](void* context, void* data, int size) {
-    static_cast<std::string*>(context)->append(static_cast<const char*>(data),
-                                               static_cast<size_t>(size));
+    static_cast<std::string*>(context)->append(static_cast<const char*>(data), static_cast<size_t>(size));
   };
-  if (!stbi_write_png_to_func(append, &encoded, static_cast<int>(w), static_cast<int>(h), 3,
-                              hwc.data_ptr<uint8_t>(), static_cast<int>(w * 3))) {
+  if (!stbi_write_png_to_func(append, &encoded, static_cast<int>(w), static_cast<int>(h), 3, hwc.data_ptr<uint8_t>(),
+                              static_cast<int>(w * 3))) {
     fail("save_png {}: PNG encoding failed", path);
   }
   write_bytes_atomic(path, encoded);
@@ -107,8 +103,7 @@ at::Tensor make_grid(const std::vector<at::Tensor>& images, int64_t columns, int
   if (columns < 1) fail("make_grid: columns must be >= 1, got {}", columns);
   if (padding < 0) fail("make_grid: padding must be >= 0, got {}", padding);
   const at::Tensor& first = images.front();
-  if (!first.defined() || first.scalar_type() != at::kByte || first.dim() != 3 ||
-      first.size(0) != 3) {
+  if (!first.defined() || first.scalar_type() != at::kByte || first.dim() != 3 || first.size(0) != 3) {
     fail("make_grid: image 0: expected uint8 [3, H, W]");
   }
   const int64_t h = first.size(1), w = first.size(2);
@@ -124,8 +119,8 @@ at::Tensor make_grid(const std::vector<at::Tensor>& images, int64_t columns, int
   auto grid = at::full({3, rows * row_pitch + padding, cols * col_pitch + padding}, 255, at::kByte);
   for (int64_t i = 0; i < n; ++i) {
     const at::Tensor& img = images[static_cast<size_t>(i)];
-    if (!img.defined() || img.scalar_type() != at::kByte || img.dim() != 3 || img.size(0) != 3 ||
-        img.size(1) != h || img.size(2) != w) {
+    if (!img.defined() || img.scalar_type() != at::kByte || img.dim() != 3 || img.size(0) != 3 || img.size(1) != h ||
+        img.size(2) != w) {
       fail("make_grid: image {}: expected uint8 [3, {}, {}] like image 0", i, h, w);
     }
     const int64_t y = padding + (i / cols) * row_pitch, x = padding + (i % cols) * col_pitch;
@@ -251,8 +246,8 @@ int64_t text_width(std::string_view text, int64_t scale) {
   return (static_cast<int64_t>(text.size()) * kFontCellWidth - 1) * scale;
 }
 
-int64_t draw_text(const at::Tensor& image, int64_t x, int64_t y, std::string_view text,
-                  int64_t scale, std::array<uint8_t, 3> color) {
+int64_t draw_text(const at::Tensor& image, int64_t x, int64_t y, std::string_view text, int64_t scale,
+                  std::array<uint8_t, 3> color) {
   if (scale < 1) fail("draw_text: scale must be >= 1, got {}", scale);
   at::Tensor hwc = as_hwc(image, "draw_text");
   auto px = hwc.accessor<uint8_t, 3>();

@@ -79,7 +79,7 @@ int64_t text_width(std::string_view text, int64_t scale = 1);
 /// scale x scale square of `color`. Pixels outside the image are clipped.
 /// '\n' is not special. Returns the x just past the last glyph cell.
 /// Throws shoestring::Error for a wrong dtype/shape or scale < 1.
-int64_t draw_text(const at::Tensor& image, int64_t x, int64_t y, std::string_view text,
-                  int64_t scale = 1, std::array<uint8_t, 3> color = {0, 0, 0});
+int64_t draw_text(const at::Tensor& image, int64_t x, int64_t y, std::string_view text, int64_t scale = 1,
+                  std::array<uint8_t, 3> color = {0, 0, 0});
 
 }  // namespace shoestring

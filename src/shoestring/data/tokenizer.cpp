@@ -40,8 +40,7 @@ WordTokenizer::WordTokenizer(std::vector<std::string> vocab, int64_t max_length)
   for (size_t i = 0; i < vocab_.size(); ++i) ids_.emplace(vocab_[i], static_cast<int64_t>(i));
 }
 
-WordTokenizer WordTokenizer::build(const std::vector<std::string>& captions, int64_t max_length,
-                                   int64_t min_count) {
+WordTokenizer WordTokenizer::build(const std::vector<std::string>& captions, int64_t max_length, int64_t min_count) {
   if (max_length < 1) fail("tokenizer: max_length must be >= 1 (room for <bos>), got {}", max_length);
   if (min_count < 1) fail("tokenizer: min_count must be >= 1, got {}", min_count);
   std::map<std::string, int64_t> counts;

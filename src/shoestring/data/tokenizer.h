@@ -34,8 +34,7 @@ class WordTokenizer {
   /// Builds the vocabulary from `captions`, keeping words seen at least
   /// `min_count` times. Throws shoestring::Error if max_length < 1 or
   /// min_count < 1.
-  static WordTokenizer build(const std::vector<std::string>& captions, int64_t max_length,
-                             int64_t min_count = 1);
+  static WordTokenizer build(const std::vector<std::string>& captions, int64_t max_length, int64_t min_count = 1);
 
   /// Restores a tokenizer saved with to_json. Throws shoestring::Error naming
   /// the key when the json is malformed (wrong kind, missing/mistyped keys,

@@ -28,8 +28,7 @@ void fsync_dir(const fs::path& dir) {
 }
 }  // namespace
 
-void write_file_atomic(const std::string& path,
-                       const std::function<void(std::FILE*)>& writer) {
+void write_file_atomic(const std::string& path, const std::function<void(std::FILE*)>& writer) {
   fs::path target(path);
   std::string tmp = fmt::format("{}.tmp.{}.{}", path, ::getpid(), g_counter++);
   std::FILE* f = std::fopen(tmp.c_str(), "wb");

@@ -16,8 +16,7 @@ namespace shoestring {
 /// `path` is left as it was.
 /// Throws shoestring::Error naming the path when the file cannot be
 /// created, written, synced or renamed (e.g. directory missing or read-only).
-void write_file_atomic(const std::string& path,
-                       const std::function<void(std::FILE*)>& writer);
+void write_file_atomic(const std::string& path, const std::function<void(std::FILE*)>& writer);
 
 /// Convenience: atomically writes `bytes` to `path` (see write_file_atomic).
 void write_bytes_atomic(const std::string& path, std::string_view bytes);

@@ -23,9 +23,7 @@ std::string grouped(uint64_t v) {
   return out;
 }
 
-std::string mib(uint64_t bytes) {
-  return fmt::format("{:.2f} MiB", static_cast<double>(bytes) / (1024.0 * 1024.0));
-}
+std::string mib(uint64_t bytes) { return fmt::format("{:.2f} MiB", static_cast<double>(bytes) / (1024.0 * 1024.0)); }
 
 /// Metadata values can be long (embedded configs, thumbnails): keep the text
 /// summary on one line per key and cut values beyond `limit` characters.
@@ -48,9 +46,7 @@ std::string one_line(const std::string& s, size_t limit = 200) {
   return out;
 }
 
-std::string shape_text(const std::vector<int64_t>& shape) {
-  return fmt::format("[{}]", fmt::join(shape, ", "));
-}
+std::string shape_text(const std::vector<int64_t>& shape) { return fmt::format("[{}]", fmt::join(shape, ", ")); }
 
 }  // namespace
 
@@ -99,16 +95,15 @@ std::string inspect_text(const SafetensorsFile& file) {
 
   std::string out = fmt::format("{}: {} tensors\n", file.path(), tensors.size());
   if (!tensors.empty()) {
-    out += fmt::format("  {:<{}}  {:<{}}  {:<{}}  {:>14}\n", "name", name_w, "dtype", dtype_w,
-                       "shape", shape_w, "parameters");
+    out += fmt::format("  {:<{}}  {:<{}}  {:<{}}  {:>14}\n", "name", name_w, "dtype", dtype_w, "shape", shape_w,
+                       "parameters");
   }
   for (size_t i = 0; i < tensors.size(); ++i) {
     const auto& t = tensors[i];
-    out += fmt::format("  {:<{}}  {:<{}}  {:<{}}  {:>14}\n", t.name, name_w, to_string(t.dtype),
-                       dtype_w, shapes[i], shape_w, grouped(static_cast<uint64_t>(t.numel())));
+    out += fmt::format("  {:<{}}  {:<{}}  {:<{}}  {:>14}\n", t.name, name_w, to_string(t.dtype), dtype_w, shapes[i],
+                       shape_w, grouped(static_cast<uint64_t>(t.numel())));
   }
-  out += fmt::format("total: {} parameters, {} bytes ({})\n", grouped(parameters), grouped(bytes),
-                     mib(bytes));
+  out += fmt::format("total: {} parameters, {} bytes ({})\n", grouped(parameters), grouped(bytes), mib(bytes));
   if (!per_dtype.empty()) {
     out += "bytes per dtype:\n";
     size_t bytes_w = 0;

@@ -15,13 +15,16 @@ using NameTable = std::vector<std::pair<const char*, const char*>>;
 // ResnetBlock2D), as unet_conversion_map_resnet of
 // convert_diffusers_to_original_stable_diffusion.py.
 const NameTable kUNetResnet = {
-    {"in_layers.0.", "norm1."},          {"in_layers.2.", "conv1."},  {"emb_layers.1.", "time_emb_proj."},
-    {"out_layers.0.", "norm2."},         {"out_layers.3.", "conv2."}, {"skip_connection.", "conv_shortcut."},
+    {"in_layers.0.", "norm1."},  {"in_layers.2.", "conv1."},  {"emb_layers.1.", "time_emb_proj."},
+    {"out_layers.0.", "norm2."}, {"out_layers.3.", "conv2."}, {"skip_connection.", "conv_shortcut."},
 };
 // Names inside a VAE ResnetBlock (vae_conversion_map: only the shortcut differs).
 const NameTable kVaeResnet = {
-    {"norm1.", "norm1."}, {"conv1.", "conv1."}, {"norm2.", "norm2."},
-    {"conv2.", "conv2."}, {"nin_shortcut.", "conv_shortcut."},
+    {"norm1.", "norm1."},
+    {"conv1.", "conv1."},
+    {"norm2.", "norm2."},
+    {"conv2.", "conv2."},
+    {"nin_shortcut.", "conv_shortcut."},
 };
 // Names inside the VAE AttnBlock (diffusers >= 0.14 Attention names; LDM 1x1
 // convs become Linear layers), as renew_vae_attention_paths / vae_conversion_map_attn.
@@ -63,8 +66,8 @@ std::vector<Block> unet_blocks(const UNetKeyLayout& L) {
   const int64_t nrb = L.num_res_blocks;
   if (L.levels <= 0 || nrb <= 0 || static_cast<int64_t>(L.input_attention.size()) != L.levels * nrb ||
       static_cast<int64_t>(L.output_attention.size()) != L.levels * (nrb + 1)) {
-    fail("UNetKeyLayout: levels {} and num_res_blocks {} do not match {} input / {} output attention flags",
-         L.levels, nrb, L.input_attention.size(), L.output_attention.size());
+    fail("UNetKeyLayout: levels {} and num_res_blocks {} do not match {} input / {} output attention flags", L.levels,
+         nrb, L.input_attention.size(), L.output_attention.size());
   }
   std::vector<Block> b = {
       {"time_embed.0.", "time_embedding.linear_1."},
@@ -80,7 +83,8 @@ std::vector<Block> unet_blocks(const UNetKeyLayout& L) {
   for (int64_t l = 0; l < L.levels; ++l) {
     for (int64_t j = 0; j < nrb; ++j) {
       const int64_t n = 1 + l * (nrb + 1) + j;
-      b.push_back({fmt::format("input_blocks.{}.0.", n), fmt::format("down_blocks.{}.resnets.{}.", l, j), &kUNetResnet});
+      b.push_back(
+          {fmt::format("input_blocks.{}.0.", n), fmt::format("down_blocks.{}.resnets.{}.", l, j), &kUNetResnet});
       if (L.input_attention[l * nrb + j]) {
         b.push_back({fmt::format("input_blocks.{}.1.", n), fmt::format("down_blocks.{}.attentions.{}.", l, j)});
       }
@@ -104,7 +108,8 @@ std::vector<Block> unet_blocks(const UNetKeyLayout& L) {
         idx = 2;
       }
       if (k + 1 < L.levels && j == nrb) {
-        b.push_back({fmt::format("output_blocks.{}.{}.conv.", n, idx), fmt::format("up_blocks.{}.upsamplers.0.conv.", k)});
+        b.push_back(
+            {fmt::format("output_blocks.{}.{}.conv.", n, idx), fmt::format("up_blocks.{}.upsamplers.0.conv.", k)});
       }
     }
   }
@@ -127,8 +132,8 @@ std::vector<Block> vae_blocks(int64_t levels, int64_t nrb) {
   b.push_back({"post_quant_conv.", "post_quant_conv."});
   for (int64_t l = 0; l < levels; ++l) {
     for (int64_t j = 0; j < nrb; ++j) {
-      b.push_back({fmt::format("encoder.down.{}.block.{}.", l, j), fmt::format("encoder.down_blocks.{}.resnets.{}.", l, j),
-                   &kVaeResnet});
+      b.push_back({fmt::format("encoder.down.{}.block.{}.", l, j),
+                   fmt::format("encoder.down_blocks.{}.resnets.{}.", l, j), &kVaeResnet});
     }
     if (l + 1 < levels) {
       b.push_back({fmt::format("encoder.down.{}.downsample.conv.", l),
@@ -141,7 +146,8 @@ std::vector<Block> vae_blocks(int64_t levels, int64_t nrb) {
                    &kVaeResnet});
     }
     if (l > 0) {
-      b.push_back({fmt::format("decoder.up.{}.upsample.conv.", l), fmt::format("decoder.up_blocks.{}.upsamplers.0.conv.", k)});
+      b.push_back(
+          {fmt::format("decoder.up.{}.upsample.conv.", l), fmt::format("decoder.up_blocks.{}.upsamplers.0.conv.", k)});
     }
   }
   return b;

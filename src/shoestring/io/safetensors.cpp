@@ -17,8 +17,8 @@
 #include <nlohmann/json.hpp>
 
 #include "shoestring/core/error.h"
-#include "shoestring/core/units.h"
 #include "shoestring/core/torch_compat.h"
+#include "shoestring/core/units.h"
 #include "shoestring/io/atomic_file.h"
 
 // The format is little-endian and we use file bytes as they are.
@@ -40,12 +40,10 @@ struct DtypeRow {
 };
 
 constexpr DtypeRow kDtypes[] = {
-    {StDtype::F64, "F64", 8},         {StDtype::F32, "F32", 4},
-    {StDtype::F16, "F16", 2},         {StDtype::BF16, "BF16", 2},
-    {StDtype::F8_E4M3, "F8_E4M3", 1}, {StDtype::F8_E5M2, "F8_E5M2", 1},
-    {StDtype::I64, "I64", 8},         {StDtype::I32, "I32", 4},
-    {StDtype::I16, "I16", 2},         {StDtype::I8, "I8", 1},
-    {StDtype::U8, "U8", 1},           {StDtype::BOOL, "BOOL", 1},
+    {StDtype::F64, "F64", 8},   {StDtype::F32, "F32", 4},         {StDtype::F16, "F16", 2},
+    {StDtype::BF16, "BF16", 2}, {StDtype::F8_E4M3, "F8_E4M3", 1}, {StDtype::F8_E5M2, "F8_E5M2", 1},
+    {StDtype::I64, "I64", 8},   {StDtype::I32, "I32", 4},         {StDtype::I16, "I16", 2},
+    {StDtype::I8, "I8", 1},     {StDtype::U8, "U8", 1},           {StDtype::BOOL, "BOOL", 1},
 };
 
 const DtypeRow& row(StDtype d) {
@@ -54,7 +52,6 @@ const DtypeRow& row(StDtype d) {
   }
   throw Error(fmt::format("invalid StDtype value {}", static_cast<int>(d)));
 }
-
 
 /// numel of `shape`, or nullopt on int64 overflow.
 std::optional<int64_t> checked_numel(const std::vector<int64_t>& shape) {
@@ -95,9 +92,10 @@ std::shared_ptr<Mapping> map_file(const std::string& path) {
   m->size = static_cast<size_t>(st.st_size);
   if (m->size < 8) {
     ::close(fd);
-    fail("invalid safetensors file '{}': file is shorter than 8 bytes ({} bytes), so it has no "
-         "header length",
-         path, m->size);
+    fail(
+        "invalid safetensors file '{}': file is shorter than 8 bytes ({} bytes), so it has no "
+        "header length",
+        path, m->size);
   }
   void* p = ::mmap(nullptr, m->size, PROT_READ, MAP_PRIVATE, fd, 0);
   int err = errno;
@@ -117,9 +115,7 @@ nlohmann::json parse_header_json(std::string_view text, std::optional<std::strin
   std::string top_key;
   auto cb = [&](int /*depth*/, json::parse_event_t ev, json& parsed) {
     switch (ev) {
-      case json::parse_event_t::object_start:
-        keys.emplace_back();
-        break;
+      case json::parse_event_t::object_start: keys.emplace_back(); break;
       case json::parse_event_t::object_end:
         if (!keys.empty()) keys.pop_back();
         break;
@@ -135,8 +131,7 @@ nlohmann::json parse_header_json(std::string_view text, std::optional<std::strin
         }
         break;
       }
-      default:
-        break;
+      default: break;
     }
     return true;
   };
@@ -242,9 +237,10 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
     fail("{}: header length {} exceeds the limit of {} bytes", where, n, kMaxHeaderSize);
   }
   if (n > file_size - 8) {
-    fail("{}: header length {} runs past the end of the file ({} bytes, so at most {} bytes "
-         "of header)",
-         where, n, file_size, file_size - 8);
+    fail(
+        "{}: header length {} runs past the end of the file ({} bytes, so at most {} bytes "
+        "of header)",
+        where, n, file_size, file_size - 8);
   }
   st->header_size = n;
   const uint64_t data_size = file_size - 8 - n;
@@ -253,9 +249,8 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
   std::optional<std::pair<std::string, std::string>> dup_key;
   json header;
   try {
-    header = parse_header_json(
-        std::string_view(reinterpret_cast<const char*>(base + 8), static_cast<size_t>(n)),
-        &dup_name, &dup_key);
+    header = parse_header_json(std::string_view(reinterpret_cast<const char*>(base + 8), static_cast<size_t>(n)),
+                               &dup_name, &dup_key);
   } catch (const json::exception& e) {
     fail("{}: header is not valid JSON: {}", where, e.what());
   }
@@ -264,21 +259,20 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
   }
   if (dup_name) fail("{}: duplicate tensor name '{}' in the header", where, *dup_name);
   if (dup_key) {
-    fail("{}: duplicate key '{}' in the header entry '{}'", where, dup_key->second,
-         dup_key->first);
+    fail("{}: duplicate key '{}' in the header entry '{}'", where, dup_key->second, dup_key->first);
   }
 
   for (const auto& [name, entry] : header.items()) {
     if (name == "__metadata__") {
       if (!entry.is_object()) {
-        fail("{}: __metadata__ must be an object mapping strings to strings (got {})", where,
-             entry.type_name());
+        fail("{}: __metadata__ must be an object mapping strings to strings (got {})", where, entry.type_name());
       }
       for (const auto& [k, v] : entry.items()) {
         if (!v.is_string()) {
-          fail("{}: __metadata__ must be an object mapping strings to strings, but the value "
-               "of '{}' is {}",
-               where, k, v.type_name());
+          fail(
+              "{}: __metadata__ must be an object mapping strings to strings, but the value "
+              "of '{}' is {}",
+              where, k, v.type_name());
         }
         st->metadata.emplace(k, v.get<std::string>());
       }
@@ -317,10 +311,8 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
 
     auto off = entry.find("data_offsets");
     if (off == entry.end()) fail("{}: missing \"data_offsets\"", ctx);
-    if (!off->is_array() || off->size() != 2 || !(*off)[0].is_number_unsigned() ||
-        !(*off)[1].is_number_unsigned()) {
-      fail("{}: \"data_offsets\" must be an array of two non-negative integers (got {})", ctx,
-           off->dump());
+    if (!off->is_array() || off->size() != 2 || !(*off)[0].is_number_unsigned() || !(*off)[1].is_number_unsigned()) {
+      fail("{}: \"data_offsets\" must be an array of two non-negative integers (got {})", ctx, off->dump());
     }
     info.begin = (*off)[0].get<uint64_t>();
     info.end = (*off)[1].get<uint64_t>();
@@ -334,10 +326,10 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
       fail("{}: shape {} is too large", ctx, format_shape(info.shape));
     }
     if (info.end - info.begin != static_cast<uint64_t>(need)) {
-      fail("{}: data_offsets [{}, {}] hold {} bytes but shape {} of {} needs {} bytes "
-           "(byte size does not match shape and dtype)",
-           ctx, info.begin, info.end, info.end - info.begin, format_shape(info.shape),
-           to_string(info.dtype), need);
+      fail(
+          "{}: data_offsets [{}, {}] hold {} bytes but shape {} of {} needs {} bytes "
+          "(byte size does not match shape and dtype)",
+          ctx, info.begin, info.end, info.end - info.begin, format_shape(info.shape), to_string(info.dtype), need);
     }
     st->tensors.push_back(std::move(info));
   }
@@ -353,31 +345,35 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
   const TensorInfo* prev = nullptr;
   for (const auto& t : st->tensors) {
     if (t.end > data_size) {
-      fail("{}: tensor '{}': data_offsets [{}, {}] run past the end of the file (the data buffer "
-           "holds {} bytes)",
-           where, t.name, t.begin, t.end, data_size);
+      fail(
+          "{}: tensor '{}': data_offsets [{}, {}] run past the end of the file (the data buffer "
+          "holds {} bytes)",
+          where, t.name, t.begin, t.end, data_size);
     }
     if (t.begin < pos) {
-      fail("{}: tensor '{}': data_offsets [{}, {}] overlap tensor '{}' (which ends at {})", where,
-           t.name, t.begin, t.end, prev->name, pos);
+      fail("{}: tensor '{}': data_offsets [{}, {}] overlap tensor '{}' (which ends at {})", where, t.name, t.begin,
+           t.end, prev->name, pos);
     }
     if (t.begin > pos) {
       if (prev) {
-        fail("{}: tensor '{}': data_offsets [{}, {}] leave a hole of {} bytes after tensor '{}' "
-             "(which ends at {})",
-             where, t.name, t.begin, t.end, t.begin - pos, prev->name, pos);
+        fail(
+            "{}: tensor '{}': data_offsets [{}, {}] leave a hole of {} bytes after tensor '{}' "
+            "(which ends at {})",
+            where, t.name, t.begin, t.end, t.begin - pos, prev->name, pos);
       }
-      fail("{}: tensor '{}': data_offsets [{}, {}] leave a hole of {} bytes at the start of the "
-           "data buffer",
-           where, t.name, t.begin, t.end, t.begin);
+      fail(
+          "{}: tensor '{}': data_offsets [{}, {}] leave a hole of {} bytes at the start of the "
+          "data buffer",
+          where, t.name, t.begin, t.end, t.begin);
     }
     pos = t.end;
     prev = &t;
   }
   if (pos != data_size) {
-    fail("{}: the data buffer holds {} bytes but the tensors cover only {} (leaving a hole of {} "
-         "unused bytes at the end)",
-         where, data_size, pos, data_size - pos);
+    fail(
+        "{}: the data buffer holds {} bytes but the tensors cover only {} (leaving a hole of {} "
+        "unused bytes at the end)",
+        where, data_size, pos, data_size - pos);
   }
 
   for (size_t i = 0; i < st->tensors.size(); ++i) st->index.emplace(st->tensors[i].name, i);
@@ -415,9 +411,10 @@ at::Tensor SafetensorsFile::get(const TensorInfo& info) const {
     // libtorch assumes bool bytes are 0 or 1; anything else is undefined.
     for (char c : raw) {
       if (static_cast<unsigned char>(c) > 1) {
-        fail("invalid safetensors file '{}': tensor '{}': BOOL data holds byte {} (expected 0 or "
-             "1)",
-             s_->path, info.name, static_cast<unsigned>(static_cast<unsigned char>(c)));
+        fail(
+            "invalid safetensors file '{}': tensor '{}': BOOL data holds byte {} (expected 0 or "
+            "1)",
+            s_->path, info.name, static_cast<unsigned>(static_cast<unsigned char>(c)));
       }
     }
   }
@@ -425,8 +422,7 @@ at::Tensor SafetensorsFile::get(const TensorInfo& info) const {
   if (addr % static_cast<uintptr_t>(element_size(info.dtype)) == 0) {
     std::shared_ptr<Mapping> keep = s_->mapping;
     return at::from_blob(
-        const_cast<char*>(raw.data()), info.shape, [keep](void*) mutable { keep.reset(); },
-        options);
+        const_cast<char*>(raw.data()), info.shape, [keep](void*) mutable { keep.reset(); }, options);
   }
   // Misaligned for its element type (possible in files from other writers):
   // copy into a fresh, aligned tensor.
@@ -480,19 +476,18 @@ void save_safetensors(const std::string& path, const std::vector<NamedTensor>& t
     const uint64_t have = static_cast<uint64_t>(t.numel()) * static_cast<uint64_t>(have_elem);
     const uint64_t need = static_cast<uint64_t>(t.numel()) * static_cast<uint64_t>(element_size(dtype));
     if (have != need || have_elem != element_size(dtype)) {
-      fail("cannot save '{}': tensor '{}' of libtorch dtype {} has {}-byte elements, but the "
-           "declared dtype {} needs {}-byte elements (byte size does not match the declared "
-           "dtype)",
-           path, nt.name, c10::toString(t.scalar_type()), have_elem, to_string(dtype),
-           element_size(dtype));
+      fail(
+          "cannot save '{}': tensor '{}' of libtorch dtype {} has {}-byte elements, but the "
+          "declared dtype {} needs {}-byte elements (byte size does not match the declared "
+          "dtype)",
+          path, nt.name, c10::toString(t.scalar_type()), have_elem, to_string(dtype), element_size(dtype));
     }
     items.push_back({nt.name, dtype, nt.cast ? nt.tensor.detach() : std::move(t), have, nt.cast});
   }
   // Larger elements first keeps every tensor aligned to its element size,
   // given an 8-aligned data buffer.
-  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) {
-    return element_size(a.dtype) > element_size(b.dtype);
-  });
+  std::stable_sort(items.begin(), items.end(),
+                   [](const Item& a, const Item& b) { return element_size(a.dtype) > element_size(b.dtype); });
 
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
   if (!metadata.empty()) {

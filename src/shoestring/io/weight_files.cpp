@@ -81,7 +81,8 @@ WeightFiles WeightFiles::open(const std::string& path) {
   }
   if (!w.files_.empty()) w.metadata_ = w.files_[0].metadata();
   if (index.contains("metadata") && index["metadata"].is_object()) {
-    for (const auto& [k, v] : index["metadata"].items()) w.metadata_[k] = v.is_string() ? v.get<std::string>() : v.dump();
+    for (const auto& [k, v] : index["metadata"].items())
+      w.metadata_[k] = v.is_string() ? v.get<std::string>() : v.dump();
   }
   return w;
 }
@@ -144,8 +145,7 @@ KeyDiff diff_keys(const std::map<std::string, std::vector<int64_t>>& expected,
   return d;
 }
 
-LoadWeightsReport load_weights(torch::nn::Module& module, const WeightFiles& files,
-                               const LoadWeightsOptions& options) {
+LoadWeightsReport load_weights(torch::nn::Module& module, const WeightFiles& files, const LoadWeightsOptions& options) {
   torch::NoGradGuard no_grad;
   std::map<std::string, at::Tensor> targets;
   std::map<std::string, std::vector<int64_t>> expected, found;
@@ -173,8 +173,8 @@ LoadWeightsReport load_weights(torch::nn::Module& module, const WeightFiles& fil
     const TensorInfo* info = files.find(it->second);
     if ((info->dtype == StDtype::F8_E4M3 || info->dtype == StDtype::F8_E5M2) &&
         to_scalar_type(info->dtype) == at::kByte && target.scalar_type() != at::kByte)
-      fail("{}: tensor \"{}\" is {} and this libtorch has no float8 type to convert it to {}", files.path(),
-           it->second, to_string(info->dtype), c10::toString(target.scalar_type()));
+      fail("{}: tensor \"{}\" is {} and this libtorch has no float8 type to convert it to {}", files.path(), it->second,
+           to_string(info->dtype), c10::toString(target.scalar_type()));
     target.copy_(files.get(it->second));
     ++report.loaded;
     report.loaded_bytes += target.numel() * target.element_size();

@@ -85,9 +85,9 @@ struct LoadWeightsOptions {
 
 /// What load_weights() did.
 struct LoadWeightsReport {
-  int64_t loaded = 0;       ///< tensors copied
-  int64_t loaded_bytes = 0; ///< bytes of the module's tensors written
-  KeyDiff diff;             ///< missing / unexpected (non-empty only with allow_partial)
+  int64_t loaded = 0;        ///< tensors copied
+  int64_t loaded_bytes = 0;  ///< bytes of the module's tensors written
+  KeyDiff diff;              ///< missing / unexpected (non-empty only with allow_partial)
 };
 
 /// Copies every matching tensor of `files` into `module`'s parameters and

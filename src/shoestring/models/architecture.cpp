@@ -53,7 +53,8 @@ std::shared_ptr<torch::nn::Module> build_tiny_unet(const nn::LayerInit& init, bo
 // Latent sides: the SD VAE and SD3.5's VAE downscale by 8; stage C works on
 // max(8, 3 * resolution / 128) (24 at 1024 px, its 42.67x compression).
 int64_t vae8_latent_side(int64_t resolution) {
-  if (resolution < 8 || resolution % 8 != 0) fail("resolution {} is not a positive multiple of 8 (VAE factor 8)", resolution);
+  if (resolution < 8 || resolution % 8 != 0)
+    fail("resolution {} is not a positive multiple of 8 (VAE factor 8)", resolution);
   return resolution / 8;
 }
 int64_t stage_c_latent_side(int64_t resolution) {
@@ -105,11 +106,9 @@ std::vector<Architecture> make_registry() {
           &LdmUNetOptions::ssd1b, {4, 8, 77, 2048, 2816}, "sdxl_base_v1-0", "segmind-ssd-1b",
           "stable-diffusion-xl-v1-base/lora"),
       with({"vae", "Stable Diffusion VAE (AutoencoderKL, LDM layout; SD 1.x and SDXL)", "first_stage_model.",
-            83'653'863, "stabilityai/sd-vae-ft-mse / sdxl-vae AutoencoderKL (diffusers num_parameters())",
-            &build_vae},
+            83'653'863, "stabilityai/sd-vae-ft-mse / sdxl-vae AutoencoderKL (diffusers num_parameters())", &build_vae},
            Family::vae, false, Objective::none, {4, 8, 0, 0, 0}),
-      with({"cascade-c", "Stable Cascade stage C 3.6B (stage_c.safetensors; keys without prefix)", "",
-            3'589'103'632,
+      with({"cascade-c", "Stable Cascade stage C 3.6B (stage_c.safetensors; keys without prefix)", "", 3'589'103'632,
             "Stability-AI/StableCascade modules/stage_c.py with stabilityai/stable-cascade-prior prior/config.json "
             "(no exact public count; agrees with '3.6B' and the 14.4 GB fp32 file)",
             [](const nn::LayerInit& i, bool tiny) -> std::shared_ptr<torch::nn::Module> {
@@ -136,12 +135,15 @@ std::vector<Architecture> make_registry() {
             "this project's TinyUNetOptions defaults (printed by TinyUNet.DefaultsHaveTenToFortyMillionParameters)",
             &build_tiny_unet},
            Family::tiny_unet, true, Objective::flow_matching, {3, 1, 0, 0, 0}),
-      with({"clip-l", "OpenAI CLIP ViT-L/14 text encoder (Hugging Face CLIPTextModel layout; SD 1.x, SDXL embedder 0)",
-            kSd15ClipPrefix, 123'060'480,
+      with({"clip-l",
+            "OpenAI CLIP ViT-L/14 text encoder (Hugging Face CLIPTextModel layout; SD 1.x, SDXL embedder 0)",
+            kSd15ClipPrefix,
+            123'060'480,
             "openai/clip-vit-large-patch14 text config (width 768, 12 layers, MLP 3072, vocab 49408, 77 positions); "
             "= diffusers text_encoder.num_parameters() of runwayml/stable-diffusion-v1-5; files may add the "
             "77-element position_ids buffer",
-            clip_text(&ClipTextOptions::clip_l), {kSdxlClipLPrefix}},
+            clip_text(&ClipTextOptions::clip_l),
+            {kSdxlClipLPrefix}},
            Family::text_encoder, false, Objective::none, {0, 0, 77, 768, 768}),
       with({"clip-g", "OpenCLIP ViT-bigG-14 text encoder (OpenCLIP layout; SDXL embedder 1)", kSdxlClipGPrefix,
             694'659'840,
@@ -346,8 +348,8 @@ std::vector<Detection> detect_architectures(const std::vector<TensorShape>& tens
     }
     // A bare file matches under every prefix of its architecture: report it once.
     const bool seen = best && std::any_of(found.begin(), found.end(), [&](const Detection& f) {
-      return f.architecture == best->architecture && f.prefix == best->prefix;
-    });
+                        return f.architecture == best->architecture && f.prefix == best->prefix;
+                      });
     if (best && !seen) found.push_back(std::move(*best));
   }
   return found;

@@ -65,10 +65,11 @@ CaptionEncoding CaptionEncoderImpl::forward(const torch::Tensor& tokens) {
   for (size_t i = 0; i < layers->size(); ++i) {
     std::shared_ptr<CaptionEncoderLayerImpl> layer = layers->ptr<CaptionEncoderLayerImpl>(i);
     const at::Tensor mask = out.mask;
-    h = nn::run_block(
-        block_table_.get(), layer,
-        [layer, mask](const std::vector<at::Tensor>& in) { return std::vector<at::Tensor>{layer->forward(in[0], mask)}; },
-        {h})[0];
+    h = nn::run_block(block_table_.get(), layer,
+                      [layer, mask](const std::vector<at::Tensor>& in) {
+                        return std::vector<at::Tensor>{layer->forward(in[0], mask)};
+                      },
+                      {h})[0];
   }
   out.hidden = final_norm->forward(h);
   return out;

@@ -32,8 +32,8 @@ torch::Tensor layer_norm_2d(const torch::Tensor& x) {
 
 // Channels-last MLP shared by ResBlock and FeedForwardBlock:
 // Linear -> GELU (erf) -> GRN -> Dropout -> Linear.
-torch::Tensor channelwise(nn::Linear& fc1, GlobalResponseNorm& grn, nn::Linear& fc2, const torch::Tensor& x,
-                          double p, bool training) {
+torch::Tensor channelwise(nn::Linear& fc1, GlobalResponseNorm& grn, nn::Linear& fc2, const torch::Tensor& x, double p,
+                          bool training) {
   torch::Tensor h = torch::gelu(fc1->forward(x));
   h = grn->forward(h);
   if (p > 0) h = torch::dropout(h, p, training);
@@ -64,22 +64,11 @@ void require(bool ok, const char* what) {
 }  // namespace
 
 StageCOptions StageCOptions::cascade_c_lite() {
-  return StageCOptions()
-      .cond_dim(1536)
-      .hidden({1536, 1536})
-      .heads({24, 24})
-      .down_blocks({4, 12})
-      .up_blocks({12, 4});
+  return StageCOptions().cond_dim(1536).hidden({1536, 1536}).heads({24, 24}).down_blocks({4, 12}).up_blocks({12, 4});
 }
 
 StageCOptions StageCOptions::tiny() {
-  return StageCOptions()
-      .cond_dim(32)
-      .hidden({32, 32})
-      .heads({2, 2})
-      .down_blocks({1, 2})
-      .up_blocks({2, 1})
-      .dropout(0.0);
+  return StageCOptions().cond_dim(32).hidden({32, 32}).heads({2, 2}).down_blocks({1, 2}).up_blocks({2, 1}).dropout(0.0);
 }
 
 GlobalResponseNormImpl::GlobalResponseNormImpl(int64_t dim, const nn::LayerInit& init) {
@@ -124,8 +113,7 @@ torch::Tensor CascadeResBlockImpl::forward(const torch::Tensor& x, const torch::
   return h + x;
 }
 
-CascadeFeedForwardBlockImpl::CascadeFeedForwardBlockImpl(int64_t c, double p, const nn::LayerInit& init)
-    : dropout(p) {
+CascadeFeedForwardBlockImpl::CascadeFeedForwardBlockImpl(int64_t c, double p, const nn::LayerInit& init) : dropout(p) {
   auto cw = container(*this, "channelwise");
   fc1 = cw->register_module("0", nn::Linear(c, 4 * c, true, init));
   grn = cw->register_module("2", GlobalResponseNorm(4 * c, init));
@@ -140,7 +128,8 @@ torch::Tensor CascadeFeedForwardBlockImpl::forward(const torch::Tensor& x) {
 CascadeTimestepBlockImpl::CascadeTimestepBlockImpl(int64_t c, int64_t r_dim, const std::vector<std::string>& conds,
                                                    const nn::LayerInit& init) {
   mappers.push_back(register_module("mapper", nn::Linear(r_dim, 2 * c, true, init)));
-  for (const auto& name : conds) mappers.push_back(register_module("mapper_" + name, nn::Linear(r_dim, 2 * c, true, init)));
+  for (const auto& name : conds)
+    mappers.push_back(register_module("mapper_" + name, nn::Linear(r_dim, 2 * c, true, init)));
 }
 
 torch::Tensor CascadeTimestepBlockImpl::forward(const torch::Tensor& x, const torch::Tensor& t) {
@@ -174,8 +163,8 @@ PackedMultiheadAttentionImpl::PackedMultiheadAttentionImpl(int64_t c_, int64_t h
 torch::Tensor PackedMultiheadAttentionImpl::forward(const torch::Tensor& q_in, const torch::Tensor& kv) {
   const int64_t B = q_in.size(0), L = q_in.size(1), S = kv.size(1), d = c / heads;
   if (q_in.dim() != 3 || q_in.size(2) != c || kv.dim() != 3 || kv.size(0) != B || kv.size(2) != c)
-    fail("StageC attention: expected q [B, L, {0}] and kv [B, S, {0}], got {1} and {2}", c,
-         format_shape(q_in.sizes()), format_shape(kv.sizes()));
+    fail("StageC attention: expected q [B, L, {0}] and kv [B, S, {0}], got {1} and {2}", c, format_shape(q_in.sizes()),
+         format_shape(kv.sizes()));
   // (precision: nn/block_precision.h; in_proj is a raw parameter, not an nn::Linear)
   auto w = nn::to_compute_dtype(in_proj_weight).chunk(3, 0);
   auto b = nn::to_compute_dtype(in_proj_bias).chunk(3, 0);
@@ -223,8 +212,7 @@ StageCImpl::StageCImpl(const StageCOptions& o, const nn::LayerInit& init) : opti
   const size_t levels = o.hidden().size();
   require(levels >= 1, "hidden must not be empty");
   require(o.heads().size() == levels && o.down_blocks().size() == levels && o.up_blocks().size() == levels &&
-              o.down_repeat().size() == levels && o.up_repeat().size() == levels &&
-              o.level_config().size() == levels,
+              o.down_repeat().size() == levels && o.up_repeat().size() == levels && o.level_config().size() == levels,
           "heads, down_blocks, up_blocks, down_repeat, up_repeat and level_config need one entry per level");
   require(o.switch_level().size() + 1 >= levels, "switch_level needs one entry per level transition");
   require(o.r_dim() >= 4 && o.clip_seq() >= 1 && o.patch_size() >= 1 && o.kernel_size() % 2 == 1,
@@ -421,7 +409,8 @@ torch::Tensor StageCImpl::run_level(const torch::nn::ModuleList& blocks, const t
         auto ff = std::dynamic_pointer_cast<CascadeFeedForwardBlockImpl>(block);
         if (table) {
           x = nn::run_block(
-              table, ff, [ff](const std::vector<torch::Tensor>& v) { return std::vector<torch::Tensor>{ff->forward(v[0])}; },
+              table, ff,
+              [ff](const std::vector<torch::Tensor>& v) { return std::vector<torch::Tensor>{ff->forward(v[0])}; },
               {x})[0];
         } else {
           x = ff->forward(x);
@@ -441,12 +430,11 @@ torch::Tensor StageCImpl::forward(const torch::Tensor& x, const torch::Tensor& r
     auto self = std::static_pointer_cast<StageCImpl>(shared_from_this());
     const torch::Tensor rr = r;  // captured: never rounded to the compute dtype
     const std::vector<torch::Tensor> conds = t_cond_values;
-    return nn::run_block(
-        block_table_.get(), self,
-        [self, rr, conds](const std::vector<torch::Tensor>& in) {
-          return std::vector<torch::Tensor>{self->forward_impl(in[0], rr, in[1], in[2], in[3], conds)};
-        },
-        {x, clip_text, clip_text_pooled, clip_img})[0];
+    return nn::run_block(block_table_.get(), self,
+                         [self, rr, conds](const std::vector<torch::Tensor>& in) {
+                           return std::vector<torch::Tensor>{self->forward_impl(in[0], rr, in[1], in[2], in[3], conds)};
+                         },
+                         {x, clip_text, clip_text_pooled, clip_img})[0];
   }
   std::optional<nn::ComputeDtypeGuard> guard;
   if (!nn::current_compute_dtype()) guard.emplace(clip_txt_mapper->weight.scalar_type());

@@ -147,8 +147,7 @@ TORCH_MODULE(CascadeFeedForwardBlock);
 /// embeddings of r and of each condition back to back.
 class CascadeTimestepBlockImpl : public torch::nn::Module {
  public:
-  CascadeTimestepBlockImpl(int64_t c, int64_t r_dim, const std::vector<std::string>& conds,
-                           const nn::LayerInit& init);
+  CascadeTimestepBlockImpl(int64_t c, int64_t r_dim, const std::vector<std::string>& conds, const nn::LayerInit& init);
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& t);
   std::vector<nn::Linear> mappers;  // mapper, mapper_<cond>...
 };

@@ -169,8 +169,9 @@ void trace_stage_c(torch::nn::Module& model, nn::MemoryTracer& t, const Denoiser
   }
   x = level_outputs[0];
   for (size_t k = 0; k < levels; ++k) {
-    x = st.level(*m.up_blocks->ptr<torch::nn::ModuleListImpl>(k), *m.up_repeat_mappers->ptr<torch::nn::ModuleListImpl>(k),
-                 x, r_embed, cond, k > 0 ? &level_outputs[k] : nullptr);
+    x = st.level(*m.up_blocks->ptr<torch::nn::ModuleListImpl>(k),
+                 *m.up_repeat_mappers->ptr<torch::nn::ModuleListImpl>(k), x, r_embed, cond,
+                 k > 0 ? &level_outputs[k] : nullptr);
     if (k + 1 < levels) x = t.conv(st.layer_norm_2d(x), o.hidden()[levels - 2 - k], 1, 1, 0);
   }
   x = t.conv(st.layer_norm_2d(x), o.out_channels(), 1, 1, 0);

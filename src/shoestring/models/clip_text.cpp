@@ -16,16 +16,15 @@ namespace {
 bool is_hf(const ClipTextOptions& o) { return o.layout() == ClipTextLayout::kHuggingFace; }
 
 // A new parameter-sized tensor: empty on meta or when values come from a file next.
-torch::Tensor new_tensor(const nn::LayerInit& init, at::IntArrayRef shape) {
-  return torch::empty(shape, init.options);
-}
+torch::Tensor new_tensor(const nn::LayerInit& init, at::IntArrayRef shape) { return torch::empty(shape, init.options); }
 
 void check_options(const ClipTextOptions& o) {
   if (o.vocab_size() <= 0 || o.max_positions() <= 0 || o.width() <= 0 || o.layers() <= 0 || o.heads() <= 0 ||
       o.mlp_width() <= 0 || o.projection_dim() < 0)
-    fail("ClipTextOptions: sizes must be positive (vocab {}, positions {}, width {}, layers {}, heads {}, mlp {}, "
-         "projection {})",
-         o.vocab_size(), o.max_positions(), o.width(), o.layers(), o.heads(), o.mlp_width(), o.projection_dim());
+    fail(
+        "ClipTextOptions: sizes must be positive (vocab {}, positions {}, width {}, layers {}, heads {}, mlp {}, "
+        "projection {})",
+        o.vocab_size(), o.max_positions(), o.width(), o.layers(), o.heads(), o.mlp_width(), o.projection_dim());
   if (o.width() % o.heads() != 0) fail("ClipTextOptions: heads {} do not divide width {}", o.heads(), o.width());
   if (is_hf(o) && (o.projection_dim() > 0 || o.logit_scale()))
     fail("ClipTextOptions: text_projection / logit_scale exist only in the OpenCLIP layout");
@@ -120,7 +119,8 @@ torch::Tensor ClipTextLayerImpl::forward(const torch::Tensor& x) {
   v = heads(v);
   torch::Tensor scores = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(D)));
   // Causal mask: query i attends to keys 0..i (HF _build_causal_attention_mask, OpenCLIP build_attention_mask).
-  const torch::Tensor future = torch::ones({L, L}, torch::TensorOptions().dtype(torch::kBool).device(x.device())).triu(1);
+  const torch::Tensor future =
+      torch::ones({L, L}, torch::TensorOptions().dtype(torch::kBool).device(x.device())).triu(1);
   scores = scores.masked_fill(future, -std::numeric_limits<float>::infinity());
   torch::Tensor probs = torch::softmax(scores, -1, torch::kFloat32).to(v.scalar_type());
   torch::Tensor a = torch::matmul(probs, v).transpose(1, 2).reshape({B, L, W});

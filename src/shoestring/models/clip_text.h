@@ -193,7 +193,6 @@ bool is_optional_clip_text_key(const std::string& key);
 /// tensor is missing, a tensor under the prefix is unknown, or a shape
 /// differs (e.g. a CLIP-L file loaded into a bigG model), or when `model`
 /// was built on the meta device.
-LoadWeightsReport load_clip_text_weights(ClipTextModelImpl& model, const WeightFiles& files,
-                                         const std::string& prefix);
+LoadWeightsReport load_clip_text_weights(ClipTextModelImpl& model, const WeightFiles& files, const std::string& prefix);
 
 }  // namespace shoestring::models

@@ -33,8 +33,7 @@ struct DenoiserExample {
 /// Random inputs of the shapes of `in` in `dtype` (timesteps as the model
 /// expects them) bound to `model`'s forward. `model` must be the registry
 /// row's architecture; throws shoestring::Error otherwise.
-using DenoiserExampleFn = DenoiserExample (*)(torch::nn::Module& model, const DenoiserBatch& in,
-                                              at::ScalarType dtype);
+using DenoiserExampleFn = DenoiserExample (*)(torch::nn::Module& model, const DenoiserBatch& in, at::ScalarType dtype);
 
 /// Emits into `tracer` the ops of `model`'s training forward on inputs of
 /// the shapes of `in` (inputs persistent, then the layers, then mse_loss on

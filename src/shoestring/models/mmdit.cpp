@@ -37,7 +37,7 @@ torch::Tensor modulate(const torch::Tensor& x, const torch::Tensor& shift, const
 torch::Tensor grouped_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
   const int64_t B = q.size(0), L = q.size(1), H = q.size(2), D = q.size(3), G = k.size(2);
   torch::Tensor qh = q.reshape({B, L, G, H / G, D}).permute({0, 2, 3, 1, 4});  // [B, G, R, L, D]
-  torch::Tensor kh = k.permute({0, 2, 1, 3}).unsqueeze(2);                      // [B, G, 1, S, D]
+  torch::Tensor kh = k.permute({0, 2, 1, 3}).unsqueeze(2);                     // [B, G, 1, S, D]
   torch::Tensor vh = v.permute({0, 2, 1, 3}).unsqueeze(2);
   torch::Tensor scores = torch::matmul(qh, kh.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(D)));
   torch::Tensor attn = torch::softmax(scores, -1, torch::kFloat32).to(q.scalar_type());
@@ -47,8 +47,9 @@ torch::Tensor grouped_attention(const torch::Tensor& q, const torch::Tensor& k, 
 // Sinusoidal timestep features [cos | sin] (mmditx.py TimestepEmbedder.timestep_embedding).
 torch::Tensor timestep_features(const torch::Tensor& t, int64_t dim) {
   const int64_t half = dim / 2;
-  torch::Tensor freqs = torch::exp(torch::arange(half, torch::TensorOptions().dtype(torch::kFloat32).device(t.device())) *
-                                   (-std::log(10000.0) / static_cast<double>(half)));
+  torch::Tensor freqs =
+      torch::exp(torch::arange(half, torch::TensorOptions().dtype(torch::kFloat32).device(t.device())) *
+                 (-std::log(10000.0) / static_cast<double>(half)));
   torch::Tensor args = t.to(torch::kFloat32).unsqueeze(1) * freqs.unsqueeze(0);
   torch::Tensor emb = torch::cat({args.cos(), args.sin()}, 1);
   if (dim % 2) emb = torch::constant_pad_nd(emb, {0, 1});
@@ -110,7 +111,8 @@ MMDiTStreamBlockImpl::MMDiTStreamBlockImpl(const MMDiTOptions& o, bool pre, bool
   const int64_t H = o.hidden();
   attn = register_module("attn", MMDiTAttention(H, o.heads(), o.kv_heads(), o.qkv_bias(), pre, o.qk_norm(), init));
   if (self_attn2)
-    attn2 = register_module("attn2", MMDiTAttention(H, o.heads(), o.kv_heads(), o.qkv_bias(), false, o.qk_norm(), init));
+    attn2 =
+        register_module("attn2", MMDiTAttention(H, o.heads(), o.kv_heads(), o.qkv_bias(), false, o.qk_norm(), init));
   if (!pre) mlp = register_module("mlp", MMDiTMlp(H, static_cast<int64_t>(H * o.mlp_ratio()), init));
   const int64_t n_mods = self_attn2 ? 9 : (pre ? 2 : 6);
   adaLN_modulation = container(*this, "adaLN_modulation")->register_module("1", nn::Linear(H, n_mods * H, true, init));
@@ -161,8 +163,9 @@ MMDiTImpl::MMDiTImpl(const MMDiTOptions& o, const nn::LayerInit& init) : options
   for (int64_t l : o.x_block_self_attn_layers())
     if (l < 0 || l >= o.depth()) fail("MMDiT options: x_block_self_attn layer {} outside 0..{}", l, o.depth() - 1);
 
-  x_embedder = container(*this, "x_embedder")
-                   ->register_module("proj", nn::Conv2d(o.in_channels(), H, o.patch_size(), o.patch_size(), 0, true, init));
+  x_embedder =
+      container(*this, "x_embedder")
+          ->register_module("proj", nn::Conv2d(o.in_channels(), H, o.patch_size(), o.patch_size(), 0, true, init));
   auto t_mlp = container(*container(*this, "t_embedder"), "mlp");
   t_embedder_0 = t_mlp->register_module("0", nn::Linear(o.frequency_embedding_size(), H, true, init));
   t_embedder_2 = t_mlp->register_module("2", nn::Linear(H, H, true, init));
@@ -227,12 +230,11 @@ torch::Tensor MMDiTImpl::forward(const torch::Tensor& x, const torch::Tensor& t,
   if (block_table_->find(this)) {
     auto self = std::static_pointer_cast<MMDiTImpl>(shared_from_this());
     const torch::Tensor time = t;  // captured: never rounded to the compute dtype
-    return nn::run_block(
-        block_table_.get(), self,
-        [self, time](const std::vector<torch::Tensor>& in) {
-          return std::vector<torch::Tensor>{self->forward_impl(in[0], time, in[1], in[2])};
-        },
-        {x, context, y})[0];
+    return nn::run_block(block_table_.get(), self,
+                         [self, time](const std::vector<torch::Tensor>& in) {
+                           return std::vector<torch::Tensor>{self->forward_impl(in[0], time, in[1], in[2])};
+                         },
+                         {x, context, y})[0];
   }
   std::optional<nn::ComputeDtypeGuard> guard;
   if (!nn::current_compute_dtype()) guard.emplace(context_embedder->weight.scalar_type());
@@ -267,13 +269,12 @@ torch::Tensor MMDiTImpl::forward_impl(const torch::Tensor& x_in, const torch::Te
     std::vector<torch::Tensor> out;
     if (block_table_->configured()) {
       // Per block, as the precision rules say (compute dtype, checkpointing).
-      out = nn::run_block(
-          block_table_.get(), block.ptr(),
-          [impl = block.ptr(), last](const std::vector<torch::Tensor>& in) {
-            auto r = impl->forward(in[0], in[1], in[2]);
-            return last ? std::vector<torch::Tensor>{r[1]} : r;
-          },
-          {context, x, c});
+      out = nn::run_block(block_table_.get(), block.ptr(),
+                          [impl = block.ptr(), last](const std::vector<torch::Tensor>& in) {
+                            auto r = impl->forward(in[0], in[1], in[2]);
+                            return last ? std::vector<torch::Tensor>{r[1]} : r;
+                          },
+                          {context, x, c});
       if (last) out = {torch::Tensor(), out[0]};
     } else {
       out = block->forward(context, x, c);

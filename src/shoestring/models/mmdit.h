@@ -71,8 +71,8 @@ struct MMDiTOptions {
   /// this many patches per side (the centre crop is used).
   TORCH_ARG(int64_t, pos_embed_max_size) = 384;
   /// Blocks whose x_block has the extra self-attention attn2 (MMDiT-X).
-  TORCH_ARG(std::vector<int64_t>, x_block_self_attn_layers) =
-      std::vector<int64_t>{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12};
+  TORCH_ARG(std::vector<int64_t>, x_block_self_attn_layers) = std::vector<int64_t>{0, 1, 2, 3,  4,  5, 6,
+                                                                                   7, 8, 9, 10, 11, 12};
   /// RMSNorm qk-norm (ln_q, ln_k) in every attention.
   TORCH_ARG(bool, qk_norm) = true;
   TORCH_ARG(bool, qkv_bias) = true;
@@ -183,7 +183,7 @@ class MMDiTImpl : public torch::nn::Module, public Denoiser {
 
   const MMDiTOptions& options() const { return options_; }
 
-  nn::Conv2d x_embedder{nullptr};                 // x_embedder.proj
+  nn::Conv2d x_embedder{nullptr};                           // x_embedder.proj
   nn::Linear t_embedder_0{nullptr}, t_embedder_2{nullptr};  // t_embedder.mlp.{0,2}
   nn::Linear y_embedder_0{nullptr}, y_embedder_2{nullptr};  // y_embedder.mlp.{0,2}
   nn::Linear context_embedder{nullptr};

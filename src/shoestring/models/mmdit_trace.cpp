@@ -138,8 +138,7 @@ void trace_mmdit(torch::nn::Module& model, nn::MemoryTracer& t, const DenoiserBa
   const int pe = t.precision().param_elem;
   const int64_t B = in.batch, S = in.latent_side, p = o.patch_size(), gh = S / p, Hd = o.hidden();
   if (S % p != 0 || gh > o.pos_embed_max_size()) {
-    fail("plan: MMDiT latents of {}x{} do not fit patch {} and pos_embed_max_size {}", S, S, p,
-         o.pos_embed_max_size());
+    fail("plan: MMDiT latents of {}x{} do not fit patch {} and pos_embed_max_size {}", S, S, p, o.pos_embed_max_size());
   }
   JointBlockTrace jt(t);
   Sym x_in = t.input({B, o.in_channels(), S, S}, pe);

@@ -21,8 +21,7 @@ nn::TransformerOptions transformer_options(const TinyUNetOptions& o, int64_t cha
 }
 
 nn::ResBlock make_res(const TinyUNetOptions& o, int64_t in, int64_t out, int64_t temb_dim) {
-  return nn::ResBlock(
-      nn::ResBlockOptions(in, out, temb_dim).groups(o.groups()).dropout(o.dropout()).init(o.init()));
+  return nn::ResBlock(nn::ResBlockOptions(in, out, temb_dim).groups(o.groups()).dropout(o.dropout()).init(o.init()));
 }
 
 nn::Conv2d conv3x3(const TinyUNetOptions& o, int64_t in, int64_t out, int64_t stride = 1) {
@@ -49,8 +48,9 @@ TinyUNetImpl::TinyUNetImpl(const TinyUNetOptions& options) : options_(options) {
   if (levels == 0) fail("TinyUNet: channel_mult must not be empty");
   if (o.in_channels() <= 0 || o.out_channels() <= 0 || o.base_channels() <= 0 || o.num_res_blocks() <= 0 ||
       o.num_heads() <= 0 || o.context_dim() <= 0) {
-    fail("TinyUNet: in_channels, out_channels, base_channels, num_res_blocks, num_heads and context_dim "
-         "must be positive");
+    fail(
+        "TinyUNet: in_channels, out_channels, base_channels, num_res_blocks, num_heads and context_dim "
+        "must be positive");
   }
   for (int64_t m : mult) {
     if (m <= 0) fail("TinyUNet: channel_mult entries must be positive, got {}", m);
@@ -63,8 +63,8 @@ TinyUNetImpl::TinyUNetImpl(const TinyUNetOptions& options) : options_(options) {
 
   const int64_t base = o.base_channels();
   const int64_t temb_dim = 4 * base;  // as LDM: time_embed_dim = 4 * model_channels
-  time_embed = register_module("time_embed",
-                               nn::TimestepEmbedding(base, temb_dim, nn::KeyLayout::kShoestring, o.init()));
+  time_embed =
+      register_module("time_embed", nn::TimestepEmbedding(base, temb_dim, nn::KeyLayout::kShoestring, o.init()));
   conv_in = register_module("conv_in", conv3x3(o, o.in_channels(), base));
 
   // Down path; record the channels of every tensor pushed as a skip.
@@ -140,12 +140,11 @@ torch::Tensor TinyUNetImpl::run_res(nn::ResBlock& block, const torch::Tensor& x,
 torch::Tensor TinyUNetImpl::run_attn(nn::SpatialTransformer& block, const torch::Tensor& x,
                                      const torch::Tensor& context, const torch::Tensor& mask) {
   std::shared_ptr<nn::SpatialTransformerImpl> b = block.ptr();
-  return nn::run_block(
-      block_table_.get(), b,
-      [b, mask](const std::vector<torch::Tensor>& in) {
-        return std::vector<torch::Tensor>{b->forward(in[0], in[1], mask)};
-      },
-      {x, context})[0];
+  return nn::run_block(block_table_.get(), b,
+                       [b, mask](const std::vector<torch::Tensor>& in) {
+                         return std::vector<torch::Tensor>{b->forward(in[0], in[1], mask)};
+                       },
+                       {x, context})[0];
 }
 
 torch::Tensor TinyUNetImpl::forward(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& context,
@@ -173,9 +172,9 @@ torch::Tensor TinyUNetImpl::forward(const torch::Tensor& x, const torch::Tensor&
     fail("TinyUNet: context has dtype {} but the model is {}", c10::toString(context.scalar_type()),
          c10::toString(dtype));
   }
-  if (context_mask.defined() && (context_mask.dim() != 2 || context_mask.size(0) != B ||
-                                 context_mask.size(1) != context.size(1) ||
-                                 context_mask.scalar_type() != torch::kBool)) {
+  if (context_mask.defined() &&
+      (context_mask.dim() != 2 || context_mask.size(0) != B || context_mask.size(1) != context.size(1) ||
+       context_mask.scalar_type() != torch::kBool)) {
     fail("TinyUNet: context_mask must be bool [{}, {}]", B, context.size(1));
   }
 
@@ -219,9 +218,9 @@ torch::Tensor TinyUNetImpl::forward(const torch::Tensor& x, const torch::Tensor&
     }
     if (level->upsample) {
       namespace F = torch::nn::functional;
-      h = F::interpolate(h, F::InterpolateFuncOptions()
-                                .size(std::vector<int64_t>{h.size(2) * 2, h.size(3) * 2})
-                                .mode(torch::kNearest));
+      h = F::interpolate(
+          h,
+          F::InterpolateFuncOptions().size(std::vector<int64_t>{h.size(2) * 2, h.size(3) * 2}).mode(torch::kNearest));
       h = level->upsample->forward(h);
     }
   }

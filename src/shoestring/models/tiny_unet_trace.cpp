@@ -82,9 +82,8 @@ Sym tiny_unet(nn::MemoryTracer& t, const TinyUNetImpl& unet, const Sym& x_in, co
     sp.heads = heads;
     sp.head_dim = C / heads;
     sp.groups = groups;
-    return t.block1(m, {x, context}, legacy_ckpt, [&](const std::vector<Sym>& in) {
-      return t.spatial_transformer(in[0], in[1], true, sp, false);
-    });
+    return t.block1(m, {x, context}, legacy_ckpt,
+                    [&](const std::vector<Sym>& in) { return t.spatial_transformer(in[0], in[1], true, sp, false); });
   };
 
   Sym x = t.copy(x_in, x_in.shape, "channels_last copy");  // contiguous(ChannelsLast)
@@ -146,9 +145,8 @@ void trace_text_to_image(const TinyUNetImpl& unet, const CaptionEncoderImpl& tex
   Sym mask = t.make({B, L}, 1, false);
   t.op("mask", {tokens}, {mask});
   // TinyUNetModel::forward: the encoder's scope, then the UNet's on (x_t, hidden).
-  Sym context = t.block1(&text, {}, false, [&](const std::vector<Sym>&) {
-    return caption_encoder(t, text, tokens, mask);
-  });
+  Sym context =
+      t.block1(&text, {}, false, [&](const std::vector<Sym>&) { return caption_encoder(t, text, tokens, mask); });
   // Without configured scopes the model casts x_t to the weights' dtype.
   Sym x = xt;
   if (!t.has_block(&unet) && t.precision().param_elem == 2) x = t.cast(x, 2);

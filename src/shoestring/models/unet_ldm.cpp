@@ -88,10 +88,11 @@ torch::Tensor LdmBlockImpl::forward_layers(const torch::Tensor& x, const torch::
   torch::Tensor h = x;
   for (const auto& layer : layers_) {
     if (auto res = std::dynamic_pointer_cast<nn::ResBlockImpl>(layer)) {
-      h = nn::run_block(
-          table, res,
-          [res](const std::vector<torch::Tensor>& in) { return std::vector<torch::Tensor>{res->forward(in[0], in[1])}; },
-          {h, emb})[0];
+      h = nn::run_block(table, res,
+                        [res](const std::vector<torch::Tensor>& in) {
+                          return std::vector<torch::Tensor>{res->forward(in[0], in[1])};
+                        },
+                        {h, emb})[0];
     } else if (auto st = std::dynamic_pointer_cast<nn::SpatialTransformerImpl>(layer)) {
       // Never checkpointed whole: its transformer blocks are, one by one.
       h = nn::run_block(
@@ -116,8 +117,9 @@ LdmUNetImpl::LdmUNetImpl(const LdmUNetOptions& options) : options_(options) {
   const int64_t nrb = o.num_res_blocks();
   if (levels == 0 || nrb <= 0 || o.model_channels() <= 0 || o.in_channels() <= 0 || o.out_channels() <= 0 ||
       o.context_dim() <= 0 || o.adm_in_channels() < 0) {
-    fail("LdmUNet: channel_mult must be non-empty and in_channels, out_channels, model_channels, "
-         "num_res_blocks, context_dim positive");
+    fail(
+        "LdmUNet: channel_mult must be non-empty and in_channels, out_channels, model_channels, "
+        "num_res_blocks, context_dim positive");
   }
   if (static_cast<int64_t>(o.transformer_depth().size()) != levels * nrb) {
     fail("LdmUNet: transformer_depth has {} entries, expected levels * num_res_blocks = {}",
@@ -128,8 +130,7 @@ LdmUNetImpl::LdmUNetImpl(const LdmUNetOptions& options) : options_(options) {
          o.transformer_depth_output().size(), levels * (nrb + 1));
   }
   if ((o.num_heads() <= 0) == (o.num_head_channels() <= 0)) {
-    fail("LdmUNet: set exactly one of num_heads ({}) and num_head_channels ({})", o.num_heads(),
-         o.num_head_channels());
+    fail("LdmUNet: set exactly one of num_heads ({}) and num_head_channels ({})", o.num_heads(), o.num_head_channels());
   }
   const nn::LayerInit& init = o.init();
   const int64_t mc = o.model_channels();
@@ -244,20 +245,19 @@ torch::Tensor LdmUNetImpl::run_ldm_block(LdmBlockImpl& block, const torch::Tenso
   return block.forward_layers(h, emb, context, block_table_->configured() ? block_table_.get() : nullptr);
 }
 
-torch::Tensor LdmUNetImpl::forward(const torch::Tensor& x, const torch::Tensor& timesteps,
-                                   const torch::Tensor& context, const torch::Tensor& y) {
+torch::Tensor LdmUNetImpl::forward(const torch::Tensor& x, const torch::Tensor& timesteps, const torch::Tensor& context,
+                                   const torch::Tensor& y) {
   if (!block_table_->configured()) return forward_impl(x, timesteps, context, y);
   if (block_table_->find(this)) {
     // The UNet as its root scope: x, context and y are cast to its compute
     // dtype; timesteps are not an input (captured, never rounded to bf16).
     auto self = std::static_pointer_cast<LdmUNetImpl>(shared_from_this());
     const torch::Tensor t = timesteps;
-    return nn::run_block(
-        block_table_.get(), self,
-        [self, t](const std::vector<torch::Tensor>& in) {
-          return std::vector<torch::Tensor>{self->forward_impl(in[0], t, in[1], in[2])};
-        },
-        {x, context, y})[0];
+    return nn::run_block(block_table_.get(), self,
+                         [self, t](const std::vector<torch::Tensor>& in) {
+                           return std::vector<torch::Tensor>{self->forward_impl(in[0], t, in[1], in[2])};
+                         },
+                         {x, context, y})[0];
   }
   std::optional<nn::ComputeDtypeGuard> guard;
   if (!nn::current_compute_dtype()) guard.emplace(out_conv->weight.scalar_type());

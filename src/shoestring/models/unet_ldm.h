@@ -50,8 +50,7 @@ struct LdmUNetOptions {
   TORCH_ARG(std::vector<int64_t>, transformer_depth) = std::vector<int64_t>{1, 1, 1, 1, 1, 1, 0, 0};
   /// The same for the output blocks (levels * (num_res_blocks + 1) entries,
   /// deepest level first, in output_blocks order).
-  TORCH_ARG(std::vector<int64_t>, transformer_depth_output) =
-      std::vector<int64_t>{0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1};
+  TORCH_ARG(std::vector<int64_t>, transformer_depth_output) = std::vector<int64_t>{0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1};
   /// Depth of middle_block.1; -1 = the middle block is a single ResBlock
   /// (no middle_block.1 / .2, as SSD-1B).
   TORCH_ARG(int64_t, transformer_depth_middle) = 1;
@@ -72,7 +71,6 @@ struct LdmUNetOptions {
   TORCH_ARG(nn::LayerInit, init) = nn::LayerInit{};
 
  public:  // (TORCH_ARG leaves the section private)
-
   /// Stable Diffusion 1.5 (v1-inference.yaml): mc 320, mult 1,2,4,4, 8 heads,
   /// attention at the first three levels, context 768. 859,520,964 parameters.
   static LdmUNetOptions sd15();

@@ -62,8 +62,8 @@ void trace_ldm_unet(torch::nn::Module& model, nn::MemoryTracer& t, const Denoise
   const auto& o = u.options();
   const int64_t factor = int64_t{1} << (o.channel_mult().size() - 1);
   if (in.latent_side % factor != 0) {
-    fail("plan: this LDM UNet needs latents divisible by {} (a resolution divisible by {}), got {}x{} latents",
-         factor, 8 * factor, in.latent_side, in.latent_side);
+    fail("plan: this LDM UNet needs latents divisible by {} (a resolution divisible by {}), got {}x{} latents", factor,
+         8 * factor, in.latent_side, in.latent_side);
   }
   const int64_t B = in.batch, S = in.latent_side;
   const int pe = t.precision().param_elem;

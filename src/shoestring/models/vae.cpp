@@ -26,8 +26,8 @@ nn::GroupNorm vae_norm(const VaeOptions& o, int64_t channels) {
 }
 
 void check_options(const VaeOptions& o) {
-  if (o.ch_mult().empty() || o.ch() <= 0 || o.num_res_blocks() <= 0 || o.z_channels() <= 0 ||
-      o.in_channels() <= 0 || o.out_channels() <= 0) {
+  if (o.ch_mult().empty() || o.ch() <= 0 || o.num_res_blocks() <= 0 || o.z_channels() <= 0 || o.in_channels() <= 0 ||
+      o.out_channels() <= 0) {
     fail("VAE: ch_mult must be non-empty and ch, num_res_blocks, z_channels, in/out channels positive");
   }
 }
@@ -133,9 +133,8 @@ torch::Tensor VaeDecoderImpl::forward(const torch::Tensor& z) {
     if (level->upsample) {
       namespace F = torch::nn::functional;
       h = level->upsample->forward(F::interpolate(
-          h, F::InterpolateFuncOptions()
-                 .size(std::vector<int64_t>{h.size(2) * 2, h.size(3) * 2})
-                 .mode(torch::kNearest)));
+          h,
+          F::InterpolateFuncOptions().size(std::vector<int64_t>{h.size(2) * 2, h.size(3) * 2}).mode(torch::kNearest)));
     }
   }
   return conv_out->forward(torch::silu(norm_out->forward(h)));

@@ -7,8 +7,8 @@
 #include <torch/torch.h>
 
 #include "shoestring/core/error.h"
-#include "shoestring/nn/block_precision.h"
 #include "shoestring/core/units.h"
+#include "shoestring/nn/block_precision.h"
 
 namespace shoestring::nn {
 
@@ -16,11 +16,11 @@ AttentionImpl::AttentionImpl(const AttentionOptions& options) : options_(options
   if (options_.num_kv_heads() == 0) options_.num_kv_heads(options_.heads());
   if (options_.context_dim() == 0) options_.context_dim(options_.query_dim());
   const auto& o = options_;
-  if (o.query_dim() <= 0 || o.context_dim() < 0 || o.heads() <= 0 || o.head_dim() <= 0 ||
-      o.num_kv_heads() < 0) {
-    fail("Attention: sizes must be positive (query_dim {}, context_dim {}, heads {}, head_dim {}, "
-         "num_kv_heads {})",
-         o.query_dim(), o.context_dim(), o.heads(), o.head_dim(), o.num_kv_heads());
+  if (o.query_dim() <= 0 || o.context_dim() < 0 || o.heads() <= 0 || o.head_dim() <= 0 || o.num_kv_heads() < 0) {
+    fail(
+        "Attention: sizes must be positive (query_dim {}, context_dim {}, heads {}, head_dim {}, "
+        "num_kv_heads {})",
+        o.query_dim(), o.context_dim(), o.heads(), o.head_dim(), o.num_kv_heads());
   }
   if (o.heads() % o.num_kv_heads() != 0) {
     fail("Attention: num_kv_heads {} must divide heads {}", o.num_kv_heads(), o.heads());
@@ -46,11 +46,10 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
   if (kv_in.dim() != 3 || kv_in.size(0) != B || kv_in.size(2) != o.context_dim()) {
     fail("Attention: context must be [{}, Lk, {}], got {}", B, o.context_dim(), format_shape(kv_in.sizes()));
   }
-  if (key_mask.defined() &&
-      (key_mask.dim() != 2 || key_mask.size(0) != B || key_mask.size(1) != Lk ||
-       key_mask.scalar_type() != torch::kBool)) {
-    fail("Attention: key_mask must be bool [{}, {}], got {} {}", B, Lk,
-         c10::toString(key_mask.scalar_type()), format_shape(key_mask.sizes()));
+  if (key_mask.defined() && (key_mask.dim() != 2 || key_mask.size(0) != B || key_mask.size(1) != Lk ||
+                             key_mask.scalar_type() != torch::kBool)) {
+    fail("Attention: key_mask must be bool [{}, {}], got {} {}", B, Lk, c10::toString(key_mask.scalar_type()),
+         format_shape(key_mask.sizes()));
   }
   const int64_t H = o.heads(), Hkv = o.num_kv_heads(), G = H / Hkv, d = o.head_dim();
 

@@ -51,8 +51,7 @@ class AttentionImpl : public torch::nn::Module {
   /// all masked attends uniformly to all of them (masked scores are set to the
   /// dtype's lowest finite value, not -inf, so no NaN appears).
   /// Returns [B, Lq, query_dim]. Throws shoestring::Error on shape mismatch.
-  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& context = {},
-                        const torch::Tensor& key_mask = {});
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& context = {}, const torch::Tensor& key_mask = {});
 
   const AttentionOptions& options() const { return options_; }
 

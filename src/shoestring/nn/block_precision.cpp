@@ -58,8 +58,7 @@ std::vector<at::Tensor> run_block(const BlockTable* table, const std::shared_ptr
   const BlockPrecision* p = table ? table->find(block.get()) : nullptr;
   const bool grad_on = torch::GradMode::is_enabled();
   const bool checkpoint_it =
-      grad_on && block->is_training() &&
-      p && p->checkpoint && table->is_checkpointable(block.get());
+      grad_on && block->is_training() && p && p->checkpoint && table->is_checkpointable(block.get());
 
   SegmentFn segment = fn;
   if (p) {

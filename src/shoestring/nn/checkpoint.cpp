@@ -33,8 +33,7 @@ void set_cpu_rng_state(const at::Tensor& state) {
 struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
   // `inputs` must be passed as at::TensorList so that autograd sees each
   // element as a differentiable input.
-  static variable_list forward(AutogradContext* ctx, c10::intrusive_ptr<SegmentHolder> holder,
-                               at::TensorList inputs) {
+  static variable_list forward(AutogradContext* ctx, c10::intrusive_ptr<SegmentHolder> holder, at::TensorList inputs) {
     ctx->set_materialize_grads(false);
     ctx->saved_data["rng"] = get_cpu_rng_state();
     ctx->saved_data["fn"] = c10::IValue::make_capsule(holder);
@@ -114,9 +113,8 @@ std::vector<at::Tensor> checkpoint(const SegmentFn& fn, const std::vector<at::Te
 }
 
 at::Tensor checkpoint(const std::function<at::Tensor(const at::Tensor&)>& fn, const at::Tensor& input) {
-  return checkpoint(
-      [fn](const std::vector<at::Tensor>& xs) { return std::vector<at::Tensor>{fn(xs[0])}; },
-      std::vector<at::Tensor>{input})[0];
+  return checkpoint([fn](const std::vector<at::Tensor>& xs) { return std::vector<at::Tensor>{fn(xs[0])}; },
+                    std::vector<at::Tensor>{input})[0];
 }
 
 }  // namespace shoestring::nn

@@ -45,7 +45,6 @@ using SegmentFn = std::function<std::vector<at::Tensor>(const std::vector<at::Te
 std::vector<at::Tensor> checkpoint(const SegmentFn& fn, const std::vector<at::Tensor>& inputs);
 
 /// Single-tensor convenience: `checkpoint([&](x) { return {fn(x[0])}; }, {input})[0]`.
-at::Tensor checkpoint(const std::function<at::Tensor(const at::Tensor&)>& fn,
-                      const at::Tensor& input);
+at::Tensor checkpoint(const std::function<at::Tensor(const at::Tensor&)>& fn, const at::Tensor& input);
 
 }  // namespace shoestring::nn

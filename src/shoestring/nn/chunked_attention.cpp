@@ -97,12 +97,12 @@ struct ChunkedAttentionFn : public torch::autograd::Function<ChunkedAttentionFn>
       const int64_t n = std::min(block_rows, R - r0);
       const at::Tensor q_b = q.narrow(2, r0, n);
       const at::Tensor do_b = dout.narrow(2, r0, n);
-      at::Tensor p = block_probs(q_b, k, masked);                         // [B, Hkv, n, Lk]
-      dv.add_(torch::matmul(p.transpose(-1, -2), do_b));                   // [B, Hkv, Lk, d]
-      at::Tensor ds = torch::matmul(do_b, v.transpose(-1, -2));            // dP
-      ds.sub_(D.narrow(2, r0, n)).mul_(p);                                 // dS = P o (dP - D)
+      at::Tensor p = block_probs(q_b, k, masked);                // [B, Hkv, n, Lk]
+      dv.add_(torch::matmul(p.transpose(-1, -2), do_b));         // [B, Hkv, Lk, d]
+      at::Tensor ds = torch::matmul(do_b, v.transpose(-1, -2));  // dP
+      ds.sub_(D.narrow(2, r0, n)).mul_(p);                       // dS = P o (dP - D)
       p = at::Tensor();
-      if (masked.defined()) ds.masked_fill_(masked, 0.0);                  // masked scores get no gradient
+      if (masked.defined()) ds.masked_fill_(masked, 0.0);  // masked scores get no gradient
       dq.narrow(2, r0, n).copy_(torch::matmul(ds, k));
       dk.add_(torch::matmul(ds.transpose(-1, -2), q_b));
     }
@@ -112,8 +112,7 @@ struct ChunkedAttentionFn : public torch::autograd::Function<ChunkedAttentionFn>
 
 }  // namespace
 
-at::Tensor plain_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                           const at::Tensor& key_mask) {
+at::Tensor plain_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& key_mask) {
   check_inputs(q, k, v, key_mask);
   at::Tensor scores = torch::matmul(q, k.transpose(-1, -2));  // [B, Hkv, R, Lk]
   if (key_mask.defined()) {
@@ -122,8 +121,8 @@ at::Tensor plain_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   return torch::matmul(scores.softmax(-1), v);  // [B, Hkv, R, d]
 }
 
-at::Tensor chunked_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                             const at::Tensor& key_mask, int64_t block_rows) {
+at::Tensor chunked_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& key_mask,
+                             int64_t block_rows) {
   check_inputs(q, k, v, key_mask);
   if (block_rows < 1) fail("chunked_attention: block_rows must be >= 1 (got {})", block_rows);
   const at::Tensor mask = key_mask.defined() ? key_mask : torch::empty({0}, torch::kBool);
@@ -145,8 +144,7 @@ int64_t attention_block_rows(int64_t batch, int64_t kv_heads, int64_t rows, int6
   return std::max<int64_t>(1, chunk_bytes / per_row);
 }
 
-at::Tensor attention_core(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                          const at::Tensor& key_mask) {
+at::Tensor attention_core(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& key_mask) {
   check_inputs(q, k, v, key_mask);
   const int64_t block = attention_block_rows(q.size(0), q.size(1), q.size(2), k.size(2),
                                              static_cast<int64_t>(q.element_size()), attention_chunk_bytes());

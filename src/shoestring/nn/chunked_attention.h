@@ -44,8 +44,8 @@ at::Tensor plain_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 /// each block's probabilities in backward. bf16/fp16 inputs: dK and dV are
 /// accumulated across blocks in fp32 and cast once.
 /// Throws shoestring::Error on shape/dtype mismatch or block_rows < 1.
-at::Tensor chunked_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                             const at::Tensor& key_mask, int64_t block_rows);
+at::Tensor chunked_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& key_mask,
+                             int64_t block_rows);
 
 /// Process-wide threshold of attention_core(): the largest score matrix, in
 /// bytes (B*Hkv*R*Lk*element size), that is computed in one piece. Set from

@@ -57,8 +57,8 @@ torch::Tensor LinearImpl::forward(const torch::Tensor& x) {
   return adapter ? y + adapter(x) : y;
 }
 
-Conv2dImpl::Conv2dImpl(int64_t in, int64_t out, int64_t k, int64_t s, int64_t p, bool with_bias,
-                       const LayerInit& init, int64_t g)
+Conv2dImpl::Conv2dImpl(int64_t in, int64_t out, int64_t k, int64_t s, int64_t p, bool with_bias, const LayerInit& init,
+                       int64_t g)
     : in_channels(in), out_channels(out), kernel_size(k), stride(s), padding(p), groups(g) {
   require_positive("Conv2d in_channels", in);
   require_positive("Conv2d out_channels", out);
@@ -75,7 +75,8 @@ Conv2dImpl::Conv2dImpl(int64_t in, int64_t out, int64_t k, int64_t s, int64_t p,
 torch::Tensor Conv2dImpl::forward(const torch::Tensor& x) {
   if (x.dim() != 4 || x.size(1) != in_channels)
     fail("Conv2d: expected input [B, {}, H, W], got {}", in_channels, format_shape(x.sizes()));
-  torch::Tensor y = torch::conv2d(to_compute_dtype(x), to_compute_dtype(weight), to_compute_dtype(bias), {stride, stride}, {padding, padding}, {1, 1}, groups);
+  torch::Tensor y = torch::conv2d(to_compute_dtype(x), to_compute_dtype(weight), to_compute_dtype(bias),
+                                  {stride, stride}, {padding, padding}, {1, 1}, groups);
   return adapter ? y + adapter(x) : y;
 }
 
@@ -99,8 +100,7 @@ torch::Tensor GroupNormImpl::forward(const torch::Tensor& x) {
   return torch::group_norm(xf, groups, w, b, eps).to(x.scalar_type());
 }
 
-LayerNormImpl::LayerNormImpl(int64_t d, double e, bool affine, bool with_bias, const LayerInit& init)
-    : dim(d), eps(e) {
+LayerNormImpl::LayerNormImpl(int64_t d, double e, bool affine, bool with_bias, const LayerInit& init) : dim(d), eps(e) {
   require_positive("LayerNorm dim", d);
   if (affine) {
     weight = register_parameter("weight", filled_param(d, 1.0, init));
@@ -123,8 +123,7 @@ RMSNormImpl::RMSNormImpl(int64_t d, double e, bool affine, const LayerInit& init
 }
 
 torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
-  if (x.dim() < 1 || x.size(-1) != dim)
-    fail("RMSNorm: expected input [..., {}], got {}", dim, format_shape(x.sizes()));
+  if (x.dim() < 1 || x.size(-1) != dim) fail("RMSNorm: expected input [..., {}], got {}", dim, format_shape(x.sizes()));
   torch::Tensor xf = to_float_if_half(x);
   torch::Tensor y = xf * torch::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps);
   if (weight.defined()) y = y * weight.to(y.scalar_type());

@@ -67,8 +67,8 @@ TORCH_MODULE(Linear);
 /// Throws shoestring::Error on non-positive sizes or in/out not divisible by groups.
 class Conv2dImpl : public torch::nn::Module {
  public:
-  Conv2dImpl(int64_t in_channels, int64_t out_channels, int64_t kernel_size, int64_t stride = 1,
-             int64_t padding = 0, bool bias = true, const LayerInit& init = {}, int64_t groups = 1);
+  Conv2dImpl(int64_t in_channels, int64_t out_channels, int64_t kernel_size, int64_t stride = 1, int64_t padding = 0,
+             bool bias = true, const LayerInit& init = {}, int64_t groups = 1);
   /// x: [B, in_channels, H, W] -> [B, out_channels, H', W'].
   torch::Tensor forward(const torch::Tensor& x);
   int64_t in_channels, out_channels, kernel_size, stride, padding, groups;
@@ -82,8 +82,7 @@ TORCH_MODULE(Conv2d);
 /// dtype. Throws shoestring::Error when groups does not divide channels.
 class GroupNormImpl : public torch::nn::Module {
  public:
-  GroupNormImpl(int64_t groups, int64_t channels, double eps = 1e-5, bool affine = true,
-                const LayerInit& init = {});
+  GroupNormImpl(int64_t groups, int64_t channels, double eps = 1e-5, bool affine = true, const LayerInit& init = {});
   torch::Tensor forward(const torch::Tensor& x);
   int64_t groups, channels;
   double eps;

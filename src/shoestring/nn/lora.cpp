@@ -46,7 +46,7 @@ bool select(const LoraLayerRef& l, const LoraOptions& o, int64_t& rank, double& 
   const std::string prev = parts.size() >= 2 ? parts[parts.size() - 2] : "";
   const bool one_by_one = l.kind == LoraLayerKind::kLinear || l.kernel == 1;
 
-  static const std::set<std::string> attn = {"to_q",   "to_k",   "to_v",   "to_out", "q_proj",
+  static const std::set<std::string> attn = {"to_q",   "to_k",   "to_v",     "to_out", "q_proj",
                                              "k_proj", "v_proj", "out_proj", "qkv"};
   // MMDiT: attn.qkv / attn.proj, attn2.qkv / attn2.proj (kohya lora_sd3 names).
   const bool mmdit_proj = last == "proj" && (prev == "attn" || prev == "attn2");
@@ -209,10 +209,12 @@ const LoraLayerRef& KohyaNameTable::at(const std::string& kohya_name) const {
   std::sort(scored.begin(), scored.end());
   std::vector<std::string> closest;
   for (size_t i = 0; i < scored.size() && i < 3; ++i) closest.push_back(scored[i].second);
-  if (closest.empty()) fail("LoRA: unknown module name '{}': the model has no Linear or Conv2d layers to name", kohya_name);
-  fail("LoRA: unknown module name '{}': no Linear or Conv2d layer of the model has this kohya name ({} names "
-       "known; closest: {})",
-       kohya_name, layers_.size(), list_names(closest));
+  if (closest.empty())
+    fail("LoRA: unknown module name '{}': the model has no Linear or Conv2d layers to name", kohya_name);
+  fail(
+      "LoRA: unknown module name '{}': no Linear or Conv2d layer of the model has this kohya name ({} names "
+      "known; closest: {})",
+      kohya_name, layers_.size(), list_names(closest));
 }
 
 // ---------------------------------------------------------------------------
@@ -225,7 +227,8 @@ LoraOptions apply_network_args(LoraOptions o, const std::vector<std::string>& ar
     std::string key = entry.substr(0, eq), value = entry.substr(eq + 1);
     if (key == "conv_dim") {
       double v = parse_number(entry, value);
-      if (v < 0 || v != std::floor(v) || v > 65536) fail("network_args: conv_dim must be an integer >= 0, got '{}'", value);
+      if (v < 0 || v != std::floor(v) || v > 65536)
+        fail("network_args: conv_dim must be an integer >= 0, got '{}'", value);
       o.conv_rank = static_cast<int64_t>(v);
     } else if (key == "conv_alpha") {
       double v = parse_number(entry, value);
@@ -313,7 +316,7 @@ torch::Tensor LoraModuleImpl::delta_weight() const {
 void LoraModuleImpl::attach() {
   if (attached_) return;
   LayerAdapter& slot = layer_.linear ? layer_.linear->adapter
-                      : layer_.conv  ? layer_.conv->adapter
+                       : layer_.conv ? layer_.conv->adapter
                                      : layer_.packed->packed_adapter(layer_.packed_index);
   if (slot) fail("LoRA: layer '{}' already carries an adapter", layer_.path);
   // A raw pointer: the layer must not own its adapter (that would be a
@@ -355,8 +358,9 @@ LoraNetworkImpl::LoraNetworkImpl(torch::nn::Module& root, const std::vector<Lora
   }
   if (modules_.empty()) {
     fail("LoRA: no layer to adapt: the options select none of the {} Linear/Conv2d layers{}", table_.layers().size(),
-         not_adaptable_.empty() ? "" : fmt::format(" that can carry an adapter (not adaptable: {})",
-                                                   list_names(not_adaptable_, 5)));
+         not_adaptable_.empty()
+             ? ""
+             : fmt::format(" that can carry an adapter (not adaptable: {})", list_names(not_adaptable_, 5)));
   }
 }
 
@@ -535,8 +539,8 @@ void LoraNetworkImpl::set_multiplier(double multiplier) {
   for (const auto& m : modules_) m->multiplier = multiplier;
 }
 
-int64_t merge_lora_file(torch::nn::Module& root, const std::vector<LoraComponent>& components,
-                        const std::string& path, double multiplier) {
+int64_t merge_lora_file(torch::nn::Module& root, const std::vector<LoraComponent>& components, const std::string& path,
+                        double multiplier) {
   auto net = LoraNetworkImpl::from_file(root, components, path, multiplier);
   return net->merge();
 }

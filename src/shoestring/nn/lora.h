@@ -89,7 +89,7 @@ struct LoraLayerRef {
   std::string kohya_name;  ///< "lora_unet_mid_attn_blocks_0_attn1_to_q"
   std::string kohya_prefix;
   LoraLayerKind kind = LoraLayerKind::kLinear;
-  int64_t in = 0, out = 0;                  ///< features / channels
+  int64_t in = 0, out = 0;                      ///< features / channels
   int64_t kernel = 1, stride = 1, padding = 0;  ///< Conv2d geometry (square)
   /// Non-null for shoestring layers (nn::LinearImpl / nn::Conv2dImpl, groups 1):
   /// the only ones that can carry an adapter.
@@ -129,9 +129,9 @@ class KohyaNameTable {
 /// Which layers a LoraNetwork adapts and how (kohya's network_dim,
 /// network_alpha, network_args conv_dim / conv_alpha).
 struct LoraOptions {
-  int64_t rank = 4;        ///< network_dim
-  double alpha = 1.0;      ///< network_alpha; 0 means alpha = rank (scale 1), as kohya
-  double multiplier = 1.0; ///< strength of the delta
+  int64_t rank = 4;         ///< network_dim
+  double alpha = 1.0;       ///< network_alpha; 0 means alpha = rank (scale 1), as kohya
+  double multiplier = 1.0;  ///< strength of the delta
   /// Attention projections, per architecture as its public trainers name them:
   ///  - LDM / diffusers UNets: to_q, to_k, to_v, to_out / to_out.0 (and CLIP's
   ///    q_proj, k_proj, v_proj, out_proj) — kohya networks/lora.py;
@@ -236,8 +236,7 @@ class LoraNetworkImpl : public torch::nn::Module {
   /// not_adaptable(). Does not change requires_grad of the base model (see
   /// freeze_parameters()). Throws shoestring::Error on bad options (rank < 1,
   /// conv_rank < 0) or when no layer is selected.
-  LoraNetworkImpl(torch::nn::Module& root, const std::vector<LoraComponent>& components,
-                  const LoraOptions& options);
+  LoraNetworkImpl(torch::nn::Module& root, const std::vector<LoraComponent>& components, const LoraOptions& options);
 
   /// Creates adapters for exactly the modules in a kohya LoRA file (rank from
   /// lora_down's shape, alpha from `.alpha`, or rank when absent, as kohya),
@@ -305,8 +304,8 @@ TORCH_MODULE(LoraNetwork);
 /// Loads a kohya LoRA file and merges it into `root`'s weights with
 /// `multiplier` (W += multiplier * alpha / rank * up @ down). Throws as
 /// LoraNetworkImpl::from_file. Returns the number of layers changed.
-int64_t merge_lora_file(torch::nn::Module& root, const std::vector<LoraComponent>& components,
-                        const std::string& path, double multiplier = 1.0);
+int64_t merge_lora_file(torch::nn::Module& root, const std::vector<LoraComponent>& components, const std::string& path,
+                        double multiplier = 1.0);
 
 /// Sets requires_grad(false) on every parameter of `module` (the base model
 /// of a LoRA run). Returns the number of parameters frozen.

@@ -152,7 +152,8 @@ TraceResult MemorySimulator::simulate(const TraceOptions& options) const {
   // storages recomputed by a segment that die after it.
   std::vector<std::vector<int>> freed_after(n_ops), recompute_freed_after(n_ops);
   for (int b = 0; b < n_t; ++b) {
-    if (alive[b] && saver[b] != kNone && !tensors_[b].persistent && !tensors_[b].kept) freed_after[saver[b]].push_back(b);
+    if (alive[b] && saver[b] != kNone && !tensors_[b].persistent && !tensors_[b].kept)
+      freed_after[saver[b]].push_back(b);
   }
   std::vector<char> extra_live(n_ops, 0);
 

@@ -46,9 +46,9 @@ struct TraceOp {
   /// e.g. a per-channel shift) get a new gradient of their own size (the
   /// reduction of the output gradient) instead of aliasing it.
   bool broadcast = false;
-  int64_t saved_extra = 0;       ///< small saved side tensors (norm statistics), bytes
-  int64_t forward_transient = 0; ///< scratch while the op runs in forward, bytes
-  int64_t backward_transient = 0;///< scratch while the op's backward runs, bytes
+  int64_t saved_extra = 0;           ///< small saved side tensors (norm statistics), bytes
+  int64_t forward_transient = 0;     ///< scratch while the op runs in forward, bytes
+  int64_t backward_transient = 0;    ///< scratch while the op's backward runs, bytes
   std::vector<int64_t> param_grads;  ///< bytes of each parameter gradient produced in backward
 };
 
@@ -63,12 +63,12 @@ struct TraceOptions {
 
 /// The simulated pass.
 struct TraceResult {
-  int64_t forward_kept = 0;    ///< activation bytes alive at the end of forward (saved + outputs)
-  int64_t peak_total = 0;      ///< highest sum over categories during forward + backward
-  Bytes at_peak{};             ///< bytes per category at that moment
-  Bytes peak_per_category{};   ///< each category's own highest value
-  std::string peak_op;         ///< op (and pass) at which the peak happened
-  int64_t gradients_after = 0; ///< parameter-gradient bytes alive after backward
+  int64_t forward_kept = 0;     ///< activation bytes alive at the end of forward (saved + outputs)
+  int64_t peak_total = 0;       ///< highest sum over categories during forward + backward
+  Bytes at_peak{};              ///< bytes per category at that moment
+  Bytes peak_per_category{};    ///< each category's own highest value
+  std::string peak_op;          ///< op (and pass) at which the peak happened
+  int64_t gradients_after = 0;  ///< parameter-gradient bytes alive after backward
 };
 
 /// The op list of one forward pass and its replay (see the file comment).

@@ -55,8 +55,7 @@ void MemoryTracer::emit(TraceOp& o, const Sym& out) {
   sim.op(o);
 }
 
-std::vector<Sym> MemoryTracer::block(const torch::nn::Module* m, const std::vector<Sym>& inputs,
-                                     bool legacy_checkpoint,
+std::vector<Sym> MemoryTracer::block(const torch::nn::Module* m, const std::vector<Sym>& inputs, bool legacy_checkpoint,
                                      const std::function<std::vector<Sym>(const std::vector<Sym>&)>& f) {
   const TracePrecision* s = lookup_ ? lookup_(m) : nullptr;
   std::vector<int> ids;

@@ -136,8 +136,8 @@ Sym MemoryTracer::attention(const Sym& x, const Sym& kv, bool masked, int64_t H,
   return linear(merge_heads(o, Lq, H), query_dim, true);
 }
 
-Sym MemoryTracer::spatial_transformer(const Sym& x, const Sym& context, bool masked,
-                                      const SpatialTransformerShape& sp, bool checkpoint_blocks) {
+Sym MemoryTracer::spatial_transformer(const Sym& x, const Sym& context, bool masked, const SpatialTransformerShape& sp,
+                                      bool checkpoint_blocks) {
   const int64_t B = x.shape[0], C = x.shape[1], H = x.shape[2], W = x.shape[3];
   Sym h = group_norm(x, C, norm_groups(C, sp.groups));
   if (sp.linear_proj) {
@@ -156,8 +156,7 @@ Sym MemoryTracer::spatial_transformer(const Sym& x, const Sym& context, bool mas
       Sym n2 = layer_norm(y);
       y = add(y, attention(n2, context, masked, sp.heads, sp.heads, sp.head_dim, C), "attn2 residual");
       Sym n3 = layer_norm(y);
-      return add(y, sp.gated ? feed_forward_geglu(n3, sp.ff_mult) : feed_forward_gelu(n3, sp.ff_mult),
-                 "ff residual");
+      return add(y, sp.gated ? feed_forward_geglu(n3, sp.ff_mult) : feed_forward_gelu(n3, sp.ff_mult), "ff residual");
     });
   }
   if (sp.linear_proj) {

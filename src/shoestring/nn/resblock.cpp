@@ -19,23 +19,22 @@ int64_t norm_groups(int64_t channels, int64_t max_groups) {
 ResBlockImpl::ResBlockImpl(const ResBlockOptions& options) : options_(options) {
   const auto& o = options_;
   if (o.in_channels() <= 0 || o.out_channels() <= 0 || o.temb_dim() < 0) {
-    fail("ResBlock: bad sizes (in_channels {}, out_channels {}, temb_dim {})", o.in_channels(),
-         o.out_channels(), o.temb_dim());
+    fail("ResBlock: bad sizes (in_channels {}, out_channels {}, temb_dim {})", o.in_channels(), o.out_channels(),
+         o.temb_dim());
   }
   // Key names per layout, in registration order:
   // norm1, conv1, time_emb_proj, norm2, dropout, conv2, conv_shortcut.
   struct Names {
     const char *norm1, *conv1, *temb, *norm2, *dropout, *conv2, *shortcut;
   };
-  static constexpr Names kShoestringNames{"norm1", "conv1", "time_emb_proj", "norm2", "dropout", "conv2",
-                                          "conv_shortcut"};
+  static constexpr Names kShoestringNames{"norm1",   "conv1", "time_emb_proj", "norm2",
+                                          "dropout", "conv2", "conv_shortcut"};
   static constexpr Names kLdmNames{"in_layers.0",  "in_layers.2",  "emb_layers.1",   "out_layers.0",
                                    "out_layers.2", "out_layers.3", "skip_connection"};
-  static constexpr Names kAutoencoderNames{"norm1", "conv1", "temb_proj", "norm2", "dropout", "conv2",
-                                           "nin_shortcut"};
-  const Names& n = o.layout() == KeyLayout::kLdm               ? kLdmNames
+  static constexpr Names kAutoencoderNames{"norm1", "conv1", "temb_proj", "norm2", "dropout", "conv2", "nin_shortcut"};
+  const Names& n = o.layout() == KeyLayout::kLdm              ? kLdmNames
                    : o.layout() == KeyLayout::kLdmAutoencoder ? kAutoencoderNames
-                                                               : kShoestringNames;
+                                                              : kShoestringNames;
   const LayerInit& init = o.init();
   const int64_t in = o.in_channels(), out = o.out_channels();
   norm1 = register_at(*this, n.norm1, GroupNorm(norm_groups(in, o.groups()), in, o.eps(), true, init));
@@ -55,8 +54,8 @@ ResBlockImpl::ResBlockImpl(const ResBlockOptions& options) : options_(options) {
 torch::Tensor ResBlockImpl::forward(const torch::Tensor& x, const torch::Tensor& temb) {
   const auto& o = options_;
   if (x.dim() != 4 || x.size(1) != o.in_channels()) {
-    fail("ResBlock: input x must be [B, {}, H, W], got a {}-d tensor with {} channels", o.in_channels(),
-         x.dim(), x.dim() > 1 ? x.size(1) : -1);
+    fail("ResBlock: input x must be [B, {}, H, W], got a {}-d tensor with {} channels", o.in_channels(), x.dim(),
+         x.dim() > 1 ? x.size(1) : -1);
   }
   torch::Tensor h = conv1->forward(torch::silu(norm1->forward(x)));
   if (time_emb_proj) {

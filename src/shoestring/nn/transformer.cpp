@@ -1,6 +1,5 @@
 #include "shoestring/nn/transformer.h"
 
-
 #include <torch/torch.h>
 
 #include "shoestring/core/error.h"
@@ -63,8 +62,8 @@ torch::Tensor TransformerBlockImpl::forward(const torch::Tensor& x, const torch:
 SpatialTransformerImpl::SpatialTransformerImpl(const TransformerOptions& options) : options_(options) {
   const auto& o = options_;
   if (o.dim() <= 0 || o.heads() <= 0 || o.head_dim() <= 0 || o.depth() <= 0 || o.ff_mult() <= 0) {
-    fail("SpatialTransformer: bad sizes (dim {}, heads {}, head_dim {}, depth {}, ff_mult {})", o.dim(),
-         o.heads(), o.head_dim(), o.depth(), o.ff_mult());
+    fail("SpatialTransformer: bad sizes (dim {}, heads {}, head_dim {}, depth {}, ff_mult {})", o.dim(), o.heads(),
+         o.head_dim(), o.depth(), o.ff_mult());
   }
   const LayerInit& init = o.init();
   const int64_t dim = o.dim();
@@ -75,8 +74,8 @@ SpatialTransformerImpl::SpatialTransformerImpl(const TransformerOptions& options
   } else {
     proj_in = register_module("proj_in", Conv2d(dim, dim, 1, 1, 0, true, init));
   }
-  blocks = register_module(o.layout() == KeyLayout::kShoestring ? "blocks" : "transformer_blocks",
-                           torch::nn::ModuleList());
+  blocks =
+      register_module(o.layout() == KeyLayout::kShoestring ? "blocks" : "transformer_blocks", torch::nn::ModuleList());
   for (int64_t i = 0; i < o.depth(); ++i) blocks->push_back(TransformerBlock(o));
   torch::Tensor out_w, out_b;
   if (o.linear_proj()) {

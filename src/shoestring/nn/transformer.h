@@ -41,8 +41,7 @@ TORCH_MODULE(FeedForward);
 
 /// Options for TransformerBlock and SpatialTransformer.
 struct TransformerOptions {
-  TransformerOptions(int64_t dim, int64_t heads, int64_t head_dim)
-      : dim_(dim), heads_(heads), head_dim_(head_dim) {}
+  TransformerOptions(int64_t dim, int64_t heads, int64_t head_dim) : dim_(dim), heads_(heads), head_dim_(head_dim) {}
   /// Token channels (SpatialTransformer: the feature-map channels).
   TORCH_ARG(int64_t, dim);
   TORCH_ARG(int64_t, heads);

@@ -8,8 +8,8 @@
 #include <torch/torch.h>
 
 #include "shoestring/core/error.h"
-#include "shoestring/core/units.h"
 #include "shoestring/core/memory_ledger.h"
+#include "shoestring/core/units.h"
 #include "shoestring/optim/fused_kernels.h"
 
 namespace shoestring {
@@ -24,18 +24,17 @@ constexpr int kSlotAvg = 4;
 at::Tensor as_fp32(const at::Tensor& t) { return t.scalar_type() == torch::kFloat32 ? t : t.to(torch::kFloat32); }
 
 // Root mean square of a float tensor, as transformers' _rms: ||t||_2 / sqrt(numel).
-double rms(const at::Tensor& t) {
-  return t.norm().item<double>() / std::sqrt(static_cast<double>(t.numel()));
-}
-
+double rms(const at::Tensor& t) { return t.norm().item<double>() / std::sqrt(static_cast<double>(t.numel())); }
 
 }  // namespace
 
 void validate_adafactor_options(const AdafactorOptions& o) {
   if (!(o.eps1 >= 0) || !(o.eps2 >= 0)) fail("Adafactor: eps must be two numbers >= 0 (got {},{})", o.eps1, o.eps2);
   if (!(o.clip_threshold > 0)) fail("Adafactor: clip_threshold must be > 0 (got {})", o.clip_threshold);
-  if (!(o.decay_rate <= 0)) fail("Adafactor: decay_rate must be <= 0 (got {}; beta2t = 1 - t^decay_rate)", o.decay_rate);
-  if (o.beta1 && !(*o.beta1 >= 0 && *o.beta1 < 1)) fail("Adafactor: beta1 must be in [0, 1) or None (got {})", *o.beta1);
+  if (!(o.decay_rate <= 0))
+    fail("Adafactor: decay_rate must be <= 0 (got {}; beta2t = 1 - t^decay_rate)", o.decay_rate);
+  if (o.beta1 && !(*o.beta1 >= 0 && *o.beta1 < 1))
+    fail("Adafactor: beta1 must be in [0, 1) or None (got {})", *o.beta1);
   if (!(o.weight_decay >= 0)) fail("Adafactor: weight_decay must be >= 0 (got {})", o.weight_decay);
   if (o.warmup_init && !o.relative_step) fail("Adafactor: warmup_init=True requires relative_step=True");
 }
@@ -68,7 +67,8 @@ void Adafactor::update(size_t index, const at::Tensor& grad_in, double lr, int64
   at::Tensor& live = params_[index].param;
   const std::string& pname = params_[index].name;
   if (!grad_in.sizes().equals(live.sizes())) {
-    fail("Adafactor: gradient of '{}' has shape {}, expected {}", pname, format_shape(grad_in.sizes()), format_shape(live.sizes()));
+    fail("Adafactor: gradient of '{}' has shape {}, expected {}", pname, format_shape(grad_in.sizes()),
+         format_shape(live.sizes()));
   }
   if (live.numel() == 0) return;
   if (step < 1) fail("Adafactor: step must be >= 1 (got {})", step);
@@ -83,7 +83,8 @@ void Adafactor::update(size_t index, const at::Tensor& grad_in, double lr, int64
       ScopedMemoryCategory category(MemoryCategory::optimizer_state);
       t = torch::zeros(shape, live.options().dtype(dtype));
     } else if (!t.sizes().equals(shape)) {
-      fail("Adafactor: state '{}.{}' has shape {}, expected {}", pname, name, format_shape(t.sizes()), format_shape(shape));
+      fail("Adafactor: state '{}.{}' has shape {}, expected {}", pname, name, format_shape(t.sizes()),
+           format_shape(shape));
     }
     return t;
   };
@@ -170,8 +171,8 @@ void Adafactor::update(size_t index, const at::Tensor& grad_in, double lr, int64
 
 AdafactorOptions parse_adafactor_args(const std::vector<std::string>& args) {
   OptimizerArgs a(args, "Adafactor",
-                  {"scale_parameter", "relative_step", "warmup_init", "clip_threshold", "decay_rate", "beta1",
-                   "eps", "weight_decay"});
+                  {"scale_parameter", "relative_step", "warmup_init", "clip_threshold", "decay_rate", "beta1", "eps",
+                   "weight_decay"});
   AdafactorOptions o;
   o.scale_parameter = a.get_bool("scale_parameter", o.scale_parameter);
   o.relative_step = a.get_bool("relative_step", o.relative_step);

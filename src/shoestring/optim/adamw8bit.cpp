@@ -23,11 +23,11 @@ namespace {
 
 /// Per-step scalars, in fp32 as torch's CPU kernels use them.
 struct AdamStep {
-  float decay;         // 1 - lr * wd
+  float decay;  // 1 - lr * wd
   float beta1, one_minus_beta1;
   float beta2, one_minus_beta2;
   float sqrt_bias_correction2;
-  float step_size;     // lr / (1 - beta1^t)
+  float step_size;  // lr / (1 - beta1^t)
   float eps;
 };
 
@@ -71,8 +71,7 @@ inline void store_param(P* dst, float x, bool sr, uint64_t rng_key, uint64_t ind
     }
   } else {
     if (sr) {
-      *dst = c10::Half(sr_fp16_from_fp32_bits(float_bits(x), counter_random32(rng_key, index)),
-                       c10::Half::from_bits());
+      *dst = c10::Half(sr_fp16_from_fp32_bits(float_bits(x), counter_random32(rng_key, index)), c10::Half::from_bits());
     } else {
       *dst = c10::Half(x);
     }
@@ -142,8 +141,7 @@ void dispatch_grad(P* p, const at::Tensor& g, const Work& w, bool eight_bit) {
       eight_bit ? run_8bit_state(p, g.data_ptr<float>(), w) : run_fp32_state(p, g.data_ptr<float>(), w);
       break;
     case at::kBFloat16:
-      eight_bit ? run_8bit_state(p, g.data_ptr<c10::BFloat16>(), w)
-                : run_fp32_state(p, g.data_ptr<c10::BFloat16>(), w);
+      eight_bit ? run_8bit_state(p, g.data_ptr<c10::BFloat16>(), w) : run_fp32_state(p, g.data_ptr<c10::BFloat16>(), w);
       break;
     case at::kHalf:
       eight_bit ? run_8bit_state(p, g.data_ptr<c10::Half>(), w) : run_fp32_state(p, g.data_ptr<c10::Half>(), w);
@@ -164,9 +162,7 @@ AdamW8bit::AdamW8bit(std::vector<OptimParam> params, AdamW8bitOptions adam, Opti
   if (adam8_.min_8bit_size < 0) fail("AdamW8bit: min_8bit_size must be >= 0 (got {})", adam8_.min_8bit_size);
 }
 
-bool AdamW8bit::uses_8bit_state(size_t index) const {
-  return params_.at(index).param.numel() >= adam8_.min_8bit_size;
-}
+bool AdamW8bit::uses_8bit_state(size_t index) const { return params_.at(index).param.numel() >= adam8_.min_8bit_size; }
 
 void AdamW8bit::check_state(size_t index) const {
   const auto& st = state_[index];
@@ -177,8 +173,8 @@ void AdamW8bit::check_state(size_t index) const {
     if (it == st.end() || !it->second.defined()) fail("AdamW8bit: state tensor '{}.{}' is missing", name, sname);
     const at::Tensor& t = it->second;
     if (t.scalar_type() != dtype || t.numel() != numel || !t.is_contiguous() || !t.device().is_cpu()) {
-      fail("AdamW8bit: state tensor '{}.{}' must be a contiguous CPU {} tensor of {} elements (got {} with {})",
-           name, sname, c10::toString(dtype), numel, c10::toString(t.scalar_type()), t.numel());
+      fail("AdamW8bit: state tensor '{}.{}' must be a contiguous CPU {} tensor of {} elements (got {} with {})", name,
+           sname, c10::toString(dtype), numel, c10::toString(t.scalar_type()), t.numel());
     }
   };
   size_t defined = 0;
@@ -206,11 +202,11 @@ void AdamW8bit::load_state_tensors(const std::map<std::string, at::Tensor>& tens
 void AdamW8bit::update(size_t index, const at::Tensor& grad_in, double lr, int64_t step) {
   at::Tensor& live = params_[index].param;
   const std::string& name = params_[index].name;
-  if (!live.device().is_cpu()) fail("AdamW8bit: parameter '{}' is on {}; only CPU is implemented", name, live.device().str());
+  if (!live.device().is_cpu())
+    fail("AdamW8bit: parameter '{}' is on {}; only CPU is implemented", name, live.device().str());
   const auto pdtype = live.scalar_type();
   if (pdtype != at::kFloat && pdtype != at::kBFloat16 && pdtype != at::kHalf) {
-    fail("AdamW8bit: parameter '{}' has dtype {} (expected float32, bfloat16 or float16)", name,
-         c10::toString(pdtype));
+    fail("AdamW8bit: parameter '{}' has dtype {} (expected float32, bfloat16 or float16)", name, c10::toString(pdtype));
   }
   if (grad_in.numel() != live.numel() || !grad_in.device().is_cpu()) {
     fail("AdamW8bit: gradient of '{}' has {} elements on {}, expected {} on cpu", name, grad_in.numel(),
@@ -288,15 +284,9 @@ void AdamW8bit::update(size_t index, const at::Tensor& grad_in, double lr, int64
   // Parameters are normally contiguous; otherwise work on a contiguous copy.
   at::Tensor work = live.is_contiguous() ? live : live.contiguous();
   switch (pdtype) {
-    case at::kFloat:
-      dispatch_grad(work.data_ptr<float>(), grad, w, eight_bit);
-      break;
-    case at::kBFloat16:
-      dispatch_grad(work.data_ptr<c10::BFloat16>(), grad, w, eight_bit);
-      break;
-    default:
-      dispatch_grad(work.data_ptr<c10::Half>(), grad, w, eight_bit);
-      break;
+    case at::kFloat: dispatch_grad(work.data_ptr<float>(), grad, w, eight_bit); break;
+    case at::kBFloat16: dispatch_grad(work.data_ptr<c10::BFloat16>(), grad, w, eight_bit); break;
+    default: dispatch_grad(work.data_ptr<c10::Half>(), grad, w, eight_bit); break;
   }
   if (!work.is_same(live)) {
     torch::NoGradGuard no_grad;

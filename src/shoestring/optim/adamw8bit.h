@@ -30,9 +30,9 @@ namespace shoestring {
 
 /// Options of AdamW8bit.
 struct AdamW8bitOptions {
-  AdamWOptions adam;            ///< betas, eps, weight_decay as AdamW
-  int64_t block_size = 256;     ///< quantization block (elements); bitsandbytes uses 256
-  int64_t min_8bit_size = 4096; ///< tensors with fewer elements keep fp32 state
+  AdamWOptions adam;             ///< betas, eps, weight_decay as AdamW
+  int64_t block_size = 256;      ///< quantization block (elements); bitsandbytes uses 256
+  int64_t min_8bit_size = 4096;  ///< tensors with fewer elements keep fp32 state
 };
 
 class AdamW8bit : public Optimizer {

@@ -21,8 +21,7 @@ Compass::Compass(std::vector<OptimParam> params, CompassOptions compass, Optimiz
 void Compass::update(size_t index, const at::Tensor& grad_in, double lr, int64_t step) {
   at::Tensor& live = params_[index].param;
   if (grad_in.numel() != live.numel()) {
-    fail("Compass: gradient of '{}' has {} elements, expected {}", params_[index].name, grad_in.numel(),
-         live.numel());
+    fail("Compass: gradient of '{}' has {} elements, expected {}", params_[index].name, grad_in.numel(), live.numel());
   }
   const double wd = params_[index].weight_decay;
   if (!has_state(index, "exp_avg")) {

@@ -88,20 +88,20 @@ SHOESTRING_ALWAYS_INLINE double adafactor_rows(const AdafactorSumArgs& a, int64_
 }
 
 using AdafactorRowsFn = double (*)(const AdafactorSumArgs&, int64_t, int64_t, double*, double*, float*);
-SHOESTRING_FUSED_TARGET_CLONES double adafactor_sums_f32(const AdafactorSumArgs& a, int64_t r0, int64_t r1,
-                                                         double* rs, double* cs, float* cp) {
+SHOESTRING_FUSED_TARGET_CLONES double adafactor_sums_f32(const AdafactorSumArgs& a, int64_t r0, int64_t r1, double* rs,
+                                                         double* cs, float* cp) {
   return adafactor_rows<float, false>(a, r0, r1, rs, cs, cp);
 }
-SHOESTRING_FUSED_TARGET_CLONES double adafactor_sums_b16(const AdafactorSumArgs& a, int64_t r0, int64_t r1,
-                                                         double* rs, double* cs, float* cp) {
+SHOESTRING_FUSED_TARGET_CLONES double adafactor_sums_b16(const AdafactorSumArgs& a, int64_t r0, int64_t r1, double* rs,
+                                                         double* cs, float* cp) {
   return adafactor_rows<bf16_bits, false>(a, r0, r1, rs, cs, cp);
 }
-SHOESTRING_FUSED_TARGET_CLONES double adafactor_sq_f32(const AdafactorSumArgs& a, int64_t r0, int64_t r1,
-                                                       double* rs, double* cs, float* cp) {
+SHOESTRING_FUSED_TARGET_CLONES double adafactor_sq_f32(const AdafactorSumArgs& a, int64_t r0, int64_t r1, double* rs,
+                                                       double* cs, float* cp) {
   return adafactor_rows<float, true>(a, r0, r1, rs, cs, cp);
 }
-SHOESTRING_FUSED_TARGET_CLONES double adafactor_sq_b16(const AdafactorSumArgs& a, int64_t r0, int64_t r1,
-                                                       double* rs, double* cs, float* cp) {
+SHOESTRING_FUSED_TARGET_CLONES double adafactor_sq_b16(const AdafactorSumArgs& a, int64_t r0, int64_t r1, double* rs,
+                                                       double* cs, float* cp) {
   return adafactor_rows<bf16_bits, true>(a, r0, r1, rs, cs, cp);
 }
 
@@ -136,9 +136,9 @@ SHOESTRING_ALWAYS_INLINE void adafactor_apply_rows(const AdafactorApplyArgs& a, 
 }
 
 using AdafactorApplyFn = void (*)(const AdafactorApplyArgs&, int64_t, int64_t);
-#define SHOESTRING_AF_VARIANT(NAME, P, G, R) \
+#define SHOESTRING_AF_VARIANT(NAME, P, G, R)                                                      \
   SHOESTRING_FUSED_TARGET_CLONES void NAME(const AdafactorApplyArgs& a, int64_t r0, int64_t r1) { \
-    adafactor_apply_rows<P, G, R>(a, r0, r1);                                                      \
+    adafactor_apply_rows<P, G, R>(a, r0, r1);                                                     \
   }
 SHOESTRING_AF_VARIANT(adafactor_apply_f32_f32, float, float, Rounding::nearest)
 SHOESTRING_AF_VARIANT(adafactor_apply_f32_b16, float, bf16_bits, Rounding::nearest)
@@ -174,15 +174,15 @@ void for_fixed_row_chunks(int64_t n, int64_t m, const F& f) {
 }  // namespace
 
 void fused_adafactor_factored_step(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_avg_sq_row,
-                                   at::Tensor& exp_avg_sq_col, int64_t n, int64_t m,
-                                   const FusedAdafactorScalars& s, const FusedRoundingKeys& keys) {
+                                   at::Tensor& exp_avg_sq_col, int64_t n, int64_t m, const FusedAdafactorScalars& s,
+                                   const FusedRoundingKeys& keys) {
   const char* what = "fused_adafactor_factored_step";
   if (n < 1 || m < 1) fail("{}: matrix shape [{}, {}] must be positive", what, n, m);
   const std::string why = first_reason({{&param, "param"}, {&grad, "grad"}});
   if (!why.empty()) fail("{}: {}", what, why);
   if (param.numel() != n * m) fail("{}: param has {} elements, expected {} x {}", what, param.numel(), n, m);
-  for (const auto& [t, name, len] : {std::make_tuple(&exp_avg_sq_row, "exp_avg_sq_row", n),
-                                     std::make_tuple(&exp_avg_sq_col, "exp_avg_sq_col", m)}) {
+  for (const auto& [t, name, len] :
+       {std::make_tuple(&exp_avg_sq_row, "exp_avg_sq_row", n), std::make_tuple(&exp_avg_sq_col, "exp_avg_sq_col", m)}) {
     if (!t->defined() || !t->device().is_cpu() || t->layout() != at::kStrided || t->scalar_type() != at::kFloat ||
         !t->is_contiguous() || t->numel() != len) {
       fail("{}: {} must be a contiguous CPU float32 tensor of {} elements", what, name, len);

@@ -15,8 +15,8 @@ struct AdamW8bitArgs : AdamConstants {
   uint8_t* exp_avg_sq_q;
   float* exp_avg_sq_absmax;
   int64_t n, block_size;
-  const float* m_values;   // signed dynamic map, 256 values
-  const float* v_values;   // unsigned dynamic map
+  const float* m_values;    // signed dynamic map, 256 values
+  const float* v_values;    // unsigned dynamic map
   const uint32_t* m_table;  // QuantizationMap::fast_table()
   const uint32_t* v_table;
   uint8_t m_zero, v_zero;
@@ -132,10 +132,10 @@ SHOESTRING_AVX512_INLINE __m512i mix64x8(__m512i z) {
 // counter_random32(key, i + j) in lane j (j = 0..15).
 SHOESTRING_AVX512_INLINE __m512i random32x16(uint64_t key, int64_t i) {
   const uint64_t g = kSplitMix64Gamma;
-  const __m512i steps = _mm512_set_epi64(static_cast<long long>(7 * g), static_cast<long long>(6 * g),
-                                         static_cast<long long>(5 * g), static_cast<long long>(4 * g),
-                                         static_cast<long long>(3 * g), static_cast<long long>(2 * g),
-                                         static_cast<long long>(g), 0);
+  const __m512i steps =
+      _mm512_set_epi64(static_cast<long long>(7 * g), static_cast<long long>(6 * g), static_cast<long long>(5 * g),
+                       static_cast<long long>(4 * g), static_cast<long long>(3 * g), static_cast<long long>(2 * g),
+                       static_cast<long long>(g), 0);
   const uint64_t first = key + (static_cast<uint64_t>(i) + 1) * g;
   const __m512i z0 = _mm512_add_epi64(_mm512_set1_epi64(static_cast<long long>(first)), steps);
   const __m512i z1 = _mm512_add_epi64(z0, _mm512_set1_epi64(static_cast<long long>(8 * g)));
@@ -161,8 +161,7 @@ SHOESTRING_AVX512_INLINE void store16(bf16_bits* p, int64_t i, __m512 x, __mmask
   if (kParamRounding == Rounding::stochastic) {
     r = _mm512_and_si512(random32x16(key, i), _mm512_set1_epi32(0xFFFF));
   } else {
-    r = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1)),
-                         _mm512_set1_epi32(0x7FFF));
+    r = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1)), _mm512_set1_epi32(0x7FFF));
   }
   const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(b, r), 16);
   _mm256_mask_storeu_epi16(p + i, ok, _mm512_cvtepi32_epi16(rounded));
@@ -259,9 +258,9 @@ std::atomic<bool> g_force_portable{false};
 
 using AdamW8bitBlocksFn = void (*)(const AdamW8bitArgs&, int64_t, int64_t, float*, float*);
 
-#define SHOESTRING_A8_VARIANT(NAME, P, G, R)                                                           \
+#define SHOESTRING_A8_VARIANT(NAME, P, G, R)                                                                     \
   SHOESTRING_FUSED_TARGET_CLONES void NAME(const AdamW8bitArgs& a, int64_t b0, int64_t b1, float* m, float* v) { \
-    adamw8bit_blocks<P, G, R>(a, b0, b1, m, v);                                                            \
+    adamw8bit_blocks<P, G, R>(a, b0, b1, m, v);                                                                  \
   }
 SHOESTRING_A8_VARIANT(adamw8bit_f32_f32, float, float, Rounding::nearest)
 SHOESTRING_A8_VARIANT(adamw8bit_f32_b16, float, bf16_bits, Rounding::nearest)
@@ -275,13 +274,12 @@ SHOESTRING_A8_VARIANT(adamw8bit_rn_b16, bf16_bits, bf16_bits, Rounding::nearest)
 constexpr AdamW8bitBlocksFn kAdamW8bit[6] = {adamw8bit_f32_f32, adamw8bit_f32_b16, adamw8bit_sr_f32,
                                              adamw8bit_sr_b16,  adamw8bit_rn_f32,  adamw8bit_rn_b16};
 #ifdef SHOESTRING_FUSED_AVX512
-constexpr AdamW8bitBlocksFn kAdamW8bitAvx512[6] = {
-    adamw8bit_blocks_avx512<float, float, Rounding::nearest>,
-    adamw8bit_blocks_avx512<float, bf16_bits, Rounding::nearest>,
-    adamw8bit_blocks_avx512<bf16_bits, float, Rounding::stochastic>,
-    adamw8bit_blocks_avx512<bf16_bits, bf16_bits, Rounding::stochastic>,
-    adamw8bit_blocks_avx512<bf16_bits, float, Rounding::nearest>,
-    adamw8bit_blocks_avx512<bf16_bits, bf16_bits, Rounding::nearest>};
+constexpr AdamW8bitBlocksFn kAdamW8bitAvx512[6] = {adamw8bit_blocks_avx512<float, float, Rounding::nearest>,
+                                                   adamw8bit_blocks_avx512<float, bf16_bits, Rounding::nearest>,
+                                                   adamw8bit_blocks_avx512<bf16_bits, float, Rounding::stochastic>,
+                                                   adamw8bit_blocks_avx512<bf16_bits, bf16_bits, Rounding::stochastic>,
+                                                   adamw8bit_blocks_avx512<bf16_bits, float, Rounding::nearest>,
+                                                   adamw8bit_blocks_avx512<bf16_bits, bf16_bits, Rounding::nearest>};
 #endif
 
 }  // namespace
@@ -295,10 +293,10 @@ std::string adamw8bit_reason(const at::Tensor& param, const at::Tensor& grad, co
   if (block_size < 1) return fmt::format("block_size must be >= 1, got {}", block_size);
   const int64_t n = param.numel();
   const int64_t blocks = (n + block_size - 1) / block_size;
-  for (const auto& [t, name, dtype, numel] :
-       {std::make_tuple(&mq, "exp_avg_q", at::kByte, n), std::make_tuple(&m_absmax, "exp_avg_absmax", at::kFloat, blocks),
-        std::make_tuple(&vq, "exp_avg_sq_q", at::kByte, n),
-        std::make_tuple(&v_absmax, "exp_avg_sq_absmax", at::kFloat, blocks)}) {
+  for (const auto& [t, name, dtype, numel] : {std::make_tuple(&mq, "exp_avg_q", at::kByte, n),
+                                              std::make_tuple(&m_absmax, "exp_avg_absmax", at::kFloat, blocks),
+                                              std::make_tuple(&vq, "exp_avg_sq_q", at::kByte, n),
+                                              std::make_tuple(&v_absmax, "exp_avg_sq_absmax", at::kFloat, blocks)}) {
     if (!t->defined() || !t->device().is_cpu() || t->layout() != at::kStrided || t->scalar_type() != dtype ||
         !t->is_contiguous() || t->numel() != numel) {
       return fmt::format("{} must be a contiguous CPU {} tensor of {} elements", name, c10::toString(dtype), numel);
@@ -314,13 +312,12 @@ std::string adamw8bit_reason(const at::Tensor& param, const at::Tensor& grad, co
 bool fused_adamw8bit_supported(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg_q,
                                const at::Tensor& exp_avg_absmax, const at::Tensor& exp_avg_sq_q,
                                const at::Tensor& exp_avg_sq_absmax, int64_t block_size) {
-  return adamw8bit_reason(param, grad, exp_avg_q, exp_avg_absmax, exp_avg_sq_q, exp_avg_sq_absmax, block_size)
-      .empty();
+  return adamw8bit_reason(param, grad, exp_avg_q, exp_avg_absmax, exp_avg_sq_q, exp_avg_sq_absmax, block_size).empty();
 }
 
-void fused_adamw8bit_step(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_avg_q,
-                          at::Tensor& exp_avg_absmax, at::Tensor& exp_avg_sq_q, at::Tensor& exp_avg_sq_absmax,
-                          int64_t block_size, const FusedAdamWScalars& s, const FusedRoundingKeys& keys) {
+void fused_adamw8bit_step(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_avg_q, at::Tensor& exp_avg_absmax,
+                          at::Tensor& exp_avg_sq_q, at::Tensor& exp_avg_sq_absmax, int64_t block_size,
+                          const FusedAdamWScalars& s, const FusedRoundingKeys& keys) {
   const std::string why =
       adamw8bit_reason(param, grad, exp_avg_q, exp_avg_absmax, exp_avg_sq_q, exp_avg_sq_absmax, block_size);
   if (!why.empty()) fail("fused_adamw8bit_step: {}", why);

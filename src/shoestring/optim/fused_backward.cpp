@@ -41,10 +41,10 @@ FusedBackward::FusedBackward(Optimizer& optimizer, FusedBackwardOptions options)
   // parameters (buffers are allocated lazily, so unused slots cost nothing).
   std::vector<std::pair<GradAccumulationMode, GradientAccumulator*>> by_mode;
   for (size_t i = 0; i < n; ++i) {
-    GradAccumulationMode mode = options_.accumulation_mode.value_or(
-        params[i].scalar_type() == torch::kFloat32 || params[i].scalar_type() == torch::kFloat64
-            ? GradAccumulationMode::fp32
-            : GradAccumulationMode::bf16_sr);
+    GradAccumulationMode mode = options_.accumulation_mode.value_or(params[i].scalar_type() == torch::kFloat32 ||
+                                                                            params[i].scalar_type() == torch::kFloat64
+                                                                        ? GradAccumulationMode::fp32
+                                                                        : GradAccumulationMode::bf16_sr);
     GradientAccumulator* acc = nullptr;
     for (auto& [m, a] : by_mode) {
       if (m == mode) acc = a;
@@ -138,16 +138,16 @@ void FusedBackward::on_gradient(size_t index, at::Tensor& param) {
   GradientAccumulator* acc = accumulator_of_[index];
   const std::string& name = optimizer_.params()[index].name;
   switch (pass_) {
-    case Pass::idle:
-      return;
+    case Pass::idle: return;
     case Pass::accumulate:
       acc->add(index, grad, (step_ - 1) * options_.accumulation_steps + micro_, /*may_alias=*/true);
       return;
     case Pass::measure: {
       if (done_[index]) {
-        fail("fused backward: parameter '{}' received its gradient twice in one backward (used in several "
-             "checkpointed segments?); fused backward needs one gradient per parameter per backward",
-             name);
+        fail(
+            "fused backward: parameter '{}' received its gradient twice in one backward (used in several "
+            "checkpointed segments?); fused backward needs one gradient per parameter per backward",
+            name);
       }
       done_[index] = 1;
       // Out of place: the buffer must stay as it is for the second pass.
@@ -158,9 +158,10 @@ void FusedBackward::on_gradient(size_t index, at::Tensor& param) {
     }
     case Pass::apply: {
       if (done_[index]) {
-        fail("fused backward: parameter '{}' received its gradient twice in one backward (used in several "
-             "checkpointed segments?); it was already stepped with a partial gradient",
-             name);
+        fail(
+            "fused backward: parameter '{}' received its gradient twice in one backward (used in several "
+            "checkpointed segments?); it was already stepped with a partial gradient",
+            name);
       }
       done_[index] = 1;
       apply(index, acc->finish(index, grad));

@@ -66,12 +66,13 @@ struct FusedBackwardOptions {
 
 /// What one fused optimizer step did (returned by FusedBackward::end_step).
 struct FusedStepResult {
-  int64_t step = 0;          ///< optimizer step number (1-based) the updates used
-  double grad_norm = 0;      ///< global L2 norm of this step's gradient (after grad_multiplier, before clipping); inf/NaN if non-finite
-  double clip_scale = 1;     ///< factor applied to every gradient of this step (clipping only)
-  bool finite = true;        ///< false: some gradient had inf/NaN (count it as a non-finite step)
-  int64_t params_stepped = 0;           ///< parameters updated
-  int64_t params_skipped_nonfinite = 0; ///< parameters left unchanged because their gradient was non-finite
+  int64_t step = 0;  ///< optimizer step number (1-based) the updates used
+  double grad_norm =
+      0;  ///< global L2 norm of this step's gradient (after grad_multiplier, before clipping); inf/NaN if non-finite
+  double clip_scale = 1;                 ///< factor applied to every gradient of this step (clipping only)
+  bool finite = true;                    ///< false: some gradient had inf/NaN (count it as a non-finite step)
+  int64_t params_stepped = 0;            ///< parameters updated
+  int64_t params_skipped_nonfinite = 0;  ///< parameters left unchanged because their gradient was non-finite
 };
 
 /// Drives fused optimizer steps for `optimizer`'s parameters.
@@ -137,7 +138,7 @@ class FusedBackward {
   FusedBackwardOptions options_;
   std::vector<std::unique_ptr<GradientAccumulator>> accumulators_;  // one per mode in use
   std::vector<GradientAccumulator*> accumulator_of_;                // per parameter
-  std::shared_ptr<FusedBackward*> self_;  // cleared in the destructor; hooks check it
+  std::shared_ptr<FusedBackward*> self_;                            // cleared in the destructor; hooks check it
   PostAccumulateGradHooks hooks_;
 
   Pass pass_ = Pass::idle;
@@ -146,10 +147,10 @@ class FusedBackward {
   int64_t micro_ = -1;
   double lr_ = 0;
   double multiplier_ = 1;
-  double scale_ = 1;           // clip scale of the open step
-  double sumsq_ = 0;           // this step's squared norm so far
+  double scale_ = 1;  // clip scale of the open step
+  double sumsq_ = 0;  // this step's squared norm so far
   bool finite_ = true;
-  bool skip_step_ = false;     // two_pass found a non-finite gradient
+  bool skip_step_ = false;  // two_pass found a non-finite gradient
   double previous_norm_;
   int64_t stepped_ = 0, skipped_ = 0;
   std::vector<uint8_t> done_;  // per parameter: hook fired in the current measure/apply pass

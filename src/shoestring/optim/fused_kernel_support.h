@@ -7,10 +7,10 @@
 #pragma once
 #include "shoestring/optim/fused_kernels.h"
 
-#include <cmath>
-#include <cstring>
 #include <algorithm>
 #include <atomic>
+#include <cmath>
+#include <cstring>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -58,8 +58,7 @@ namespace {
 constexpr int64_t kGrainSize = 16384;
 
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
-#define SHOESTRING_FUSED_TARGET_CLONES \
-  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#define SHOESTRING_FUSED_TARGET_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define SHOESTRING_FUSED_TARGET_CLONES
 #endif
@@ -118,8 +117,7 @@ SHOESTRING_ALWAYS_INLINE void store(bf16_bits* p, int64_t i, float x, uint64_t k
 // computed in double, then rounded to fp32 once (shared by the fp32/bf16 and
 // the 8-bit kernels).
 struct AdamConstants {
-  float grad_scale, decay, beta1, one_minus_beta1, beta2, one_minus_beta2, bias_correction2_sqrt, eps,
-      neg_step_size;
+  float grad_scale, decay, beta1, one_minus_beta1, beta2, one_minus_beta2, bias_correction2_sqrt, eps, neg_step_size;
 };
 
 inline AdamConstants adam_constants(const FusedAdamWScalars& s) {

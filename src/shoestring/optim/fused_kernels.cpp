@@ -5,7 +5,6 @@
 namespace shoestring {
 namespace {
 
-
 // Everything a range kernel needs; constants already rounded to fp32.
 struct AdamWArgs : AdamConstants {
   void* param;
@@ -69,18 +68,18 @@ using LionRangeFn = void (*)(const LionArgs&, int64_t, int64_t);
 #define SHOESTRING_FUSED_VARIANT(KERNEL, ARGS, NAME, P, G, S, R) \
   SHOESTRING_FUSED_TARGET_CLONES void NAME(const ARGS& a, int64_t b, int64_t e) { KERNEL<P, G, S, R>(a, b, e); }
 
-#define SHOESTRING_FUSED_VARIANTS(KERNEL, ARGS, PREFIX)                                                  \
-  SHOESTRING_FUSED_VARIANT(KERNEL, ARGS, PREFIX##_f32_f32_f32, float, float, float, Rounding::nearest)    \
-  SHOESTRING_FUSED_VARIANT(KERNEL, ARGS, PREFIX##_f32_f32_b16, float, float, bf16_bits, Rounding::nearest) \
-  SHOESTRING_FUSED_VARIANT(KERNEL, ARGS, PREFIX##_f32_b16_f32, float, bf16_bits, float, Rounding::nearest) \
-  SHOESTRING_FUSED_VARIANT(KERNEL, ARGS, PREFIX##_f32_b16_b16, float, bf16_bits, bf16_bits, Rounding::nearest) \
-  SHOESTRING_FUSED_VARIANT(KERNEL, ARGS, PREFIX##_sr_f32_f32, bf16_bits, float, float, Rounding::stochastic) \
-  SHOESTRING_FUSED_VARIANT(KERNEL, ARGS, PREFIX##_sr_f32_b16, bf16_bits, float, bf16_bits, Rounding::stochastic) \
-  SHOESTRING_FUSED_VARIANT(KERNEL, ARGS, PREFIX##_sr_b16_f32, bf16_bits, bf16_bits, float, Rounding::stochastic) \
+#define SHOESTRING_FUSED_VARIANTS(KERNEL, ARGS, PREFIX)                                                              \
+  SHOESTRING_FUSED_VARIANT(KERNEL, ARGS, PREFIX##_f32_f32_f32, float, float, float, Rounding::nearest)               \
+  SHOESTRING_FUSED_VARIANT(KERNEL, ARGS, PREFIX##_f32_f32_b16, float, float, bf16_bits, Rounding::nearest)           \
+  SHOESTRING_FUSED_VARIANT(KERNEL, ARGS, PREFIX##_f32_b16_f32, float, bf16_bits, float, Rounding::nearest)           \
+  SHOESTRING_FUSED_VARIANT(KERNEL, ARGS, PREFIX##_f32_b16_b16, float, bf16_bits, bf16_bits, Rounding::nearest)       \
+  SHOESTRING_FUSED_VARIANT(KERNEL, ARGS, PREFIX##_sr_f32_f32, bf16_bits, float, float, Rounding::stochastic)         \
+  SHOESTRING_FUSED_VARIANT(KERNEL, ARGS, PREFIX##_sr_f32_b16, bf16_bits, float, bf16_bits, Rounding::stochastic)     \
+  SHOESTRING_FUSED_VARIANT(KERNEL, ARGS, PREFIX##_sr_b16_f32, bf16_bits, bf16_bits, float, Rounding::stochastic)     \
   SHOESTRING_FUSED_VARIANT(KERNEL, ARGS, PREFIX##_sr_b16_b16, bf16_bits, bf16_bits, bf16_bits, Rounding::stochastic) \
-  SHOESTRING_FUSED_VARIANT(KERNEL, ARGS, PREFIX##_rn_f32_f32, bf16_bits, float, float, Rounding::nearest) \
-  SHOESTRING_FUSED_VARIANT(KERNEL, ARGS, PREFIX##_rn_f32_b16, bf16_bits, float, bf16_bits, Rounding::nearest) \
-  SHOESTRING_FUSED_VARIANT(KERNEL, ARGS, PREFIX##_rn_b16_f32, bf16_bits, bf16_bits, float, Rounding::nearest) \
+  SHOESTRING_FUSED_VARIANT(KERNEL, ARGS, PREFIX##_rn_f32_f32, bf16_bits, float, float, Rounding::nearest)            \
+  SHOESTRING_FUSED_VARIANT(KERNEL, ARGS, PREFIX##_rn_f32_b16, bf16_bits, float, bf16_bits, Rounding::nearest)        \
+  SHOESTRING_FUSED_VARIANT(KERNEL, ARGS, PREFIX##_rn_b16_f32, bf16_bits, bf16_bits, float, Rounding::nearest)        \
   SHOESTRING_FUSED_VARIANT(KERNEL, ARGS, PREFIX##_rn_b16_b16, bf16_bits, bf16_bits, bf16_bits, Rounding::nearest)
 
 SHOESTRING_FUSED_VARIANTS(adamw_range, AdamWArgs, adamw)
@@ -93,7 +92,6 @@ constexpr AdamWRangeFn kAdamW[12] = {adamw_f32_f32_f32, adamw_f32_f32_b16, adamw
 constexpr LionRangeFn kLion[12] = {lion_f32_f32_f32, lion_f32_f32_b16, lion_f32_b16_f32, lion_f32_b16_b16,
                                    lion_sr_f32_f32,  lion_sr_f32_b16,  lion_sr_b16_f32,  lion_sr_b16_b16,
                                    lion_rn_f32_f32,  lion_rn_f32_b16,  lion_rn_b16_f32,  lion_rn_b16_b16};
-
 
 }  // namespace
 

@@ -39,13 +39,13 @@ namespace shoestring {
 
 /// Scalars of one AdamW step (torch.optim.AdamW semantics, amsgrad off).
 struct FusedAdamWScalars {
-  double lr = 1e-3;            ///< learning rate of this step
-  double beta1 = 0.9;          ///< first-moment decay
-  double beta2 = 0.999;        ///< second-moment decay
-  double eps = 1e-8;           ///< added to sqrt(v_hat) (outside the square root)
-  double weight_decay = 0.0;   ///< decoupled: p <- p (1 - lr wd) before the Adam update
-  int64_t step = 1;            ///< 1-based step number t (bias corrections 1 - beta^t)
-  double grad_scale = 1.0;     ///< the gradient is multiplied by this first (1 = none)
+  double lr = 1e-3;           ///< learning rate of this step
+  double beta1 = 0.9;         ///< first-moment decay
+  double beta2 = 0.999;       ///< second-moment decay
+  double eps = 1e-8;          ///< added to sqrt(v_hat) (outside the square root)
+  double weight_decay = 0.0;  ///< decoupled: p <- p (1 - lr wd) before the Adam update
+  int64_t step = 1;           ///< 1-based step number t (bias corrections 1 - beta^t)
+  double grad_scale = 1.0;    ///< the gradient is multiplied by this first (1 = none)
 };
 
 /// How a fused kernel stores low-precision (bf16) tensors.
@@ -106,8 +106,8 @@ bool fused_lion_supported(const at::Tensor& param, const at::Tensor& grad, const
 /// then stores p (keys.param / stochastic_rounding as for AdamW) and m
 /// (bf16: SR with keys.state1). keys.state2 is unused. Same threading,
 /// version-counter and error behaviour as fused_adamw_step.
-void fused_lion_step(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_avg,
-                     const FusedLionScalars& scalars, const FusedRoundingKeys& keys);
+void fused_lion_step(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_avg, const FusedLionScalars& scalars,
+                     const FusedRoundingKeys& keys);
 
 /// True when fused_adamw8bit_step can run: param and grad defined, CPU,
 /// contiguous, same numel, each float32 or bfloat16; exp_avg_q and
@@ -141,9 +141,9 @@ bool fused_adamw8bit_supported(const at::Tensor& param, const at::Tensor& grad, 
 /// with AVX-512 (F, BW, DQ, VL) 16 elements are processed at a time (register
 /// permutes to decode, a gather from QuantizationMap::fast_table() to encode).
 /// Throws shoestring::Error when !fused_adamw8bit_supported(...) or step < 1.
-void fused_adamw8bit_step(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_avg_q,
-                          at::Tensor& exp_avg_absmax, at::Tensor& exp_avg_sq_q, at::Tensor& exp_avg_sq_absmax,
-                          int64_t block_size, const FusedAdamWScalars& scalars, const FusedRoundingKeys& keys);
+void fused_adamw8bit_step(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_avg_q, at::Tensor& exp_avg_absmax,
+                          at::Tensor& exp_avg_sq_q, at::Tensor& exp_avg_sq_absmax, int64_t block_size,
+                          const FusedAdamWScalars& scalars, const FusedRoundingKeys& keys);
 
 /// Scalars of one factored Adafactor step (optim/adafactor.h).
 struct FusedAdafactorScalars {

@@ -49,7 +49,8 @@ at::ScalarType GradientAccumulator::buffer_dtype(size_t index) const {
 }
 
 void GradientAccumulator::check(size_t index, const at::Tensor& grad) const {
-  if (index >= params_.size()) fail("GradientAccumulator: index {} out of range ({} parameters)", index, params_.size());
+  if (index >= params_.size())
+    fail("GradientAccumulator: index {} out of range ({} parameters)", index, params_.size());
   if (!grad.defined()) fail("GradientAccumulator: undefined gradient for parameter {}", index);
   if (!grad.sizes().equals(params_[index].sizes())) {
     fail("GradientAccumulator: gradient for parameter {} has {} elements in a different shape than the parameter ({})",
@@ -101,7 +102,8 @@ void GradientAccumulator::add(size_t index, const at::Tensor& grad_in, int64_t m
 }
 
 const at::Tensor& GradientAccumulator::get(size_t index) const {
-  if (index >= buffers_.size()) fail("GradientAccumulator: index {} out of range ({} parameters)", index, buffers_.size());
+  if (index >= buffers_.size())
+    fail("GradientAccumulator: index {} out of range ({} parameters)", index, buffers_.size());
   return buffers_[index];
 }
 
@@ -109,7 +111,8 @@ bool GradientAccumulator::has(size_t index) const { return index < buffers_.size
 
 at::Tensor GradientAccumulator::finish(size_t index, const at::Tensor& last_grad) {
   if (last_grad.defined()) check(index, last_grad);
-  if (index >= buffers_.size()) fail("GradientAccumulator: index {} out of range ({} parameters)", index, buffers_.size());
+  if (index >= buffers_.size())
+    fail("GradientAccumulator: index {} out of range ({} parameters)", index, buffers_.size());
   torch::NoGradGuard no_grad;
   ScopedMemoryCategory category(MemoryCategory::gradients);
   at::Tensor buf = std::move(buffers_[index]);

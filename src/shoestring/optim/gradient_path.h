@@ -75,7 +75,7 @@ struct GradientPathOptions {
   /// a GradientAccumulator in `accumulation_mode` (fused: its buffers).
   bool low_precision_weights = false;
   GradAccumulationMode accumulation_mode = GradAccumulationMode::fp32;
-  uint64_t seed = 0;               ///< stochastic-rounding seed of accumulation buffers
+  uint64_t seed = 0;                                             ///< stochastic-rounding seed of accumulation buffers
   precision::LossScalerOptions loss_scaling{/*enabled=*/false};  ///< enabled: fp16 dynamic loss scaling
 };
 

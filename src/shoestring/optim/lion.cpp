@@ -24,7 +24,8 @@ void Lion::update(size_t index, const at::Tensor& grad_in, double lr, int64_t st
   const double wd = params_[index].weight_decay;
   if (!has_state(index, "exp_avg")) {
     ScopedMemoryCategory category(MemoryCategory::optimizer_state);
-    state(index, "exp_avg") = torch::zeros(live.sizes(), live.options().dtype(options_.state_dtype).requires_grad(false));
+    state(index, "exp_avg") =
+        torch::zeros(live.sizes(), live.options().dtype(options_.state_dtype).requires_grad(false));
   }
   at::Tensor& m_stored = state(index, "exp_avg");
   // Fast path: one pass over memory (optim/fused_kernels.h), bit-identical to

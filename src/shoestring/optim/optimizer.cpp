@@ -65,8 +65,7 @@ void Optimizer::write_param(size_t index, const at::Tensor& value, int64_t step)
     if (!value.is_same(p)) p.copy_(value);
     return;
   }
-  if (options_.stochastic_rounding &&
-      (p.scalar_type() == torch::kBFloat16 || p.scalar_type() == torch::kFloat16)) {
+  if (options_.stochastic_rounding && (p.scalar_type() == torch::kBFloat16 || p.scalar_type() == torch::kFloat16)) {
     RoundingKey key = rounding_key(index, step);
     at::Tensor src = value.contiguous();
     if (p.is_contiguous()) {

@@ -24,9 +24,9 @@ namespace shoestring {
 
 /// One trainable parameter as the optimizer sees it.
 struct OptimParam {
-  std::string name;    ///< dotted module path, e.g. "unet.down.0.res.0.conv1.weight"
-  at::Tensor param;    ///< the live parameter (fp32, bf16 or fp16)
-  double weight_decay; ///< decoupled weight decay for this parameter (0 for norms and biases)
+  std::string name;     ///< dotted module path, e.g. "unet.down.0.res.0.conv1.weight"
+  at::Tensor param;     ///< the live parameter (fp32, bf16 or fp16)
+  double weight_decay;  ///< decoupled weight decay for this parameter (0 for norms and biases)
 };
 
 /// Options common to all optimizers.
@@ -112,7 +112,8 @@ class Optimizer {
   /// Every optimizer and fused kernel rounds with these keys, so all paths
   /// give the same bits and a resumed run rounds like the uninterrupted one.
   RoundingKey rounding_key(size_t index, int64_t step, int slot = 0) const {
-    return {options_.seed, static_cast<uint64_t>(step), static_cast<uint64_t>(index) * 16 + static_cast<uint64_t>(slot)};
+    return {options_.seed, static_cast<uint64_t>(step),
+            static_cast<uint64_t>(index) * 16 + static_cast<uint64_t>(slot)};
   }
   /// State tensor `name` of parameter `index` (undefined until assigned).
   /// State names contain no '.', so checkpoint keys "<param>.<state>" split unambiguously.

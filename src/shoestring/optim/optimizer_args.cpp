@@ -38,8 +38,7 @@ OptimizerArgs::OptimizerArgs(const std::vector<std::string>& args, std::string o
     if (eq == std::string::npos) fail("optimizer_args: \"{}\" must look like key=value", a);
     std::string key = trim(a.substr(0, eq));
     if (std::find(valid.begin(), valid.end(), key) == valid.end()) {
-      fail("optimizer_args: unknown argument '{}' for {} (valid: {})", key, optimizer_,
-           fmt::join(valid, ", "));
+      fail("optimizer_args: unknown argument '{}' for {} (valid: {})", key, optimizer_, fmt::join(valid, ", "));
     }
     if (values_.count(key)) fail("optimizer_args: '{}' is given twice", key);
     values_[key] = trim(a.substr(eq + 1));
@@ -66,8 +65,7 @@ bool OptimizerArgs::get_bool(const std::string& key, bool fallback) const {
   bad(key, "True or False");
 }
 
-std::pair<double, double> OptimizerArgs::get_pair(const std::string& key,
-                                                  std::pair<double, double> fallback) const {
+std::pair<double, double> OptimizerArgs::get_pair(const std::string& key, std::pair<double, double> fallback) const {
   if (!has(key)) return fallback;
   std::string v = values_.at(key);
   if (!v.empty() && (v.front() == '(' || v.front() == '[')) v = v.substr(1);
@@ -80,8 +78,7 @@ std::pair<double, double> OptimizerArgs::get_pair(const std::string& key,
   return {*a, *b};
 }
 
-std::optional<double> OptimizerArgs::get_optional_double(const std::string& key,
-                                                         std::optional<double> fallback) const {
+std::optional<double> OptimizerArgs::get_optional_double(const std::string& key, std::optional<double> fallback) const {
   if (!has(key)) return fallback;
   std::string v = values_.at(key);
   if (v == "None" || v == "none" || v == "null") return std::nullopt;

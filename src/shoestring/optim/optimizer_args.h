@@ -16,8 +16,7 @@ class OptimizerArgs {
  public:
   /// Throws shoestring::Error as described above. `optimizer` names the
   /// optimizer in messages, e.g. "AdamW8bit".
-  OptimizerArgs(const std::vector<std::string>& args, std::string optimizer,
-                std::vector<std::string> valid);
+  OptimizerArgs(const std::vector<std::string>& args, std::string optimizer, std::vector<std::string> valid);
 
   bool has(const std::string& key) const { return values_.count(key) != 0; }
   /// A number ("1e-3", "0.9").

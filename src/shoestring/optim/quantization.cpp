@@ -15,9 +15,10 @@ namespace shoestring {
 
 std::vector<float> create_dynamic_map(bool is_signed, int max_exponent_bits, int total_bits) {
   if (total_bits < 2 || total_bits > 8 || max_exponent_bits < 1 || max_exponent_bits >= total_bits) {
-    fail("create_dynamic_map: need 1 <= max_exponent_bits < total_bits <= 8 (got max_exponent_bits={}, "
-         "total_bits={})",
-         max_exponent_bits, total_bits);
+    fail(
+        "create_dynamic_map: need 1 <= max_exponent_bits < total_bits <= 8 (got max_exponent_bits={}, "
+        "total_bits={})",
+        max_exponent_bits, total_bits);
   }
   // One bit is the sign (signed) or one more fraction bit (unsigned); as in
   // bitsandbytes, the non-sign bits number total_bits - 1 in both cases.
@@ -56,8 +57,8 @@ QuantizationMap::QuantizationMap(const std::vector<float>& values) {
   for (size_t i = 0; i < 256; ++i) {
     if (!std::isfinite(values[i])) fail("QuantizationMap: value {} is not finite", i);
     if (i > 0 && !(values[i - 1] < values[i])) {
-      fail("QuantizationMap: values must be distinct and sorted ascending (index {}: {} after {})", i,
-           values[i], values[i - 1]);
+      fail("QuantizationMap: values must be distinct and sorted ascending (index {}: {} after {})", i, values[i],
+           values[i - 1]);
     }
     values_[i] = values[i];
     padded_[i] = values[i];
@@ -130,8 +131,7 @@ void QuantizationMap::build_fast_table() {
         }
         t = a;
       }
-      table[sign * kFastSignStride + k] =
-          (static_cast<uint32_t>(hi) << 24) | (static_cast<uint32_t>(lo) << 16) | t;
+      table[sign * kFastSignStride + k] = (static_cast<uint32_t>(hi) << 24) | (static_cast<uint32_t>(lo) << 16) | t;
     }
   }
   fast_table_ = std::move(table);
@@ -193,8 +193,7 @@ at::Tensor dequantize_blockwise(const at::Tensor& codes_in, const at::Tensor& ab
   const int64_t n = codes_in.numel();
   const int64_t blocks = (n + block_size - 1) / block_size;
   if (!absmax_in.defined() || absmax_in.scalar_type() != at::kFloat || absmax_in.numel() != blocks) {
-    fail("dequantize_blockwise: absmax must be float32 with {} elements (one per block of {})", blocks,
-         block_size);
+    fail("dequantize_blockwise: absmax must be float32 with {} elements (one per block of {})", blocks, block_size);
   }
   const at::Tensor codes = codes_in.contiguous();
   const at::Tensor absmax = absmax_in.contiguous();

@@ -102,7 +102,7 @@ class QuantizationMap {
   void build_fast_table();
   static constexpr int kBucketShift = 18;
   std::array<float, 256> values_{};
-  std::array<float, 257> padded_{};  // values_ then NaN
+  std::array<float, 257> padded_{};     // values_ then NaN
   std::vector<uint16_t> bucket_start_;  // [1 << (32 - kBucketShift)]
   std::vector<uint32_t> fast_table_;    // [2 * kFastSignStride] or empty
   int max_steps_ = 0;

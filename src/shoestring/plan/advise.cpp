@@ -150,10 +150,11 @@ Advice advise(const TrainConfig& config, int64_t vocab_size, int64_t budget) {
         prop.config_lines.push_back(fmt::format("gradient_accumulation_steps = {}", c.gradient_accumulation_steps));
         // Smaller micro-batches use the hardware less well: ~10% per halving.
         prop.slowdown *= std::pow(1.1, std::log2(static_cast<double>(k)));
-        prop.cost += (prop.cost.empty() ? "" : "; ") +
-                     fmt::format("batch {} x {} accumulation steps: smaller matrices, ~{}% slower", c.train_batch_size,
-                                 c.gradient_accumulation_steps,
-                                 static_cast<int>(std::round((std::pow(1.1, std::log2(static_cast<double>(k))) - 1) * 100)));
+        prop.cost +=
+            (prop.cost.empty() ? "" : "; ") +
+            fmt::format("batch {} x {} accumulation steps: smaller matrices, ~{}% slower", c.train_batch_size,
+                        c.gradient_accumulation_steps,
+                        static_cast<int>(std::round((std::pow(1.1, std::log2(static_cast<double>(k))) - 1) * 100)));
       }
       if (!prop.config_lines.empty() && c.optimizer_type != config.optimizer_type) {
         // Show the arguments that go with a new optimizer.
@@ -191,8 +192,8 @@ Advice advise(const TrainConfig& config, int64_t vocab_size, int64_t budget) {
         "the smallest configuration found needs {} (weights {}, optimizer state + EMA {}, activations of one "
         "image {} at batch {}, gradients {}, temporaries {}); lower the resolution or the model size, or drop EMA "
         "(ema_decay = 0, {})",
-        fmt_bytes(f.predicted_peak_bytes), fmt_bytes(f.at_peak[kW]), fmt_bytes(f.at_peak[kS]),
-        fmt_bytes(f.at_peak[kA]), 1, fmt_bytes(f.at_peak[kG]), fmt_bytes(f.at_peak[kT]), fmt_bytes(f.ema_bytes));
+        fmt_bytes(f.predicted_peak_bytes), fmt_bytes(f.at_peak[kW]), fmt_bytes(f.at_peak[kS]), fmt_bytes(f.at_peak[kA]),
+        1, fmt_bytes(f.at_peak[kG]), fmt_bytes(f.at_peak[kT]), fmt_bytes(f.ema_bytes));
   }
   return advice;
 }

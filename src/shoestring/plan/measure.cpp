@@ -26,8 +26,8 @@ namespace fs = std::filesystem;
 
 Measurement measure_training(TrainConfig config, int64_t steps) {
   static std::atomic<int> counter{0};
-  const fs::path dir = fs::temp_directory_path() /
-                       fmt::format("shoestring_plan_measure_{}_{}", ::getpid(), counter.fetch_add(1));
+  const fs::path dir =
+      fs::temp_directory_path() / fmt::format("shoestring_plan_measure_{}_{}", ::getpid(), counter.fetch_add(1));
   fs::remove_all(dir);
   config.output_dir = dir.string();
   config.max_train_steps = steps;

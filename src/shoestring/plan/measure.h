@@ -19,15 +19,15 @@ struct MeasuredStep {
   /// the "other" category left after the step (the dataset held in memory),
   /// i.e. what MemoryPlan::predicted_peak_bytes predicts.
   int64_t peak_bytes = 0;
-  Bytes at_peak{};           ///< per category at the total peak (ledger peak_breakdown)
-  Bytes peak_per_category{}; ///< each category's own peak during the step
+  Bytes at_peak{};            ///< per category at the total peak (ledger peak_breakdown)
+  Bytes peak_per_category{};  ///< each category's own peak during the step
 };
 
 /// Result of measure_training().
 struct Measurement {
-  int64_t vocab_size = 0;          ///< the tokenizer's, to plan with the same embedding
-  std::vector<MeasuredStep> steps; ///< one per step run
-  MemoryPlan plan;                 ///< plan_memory(config, vocab_size), computed inside the run
+  int64_t vocab_size = 0;           ///< the tokenizer's, to plan with the same embedding
+  std::vector<MeasuredStep> steps;  ///< one per step run
+  MemoryPlan plan;                  ///< plan_memory(config, vocab_size), computed inside the run
 };
 
 /// Trains `steps` optimizer steps of `config` in a temporary run folder
@@ -39,18 +39,18 @@ Measurement measure_training(TrainConfig config, int64_t steps);
 /// One training step of a registered architecture's denoiser, as a user
 /// fine-tunes it with latents and text embeddings cached: random weights
 /// (the memory does not depend on values), random inputs of the shapes of
-/// its registry row (models::Architecture::example and denoiser_batch), mse loss on an fp32 copy of the output, backward,
-/// optimizer update. Shared by bench/model_step and tests/plan.
+/// its registry row (models::Architecture::example and denoiser_batch), mse loss on an fp32 copy of the output,
+/// backward, optimizer update. Shared by bench/model_step and tests/plan.
 struct ModelStepOptions {
   std::string architecture = "sd15";  ///< a registered denoiser (a registry row with `example`)
   bool tiny = false;                  ///< the architecture's tiny-width variant
   int64_t resolution = 512;           ///< image side in pixels
   int64_t batch = 1;
-  int64_t steps = 2;                  ///< steps run; the last one is reported
+  int64_t steps = 2;                    ///< steps run; the last one is reported
   std::string optimizer = "Adafactor";  ///< optimizer_type (Adafactor gets scale_parameter etc. off)
-  bool checkpointing = true;          ///< gradient checkpointing
-  bool fused = true;                  ///< fused backward pass (else backward, then Optimizer::step)
-  bool bf16 = true;                   ///< bf16 weights + stochastic rounding and bf16 state (else fp32)
+  bool checkpointing = true;            ///< gradient checkpointing
+  bool fused = true;                    ///< fused backward pass (else backward, then Optimizer::step)
+  bool bf16 = true;                     ///< bf16 weights + stochastic rounding and bf16 state (else fp32)
   /// Attention score matrices above this many MiB are computed in query
   /// blocks (nn/chunked_attention.h; 64 is libshoestring's default, 0 = never).
   int64_t attention_chunk_mib = 64;

@@ -46,9 +46,9 @@ int compute_elem_of(precision::Dtype d) { return d == precision::Dtype::bf16 ? 2
 // config's precision policy resolved over it as train/trainer.cpp resolves it
 // (precision::resolve over the model and its block tables).
 struct ResolvedModel {
-  std::shared_ptr<torch::nn::Module> root;    // what the rules' paths are relative to
-  torch::nn::Module* denoiser = nullptr;      // the registered architecture (real architectures)
-  TinyUNetModel emoji{nullptr};              // the emoji model (tiny-unet)
+  std::shared_ptr<torch::nn::Module> root;  // what the rules' paths are relative to
+  torch::nn::Module* denoiser = nullptr;    // the registered architecture (real architectures)
+  TinyUNetModel emoji{nullptr};             // the emoji model (tiny-unet)
   precision::Resolution resolution;
   // Settings of every declared block and scope, from its resolved rule and
   // the parameters directly inside it (not inside an inner block).
@@ -147,7 +147,8 @@ ResolvedModel resolve_model_uncached(const models::Architecture& arch, const Tra
     checkpointed += ckpt;
     r.blocks[module_at.at(path)] = settings(row->settings, own[path], ckpt);
   }
-  const precision::Settings root = r.resolution.modules.empty() ? precision::Settings{} : r.resolution.modules[0].settings;
+  const precision::Settings root =
+      r.resolution.modules.empty() ? precision::Settings{} : r.resolution.modules[0].settings;
   r.whole = settings(root, all, checkpointable > 0 && 2 * checkpointed >= checkpointable);
   return r;
 }
@@ -227,9 +228,10 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size) {
   const bool emoji = arch.family == models::Family::tiny_unet;
   if (emoji && vocab_size < 1) fail("plan: vocab_size must be >= 1 (got {})", vocab_size);
   if (emoji && !c.network_module.empty()) {
-    fail("plan: LoRA training (network_module = \"{}\") of tiny-unet is not modelled by the planner; it plans "
-         "LoRA on the released architectures only",
-         c.network_module);
+    fail(
+        "plan: LoRA training (network_module = \"{}\") of tiny-unet is not modelled by the planner; it plans "
+        "LoRA on the released architectures only",
+        c.network_module);
   }
   if (emoji) {
     if (c.text_dim % c.num_heads != 0) fail("plan: text_dim {} not divisible by num_heads {}", c.text_dim, c.num_heads);
@@ -285,28 +287,30 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size) {
   for (const auto& [shape, dtype] : trained) p.parameters += nn::numel_of(shape);
   if (lora) p.weights_bytes += p.parameters * lora_elem;
   // The dominant storage of the trained weights (their gradients' dtype).
-  const int64_t weight_elem = lora ? lora_elem
-                              : (p.parameters > 0 && grad_bytes_storage < 3 * p.parameters) ? 2 : 4;
+  const int64_t weight_elem = lora ? lora_elem : (p.parameters > 0 && grad_bytes_storage < 3 * p.parameters) ? 2 : 4;
   if (r.denoiser) {
-    p.notes.push_back("the denoiser only: latents and text-encoder outputs are assumed cached (the VAE and text "
-                      "encoders are not resident), inputs as bench/model_step feeds them");
+    p.notes.push_back(
+        "the denoiser only: latents and text-encoder outputs are assumed cached (the VAE and text "
+        "encoders are not resident), inputs as bench/model_step feeds them");
     // Buffers stored with the weights (MMDiT's pos_embed: 226M elements at full size).
     const int64_t buffer_elem = (c.full_bf16 || c.full_fp16) ? 2 : 4;
     for (const auto& b : r.denoiser->buffers()) p.weights_bytes += b.numel() * buffer_elem;
     if (!c.precision_rules.empty()) {
-      p.notes.push_back("per-module [[precision.rule]] entries set each parameter's storage, trainable and master; "
-                        "the denoiser's forward is traced with the policy's dominant compute dtype and "
-                        "checkpointing");
+      p.notes.push_back(
+          "per-module [[precision.rule]] entries set each parameter's storage, trainable and master; "
+          "the denoiser's forward is traced with the policy's dominant compute dtype and "
+          "checkpointing");
     }
   }
   if (lora) {
-    p.notes.push_back(fmt::format(
-        "LoRA: {} adapter parameters train, {} base parameters frozen; activations are planned as for full "
-        "training (a frozen layer's input is counted as saved), so the plan errs high",
-        p.parameters, frozen_parameters));
+    p.notes.push_back(
+        fmt::format("LoRA: {} adapter parameters train, {} base parameters frozen; activations are planned as for full "
+                    "training (a frozen layer's input is counted as saved), so the plan errs high",
+                    p.parameters, frozen_parameters));
   }
   if (bridge) {
-    p.notes.push_back(fmt::format("{}{}gradients reach the optimizer as fp32 copies", fp16_training ? "fp16 with loss scaling; " : "",
+    p.notes.push_back(fmt::format("{}{}gradients reach the optimizer as fp32 copies",
+                                  fp16_training ? "fp16 with loss scaling; " : "",
                                   masters > 0 ? fmt::format("fp32 master weights ({} bytes); ", masters) : ""));
   }
   int64_t state = 0, scratch = 0, largest = 0, largest_state = 0;
@@ -422,9 +426,9 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size) {
   // end of the step's updates.
   p.first_step_peak_bytes = std::max(peak_a - device_state, peak_b);
   if (c.fused_backward_pass) {
-    p.first_step_peak_bytes = std::max(peak_a - device_state,
-                                       persistent[kW] + persistent[kS] + persistent[kG] +
-                                           tr.at_peak[kA] / 8);  // rough tail of backward
+    p.first_step_peak_bytes =
+        std::max(peak_a - device_state,
+                 persistent[kW] + persistent[kS] + persistent[kG] + tr.at_peak[kA] / 8);  // rough tail of backward
     p.first_step_peak_bytes = std::min(p.first_step_peak_bytes, peak_a);
   }
   return p;

@@ -30,8 +30,8 @@ using Bytes = nn::Bytes;
 
 /// Everything the plan predicts, bytes.
 struct MemoryPlan {
-  int64_t parameters = 0;             ///< trainable parameters (UNet + caption encoder; LoRA: the adapters)
-  int64_t largest_parameter = 0;      ///< elements of the largest parameter tensor
+  int64_t parameters = 0;         ///< trainable parameters (UNet + caption encoder; LoRA: the adapters)
+  int64_t largest_parameter = 0;  ///< elements of the largest parameter tensor
   /// Steady-state peak of one optimizer step on the device (steps >= 2, when
   /// the optimizer state exists from the start of the step); excludes
   /// host_offload bytes and the dataset held in memory (ledger "other").
@@ -39,15 +39,15 @@ struct MemoryPlan {
   /// Peak of the first step, whose optimizer state is created during its
   /// optimizer update (after forward and backward).
   int64_t first_step_peak_bytes = 0;
-  Bytes at_peak{};                    ///< per category at the steady-state peak
-  std::string peak_phase;             ///< where the peak happens ("backward conv1", "optimizer step", ...)
-  int64_t host_bytes = 0;             ///< optimizer state held in host memory (offload)
-  int64_t weights_bytes = 0;          ///< parameters in their storage dtype
-  int64_t optimizer_state_bytes = 0;  ///< optimizer state on the device + EMA shadow (fp32) + fp32 masters
-  int64_t ema_bytes = 0;              ///< of which EMA
-  int64_t activation_bytes = 0;       ///< kept by forward for backward (plus the batch), per micro-batch
+  Bytes at_peak{};                         ///< per category at the steady-state peak
+  std::string peak_phase;                  ///< where the peak happens ("backward conv1", "optimizer step", ...)
+  int64_t host_bytes = 0;                  ///< optimizer state held in host memory (offload)
+  int64_t weights_bytes = 0;               ///< parameters in their storage dtype
+  int64_t optimizer_state_bytes = 0;       ///< optimizer state on the device + EMA shadow (fp32) + fp32 masters
+  int64_t ema_bytes = 0;                   ///< of which EMA
+  int64_t activation_bytes = 0;            ///< kept by forward for backward (plus the batch), per micro-batch
   int64_t checkpointing_saving_bytes = 0;  ///< activations gradient checkpointing removes (0 when off)
-  std::vector<std::string> notes;     ///< what the plan approximates or does not model for this config
+  std::vector<std::string> notes;          ///< what the plan approximates or does not model for this config
 
   /// {"predicted_peak_bytes", "first_step_peak_bytes", "<category>_bytes" for
   /// weights, gradients, optimizer_state, activations, temporaries (at the
@@ -93,9 +93,9 @@ struct Proposal {
 /// Result of advise().
 struct Advice {
   bool fits_already = false;
-  bool found = false;            ///< a proposal fits the budget
-  Proposal best;                 ///< the cheapest fitting proposal (found) or the smallest one (floor)
-  std::string floor_reason;      ///< when nothing fits: what the floor consists of
+  bool found = false;        ///< a proposal fits the budget
+  Proposal best;             ///< the cheapest fitting proposal (found) or the smallest one (floor)
+  std::string floor_reason;  ///< when nothing fits: what the floor consists of
 };
 
 /// Searches combinations of fused_backward_pass, optimizer_type =

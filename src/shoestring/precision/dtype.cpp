@@ -15,7 +15,7 @@ struct Fp8Format {
   int mantissa_bits;
   int min_exponent;  // exponent of the smallest normal (1 - bias)
   double max;
-  bool saturate;     // e4m3fn has no inf: saturate at max
+  bool saturate;  // e4m3fn has no inf: saturate at max
 };
 
 Fp8Format fp8_format(Dtype d) {

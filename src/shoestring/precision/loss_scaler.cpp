@@ -9,7 +9,8 @@
 namespace shoestring::precision {
 
 LossScaler::LossScaler(LossScalerOptions options) : options_(options), scale_(static_cast<float>(options.init_scale)) {
-  if (!(options_.init_scale > 0) || !std::isfinite(scale_)) fail("loss scaler: init_scale must be a positive fp32 value, got {}", options_.init_scale);
+  if (!(options_.init_scale > 0) || !std::isfinite(scale_))
+    fail("loss scaler: init_scale must be a positive fp32 value, got {}", options_.init_scale);
   if (!(options_.growth_factor > 1)) fail("loss scaler: growth_factor must be > 1, got {}", options_.growth_factor);
   if (!(options_.backoff_factor > 0 && options_.backoff_factor < 1)) {
     fail("loss scaler: backoff_factor must lie in (0, 1), got {}", options_.backoff_factor);
@@ -59,7 +60,8 @@ void LossScaler::update(bool found_inf) {
 }
 
 void LossScaler::load_state(double scale, int64_t growth_tracker) {
-  if (!(scale > 0) || !std::isfinite(static_cast<float>(scale))) fail("loss scaler state: scale {} is not a positive fp32 value", scale);
+  if (!(scale > 0) || !std::isfinite(static_cast<float>(scale)))
+    fail("loss scaler state: scale {} is not a positive fp32 value", scale);
   if (growth_tracker < 0) fail("loss scaler state: growth tracker {} is negative", growth_tracker);
   scale_ = static_cast<float>(scale);
   growth_tracker_ = growth_tracker;

@@ -90,8 +90,8 @@ void MasterWeights::load_state_tensors(const std::map<std::string, at::Tensor>& 
     auto it = tensors.find(name);
     if (it == tensors.end()) fail("training state: fp32 master weight '{}' is missing", name);
     if (it->second.sizes() != m.sizes()) {
-      fail("training state: fp32 master weight '{}' has shape {}, expected {}", name,
-           format_shape(it->second.sizes()), format_shape(m.sizes()));
+      fail("training state: fp32 master weight '{}' has shape {}, expected {}", name, format_shape(it->second.sizes()),
+           format_shape(m.sizes()));
     }
     targets_[i].second.copy_(it->second);
   }

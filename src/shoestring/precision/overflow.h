@@ -42,8 +42,7 @@ class OverflowMonitor : public nn::BlockObserver {
  public:
   /// `model`: the root module (for paths); `tables`: its block tables; only
   /// blocks configured with fp16 compute (emulated or native) are watched.
-  OverflowMonitor(const torch::nn::Module& model, const std::vector<nn::BlockTable*>& tables,
-                  OverflowOptions options);
+  OverflowMonitor(const torch::nn::Module& model, const std::vector<nn::BlockTable*>& tables, OverflowOptions options);
 
   /// Sets this monitor as the observer of every table.
   static std::shared_ptr<OverflowMonitor> attach(const torch::nn::Module& model,

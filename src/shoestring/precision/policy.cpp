@@ -105,8 +105,8 @@ Policy Policy::from_specs(const std::vector<RuleSpec>& specs) {
     if (s.storage) {
       Dtype d;
       if (!parse_dtype(*s.storage, d)) {
-        fail("precision {}: storage = \"{}\" is not a dtype; expected one of fp32, bf16, fp16, fp8_e4m3, fp8_e5m2",
-             who, *s.storage);
+        fail("precision {}: storage = \"{}\" is not a dtype; expected one of fp32, bf16, fp16, fp8_e4m3, fp8_e5m2", who,
+             *s.storage);
       }
       r.storage = d;
     }
@@ -131,14 +131,16 @@ Policy Policy::from_specs(const std::vector<RuleSpec>& specs) {
     r.checkpoint = s.checkpoint;
     if (r.storage && is_fp8(*r.storage)) {
       if (r.trainable && *r.trainable) {
-        fail("precision {}: storage = \"{}\" with trainable = true is contradictory: fp8 storage is for frozen "
-             "weights only (set trainable = false, or store in bf16/fp16)",
-             who, to_string(*r.storage));
+        fail(
+            "precision {}: storage = \"{}\" with trainable = true is contradictory: fp8 storage is for frozen "
+            "weights only (set trainable = false, or store in bf16/fp16)",
+            who, to_string(*r.storage));
       }
       if (r.master_fp32 && *r.master_fp32) {
-        fail("precision {}: storage = \"{}\" with master = \"fp32\" is contradictory: fp8 weights are frozen and "
-             "have no master copy",
-             who, to_string(*r.storage));
+        fail(
+            "precision {}: storage = \"{}\" with master = \"fp32\" is contradictory: fp8 weights are frozen and "
+            "have no master copy",
+            who, to_string(*r.storage));
       }
     }
     policy.rules_.push_back(r);
@@ -200,10 +202,11 @@ Resolution resolve(const torch::nn::Module& model, const Policy& policy,
     p.shape = item.value().sizes().vec();
     const Settings& s = p.settings;
     if (is_fp8(s.storage) && s.trainable) {
-      fail("precision: {} sets storage = \"{}\" on parameter '{}', which is trainable ({}); fp8 storage is for "
-           "frozen weights only: add trainable = false to that rule or a later one",
-           rule_label(s.storage_rule, rules), to_string(s.storage), p.path,
-           s.trainable_rule ? "set by " + rule_label(s.trainable_rule, rules) : std::string("the default"));
+      fail(
+          "precision: {} sets storage = \"{}\" on parameter '{}', which is trainable ({}); fp8 storage is for "
+          "frozen weights only: add trainable = false to that rule or a later one",
+          rule_label(s.storage_rule, rules), to_string(s.storage), p.path,
+          s.trainable_rule ? "set by " + rule_label(s.trainable_rule, rules) : std::string("the default"));
     }
     const bool master = s.master_fp32 && s.trainable && s.storage != Dtype::fp32;
     // Charge the parameter to its module and every ancestor.
@@ -222,7 +225,10 @@ Resolution resolve(const torch::nn::Module& model, const Policy& policy,
   for (const auto& r : rules) {
     bool any = false;
     for (const auto& m : res.modules) {
-      if (glob_match(r.match, m.path)) { any = true; break; }
+      if (glob_match(r.match, m.path)) {
+        any = true;
+        break;
+      }
     }
     for (size_t i = 0; !any && i < res.params.size(); ++i) any = glob_match(r.match, res.params[i].path);
     if (any) continue;
@@ -236,16 +242,17 @@ Resolution resolve(const torch::nn::Module& model, const Policy& policy,
         break;
       }
     }
-    std::string example = res.modules.size() > 1 ? fmt::format("; module paths look like '{}'", res.modules[1].path) : "";
-    res.warnings.push_back(
-        fmt::format("precision {} matches no module or parameter{}{}", r.describe(), hint, hint.empty() ? example : ""));
+    std::string example =
+        res.modules.size() > 1 ? fmt::format("; module paths look like '{}'", res.modules[1].path) : "";
+    res.warnings.push_back(fmt::format("precision {} matches no module or parameter{}{}", r.describe(), hint,
+                                       hint.empty() ? example : ""));
   }
   return res;
 }
 
 std::string format_explain(const Resolution& r, const Policy& policy) {
-  std::string out = fmt::format("{:<56} {:>11} {:>10} {:>8} {:>8} {:>6} {:>5} {:>6}  {}\n", "module", "params",
-                                "bytes", "storage", "compute", "train", "ckpt", "master", "rules");
+  std::string out = fmt::format("{:<56} {:>11} {:>10} {:>8} {:>8} {:>6} {:>5} {:>6}  {}\n", "module", "params", "bytes",
+                                "storage", "compute", "train", "ckpt", "master", "rules");
   for (const auto& m : r.modules) {
     const int depth = m.path.empty() ? 0 : 1 + static_cast<int>(std::count(m.path.begin(), m.path.end(), '.'));
     std::string name = std::string(2 * depth, ' ') + (m.path.empty() ? "(model)" : m.path) +
@@ -258,8 +265,7 @@ std::string format_explain(const Resolution& r, const Policy& policy) {
     out += fmt::format("{:<56} {:>11} {:>10} {:>8} {:>8} {:>6} {:>5} {:>6}  {}\n", name, m.parameters,
                        format_bytes(m.weight_bytes + m.master_bytes), to_string(s.storage), to_string(s.compute),
                        s.trainable ? "yes" : "no", m.checkpointable ? (s.checkpoint ? "yes" : "no") : "-",
-                       s.master_fp32 ? "fp32" : "none",
-                       ids.empty() ? "-" : fmt::format("{}", fmt::join(ids, ",")));
+                       s.master_fp32 ? "fp32" : "none", ids.empty() ? "-" : fmt::format("{}", fmt::join(ids, ",")));
   }
   out += "rules (later rules win, key by key):\n";
   for (const auto& rule : policy.rules()) {
@@ -300,7 +306,8 @@ int64_t apply(torch::nn::Module& model, const Resolution& resolution, const std:
   c10::Device device(c10::kCPU);
   for (auto& item : model.named_parameters(/*recurse=*/true)) {
     auto it = by_path.find(item.key());
-    if (it == by_path.end()) fail("precision::apply: parameter '{}' is not in the resolution (model changed?)", item.key());
+    if (it == by_path.end())
+      fail("precision::apply: parameter '{}' is not in the resolution (model changed?)", item.key());
     const Settings& s = it->second->settings;
     at::Tensor p = item.value();
     device = p.device();

@@ -118,8 +118,8 @@ struct ModuleRow {
   bool checkpointable = false;  ///< a block that may be checkpointed (false for whole-model scopes)
   int64_t parameters = 0;       ///< parameters in this module's subtree
   int64_t trainable_parameters = 0;
-  int64_t weight_bytes = 0;     ///< subtree parameters in their storage containers (see container_bytes)
-  int64_t master_bytes = 0;     ///< fp32 master copies in the subtree (4 bytes each)
+  int64_t weight_bytes = 0;  ///< subtree parameters in their storage containers (see container_bytes)
+  int64_t master_bytes = 0;  ///< fp32 master copies in the subtree (4 bytes each)
 };
 
 /// One parameter of a resolved model.

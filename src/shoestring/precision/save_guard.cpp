@@ -48,8 +48,8 @@ NarrowingReport check_narrowing(const std::string& name, const at::Tensor& t, Dt
   return r;
 }
 
-std::vector<NamedTensor> convert_for_save(const std::vector<std::pair<std::string, at::Tensor>>& tensors,
-                                          Dtype target, const SaveGuardOptions& options, const std::string& what) {
+std::vector<NamedTensor> convert_for_save(const std::vector<std::pair<std::string, at::Tensor>>& tensors, Dtype target,
+                                          const SaveGuardOptions& options, const std::string& what) {
   if (is_fp8(target)) fail("{}: saving weights as {} is not supported by this build", what, to_string(target));
   std::vector<std::string> problems;
   for (const auto& [name, t] : tensors) {
@@ -62,10 +62,11 @@ std::vector<NamedTensor> convert_for_save(const std::vector<std::pair<std::strin
     std::string list = fmt::format("{}", fmt::join(problems.begin(), problems.begin() + shown, "\n  "));
     if (problems.size() > shown) list += fmt::format("\n  ... and {} more tensors", problems.size() - shown);
     if (!options.force) {
-      fail("{}: saving in {} would damage {} tensor(s) (overflow, or more than {:.3g}% of nonzero values flushed "
-           "to zero):\n  {}\nSave in a wider dtype (save_precision = \"fp32\" or \"bf16\"), or set "
-           "save_precision_force = true to save anyway",
-           what, to_string(target), problems.size(), 100 * options.max_flush_fraction, list);
+      fail(
+          "{}: saving in {} would damage {} tensor(s) (overflow, or more than {:.3g}% of nonzero values flushed "
+          "to zero):\n  {}\nSave in a wider dtype (save_precision = \"fp32\" or \"bf16\"), or set "
+          "save_precision_force = true to save anyway",
+          what, to_string(target), problems.size(), 100 * options.max_flush_fraction, list);
     }
     spdlog::warn("{}: saving in {} anyway (save_precision_force) although {} tensor(s) lose values:\n  {}", what,
                  to_string(target), problems.size(), list);

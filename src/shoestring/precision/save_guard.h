@@ -51,8 +51,8 @@ NarrowingReport check_narrowing(const std::string& name, const at::Tensor& t, Dt
 /// writes no scaled fp8 files; check_narrowing() still checks fp8).
 /// Throws shoestring::Error listing every offending tensor (up to 20, then a
 /// count) unless options.force; `what` names the file being written.
-std::vector<NamedTensor> convert_for_save(const std::vector<std::pair<std::string, at::Tensor>>& tensors,
-                                          Dtype target, const SaveGuardOptions& options, const std::string& what);
+std::vector<NamedTensor> convert_for_save(const std::vector<std::pair<std::string, at::Tensor>>& tensors, Dtype target,
+                                          const SaveGuardOptions& options, const std::string& what);
 
 /// Parses a save_precision value: "fp32" / "float", "fp16", "bf16" (kohya's
 /// names plus fp32). Throws shoestring::Error otherwise.

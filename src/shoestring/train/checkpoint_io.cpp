@@ -5,9 +5,9 @@
 #include <torch/torch.h>
 
 #include "shoestring/core/error.h"
-#include "shoestring/io/weight_files.h"
 #include "shoestring/io/atomic_file.h"
 #include "shoestring/io/safetensors.h"
+#include "shoestring/io/weight_files.h"
 
 namespace shoestring {
 namespace fs = std::filesystem;
@@ -53,9 +53,10 @@ void set_cpu_rng_state(const at::Tensor& state) {
 std::string latest_checkpoint_dir(const std::string& run_dir) {
   fs::path latest = fs::path(run_dir) / "checkpoints" / "latest.json";
   if (!fs::exists(latest)) {
-    fail("cannot resume from '{}': no checkpoint found ({} is missing; the run saved none yet — set "
-         "save_every_n_steps)",
-         run_dir, latest.string());
+    fail(
+        "cannot resume from '{}': no checkpoint found ({} is missing; the run saved none yet — set "
+        "save_every_n_steps)",
+        run_dir, latest.string());
   }
   nlohmann::json j;
   try {
@@ -70,8 +71,8 @@ std::string latest_checkpoint_dir(const std::string& run_dir) {
   // LoRA runs over a pretrained base keep lora.safetensors instead of the model.
   if ((!fs::exists(dir / "model.safetensors") && !fs::exists(dir / "lora.safetensors")) ||
       !fs::exists(dir / "state.safetensors")) {
-    fail("{}: checkpoint folder '{}' lacks model.safetensors (or lora.safetensors) or state.safetensors", latest.string(),
-         dir.string());
+    fail("{}: checkpoint folder '{}' lacks model.safetensors (or lora.safetensors) or state.safetensors",
+         latest.string(), dir.string());
   }
   return dir.string();
 }

@@ -54,18 +54,18 @@ void set_latest_checkpoint(const std::string& run_dir, const std::string& checkp
 /// far and the state of its fp16 machinery. Stored as the JSON
 /// "training_state" metadata of state.safetensors under the names given.
 struct TrainingCounters {
-  int64_t step = 0;                        ///< "step": optimizer steps taken (the checkpoint's step)
-  int64_t optimizer_step_count = 0;        ///< "optimizer_step_count": the optimizer's own count (bias correction)
-  int64_t data_epoch = 0;                  ///< "data_epoch": BatchSampler position of the next batch
-  int64_t data_index = 0;                  ///< "data_index"
-  int64_t micro_steps = 0;                 ///< "micro_steps": micro-batches run (forward + backward passes)
-  int64_t images_seen = 0;                 ///< "images_seen"
-  int64_t skipped_steps = 0;               ///< "skipped_steps": non-finite steps skipped
-  int64_t consecutive_nonfinite = 0;       ///< "consecutive_nonfinite": skipped steps in a row (divergence guard)
-  double elapsed_seconds = 0;              ///< "elapsed_seconds": wall time of the steps so far
-  std::optional<double> loss_scale;        ///< "loss_scale": fp16 dynamic loss scale (null without fp16)
-  int64_t loss_scale_growth_tracker = 0;   ///< "loss_scale_growth_tracker": clean steps since the last change
-  std::vector<std::string> precision_upcast;      ///< "precision_upcast": blocks the overflow guard moved to fp32
+  int64_t step = 0;                           ///< "step": optimizer steps taken (the checkpoint's step)
+  int64_t optimizer_step_count = 0;           ///< "optimizer_step_count": the optimizer's own count (bias correction)
+  int64_t data_epoch = 0;                     ///< "data_epoch": BatchSampler position of the next batch
+  int64_t data_index = 0;                     ///< "data_index"
+  int64_t micro_steps = 0;                    ///< "micro_steps": micro-batches run (forward + backward passes)
+  int64_t images_seen = 0;                    ///< "images_seen"
+  int64_t skipped_steps = 0;                  ///< "skipped_steps": non-finite steps skipped
+  int64_t consecutive_nonfinite = 0;          ///< "consecutive_nonfinite": skipped steps in a row (divergence guard)
+  double elapsed_seconds = 0;                 ///< "elapsed_seconds": wall time of the steps so far
+  std::optional<double> loss_scale;           ///< "loss_scale": fp16 dynamic loss scale (null without fp16)
+  int64_t loss_scale_growth_tracker = 0;      ///< "loss_scale_growth_tracker": clean steps since the last change
+  std::vector<std::string> precision_upcast;  ///< "precision_upcast": blocks the overflow guard moved to fp32
   std::optional<double> fused_previous_grad_norm;  ///< "fused_previous_grad_norm": fused clipping's last norm
 };
 

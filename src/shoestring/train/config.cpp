@@ -17,9 +17,9 @@
 namespace shoestring {
 namespace {
 
-using Member = std::variant<bool TrainConfig::*, int64_t TrainConfig::*, double TrainConfig::*,
-                            std::string TrainConfig::*, std::vector<int64_t> TrainConfig::*,
-                            std::vector<std::string> TrainConfig::*>;
+using Member =
+    std::variant<bool TrainConfig::*, int64_t TrainConfig::*, double TrainConfig::*, std::string TrainConfig::*,
+                 std::vector<int64_t> TrainConfig::*, std::vector<std::string> TrainConfig::*>;
 
 /// Attributes of a key beyond its type and range (Field::flags).
 enum FieldFlag : unsigned {
@@ -45,8 +45,8 @@ struct Field {
   const char* help;
   double min = -std::numeric_limits<double>::infinity();  ///< numbers and list elements
   double max = std::numeric_limits<double>::infinity();
-  std::vector<std::string> choices = {};                   ///< strings
-  unsigned flags = 0;                                      ///< FieldFlag bits
+  std::vector<std::string> choices = {};  ///< strings
+  unsigned flags = 0;                     ///< FieldFlag bits
 
   /// This entry with `bits` added to its flags.
   Field with(unsigned bits) const {
@@ -61,114 +61,165 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 const std::vector<Field>& schema() {
   static const std::vector<Field> fields = {
       Field{"train_data_dir", &TrainConfig::train_data_dir,
-       "dataset folder: Twemoji package (emoji.json) or kohya layout (image + .txt)"}.with(kResumePath),
-      Field{"resolution", &TrainConfig::resolution, "training resolution in pixels (square)", 8, 1024}.with(kResumeValue),
+            "dataset folder: Twemoji package (emoji.json) or kohya layout (image + .txt)"}
+          .with(kResumePath),
+      Field{"resolution", &TrainConfig::resolution, "training resolution in pixels (square)", 8, 1024}.with(
+          kResumeValue),
       {"caption_dropout_rate", &TrainConfig::caption_dropout_rate,
        "probability of training on an empty caption (classifier-free guidance)", 0, 1},
-      Field{"max_caption_length", &TrainConfig::max_caption_length, "caption tokens incl. <bos>", 2, 512}.with(kResumeValue),
+      Field{"max_caption_length", &TrainConfig::max_caption_length, "caption tokens incl. <bos>", 2, 512}.with(
+          kResumeValue),
       Field{"model.architecture", &TrainConfig::architecture,
-       "model architecture: the emoji example's tiny-unet, or a released one (docs/architectures.md)", -kInf, kInf,
-       models::denoiser_architectures()}.with(kResumeValue),
+            "model architecture: the emoji example's tiny-unet, or a released one (docs/architectures.md)", -kInf, kInf,
+            models::denoiser_architectures()}
+          .with(kResumeValue),
       Field{"model.tiny", &TrainConfig::tiny,
-       "released architectures: the same block structure at test width (small channels)"}.with(kResumeValue),
-      Field{"model.base_channels", &TrainConfig::base_channels, "UNet channels at full resolution", 8, 4096}.with(kResumeValue | kEmojiModelOnly),
-      Field{"model.channel_mult", &TrainConfig::channel_mult, "channel multiplier per UNet level", 1, 64}.with(kResumeValue | kEmojiModelOnly),
-      Field{"model.num_res_blocks", &TrainConfig::num_res_blocks, "ResBlocks per UNet level", 1, 16}.with(kResumeValue | kEmojiModelOnly),
+            "released architectures: the same block structure at test width (small channels)"}
+          .with(kResumeValue),
+      Field{"model.base_channels", &TrainConfig::base_channels, "UNet channels at full resolution", 8, 4096}.with(
+          kResumeValue | kEmojiModelOnly),
+      Field{"model.channel_mult", &TrainConfig::channel_mult, "channel multiplier per UNet level", 1, 64}.with(
+          kResumeValue | kEmojiModelOnly),
+      Field{"model.num_res_blocks", &TrainConfig::num_res_blocks, "ResBlocks per UNet level", 1, 16}.with(
+          kResumeValue | kEmojiModelOnly),
       Field{"model.attention_levels", &TrainConfig::attention_levels,
-       "UNet levels (0 = full resolution) with self- and cross-attention", 0, 16}.with(kResumeValue | kEmojiModelOnly),
+            "UNet levels (0 = full resolution) with self- and cross-attention", 0, 16}
+          .with(kResumeValue | kEmojiModelOnly),
       Field{"model.num_heads", &TrainConfig::num_heads, "attention heads", 1, 128}.with(kResumeValue | kEmojiModelOnly),
-      Field{"model.norm_groups", &TrainConfig::norm_groups, "GroupNorm groups in the UNet", 1, 1024}.with(kEmojiModelOnly),
-      Field{"model.text_dim", &TrainConfig::text_dim, "caption encoder width (UNet context_dim)", 8, 4096}.with(kResumeValue | kEmojiModelOnly),
-      Field{"model.text_layers", &TrainConfig::text_layers, "caption encoder transformer layers", 0, 48}.with(kResumeValue | kEmojiModelOnly),
+      Field{"model.norm_groups", &TrainConfig::norm_groups, "GroupNorm groups in the UNet", 1, 1024}.with(
+          kEmojiModelOnly),
+      Field{"model.text_dim", &TrainConfig::text_dim, "caption encoder width (UNet context_dim)", 8, 4096}.with(
+          kResumeValue | kEmojiModelOnly),
+      Field{"model.text_layers", &TrainConfig::text_layers, "caption encoder transformer layers", 0, 48}.with(
+          kResumeValue | kEmojiModelOnly),
       {"model.dropout", &TrainConfig::dropout, "dropout in ResBlocks", 0, 0.99},
-      Field{"timestep_sampling", &TrainConfig::timestep_sampling,
-       "flow-matching time distribution (SD3: logit_normal)", -kInf, kInf,
-       {"logit_normal", "uniform"}}.with(kEmojiModelOnly),
+      Field{"timestep_sampling",
+            &TrainConfig::timestep_sampling,
+            "flow-matching time distribution (SD3: logit_normal)",
+            -kInf,
+            kInf,
+            {"logit_normal", "uniform"}}
+          .with(kEmojiModelOnly),
       {"logit_mean", &TrainConfig::logit_mean, "logit-normal mean", -10, 10},
       {"logit_std", &TrainConfig::logit_std, "logit-normal standard deviation", 1e-3, 10},
-      Field{"optimizer_type", &TrainConfig::optimizer_type, "optimizer (kohya name)", -kInf, kInf,
-       {"AdamW", "AdamW8bit", "Adafactor", "Lion", "Compass"}}.with(kResumeValue),
+      Field{"optimizer_type",
+            &TrainConfig::optimizer_type,
+            "optimizer (kohya name)",
+            -kInf,
+            kInf,
+            {"AdamW", "AdamW8bit", "Adafactor", "Lion", "Compass"}}
+          .with(kResumeValue),
       {"optimizer_args", &TrainConfig::optimizer_args,
        "optimizer arguments as \"key=value\" strings, e.g. [\"weight_decay=0.01\", \"betas=0.9,0.999\"]"},
-      Field{"optimizer_state_dtype", &TrainConfig::optimizer_state_dtype,
-       "dtype of full-size optimizer state (bf16 is stochastically rounded)", -kInf, kInf,
-       {"fp32", "bf16"}}.with(kResumeValue),
+      Field{"optimizer_state_dtype",
+            &TrainConfig::optimizer_state_dtype,
+            "dtype of full-size optimizer state (bf16 is stochastically rounded)",
+            -kInf,
+            kInf,
+            {"fp32", "bf16"}}
+          .with(kResumeValue),
       {"stochastic_rounding", &TrainConfig::stochastic_rounding,
        "stochastically round bf16 weight and state updates (false: round-to-nearest, loses small updates)"},
       {"fused_backward_pass", &TrainConfig::fused_backward_pass,
        "apply the optimizer to each parameter inside backward and free its gradient at once"},
-      {"fused_clip_method", &TrainConfig::fused_clip_method,
+      {"fused_clip_method",
+       &TrainConfig::fused_clip_method,
        "global-norm clipping with fused_backward_pass: previous step's norm (free) or an exact second "
        "backward (costs one more forward+backward)",
-       -kInf, kInf, {"previous_step_norm", "two_pass"}},
-      {"gradient_accumulation_dtype", &TrainConfig::gradient_accumulation_dtype,
+       -kInf,
+       kInf,
+       {"previous_step_norm", "two_pass"}},
+      {"gradient_accumulation_dtype",
+       &TrainConfig::gradient_accumulation_dtype,
        "buffer for summing bf16 gradients over micro-batches: fp32, or bf16 with stochastic rounding",
-       -kInf, kInf, {"fp32", "bf16_sr"}},
+       -kInf,
+       kInf,
+       {"fp32", "bf16_sr"}},
       {"learning_rate", &TrainConfig::learning_rate, "peak learning rate", 0, 10},
-      {"lr_scheduler", &TrainConfig::lr_scheduler, "learning-rate schedule after warmup", -kInf, kInf,
+      {"lr_scheduler",
+       &TrainConfig::lr_scheduler,
+       "learning-rate schedule after warmup",
+       -kInf,
+       kInf,
        {"constant", "constant_with_warmup", "cosine"}},
-      {"lr_warmup_steps", &TrainConfig::lr_warmup_steps, "linear warmup length in optimizer steps", 0,
-       1e12},
+      {"lr_warmup_steps", &TrainConfig::lr_warmup_steps, "linear warmup length in optimizer steps", 0, 1e12},
       Field{"train_batch_size", &TrainConfig::train_batch_size, "images per micro-batch", 1, 65536}.with(kResumeValue),
       {"max_train_steps", &TrainConfig::max_train_steps, "optimizer steps to train", 1, 1e12},
-      {"gradient_accumulation_steps", &TrainConfig::gradient_accumulation_steps,
-       "micro-batches per optimizer step", 1, 65536},
+      {"gradient_accumulation_steps", &TrainConfig::gradient_accumulation_steps, "micro-batches per optimizer step", 1,
+       65536},
       {"max_grad_norm", &TrainConfig::max_grad_norm, "global gradient-norm clip (0 = off)", 0, 1e9},
-      {"gradient_checkpointing", &TrainConfig::gradient_checkpointing,
-       "recompute UNet block activations in backward"},
+      {"gradient_checkpointing", &TrainConfig::gradient_checkpointing, "recompute UNet block activations in backward"},
       {"attention_chunk_mib", &TrainConfig::attention_chunk_mib,
        "largest attention score matrix (MiB, per call) computed at once; larger ones run in query blocks "
        "(0 = never chunk)",
        0, 1e9},
       {"offload_optimizer_state", &TrainConfig::offload_optimizer_state,
        "keep optimizer state in host memory and stream it per parameter around each update"},
-      {"mixed_precision", &TrainConfig::mixed_precision,
-       "compute dtype with fp32 weights (shorthand for a precision rule; fp16 adds loss scaling)", -kInf, kInf,
+      {"mixed_precision",
+       &TrainConfig::mixed_precision,
+       "compute dtype with fp32 weights (shorthand for a precision rule; fp16 adds loss scaling)",
+       -kInf,
+       kInf,
        {"no", "bf16", "fp16"}},
-      {"full_bf16", &TrainConfig::full_bf16,
-       "bf16 weights and gradients; updates applied with stochastic rounding"},
+      {"full_bf16", &TrainConfig::full_bf16, "bf16 weights and gradients; updates applied with stochastic rounding"},
       {"full_fp16", &TrainConfig::full_fp16,
        "fp16 weights (stochastically rounded updates) and fp16 compute, with dynamic loss scaling"},
       {"precision.overflow_threshold", &TrainConfig::overflow_threshold,
        "fp16 block outputs above this fraction of 65504 (or inf/NaN) count as overflow", 1e-6, 1},
-      {"precision.auto_upcast", &TrainConfig::auto_upcast,
-       "move fp16 blocks that overflow to fp32 compute and go on"},
+      {"precision.auto_upcast", &TrainConfig::auto_upcast, "move fp16 blocks that overflow to fp32 compute and go on"},
       {"precision.loss_scale_init", &TrainConfig::loss_scale_init,
        "initial dynamic loss scale for fp16 (GradScaler init_scale)", 1, 1e38},
       {"precision.loss_scale_growth_interval", &TrainConfig::loss_scale_growth_interval,
        "clean fp16 steps before the loss scale doubles (GradScaler growth_interval)", 1, 1e12},
-      {"save_precision", &TrainConfig::save_precision,
-       "dtype of the final model.safetensors (auto = storage dtype; float = fp32, as kohya)", -kInf, kInf,
+      {"save_precision",
+       &TrainConfig::save_precision,
+       "dtype of the final model.safetensors (auto = storage dtype; float = fp32, as kohya)",
+       -kInf,
+       kInf,
        {"auto", "fp32", "float", "fp16", "bf16"}},
       {"save_precision_force", &TrainConfig::save_precision_force,
        "save in save_precision even when values overflow or flush to zero (else an error)"},
-      Field{"ema_decay", &TrainConfig::ema_decay, "EMA decay per optimizer step (0 = no EMA)", 0, 0.999999}.with(kResumeEnabled),
+      Field{"ema_decay", &TrainConfig::ema_decay, "EMA decay per optimizer step (0 = no EMA)", 0, 0.999999}.with(
+          kResumeEnabled),
       {"max_nonfinite_steps", &TrainConfig::max_nonfinite_steps,
        "consecutive non-finite steps (skipped) before training stops", 1, 1e9},
       Field{"seed", &TrainConfig::seed, "seed for data order, noise, init and rounding", 0, 9.0e18}.with(kResumeValue),
       Field{"pretrained_model_name_or_path", &TrainConfig::pretrained_model_name_or_path,
-       "base weights to start from: a shoestring model.safetensors (tiny-unet), or a single-file checkpoint "
-       "(LDM / ComfyUI layout, or a sharded *.safetensors.index.json) for a released architecture; \"\" = random "
-       "init"}.with(kResumePath),
+            "base weights to start from: a shoestring model.safetensors (tiny-unet), or a single-file checkpoint "
+            "(LDM / ComfyUI layout, or a sharded *.safetensors.index.json) for a released architecture; \"\" = random "
+            "init"}
+          .with(kResumePath),
       Field{"vae", &TrainConfig::vae,
-       "VAE weights for an LDM architecture (a file with the VAE alone or under first_stage_model.); \"\" = the "
-       "pretrained checkpoint's"}.with(kResumePath | kReleasedModelOnly),
+            "VAE weights for an LDM architecture (a file with the VAE alone or under first_stage_model.); \"\" = the "
+            "pretrained checkpoint's"}
+          .with(kResumePath | kReleasedModelOnly),
       Field{"tokenizer_dir", &TrainConfig::tokenizer_dir,
-       "folder holding CLIP's vocab.json and merges.txt (e.g. ComfyUI's comfy/sd1_tokenizer); \"\" = a word "
-       "tokenizer built from the captions"}.with(kResumePath | kReleasedModelOnly),
+            "folder holding CLIP's vocab.json and merges.txt (e.g. ComfyUI's comfy/sd1_tokenizer); \"\" = a word "
+            "tokenizer built from the captions"}
+          .with(kResumePath | kReleasedModelOnly),
       Field{"v_parameterization", &TrainConfig::v_parameterization,
-       "LDM UNets: train the v-prediction target (SD 2.x style) instead of epsilon"}.with(kResumeValue | kReleasedModelOnly),
-      Field{"clip_skip", &TrainConfig::clip_skip, "SD 1.x: condition on the N-th last CLIP layer's output", 1, 12}.with(kResumeValue | kReleasedModelOnly),
-      Field{"network_module", &TrainConfig::network_module,
-       "\"networks.lora\": train a LoRA (base weights frozen, output lora.safetensors); \"\": train every weight",
-       -kInf, kInf, {"", "networks.lora"}}.with(kResumeValue),
+            "LDM UNets: train the v-prediction target (SD 2.x style) instead of epsilon"}
+          .with(kResumeValue | kReleasedModelOnly),
+      Field{"clip_skip", &TrainConfig::clip_skip, "SD 1.x: condition on the N-th last CLIP layer's output", 1, 12}.with(
+          kResumeValue | kReleasedModelOnly),
+      Field{"network_module",
+            &TrainConfig::network_module,
+            "\"networks.lora\": train a LoRA (base weights frozen, output lora.safetensors); \"\": train every weight",
+            -kInf,
+            kInf,
+            {"", "networks.lora"}}
+          .with(kResumeValue),
       Field{"network_dim", &TrainConfig::network_dim, "LoRA rank", 1, 65536}.with(kResumeValue),
-      Field{"network_alpha", &TrainConfig::network_alpha, "LoRA alpha: the delta is scaled by alpha / rank (0 = rank)", 0,
-       1e6}.with(kResumeValue),
+      Field{"network_alpha", &TrainConfig::network_alpha, "LoRA alpha: the delta is scaled by alpha / rank (0 = rank)",
+            0, 1e6}
+          .with(kResumeValue),
       Field{"network_args", &TrainConfig::network_args,
-       "LoRA arguments as \"key=value\" strings: conv_dim, conv_alpha (LoRA on 3x3 convs), train_ff "
-       "(feed-forward layers too)"}.with(kResumeValue),
-      Field{"network_train_unet_only", &TrainConfig::network_train_unet_only, "LoRA on the UNet only, none on the text encoder"}.with(kResumeValue),
+            "LoRA arguments as \"key=value\" strings: conv_dim, conv_alpha (LoRA on 3x3 convs), train_ff "
+            "(feed-forward layers too)"}
+          .with(kResumeValue),
+      Field{"network_train_unet_only", &TrainConfig::network_train_unet_only,
+            "LoRA on the UNet only, none on the text encoder"}
+          .with(kResumeValue),
       {"network_weights", &TrainConfig::network_weights, "kohya LoRA file to start training from (\"\" = new LoRA)"},
       {"output_dir", &TrainConfig::output_dir, "run folder"},
       {"save_every_n_steps", &TrainConfig::save_every_n_steps,
@@ -177,7 +228,8 @@ const std::vector<Field>& schema() {
        "sample-grid cadence in optimizer steps (0 = only at the end)", 0, 1e12},
       {"sample_prompts", &TrainConfig::sample_prompts, "prompts of the sample grid (one row each)"},
       {"sample_seeds", &TrainConfig::sample_seeds, "seeds per prompt (grid columns)", 1, 64},
-      {"sample_steps", &TrainConfig::sample_steps, "sampler steps (Euler for tiny-unet, DDIM for the LDM UNets)", 1, 1000},
+      {"sample_steps", &TrainConfig::sample_steps, "sampler steps (Euler for tiny-unet, DDIM for the LDM UNets)", 1,
+       1000},
       {"sample_cfg", &TrainConfig::sample_cfg, "classifier-free guidance scale", 0, 100},
       {"log_every_n_steps", &TrainConfig::log_every_n_steps, "progress line cadence (no TTY)", 1, 1e9},
       {"num_threads", &TrainConfig::num_threads, "intra-op threads (0 = every CPU this process may use)", 0, 1024},
@@ -281,8 +333,7 @@ void assign(TrainConfig& c, const Field& f, const toml::node& node, const std::s
         } else if constexpr (std::is_same_v<T, std::string>) {
           if (!node.is_string()) bad_value(at, f, node);
           std::string v = *node.value<std::string>();
-          if (!f.choices.empty() &&
-              std::find(f.choices.begin(), f.choices.end(), v) == f.choices.end()) {
+          if (!f.choices.empty() && std::find(f.choices.begin(), f.choices.end(), v) == f.choices.end()) {
             bad_value(at, f, node);
           }
           c.*m = v;
@@ -341,9 +392,10 @@ void parse_precision_rules(TrainConfig& c, const toml::node& node, const std::st
       else if (key == "trainable") r.trainable = boolean(key, v);
       else if (key == "checkpoint") r.checkpoint = boolean(key, v);
       else {
-        fail("{}: precision rule {}: unknown key '{}' (expected match, storage, compute, trainable, checkpoint, "
-             "master)",
-             where(source, v), index, key);
+        fail(
+            "{}: precision rule {}: unknown key '{}' (expected match, storage, compute, trainable, checkpoint, "
+            "master)",
+            where(source, v), index, key);
       }
     }
     if (r.match.empty()) fail("{}: precision rule {} needs a non-empty 'match' glob", at, index);
@@ -352,8 +404,7 @@ void parse_precision_rules(TrainConfig& c, const toml::node& node, const std::st
 }
 
 /// Walks a table; every leaf is looked up in the schema under its dotted path.
-void apply_table(TrainConfig& c, const toml::table& table, const std::string& prefix,
-                 const std::string& source) {
+void apply_table(TrainConfig& c, const toml::table& table, const std::string& prefix, const std::string& source) {
   for (const auto& [k, node] : table) {
     std::string key = prefix.empty() ? std::string(k.str()) : prefix + "." + std::string(k.str());
     if (key == "precision.rule") {
@@ -392,21 +443,22 @@ void validate(const TrainConfig& c, const std::string& source) {
     master = master || (r.master_fp32 && *r.master_fp32);
   }
   if (c.fused_backward_pass && (fp16 || master)) {
-    fail("{}: fused_backward_pass cannot be combined with fp16 (loss scaling must see every gradient before any "
-         "step) or master = \"fp32\" rules",
-         source);
+    fail(
+        "{}: fused_backward_pass cannot be combined with fp16 (loss scaling must see every gradient before any "
+        "step) or master = \"fp32\" rules",
+        source);
   }
   for (int64_t level : c.attention_levels) {
     if (level >= static_cast<int64_t>(c.channel_mult.size())) {
-      fail("{}: model.attention_levels has level {}, but model.channel_mult has only {} levels (0..{})",
-           source, level, c.channel_mult.size(), c.channel_mult.size() - 1);
+      fail("{}: model.attention_levels has level {}, but model.channel_mult has only {} levels (0..{})", source, level,
+           c.channel_mult.size(), c.channel_mult.size() - 1);
     }
   }
   if (c.channel_mult.empty()) fail("{}: model.channel_mult must not be empty", source);
   int64_t down = int64_t{1} << (c.channel_mult.size() - 1);
   if (c.resolution % down != 0) {
-    fail("{}: resolution {} must be divisible by {} (2^(levels-1) for {} UNet levels)", source,
-         c.resolution, down, c.channel_mult.size());
+    fail("{}: resolution {} must be divisible by {} (2^(levels-1) for {} UNet levels)", source, c.resolution, down,
+         c.channel_mult.size());
   }
   for (int64_t m : c.channel_mult) {
     if ((c.base_channels * m) % c.norm_groups != 0) {
@@ -415,8 +467,7 @@ void validate(const TrainConfig& c, const std::string& source) {
     }
   }
   if (c.text_dim % c.num_heads != 0) {
-    fail("{}: model.text_dim ({}) must be divisible by model.num_heads ({})", source, c.text_dim,
-         c.num_heads);
+    fail("{}: model.text_dim ({}) must be divisible by model.num_heads ({})", source, c.text_dim, c.num_heads);
   }
   for (const auto& a : c.optimizer_args) {
     if (a.find('=') == std::string::npos) {
@@ -520,8 +571,7 @@ std::string to_toml(const TrainConfig& c) {
     std::visit(
         [&](auto m) {
           using T = std::decay_t<decltype(c.*m)>;
-          if constexpr (std::is_same_v<T, std::vector<int64_t>> ||
-                        std::is_same_v<T, std::vector<std::string>>) {
+          if constexpr (std::is_same_v<T, std::vector<int64_t>> || std::is_same_v<T, std::vector<std::string>>) {
             toml::array arr;
             for (const auto& v : c.*m) arr.push_back(v);
             target->insert(key, std::move(arr));

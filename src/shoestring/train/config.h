@@ -26,9 +26,9 @@ namespace shoestring {
 struct TrainConfig {
   // ---- data ----
   std::string train_data_dir = "${SHOESTRING_CACHE}/emoji-datasource-twitter-16.0.0";
-  int64_t resolution = 32;             ///< pixels, square
-  double caption_dropout_rate = 0.1;   ///< probability of an empty caption (for CFG)
-  int64_t max_caption_length = 16;     ///< tokens incl. <bos>
+  int64_t resolution = 32;            ///< pixels, square
+  double caption_dropout_rate = 0.1;  ///< probability of an empty caption (for CFG)
+  int64_t max_caption_length = 16;    ///< tokens incl. <bos>
 
   // ---- model ----
   /// A registered denoiser architecture (models/architecture.h,
@@ -43,8 +43,8 @@ struct TrainConfig {
   int64_t num_res_blocks = 2;
   std::vector<int64_t> attention_levels = {1, 2};
   int64_t num_heads = 4;
-  int64_t norm_groups = 32;            ///< GroupNorm groups (must divide every level's channels)
-  int64_t text_dim = 256;              ///< caption encoder width = UNet context_dim
+  int64_t norm_groups = 32;  ///< GroupNorm groups (must divide every level's channels)
+  int64_t text_dim = 256;    ///< caption encoder width = UNet context_dim
   int64_t text_layers = 2;
   double dropout = 0.0;
 
@@ -55,61 +55,63 @@ struct TrainConfig {
 
   // ---- optimization ----
   std::string optimizer_type = "AdamW";
-  std::vector<std::string> optimizer_args;  ///< "key=value", kohya style
+  std::vector<std::string> optimizer_args;     ///< "key=value", kohya style
   std::string optimizer_state_dtype = "fp32";  ///< fp32 | bf16 (stochastically rounded)
-  bool stochastic_rounding = true;          ///< SR of low-precision weights/state (false: round-to-nearest)
-  bool fused_backward_pass = false;         ///< step each parameter inside backward (kohya's name)
+  bool stochastic_rounding = true;             ///< SR of low-precision weights/state (false: round-to-nearest)
+  bool fused_backward_pass = false;            ///< step each parameter inside backward (kohya's name)
   std::string fused_clip_method = "previous_step_norm";  ///< previous_step_norm | two_pass
   std::string gradient_accumulation_dtype = "fp32";      ///< fp32 | bf16_sr (bf16 weights only)
   double learning_rate = 1e-4;
-  std::string lr_scheduler = "constant";    ///< constant | constant_with_warmup | cosine
+  std::string lr_scheduler = "constant";  ///< constant | constant_with_warmup | cosine
   int64_t lr_warmup_steps = 0;
   int64_t train_batch_size = 1;
   int64_t max_train_steps = 1600;
   int64_t gradient_accumulation_steps = 1;
-  double max_grad_norm = 1.0;               ///< 0 disables clipping
+  double max_grad_norm = 1.0;  ///< 0 disables clipping
   bool gradient_checkpointing = false;
-  int64_t attention_chunk_mib = 64;         ///< attention score matrices above this run in query blocks (0 = never)
-  bool offload_optimizer_state = false;     ///< optimizer state in host memory, streamed per parameter
-  std::string mixed_precision = "no";       ///< no | bf16 | fp16 (compute dtype, fp32 weights)
-  bool full_bf16 = false;                   ///< bf16 weights, updates stochastically rounded
-  bool full_fp16 = false;                   ///< fp16 weights (SR updates), fp16 compute, loss scaling
+  int64_t attention_chunk_mib = 64;      ///< attention score matrices above this run in query blocks (0 = never)
+  bool offload_optimizer_state = false;  ///< optimizer state in host memory, streamed per parameter
+  std::string mixed_precision = "no";    ///< no | bf16 | fp16 (compute dtype, fp32 weights)
+  bool full_bf16 = false;                ///< bf16 weights, updates stochastically rounded
+  bool full_fp16 = false;                ///< fp16 weights (SR updates), fp16 compute, loss scaling
   // ---- precision policy (docs/precision.md) ----
   /// [[precision.rule]] entries, in file order (after the shorthands above).
   std::vector<precision::RuleSpec> precision_rules;
-  double overflow_threshold = 0.5;          ///< precision.overflow_threshold: fraction of 65504
-  bool auto_upcast = false;                 ///< precision.auto_upcast: overflowing fp16 blocks -> fp32
-  double loss_scale_init = 65536.0;         ///< precision.loss_scale_init (GradScaler init_scale)
+  double overflow_threshold = 0.5;            ///< precision.overflow_threshold: fraction of 65504
+  bool auto_upcast = false;                   ///< precision.auto_upcast: overflowing fp16 blocks -> fp32
+  double loss_scale_init = 65536.0;           ///< precision.loss_scale_init (GradScaler init_scale)
   int64_t loss_scale_growth_interval = 2000;  ///< precision.loss_scale_growth_interval
-  std::string save_precision = "auto";      ///< auto (storage dtype) | fp32 | float | fp16 | bf16
-  bool save_precision_force = false;        ///< save even when the range guard finds damage
-  double ema_decay = 0.0;                   ///< 0 disables EMA
-  int64_t max_nonfinite_steps = 10;         ///< consecutive skipped steps before giving up
+  std::string save_precision = "auto";        ///< auto (storage dtype) | fp32 | float | fp16 | bf16
+  bool save_precision_force = false;          ///< save even when the range guard finds damage
+  double ema_decay = 0.0;                     ///< 0 disables EMA
+  int64_t max_nonfinite_steps = 10;           ///< consecutive skipped steps before giving up
   int64_t seed = 42;
 
-  std::string pretrained_model_name_or_path;  ///< base weights (shoestring model.safetensors or a single-file checkpoint); "" = random init
-  std::string vae;                          ///< VAE file for registered LDM architectures ("" = the checkpoint's first_stage_model.*)
-  std::string tokenizer_dir;                ///< folder with CLIP's vocab.json + merges.txt ("" = word tokenizer built from the captions)
-  bool v_parameterization = false;          ///< LDM UNets: v-prediction target instead of epsilon (kohya's name)
-  int64_t clip_skip = 1;                    ///< SD 1.x: use the output of the N-th last CLIP layer (kohya's name)
+  std::string pretrained_model_name_or_path;  ///< base weights (shoestring model.safetensors or a single-file
+                                              ///< checkpoint); "" = random init
+  std::string vae;  ///< VAE file for registered LDM architectures ("" = the checkpoint's first_stage_model.*)
+  std::string
+      tokenizer_dir;  ///< folder with CLIP's vocab.json + merges.txt ("" = word tokenizer built from the captions)
+  bool v_parameterization = false;  ///< LDM UNets: v-prediction target instead of epsilon (kohya's name)
+  int64_t clip_skip = 1;            ///< SD 1.x: use the output of the N-th last CLIP layer (kohya's name)
   // ---- LoRA (kohya's names; docs/lora.md) ----
-  std::string network_module;               ///< "" (train every weight) | "networks.lora"
-  int64_t network_dim = 4;                  ///< LoRA rank
-  double network_alpha = 1.0;               ///< scale = alpha / rank; 0 = rank
-  std::vector<std::string> network_args;    ///< "conv_dim=4", "conv_alpha=1", "train_ff=true"
-  bool network_train_unet_only = false;     ///< no LoRA on the text encoder
-  std::string network_weights;              ///< LoRA file to start from ("" = fresh)
+  std::string network_module;             ///< "" (train every weight) | "networks.lora"
+  int64_t network_dim = 4;                ///< LoRA rank
+  double network_alpha = 1.0;             ///< scale = alpha / rank; 0 = rank
+  std::vector<std::string> network_args;  ///< "conv_dim=4", "conv_alpha=1", "train_ff=true"
+  bool network_train_unet_only = false;   ///< no LoRA on the text encoder
+  std::string network_weights;            ///< LoRA file to start from ("" = fresh)
 
   // ---- output ----
   std::string output_dir = "runs/emoji";
-  int64_t save_every_n_steps = 0;           ///< 0: only at the end
-  int64_t sample_every_n_steps = 0;         ///< 0: only at the end
+  int64_t save_every_n_steps = 0;    ///< 0: only at the end
+  int64_t sample_every_n_steps = 0;  ///< 0: only at the end
   std::vector<std::string> sample_prompts = {"grinning face", "red heart", "thumbs up", "fire"};
-  int64_t sample_seeds = 4;                 ///< columns of the sample grid
+  int64_t sample_seeds = 4;  ///< columns of the sample grid
   int64_t sample_steps = 30;
   double sample_cfg = 4.0;
-  int64_t log_every_n_steps = 10;           ///< progress line cadence when not on a TTY
-  int64_t num_threads = 0;                  ///< 0: libtorch default
+  int64_t log_every_n_steps = 10;  ///< progress line cadence when not on a TTY
+  int64_t num_threads = 0;         ///< 0: libtorch default
 };
 
 /// Parses a TOML config file and applies `--set key=value` overrides (the

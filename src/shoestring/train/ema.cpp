@@ -7,8 +7,7 @@
 
 namespace shoestring {
 
-EMA::EMA(const std::vector<std::pair<std::string, at::Tensor>>& params, double decay)
-    : params_(params), decay_(decay) {
+EMA::EMA(const std::vector<std::pair<std::string, at::Tensor>>& params, double decay) : params_(params), decay_(decay) {
   if (decay < 0 || decay >= 1) fail("ema_decay must be in [0, 1) (got {})", decay);
   torch::NoGradGuard no_grad;
   ScopedMemoryCategory category(MemoryCategory::optimizer_state);
@@ -19,8 +18,7 @@ void EMA::update() {
   torch::NoGradGuard no_grad;
   for (size_t i = 0; i < params_.size(); ++i) {
     const at::Tensor& p = params_[i].second;
-    shadow_[i].mul_(decay_).add_(p.scalar_type() == torch::kFloat32 ? p : p.to(torch::kFloat32),
-                                 1.0 - decay_);
+    shadow_[i].mul_(decay_).add_(p.scalar_type() == torch::kFloat32 ? p : p.to(torch::kFloat32), 1.0 - decay_);
   }
 }
 

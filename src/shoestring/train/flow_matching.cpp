@@ -27,9 +27,7 @@ at::Tensor flow_interpolate(const at::Tensor& x0, const at::Tensor& eps, const a
   return x0 + tb * (eps.to(x0.scalar_type()) - x0);
 }
 
-at::Tensor flow_target(const at::Tensor& x0, const at::Tensor& eps) {
-  return eps.to(x0.scalar_type()) - x0;
-}
+at::Tensor flow_target(const at::Tensor& x0, const at::Tensor& eps) { return eps.to(x0.scalar_type()) - x0; }
 
 at::Tensor sample_euler(const VelocityFn& velocity, const at::Tensor& noise, int64_t steps) {
   if (steps < 1) fail("sampling steps must be >= 1 (got {})", steps);

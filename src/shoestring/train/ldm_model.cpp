@@ -72,9 +72,10 @@ class LdmTrainingModel final : public TrainingModel {
     storage_ = config.full_bf16 ? torch::kBFloat16 : config.full_fp16 ? torch::kHalf : torch::kFloat32;
     if (!source.pretrained.empty()) base_.emplace(WeightFiles::open(source.pretrained));
     if (!config.tiny && !base_) {
-      fail("model.architecture = \"{}\" needs base weights: set pretrained_model_name_or_path to a single-file "
-           "checkpoint (e.g. a ComfyUI / A1111 .safetensors); only model.tiny = true trains from random init",
-           arch);
+      fail(
+          "model.architecture = \"{}\" needs base weights: set pretrained_model_name_or_path to a single-file "
+          "checkpoint (e.g. a ComfyUI / A1111 .safetensors); only model.tiny = true trains from random init",
+          arch);
     }
 
     // The UNet's options from the registry, and the checks that need only
@@ -105,9 +106,8 @@ class LdmTrainingModel final : public TrainingModel {
       if (base_) load_unet();
     }
     if (!source.quiet) {
-      spdlog::info("cached {} latents {} and {} text embeddings {} ({}); VAE and text encoders freed",
-                   latents_.size(0), format_shape(latents_.sizes().slice(1)), context_.size(0),
-                   format_shape(context_.sizes().slice(1)),
+      spdlog::info("cached {} latents {} and {} text embeddings {} ({}); VAE and text encoders freed", latents_.size(0),
+                   format_shape(latents_.sizes().slice(1)), context_.size(0), format_shape(context_.sizes().slice(1)),
                    format_bytes(latents_.nbytes() + context_.nbytes() + (y_.defined() ? y_.nbytes() : 0)));
     }
   }
@@ -141,8 +141,7 @@ class LdmTrainingModel final : public TrainingModel {
   at::Tensor forward(const TrainBatch& b) override {
     const auto dtype = unet_->out_conv->weight.scalar_type();
     const at::Tensor& y = b.inputs[3];
-    return unet_->forward(b.inputs[0].to(dtype), b.inputs[1], b.inputs[2].to(dtype),
-                          y.defined() ? y.to(dtype) : y);
+    return unet_->forward(b.inputs[0].to(dtype), b.inputs[1], b.inputs[2].to(dtype), y.defined() ? y.to(dtype) : y);
   }
 
   at::Tensor sample(const SampleRequest& request) override;
@@ -157,7 +156,9 @@ class LdmTrainingModel final : public TrainingModel {
             {"step", std::to_string(step)},
             {"config_hash", config_hash(config_)},
             {"objective", config_.v_parameterization ? "v_prediction" : "epsilon"},
-            {"dtype", config_.full_bf16 ? "bf16" : config_.full_fp16 ? "fp16" : "fp32"},
+            {"dtype", config_.full_bf16   ? "bf16"
+                      : config_.full_fp16 ? "fp16"
+                                          : "fp32"},
             // Stability's model-spec fields, as kohya writes them.
             {"modelspec.sai_model_spec", "1.0.0"},
             {"modelspec.architecture", spec},
@@ -228,8 +229,8 @@ std::string LdmTrainingModel::detect_unet_prefix() const {
              d.tiny ? "true" : "false");
       }
     }
-    fail("{}: holds no {}{} UNet (found: {}); set model.architecture to the checkpoint's architecture{}",
-         base_->path(), config_.architecture, config_.tiny ? " (tiny)" : "",
+    fail("{}: holds no {}{} UNet (found: {}); set model.architecture to the checkpoint's architecture{}", base_->path(),
+         config_.architecture, config_.tiny ? " (tiny)" : "",
          seen.empty() ? std::string("nothing recognisable") : fmt::format("{}", fmt::join(seen, ", ")),
          " (shoestring inspect FILE shows it; a diffusers-layout UNet converts with `shoestring convert --to ldm`)");
   }
@@ -263,7 +264,8 @@ void LdmTrainingModel::build_text_encoders() {
   std::vector<models::ClipTextOptions> opts;
   std::vector<std::string> prefixes;
   if (!sdxl_) {
-    opts.push_back(config_.tiny ? models::ClipTextOptions::clip_l().tiny(context_dim) : models::ClipTextOptions::clip_l());
+    opts.push_back(config_.tiny ? models::ClipTextOptions::clip_l().tiny(context_dim)
+                                : models::ClipTextOptions::clip_l());
     prefixes.push_back(models::kSd15ClipPrefix);
   } else {
     // SDXL: CLIP-L (768) + OpenCLIP bigG (1280) = context 2048; tiny: 48 + 16 = 64.
@@ -283,10 +285,11 @@ void LdmTrainingModel::build_text_encoders() {
     texts.insert(texts.end(), config_.sample_prompts.begin(), config_.sample_prompts.end());
     tokenizer_.words.emplace(WordTokenizer::build(texts, kTextLength));
   } else {
-    fail("tokenizer_dir is not set: {} conditions on CLIP, whose tokenizer files (vocab.json and merges.txt) are "
-         "not stored in checkpoints; point tokenizer_dir at a folder holding them (e.g. ComfyUI's "
-         "comfy/sd1_tokenizer, or a diffusers model's tokenizer/ folder)",
-         config_.architecture);
+    fail(
+        "tokenizer_dir is not set: {} conditions on CLIP, whose tokenizer files (vocab.json and merges.txt) are "
+        "not stored in checkpoints; point tokenizer_dir at a folder holding them (e.g. ComfyUI's "
+        "comfy/sd1_tokenizer, or a diffusers model's tokenizer/ folder)",
+        config_.architecture);
   }
   bool from_file = false;
   if (base_) {
@@ -294,8 +297,8 @@ void LdmTrainingModel::build_text_encoders() {
   }
   if (!from_file && base_) {
     // Only a tiny run without any base file starts from random text encoders.
-    fail("{}: holds no text encoder (no '{}*' keys); {} needs the checkpoint's CLIP text encoder{}",
-         base_->path(), prefixes[0], config_.architecture, sdxl_ ? "s" : "");
+    fail("{}: holds no text encoder (no '{}*' keys); {} needs the checkpoint's CLIP text encoder{}", base_->path(),
+         prefixes[0], config_.architecture, sdxl_ ? "s" : "");
   }
   if (config_.clip_skip > opts[0].layers()) {
     fail("clip_skip = {}: the text encoder has {} layers (clip_skip counts layers from the last, 1 = the last)",
@@ -446,7 +449,8 @@ at::Tensor LdmTrainingModel::sample(const SampleRequest& request) {
   std::vector<at::Tensor> images;
   for (const auto& prompt : request.prompts) {
     auto it = prompt_row.find(prompt);
-    if (it == prompt_row.end()) fail("sample: prompt '{}' is not one of sample_prompts (encoded before training)", prompt);
+    if (it == prompt_row.end())
+      fail("sample: prompt '{}' is not one of sample_prompts (encoded before training)", prompt);
     for (uint64_t seed : request.seeds) {
       auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
       at::Tensor x = torch::randn({1, 4, h, h}, gen, torch::kFloat32);
@@ -458,8 +462,8 @@ at::Tensor LdmTrainingModel::sample(const SampleRequest& request) {
         const int64_t t = ts[k];
         const int64_t t_prev = k + 1 < ts.size() ? ts[k + 1] : -1;
         at::Tensor in = torch::cat({x, x}, 0);
-        at::Tensor out = unet_->forward(in.to(dtype), torch::full({2}, static_cast<double>(t)), context, y)
-                             .to(torch::kFloat32);
+        at::Tensor out =
+            unet_->forward(in.to(dtype), torch::full({2}, static_cast<double>(t)), context, y).to(torch::kFloat32);
         if (config_.v_parameterization) out = schedule_.eps_from_v(in, out, t);
         at::Tensor eps = out[1] + request.cfg * (out[0] - out[1]);
         x = schedule_.ddim_step(x, eps.unsqueeze(0), t, t_prev);

@@ -11,7 +11,7 @@ namespace shoestring {
 /// schedule: "constant" (warmup ignored, as in diffusers), "constant_with_warmup", or
 /// "cosine" (warmup, then 0.5 * (1 + cos(pi * progress))). Returns base_lr * factor.
 /// Throws shoestring::Error on an unknown schedule.
-double learning_rate_at(const std::string& schedule, double base_lr, int64_t step,
-                        int64_t warmup_steps, int64_t total_steps);
+double learning_rate_at(const std::string& schedule, double base_lr, int64_t step, int64_t warmup_steps,
+                        int64_t total_steps);
 
 }  // namespace shoestring

@@ -85,15 +85,16 @@ void RunReport::step(const StepRecord& r) {
     // The plan excludes the dataset held in memory (ledger "other").
     const int64_t predicted = run_.predicted_memory.value("first_step_peak_bytes", int64_t{0});
     const int64_t measured = ledger.device_peak_total() - peaks[static_cast<int>(MemoryCategory::other)];
-    spdlog::info("step {} memory: predicted {} (shoestring plan), measured {} ({:+.1f}%)", r.step,
-                 format_bytes(predicted), format_bytes(measured),
-                 100.0 * static_cast<double>(measured - predicted) /
-                     static_cast<double>(std::max<int64_t>(1, predicted)));
+    spdlog::info(
+        "step {} memory: predicted {} (shoestring plan), measured {} ({:+.1f}%)", r.step, format_bytes(predicted),
+        format_bytes(measured),
+        100.0 * static_cast<double>(measured - predicted) / static_cast<double>(std::max<int64_t>(1, predicted)));
   }
   if (first && run_.network && !run_.network->never_called().empty()) {
-    spdlog::warn("LoRA: {} adapters were never used by the forward pass (their layers' forward() is "
-                 "bypassed, so they do not train): {}",
-                 run_.network->never_called().size(), fmt::join(run_.network->never_called(), ", "));
+    spdlog::warn(
+        "LoRA: {} adapters were never used by the forward pass (their layers' forward() is "
+        "bypassed, so they do not train): {}",
+        run_.network->never_called().size(), fmt::join(run_.network->never_called(), ", "));
   }
   if (options_.quiet) return;
   if (first) {
@@ -102,9 +103,9 @@ void RunReport::step(const StepRecord& r) {
   const double elapsed = std::chrono::duration<double>(Clock::now() - start_).count();
   const double its = static_cast<double>(r.step - start_step_) / elapsed;
   const double eta = static_cast<double>(c.max_train_steps - r.step) / its;
-  const std::string progress = fmt::format("step {}/{} | {:.2f} it/s | ETA {} | loss {:.4f} | peak {}", r.step,
-                                           c.max_train_steps, its, format_duration(eta), smoothed_,
-                                           format_bytes(run_peak_total_));
+  const std::string progress =
+      fmt::format("step {}/{} | {:.2f} it/s | ETA {} | loss {:.4f} | peak {}", r.step, c.max_train_steps, its,
+                  format_duration(eta), smoothed_, format_bytes(run_peak_total_));
   if (tty_) {
     fmt::print(stderr, "\r{}\033[K", progress);
     if (r.step == c.max_train_steps) fmt::print(stderr, "\n");

@@ -23,7 +23,7 @@ struct Run;
 /// One optimizer step as reported.
 struct StepRecord {
   int64_t step = 0;
-  double loss = 0;       ///< mean micro-batch loss (fp32 mse), NaN/inf when non-finite
+  double loss = 0;  ///< mean micro-batch loss (fp32 mse), NaN/inf when non-finite
   double lr = 0;
   double grad_norm = 0;  ///< global gradient norm before clipping
   double seconds = 0;    ///< wall time of the step (forward, backward, update)

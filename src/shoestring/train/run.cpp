@@ -77,9 +77,10 @@ void check_resume(const std::string& run_dir, const std::string& checkpoint_dir,
   if (fs::exists(recorded)) {
     const std::vector<std::string> diffs = resume_differences(load_config(recorded.string()), now);
     if (!diffs.empty()) {
-      fail("--resume {}: this config differs from the run's own ({}) in what its checkpoint depends on: {}; "
-           "resume with the run's config (`shoestring train --resume {}`, with --max-steps N to train further)",
-           run_dir, recorded.string(), fmt::join(diffs, "; "), run_dir);
+      fail(
+          "--resume {}: this config differs from the run's own ({}) in what its checkpoint depends on: {}; "
+          "resume with the run's config (`shoestring train --resume {}`, with --max-steps N to train further)",
+          run_dir, recorded.string(), fmt::join(diffs, "; "), run_dir);
     }
   }
   // "step-000123" (checkpoint folders are named by step_name()).
@@ -102,9 +103,10 @@ void prepare_run_dir(Run& run, const TrainRunOptions& options) {
   if (!options.resume_dir && !run.created_dir.armed) {
     for (const char* marker : {"checkpoints/latest.json", "metrics.jsonl", "config.toml"}) {
       if (fs::exists(fs::path(run.run_dir) / marker)) {
-        fail("output_dir '{}' already holds a run ({} exists); use --resume {} to continue it, or choose "
-             "another --output-dir",
-             run.run_dir, marker, run.run_dir);
+        fail(
+            "output_dir '{}' already holds a run ({} exists); use --resume {} to continue it, or choose "
+            "another --output-dir",
+            run.run_dir, marker, run.run_dir);
       }
     }
   }
@@ -159,12 +161,13 @@ void attach_lora(Run& run, const TrainRunOptions& options) {
   run.network = nn::LoraNetwork(model, run.model->lora_components(c.network_train_unet_only), lora_options(c));
   if (!c.network_weights.empty()) run.network->load(expand_path(c.network_weights));
   if (c.pretrained_model_name_or_path.empty() && c.network_weights.empty()) {
-    spdlog::warn("LoRA on a randomly initialised base (pretrained_model_name_or_path is not set): the adapters "
-                 "learn on top of an untrained model");
+    spdlog::warn(
+        "LoRA on a randomly initialised base (pretrained_model_name_or_path is not set): the adapters "
+        "learn on top of an untrained model");
   }
   if (!options.quiet) {
-    spdlog::info("LoRA: {} modules, rank {}, alpha {}{}", run.network->modules().size(), c.network_dim,
-                 c.network_alpha, c.network_weights.empty() ? "" : ", from " + c.network_weights);
+    spdlog::info("LoRA: {} modules, rank {}, alpha {}{}", run.network->modules().size(), c.network_dim, c.network_alpha,
+                 c.network_weights.empty() ? "" : ", from " + c.network_weights);
   }
 }
 
@@ -203,14 +206,13 @@ std::unique_ptr<GradientPath> make_run_gradient_path(const Run& run, const std::
 
 void log_setup(const Run& run) {
   const TrainConfig& c = run.config;
-  spdlog::info("model: {:.2f}M trainable parameters, weights {}, {}, {} threads; optimizer {}{}",
-               run.trainable_parameters / 1e6,
-               c.full_bf16 || c.full_fp16
-                   ? fmt::format("{} ({})", c.full_bf16 ? "bf16" : "fp16",
-                                 c.stochastic_rounding ? "stochastic rounding" : "round-to-nearest")
-                   : std::string("fp32"),
-               c.mixed_precision == "no" ? "compute in weight dtype" : c.mixed_precision + " compute", run.threads,
-               c.optimizer_type, c.fused_backward_pass ? " (fused backward)" : "");
+  spdlog::info(
+      "model: {:.2f}M trainable parameters, weights {}, {}, {} threads; optimizer {}{}", run.trainable_parameters / 1e6,
+      c.full_bf16 || c.full_fp16 ? fmt::format("{} ({})", c.full_bf16 ? "bf16" : "fp16",
+                                               c.stochastic_rounding ? "stochastic rounding" : "round-to-nearest")
+                                 : std::string("fp32"),
+      c.mixed_precision == "no" ? "compute in weight dtype" : c.mixed_precision + " compute", run.threads,
+      c.optimizer_type, c.fused_backward_pass ? " (fused backward)" : "");
   const precision::LossScaler* scaler = run.gradients->loss_scaler();
   spdlog::info("precision: {} rule(s) (docs/precision.md){}{}", run.precision_rules,
                scaler ? fmt::format(", fp16 with dynamic loss scaling (init {})", scaler->scale()) : std::string(),
@@ -227,9 +229,9 @@ void save_lora(const Run& run, const std::string& path, int64_t step, bool final
   // kohya's ss_base_model_version (A1111 and ComfyUI tell SDXL LoRAs by it)
   // and Stability's model-spec architecture for LoRA files, from the registry.
   const models::Architecture& arch = models::find_architecture(c.architecture);
-  auto meta = nn::kohya_lora_metadata(
-      run.network->options(),
-      arch.kohya_base_model_version.empty() ? "shoestring_" + c.architecture : arch.kohya_base_model_version);
+  auto meta = nn::kohya_lora_metadata(run.network->options(), arch.kohya_base_model_version.empty()
+                                                                  ? "shoestring_" + c.architecture
+                                                                  : arch.kohya_base_model_version);
   if (!arch.modelspec_lora_architecture.empty()) {
     meta["modelspec.sai_model_spec"] = "1.0.0";
     meta["modelspec.architecture"] = arch.modelspec_lora_architecture;
@@ -270,11 +272,9 @@ std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions&
   const std::string data_dir = expand_path(c.train_data_dir);
   run.dataset = ImageCaptionDataset::load(data_dir, static_cast<int>(c.resolution));
   if (!options.quiet) {
-    spdlog::info("dataset: {} images from {} ({} skipped)", run.dataset.size(), data_dir,
-                 run.dataset.skipped().size());
+    spdlog::info("dataset: {} images from {} ({} skipped)", run.dataset.size(), data_dir, run.dataset.skipped().size());
   }
-  run.sampler =
-      std::make_unique<BatchSampler>(run.dataset.size(), c.train_batch_size, static_cast<uint64_t>(c.seed));
+  run.sampler = std::make_unique<BatchSampler>(run.dataset.size(), c.train_batch_size, static_cast<uint64_t>(c.seed));
 
   // ---- model (base weights of a fine-tune / LoRA run: kohya's pretrained_model_name_or_path) ----
   {
@@ -312,9 +312,10 @@ std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions&
   if (!run.resume_from.empty()) {
     const int64_t step = restore_checkpoint(run, run.resume_from);
     if (step >= c.max_train_steps) {
-      fail("run '{}' is already at step {} >= max_train_steps {}; pass --max-steps N with N > {} to "
-           "train further",
-           run.run_dir, step, c.max_train_steps, step);
+      fail(
+          "run '{}' is already at step {} >= max_train_steps {}; pass --max-steps N with N > {} to "
+          "train further",
+          run.run_dir, step, c.max_train_steps, step);
     }
     truncate_metrics(metrics_path, step);
     if (!options.quiet) spdlog::info("resumed from {} at step {}", run.resume_from, step);

@@ -21,8 +21,8 @@
 
 #include "shoestring/data/dataset.h"
 #include "shoestring/nn/lora.h"
-#include "shoestring/optim/gradient_path.h"
 #include "shoestring/optim/grad_hooks.h"
+#include "shoestring/optim/gradient_path.h"
 #include "shoestring/precision/overflow.h"
 #include "shoestring/train/checkpoint_io.h"
 #include "shoestring/train/config.h"
@@ -53,8 +53,8 @@ struct Run {
   std::vector<std::pair<std::string, at::Tensor>> trainable;
   int64_t trainable_parameters = 0;
   std::shared_ptr<precision::OverflowMonitor> overflow;  ///< fp16 compute or storage only
-  PostAccumulateGradHooks ledger_hooks;                   ///< charge gradients to the ledger as autograd makes them
-  std::unique_ptr<GradientPath> gradients;                ///< owns the optimizer
+  PostAccumulateGradHooks ledger_hooks;                  ///< charge gradients to the ledger as autograd makes them
+  std::unique_ptr<GradientPath> gradients;               ///< owns the optimizer
   std::unique_ptr<EMA> ema;
   TrainingCounters counters;
   nlohmann::json predicted_memory;  ///< TrainRunOptions::predict_memory's answer (null without one)

@@ -10,8 +10,7 @@
 
 namespace shoestring {
 
-at::Tensor generate_images(TinyUNetModel& model, const WordTokenizer& tokenizer,
-                           const SampleRequest& request) {
+at::Tensor generate_images(TinyUNetModel& model, const WordTokenizer& tokenizer, const SampleRequest& request) {
   if (request.prompts.empty() || request.seeds.empty()) fail("sampling: no prompts or no seeds given");
   torch::NoGradGuard no_grad;
   const bool was_training = model->is_training();

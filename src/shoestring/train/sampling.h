@@ -27,14 +27,12 @@ struct SampleRequest {
 /// The model is put in eval mode for the duration and restored after; runs
 /// under no-grad; does not touch libtorch's global RNG (noise comes from a
 /// generator per seed). Throws shoestring::Error for an empty request.
-at::Tensor generate_images(TinyUNetModel& model, const WordTokenizer& tokenizer,
-                           const SampleRequest& request);
+at::Tensor generate_images(TinyUNetModel& model, const WordTokenizer& tokenizer, const SampleRequest& request);
 
 /// Writes a grid (rows = prompts, columns = seeds) with each prompt printed
 /// under its row, and a sidecar `<path minus .png>.txt` listing row prompts and
 /// seeds. Images smaller than 64 px are enlarged (nearest) for legibility.
 /// Both files are written atomically.
-void save_sample_grid(const std::string& path, const at::Tensor& images,
-                      const SampleRequest& request);
+void save_sample_grid(const std::string& path, const at::Tensor& images, const SampleRequest& request);
 
 }  // namespace shoestring

@@ -118,29 +118,26 @@ TinyUNetModelImpl::TinyUNetModelImpl(const TinyUNetModelOptions& options) : opti
   scopes_->declare(text_encoder.get(), /*checkpointable=*/false);
 }
 
-at::Tensor TinyUNetModelImpl::forward(const at::Tensor& x_t, const at::Tensor& t,
-                                       const at::Tensor& tokens) {
+at::Tensor TinyUNetModelImpl::forward(const at::Tensor& x_t, const at::Tensor& t, const at::Tensor& tokens) {
   if (!scopes_->configured()) {
     auto text = text_encoder->forward(tokens);
     auto dtype = text.hidden.scalar_type();
     return unet->forward(x_t.to(dtype), t, text.hidden, text.mask);
   }
   std::shared_ptr<models::CaptionEncoderImpl> te = text_encoder.ptr();
-  auto text = nn::run_block(
-      scopes_.get(), te,
-      [te, tokens](const std::vector<at::Tensor>&) {
-        auto enc = te->forward(tokens);
-        return std::vector<at::Tensor>{enc.hidden, enc.mask};
-      },
-      {});
+  auto text = nn::run_block(scopes_.get(), te,
+                            [te, tokens](const std::vector<at::Tensor>&) {
+                              auto enc = te->forward(tokens);
+                              return std::vector<at::Tensor>{enc.hidden, enc.mask};
+                            },
+                            {});
   std::shared_ptr<models::TinyUNetImpl> u = unet.ptr();
   const at::Tensor mask = text[1];
-  return nn::run_block(
-      scopes_.get(), u,
-      [u, t, mask](const std::vector<at::Tensor>& in) {
-        return std::vector<at::Tensor>{u->forward(in[0], t, in[1], mask)};
-      },
-      {x_t, text[0]})[0];
+  return nn::run_block(scopes_.get(), u,
+                       [u, t, mask](const std::vector<at::Tensor>& in) {
+                         return std::vector<at::Tensor>{u->forward(in[0], t, in[1], mask)};
+                       },
+                       {x_t, text[0]})[0];
 }
 
 }  // namespace shoestring
@@ -155,16 +152,16 @@ class TinyUNetTrainingModel final : public TrainingModel {
   TinyUNetTrainingModel(const TrainConfig& config, const ImageCaptionDataset& dataset, const ModelSource& source)
       : config_(config), dataset_(dataset) {
     // A fine-tune or resume takes the tokenizer saved with the weights.
-    const std::string file = !source.resume_dir.empty()
-                                 ? (fs::path(source.resume_dir) / "model.safetensors").string()
-                                 : source.pretrained;
+    const std::string file =
+        !source.resume_dir.empty() ? (fs::path(source.resume_dir) / "model.safetensors").string() : source.pretrained;
     if (!file.empty()) {
       auto meta = SafetensorsFile::open(file).metadata();
       auto it = meta.find("tokenizer");
       if (it == meta.end()) {
-        fail("{}: missing 'tokenizer' metadata (model.architecture = \"tiny-unet\" starts from a shoestring "
-             "model.safetensors; for a released checkpoint set model.architecture)",
-             file);
+        fail(
+            "{}: missing 'tokenizer' metadata (model.architecture = \"tiny-unet\" starts from a shoestring "
+            "model.safetensors; for a released checkpoint set model.architecture)",
+            file);
       }
       tokenizer_ = WordTokenizer::from_json(nlohmann::json::parse(it->second));
     } else {
@@ -208,7 +205,9 @@ class TinyUNetTrainingModel final : public TrainingModel {
             {"step", std::to_string(step)},
             {"config_hash", config_hash(config_)},
             {"objective", "flow_matching"},
-            {"dtype", config_.full_bf16 ? "bf16" : config_.full_fp16 ? "fp16" : "fp32"}};
+            {"dtype", config_.full_bf16   ? "bf16"
+                      : config_.full_fp16 ? "fp16"
+                                          : "fp32"}};
   }
 
   void save_final(const std::string& path, int64_t step, bool storage_dtype) override {
@@ -229,8 +228,8 @@ class TinyUNetTrainingModel final : public TrainingModel {
 }  // namespace
 
 std::unique_ptr<TrainingModel> make_tiny_unet_training_model(const TrainConfig& config,
-                                                         const ImageCaptionDataset& dataset,
-                                                         const ModelSource& source) {
+                                                             const ImageCaptionDataset& dataset,
+                                                             const ModelSource& source) {
   return std::make_unique<TinyUNetTrainingModel>(config, dataset, source);
 }
 

@@ -50,9 +50,10 @@ std::vector<std::string> check_fp16_overflow(Run& run, int64_t step) {
     spdlog::warn("step {}: fp16 overflow in {}; moved to fp32 compute (precision.auto_upcast)", step,
                  fmt::join(overflowed, ", "));
   } else {
-    spdlog::warn("step {}: fp16 overflow (beyond {} x 65504 or inf/NaN) first in {}; set "
-                 "precision.auto_upcast = true, or add a rule with compute = \"fp32\" for these blocks",
-                 step, run.config.overflow_threshold, fmt::join(overflowed, ", "));
+    spdlog::warn(
+        "step {}: fp16 overflow (beyond {} x 65504 or inf/NaN) first in {}; set "
+        "precision.auto_upcast = true, or add a rule with compute = \"fp32\" for these blocks",
+        step, run.config.overflow_threshold, fmt::join(overflowed, ", "));
   }
   return overflowed;
 }
@@ -70,19 +71,21 @@ void count_nonfinite(Run& run, int64_t step, double loss, const GradientStepResu
   }
   ++n.skipped_steps;
   if (const precision::LossScaler* scaler = run.gradients->loss_scaler(); scaler && std::isfinite(loss)) {
-    if (!quiet) spdlog::info("step {}: fp16 gradients overflowed; step skipped, loss scale now {}", step, scaler->scale());
+    if (!quiet)
+      spdlog::info("step {}: fp16 gradients overflowed; step skipped, loss scale now {}", step, scaler->scale());
     return;
   }
   ++n.consecutive_nonfinite;
   spdlog::warn("step {}: non-finite loss ({}) or gradient norm ({}); step skipped ({} in a row)", step, loss,
                r.grad_norm, n.consecutive_nonfinite);
   if (n.consecutive_nonfinite >= run.config.max_nonfinite_steps) {
-    fail("training stopped at step {}: {} consecutive non-finite steps (max_nonfinite_steps = {}); "
-         "lower learning_rate or use full precision{}",
-         step, n.consecutive_nonfinite, run.config.max_nonfinite_steps,
-         overflowed.empty()
-             ? std::string()
-             : fmt::format("; fp16 overflowed in {} (set precision.auto_upcast = true)", fmt::join(overflowed, ", ")));
+    fail(
+        "training stopped at step {}: {} consecutive non-finite steps (max_nonfinite_steps = {}); "
+        "lower learning_rate or use full precision{}",
+        step, n.consecutive_nonfinite, run.config.max_nonfinite_steps,
+        overflowed.empty()
+            ? std::string()
+            : fmt::format("; fp16 overflowed in {} (set precision.auto_upcast = true)", fmt::join(overflowed, ", ")));
   }
 }
 
@@ -93,8 +96,7 @@ StepRecord train_step(Run& run, int64_t step, bool quiet) {
   const TrainConfig& c = run.config;
   const auto t0 = Clock::now();
   GradientPath& gradients = *run.gradients;
-  const double lr =
-      learning_rate_at(c.lr_scheduler, c.learning_rate, step - 1, c.lr_warmup_steps, c.max_train_steps);
+  const double lr = learning_rate_at(c.lr_scheduler, c.learning_rate, step - 1, c.lr_warmup_steps, c.max_train_steps);
   gradients.begin_step(lr);
   if (run.overflow) run.overflow->begin_pass();
 

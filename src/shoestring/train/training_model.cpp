@@ -32,10 +32,11 @@ void check_training_config(const TrainConfig& config) {
   if (a.family == models::Family::tiny_unet) {
     if (config.tiny) fail("model.tiny applies to released architectures; tiny-unet is sized by model.base_channels");
   } else if (!a.trainable_from_config) {
-    fail("model.architecture = \"{}\": training it from a config is not supported yet (its latent encoder — the "
-       "SD3 16-channel VAE or Stable Cascade's EfficientNet — and text encoders are not in shoestring); "
-       "supported: {}. `shoestring plan`, `inspect --arch` and bench/model_step do cover it",
-       config.architecture, models::join_names(models::denoiser_architectures(/*trainable_only=*/true)));
+    fail(
+        "model.architecture = \"{}\": training it from a config is not supported yet (its latent encoder — the "
+        "SD3 16-channel VAE or Stable Cascade's EfficientNet — and text encoders are not in shoestring); "
+        "supported: {}. `shoestring plan`, `inspect --arch` and bench/model_step do cover it",
+        config.architecture, models::join_names(models::denoiser_architectures(/*trainable_only=*/true)));
   }
   warn_ignored_keys(config);
 }

@@ -14,8 +14,8 @@
 namespace shoestring {
 
 std::unique_ptr<TrainingModel> make_tiny_unet_training_model(const TrainConfig& config,
-                                                         const ImageCaptionDataset& dataset,
-                                                         const ModelSource& source);
+                                                             const ImageCaptionDataset& dataset,
+                                                             const ModelSource& source);
 std::unique_ptr<TrainingModel> make_ldm_training_model(const TrainConfig& config, const ImageCaptionDataset& dataset,
                                                        const ModelSource& source);
 
