@@ -43,7 +43,7 @@ int elem_of(precision::Dtype d) { return static_cast<int>(precision::container_b
 int compute_elem_of(precision::Dtype d) { return d == precision::Dtype::bf16 ? 2 : 4; }
 
 // The model a training run of `c` trains, built on the meta device, with the
-// config's precision policy resolved over it as train/trainer.cpp resolves it
+// config's precision policy resolved over it as setup_run (train/run.cpp) resolves it
 // (precision::resolve over the model and its block tables).
 struct ResolvedModel {
   std::shared_ptr<torch::nn::Module> root;  // what the rules' paths are relative to

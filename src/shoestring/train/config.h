@@ -8,7 +8,7 @@
 // output_dir, sample_every_n_steps). Keys are flat; a dotted key such as
 // `model.base_channels` may be written either dotted or inside a `[model]` table.
 //
-// Every key is declared once in a schema (config.cpp) with its type, default,
+// Every key is declared once in a schema (config_schema.cpp) with its type, default,
 // allowed range or choices and a one-line help. Unknown keys, wrong types and
 // out-of-range values are errors that name the file, line, key and what is
 // allowed (and, for unknown keys, the nearest valid key).

@@ -1,0 +1,364 @@
+// The config schema (train/config_schema.h) and what is derived from it:
+// the generated key reference, resume differences, family-ignored keys.
+#include "shoestring/train/config_schema.h"
+
+#include <filesystem>
+
+#include <fmt/format.h>
+
+#include "shoestring/core/error.h"
+#include "shoestring/models/architecture.h"
+
+namespace shoestring {
+namespace config_detail {
+
+const std::vector<Field>& schema() {
+  static const std::vector<Field> fields = {
+      Field{"train_data_dir", &TrainConfig::train_data_dir,
+            "dataset folder: Twemoji package (emoji.json) or kohya layout (image + .txt)"}
+          .with(kResumePath),
+      Field{"resolution", &TrainConfig::resolution, "training resolution in pixels (square)", 8, 1024}.with(
+          kResumeValue),
+      {"caption_dropout_rate", &TrainConfig::caption_dropout_rate,
+       "probability of training on an empty caption (classifier-free guidance)", 0, 1},
+      Field{"max_caption_length", &TrainConfig::max_caption_length, "caption tokens incl. <bos>", 2, 512}.with(
+          kResumeValue),
+      Field{"model.architecture", &TrainConfig::architecture,
+            "model architecture: the emoji example's tiny-unet, or a released one (docs/architectures.md)", -kInf, kInf,
+            models::denoiser_architectures()}
+          .with(kResumeValue),
+      Field{"model.tiny", &TrainConfig::tiny,
+            "released architectures: the same block structure at test width (small channels)"}
+          .with(kResumeValue),
+      Field{"model.base_channels", &TrainConfig::base_channels, "UNet channels at full resolution", 8, 4096}.with(
+          kResumeValue | kEmojiModelOnly),
+      Field{"model.channel_mult", &TrainConfig::channel_mult, "channel multiplier per UNet level", 1, 64}.with(
+          kResumeValue | kEmojiModelOnly),
+      Field{"model.num_res_blocks", &TrainConfig::num_res_blocks, "ResBlocks per UNet level", 1, 16}.with(
+          kResumeValue | kEmojiModelOnly),
+      Field{"model.attention_levels", &TrainConfig::attention_levels,
+            "UNet levels (0 = full resolution) with self- and cross-attention", 0, 16}
+          .with(kResumeValue | kEmojiModelOnly),
+      Field{"model.num_heads", &TrainConfig::num_heads, "attention heads", 1, 128}.with(kResumeValue | kEmojiModelOnly),
+      Field{"model.norm_groups", &TrainConfig::norm_groups, "GroupNorm groups in the UNet", 1, 1024}.with(
+          kEmojiModelOnly),
+      Field{"model.text_dim", &TrainConfig::text_dim, "caption encoder width (UNet context_dim)", 8, 4096}.with(
+          kResumeValue | kEmojiModelOnly),
+      Field{"model.text_layers", &TrainConfig::text_layers, "caption encoder transformer layers", 0, 48}.with(
+          kResumeValue | kEmojiModelOnly),
+      {"model.dropout", &TrainConfig::dropout, "dropout in ResBlocks", 0, 0.99},
+      Field{"timestep_sampling",
+            &TrainConfig::timestep_sampling,
+            "flow-matching time distribution (SD3: logit_normal)",
+            -kInf,
+            kInf,
+            {"logit_normal", "uniform"}}
+          .with(kEmojiModelOnly),
+      {"logit_mean", &TrainConfig::logit_mean, "logit-normal mean", -10, 10},
+      {"logit_std", &TrainConfig::logit_std, "logit-normal standard deviation", 1e-3, 10},
+      Field{"optimizer_type",
+            &TrainConfig::optimizer_type,
+            "optimizer (kohya name)",
+            -kInf,
+            kInf,
+            {"AdamW", "AdamW8bit", "Adafactor", "Lion", "Compass"}}
+          .with(kResumeValue),
+      {"optimizer_args", &TrainConfig::optimizer_args,
+       "optimizer arguments as \"key=value\" strings, e.g. [\"weight_decay=0.01\", \"betas=0.9,0.999\"]"},
+      Field{"optimizer_state_dtype",
+            &TrainConfig::optimizer_state_dtype,
+            "dtype of full-size optimizer state (bf16 is stochastically rounded)",
+            -kInf,
+            kInf,
+            {"fp32", "bf16"}}
+          .with(kResumeValue),
+      {"stochastic_rounding", &TrainConfig::stochastic_rounding,
+       "stochastically round bf16 weight and state updates (false: round-to-nearest, loses small updates)"},
+      {"fused_backward_pass", &TrainConfig::fused_backward_pass,
+       "apply the optimizer to each parameter inside backward and free its gradient at once"},
+      {"fused_clip_method",
+       &TrainConfig::fused_clip_method,
+       "global-norm clipping with fused_backward_pass: previous step's norm (free) or an exact second "
+       "backward (costs one more forward+backward)",
+       -kInf,
+       kInf,
+       {"previous_step_norm", "two_pass"}},
+      {"gradient_accumulation_dtype",
+       &TrainConfig::gradient_accumulation_dtype,
+       "buffer for summing bf16 gradients over micro-batches: fp32, or bf16 with stochastic rounding",
+       -kInf,
+       kInf,
+       {"fp32", "bf16_sr"}},
+      {"learning_rate", &TrainConfig::learning_rate, "peak learning rate", 0, 10},
+      {"lr_scheduler",
+       &TrainConfig::lr_scheduler,
+       "learning-rate schedule after warmup",
+       -kInf,
+       kInf,
+       {"constant", "constant_with_warmup", "cosine"}},
+      {"lr_warmup_steps", &TrainConfig::lr_warmup_steps, "linear warmup length in optimizer steps", 0, 1e12},
+      Field{"train_batch_size", &TrainConfig::train_batch_size, "images per micro-batch", 1, 65536}.with(kResumeValue),
+      {"max_train_steps", &TrainConfig::max_train_steps, "optimizer steps to train", 1, 1e12},
+      {"gradient_accumulation_steps", &TrainConfig::gradient_accumulation_steps, "micro-batches per optimizer step", 1,
+       65536},
+      {"max_grad_norm", &TrainConfig::max_grad_norm, "global gradient-norm clip (0 = off)", 0, 1e9},
+      {"gradient_checkpointing", &TrainConfig::gradient_checkpointing, "recompute UNet block activations in backward"},
+      {"attention_chunk_mib", &TrainConfig::attention_chunk_mib,
+       "largest attention score matrix (MiB, per call) computed at once; larger ones run in query blocks "
+       "(0 = never chunk)",
+       0, 1e9},
+      {"offload_optimizer_state", &TrainConfig::offload_optimizer_state,
+       "keep optimizer state in host memory and stream it per parameter around each update"},
+      {"mixed_precision",
+       &TrainConfig::mixed_precision,
+       "compute dtype with fp32 weights (shorthand for a precision rule; fp16 adds loss scaling)",
+       -kInf,
+       kInf,
+       {"no", "bf16", "fp16"}},
+      {"full_bf16", &TrainConfig::full_bf16, "bf16 weights and gradients; updates applied with stochastic rounding"},
+      {"full_fp16", &TrainConfig::full_fp16,
+       "fp16 weights (stochastically rounded updates) and fp16 compute, with dynamic loss scaling"},
+      {"precision.overflow_threshold", &TrainConfig::overflow_threshold,
+       "fp16 block outputs above this fraction of 65504 (or inf/NaN) count as overflow", 1e-6, 1},
+      {"precision.auto_upcast", &TrainConfig::auto_upcast, "move fp16 blocks that overflow to fp32 compute and go on"},
+      {"precision.loss_scale_init", &TrainConfig::loss_scale_init,
+       "initial dynamic loss scale for fp16 (GradScaler init_scale)", 1, 1e38},
+      {"precision.loss_scale_growth_interval", &TrainConfig::loss_scale_growth_interval,
+       "clean fp16 steps before the loss scale doubles (GradScaler growth_interval)", 1, 1e12},
+      {"save_precision",
+       &TrainConfig::save_precision,
+       "dtype of the final model.safetensors (auto = storage dtype; float = fp32, as kohya)",
+       -kInf,
+       kInf,
+       {"auto", "fp32", "float", "fp16", "bf16"}},
+      {"save_precision_force", &TrainConfig::save_precision_force,
+       "save in save_precision even when values overflow or flush to zero (else an error)"},
+      Field{"ema_decay", &TrainConfig::ema_decay, "EMA decay per optimizer step (0 = no EMA)", 0, 0.999999}.with(
+          kResumeEnabled),
+      {"max_nonfinite_steps", &TrainConfig::max_nonfinite_steps,
+       "consecutive non-finite steps (skipped) before training stops", 1, 1e9},
+      Field{"seed", &TrainConfig::seed, "seed for data order, noise, init and rounding", 0, 9.0e18}.with(kResumeValue),
+      Field{"pretrained_model_name_or_path", &TrainConfig::pretrained_model_name_or_path,
+            "base weights to start from: a shoestring model.safetensors (tiny-unet), or a single-file checkpoint "
+            "(LDM / ComfyUI layout, or a sharded *.safetensors.index.json) for a released architecture; \"\" = random "
+            "init"}
+          .with(kResumePath),
+      Field{"vae", &TrainConfig::vae,
+            "VAE weights for an LDM architecture (a file with the VAE alone or under first_stage_model.); \"\" = the "
+            "pretrained checkpoint's"}
+          .with(kResumePath | kReleasedModelOnly),
+      Field{"tokenizer_dir", &TrainConfig::tokenizer_dir,
+            "folder holding CLIP's vocab.json and merges.txt (e.g. ComfyUI's comfy/sd1_tokenizer); \"\" = a word "
+            "tokenizer built from the captions"}
+          .with(kResumePath | kReleasedModelOnly),
+      Field{"v_parameterization", &TrainConfig::v_parameterization,
+            "LDM UNets: train the v-prediction target (SD 2.x style) instead of epsilon"}
+          .with(kResumeValue | kReleasedModelOnly),
+      Field{"clip_skip", &TrainConfig::clip_skip, "SD 1.x: condition on the N-th last CLIP layer's output", 1, 12}.with(
+          kResumeValue | kReleasedModelOnly),
+      Field{"network_module",
+            &TrainConfig::network_module,
+            "\"networks.lora\": train a LoRA (base weights frozen, output lora.safetensors); \"\": train every weight",
+            -kInf,
+            kInf,
+            {"", "networks.lora"}}
+          .with(kResumeValue),
+      Field{"network_dim", &TrainConfig::network_dim, "LoRA rank", 1, 65536}.with(kResumeValue),
+      Field{"network_alpha", &TrainConfig::network_alpha, "LoRA alpha: the delta is scaled by alpha / rank (0 = rank)",
+            0, 1e6}
+          .with(kResumeValue),
+      Field{"network_args", &TrainConfig::network_args,
+            "LoRA arguments as \"key=value\" strings: conv_dim, conv_alpha (LoRA on 3x3 convs), train_ff "
+            "(feed-forward layers too)"}
+          .with(kResumeValue),
+      Field{"network_train_unet_only", &TrainConfig::network_train_unet_only,
+            "LoRA on the UNet only, none on the text encoder"}
+          .with(kResumeValue),
+      {"network_weights", &TrainConfig::network_weights, "kohya LoRA file to start training from (\"\" = new LoRA)"},
+      {"output_dir", &TrainConfig::output_dir, "run folder"},
+      {"save_every_n_steps", &TrainConfig::save_every_n_steps,
+       "checkpoint cadence in optimizer steps (0 = only at the end)", 0, 1e12},
+      {"sample_every_n_steps", &TrainConfig::sample_every_n_steps,
+       "sample-grid cadence in optimizer steps (0 = only at the end)", 0, 1e12},
+      {"sample_prompts", &TrainConfig::sample_prompts, "prompts of the sample grid (one row each)"},
+      {"sample_seeds", &TrainConfig::sample_seeds, "seeds per prompt (grid columns)", 1, 64},
+      {"sample_steps", &TrainConfig::sample_steps, "sampler steps (Euler for tiny-unet, DDIM for the LDM UNets)", 1,
+       1000},
+      {"sample_cfg", &TrainConfig::sample_cfg, "classifier-free guidance scale", 0, 100},
+      {"log_every_n_steps", &TrainConfig::log_every_n_steps, "progress line cadence (no TTY)", 1, 1e9},
+      {"num_threads", &TrainConfig::num_threads, "intra-op threads (0 = every CPU this process may use)", 0, 1024},
+  };
+  return fields;
+}
+
+const Field* find_field(const std::string& key) {
+  for (const auto& f : schema()) {
+    if (key == f.key) return &f;
+  }
+  // A dotted key may also be given without its section ("base_channels").
+  for (const auto& f : schema()) {
+    std::string k = f.key;
+    auto dot = k.rfind('.');
+    if (dot != std::string::npos && k.substr(dot + 1) == key) return &f;
+  }
+  return nullptr;
+}
+
+std::string nearest_key(const std::string& key) {
+  std::string best;
+  size_t best_d = std::numeric_limits<size_t>::max();
+  for (const auto& f : schema()) {
+    std::string k = f.key;
+    size_t d = edit_distance(key, k);
+    auto dot = k.rfind('.');
+    if (dot != std::string::npos) d = std::min(d, edit_distance(key, k.substr(dot + 1)));
+    if (d < best_d) {
+      best_d = d;
+      best = k;
+    }
+  }
+  return best;
+}
+
+std::string expected_text(const Field& f) {
+  auto range = [&](const char* what) {
+    if (std::isinf(f.min) && std::isinf(f.max)) return std::string(what);
+    return fmt::format("{} in [{}, {}]", what, f.min, f.max);
+  };
+  return std::visit(
+      [&](auto m) -> std::string {
+        using T = std::decay_t<decltype(std::declval<TrainConfig>().*m)>;
+        if constexpr (std::is_same_v<T, bool>) return "true or false";
+        if constexpr (std::is_same_v<T, int64_t>) return range("an integer");
+        if constexpr (std::is_same_v<T, double>) return range("a number");
+        if constexpr (std::is_same_v<T, std::string>) {
+          if (f.choices.empty()) return "a string";
+          return fmt::format("one of \"{}\"", fmt::join(f.choices, "\", \""));
+        }
+        if constexpr (std::is_same_v<T, std::vector<int64_t>>) return range("an array of integers");
+        if constexpr (std::is_same_v<T, std::vector<std::string>>) return "an array of strings";
+      },
+      f.member);
+}
+
+[[noreturn]] void bad_value(const std::string& at, const Field& f, const toml::node& node) {
+  fail("{}: invalid value {} for '{}': expected {}", at, describe(node), f.key, expected_text(f));
+}
+
+}  // namespace config_detail
+
+using namespace config_detail;
+
+std::string config_reference_markdown() {
+  const TrainConfig defaults;
+  std::string out =
+      "# Config keys\n\n"
+      "A run is described by one TOML file. Keys follow kohya sd-scripts' names where the concept is the\n"
+      "same. Keys shown as `section.key` may be written inside a `[section]` table or dotted; the part\n"
+      "after the dot alone is accepted too. `--set key=value` overrides any key from the command line.\n"
+      "Paths may use `${SHOESTRING_CACHE}` (default `~/.cache/shoestring`) and `~`.\n\n"
+      "This page is generated from the schema in `src/shoestring/train/config_schema.cpp`\n"
+      "(`config_reference_markdown()`); a test checks it is current.\n\n"
+      "| key | default | allowed | meaning |\n|---|---|---|---|\n";
+  for (const auto& f : schema()) {
+    std::string def = std::visit(
+        [&](auto m) -> std::string {
+          using T = std::decay_t<decltype(defaults.*m)>;
+          const T& v = defaults.*m;
+          if constexpr (std::is_same_v<T, bool>) return v ? "true" : "false";
+          if constexpr (std::is_same_v<T, std::string>) return "\"" + v + "\"";
+          if constexpr (std::is_same_v<T, std::vector<int64_t>>) return fmt::format("[{}]", fmt::join(v, ", "));
+          if constexpr (std::is_same_v<T, std::vector<std::string>>) {
+            std::vector<std::string> q;
+            for (const auto& s : v) q.push_back("\"" + s + "\"");
+            return fmt::format("[{}]", fmt::join(q, ", "));
+          }
+          if constexpr (std::is_same_v<T, int64_t> || std::is_same_v<T, double>) return fmt::format("{}", v);
+        },
+        f.member);
+    out += fmt::format("| `{}` | `{}` | {} | {} |\n", f.key, def, expected_text(f), f.help);
+  }
+  out +=
+      "\n## Precision rules\n\n"
+      "`[[precision.rule]]` entries (any number, later ones win key by key) set per-module precision; see\n"
+      "[precision.md](precision.md). Keys of one rule:\n\n"
+      "| key | allowed | meaning |\n|---|---|---|\n"
+      "| `match` | a glob (`*` any run, `?` one character), required | module or parameter paths it applies to |\n"
+      "| `storage` | `fp32`, `bf16`, `fp16`, `fp8_e4m3`, `fp8_e5m2` | dtype the weights are kept in (fp8: frozen "
+      "only) |\n"
+      "| `compute` | `fp32`, `bf16`, `fp16` | dtype the blocks compute in (fp16 is emulated on CPUs) |\n"
+      "| `trainable` | true or false | false freezes the weights |\n"
+      "| `checkpoint` | true or false | recompute the block's activations in backward |\n"
+      "| `master` | `none`, `fp32` | keep an fp32 master copy of low-precision trainable weights |\n\n"
+      "`mixed_precision`, `full_bf16`, `full_fp16` and `gradient_checkpointing` are shorthands that expand to\n"
+      "rules placed before these.\n";
+  return out;
+}
+
+namespace {
+
+/// The value of `f` in `c` as the resume message shows it: numbers and
+/// booleans as fmt prints them, lists as "[a, b]".
+std::string render_value(const TrainConfig& c, const Field& f) {
+  return std::visit(
+      [&](auto m) -> std::string {
+        using T = std::decay_t<decltype(c.*m)>;
+        if constexpr (std::is_same_v<T, std::vector<int64_t>> || std::is_same_v<T, std::vector<std::string>>) {
+          return fmt::format("[{}]", fmt::join(c.*m, ", "));
+        } else {
+          return fmt::format("{}", c.*m);
+        }
+      },
+      f.member);
+}
+
+std::string canonical_path(const std::string& p) {
+  if (p.empty()) return p;
+  std::error_code ec;
+  auto canonical = std::filesystem::weakly_canonical(expand_path(p), ec);
+  return ec ? p : canonical.string();
+}
+
+}  // namespace
+
+std::vector<std::string> resume_differences(const TrainConfig& was, const TrainConfig& now) {
+  std::vector<std::string> diffs;
+  for (const auto& f : schema()) {
+    std::string key = f.key, a, b;
+    if (f.flags & kResumeValue) {
+      a = render_value(was, f);
+      b = render_value(now, f);
+    } else if (f.flags & kResumePath) {
+      const auto member = std::get<std::string TrainConfig::*>(f.member);
+      a = canonical_path(was.*member);
+      b = canonical_path(now.*member);
+    } else if (f.flags & kResumeEnabled) {
+      const auto member = std::get<double TrainConfig::*>(f.member);
+      key += " > 0";
+      a = fmt::format("{}", was.*member > 0);
+      b = fmt::format("{}", now.*member > 0);
+    } else {
+      continue;
+    }
+    if (a != b) diffs.push_back(fmt::format("{} (run: \"{}\", now: \"{}\")", key, a, b));
+  }
+  return diffs;
+}
+
+std::vector<std::string> ignored_keys(const TrainConfig& config, bool emoji_model) {
+  const TrainConfig defaults;
+  const unsigned not_read = emoji_model ? kReleasedModelOnly : kEmojiModelOnly;
+  std::vector<std::string> keys;
+  for (const auto& f : schema()) {
+    if ((f.flags & not_read) && render_value(config, f) != render_value(defaults, f)) keys.push_back(f.key);
+  }
+  return keys;
+}
+
+std::vector<std::string> config_keys() {
+  std::vector<std::string> keys;
+  for (const auto& f : schema()) keys.push_back(f.key);
+  return keys;
+}
+
+}  // namespace shoestring
