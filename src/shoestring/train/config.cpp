@@ -37,6 +37,10 @@ std::string describe(const toml::node& node) {
   return ss.str();
 }
 
+[[noreturn]] void bad_value(const std::string& at, const Field& f, const toml::node& node) {
+  fail("{}: invalid value {} for '{}': expected {}", at, describe(node), f.key, expected_text(f));
+}
+
 void check_range(const std::string& at, const Field& f, const toml::node& node, double v) {
   if (v < f.min || v > f.max) bad_value(at, f, node);
 }
