@@ -241,10 +241,6 @@ std::string expected_text(const Field& f) {
       f.member);
 }
 
-[[noreturn]] void bad_value(const std::string& at, const Field& f, const toml::node& node) {
-  fail("{}: invalid value {} for '{}': expected {}", at, describe(node), f.key, expected_text(f));
-}
-
 }  // namespace config_detail
 
 using namespace config_detail;
