@@ -139,13 +139,11 @@ class AccumulatorPath final : public StepAfterBackwardPath {
 /// fp32 masters and/or fp16 loss scaling: gradients unscaled into fp32.
 class MasterWeightsPath final : public StepAfterBackwardPath {
  public:
-  MasterWeightsPath(const NamedTensors& trainable, std::unique_ptr<precision::MasterWeights> masters,
-                    const GradientPathOptions& o, std::unique_ptr<Optimizer> opt)
+  MasterWeightsPath(std::unique_ptr<precision::MasterWeights> masters, const GradientPathOptions& o,
+                    std::unique_ptr<Optimizer> opt)
       : StepAfterBackwardPath(o.accumulation_steps, o.max_grad_norm, std::move(opt)),
         masters_(std::move(masters)),
-        scaler_(o.loss_scaling) {
-    for (const auto& [n, p] : trainable) params_.push_back(p);
-  }
+        scaler_(o.loss_scaling) {}
   std::string name() const override { return "master weights"; }
 
   const precision::LossScaler* loss_scaler() const override { return scaler_.enabled() ? &scaler_ : nullptr; }
@@ -176,15 +174,13 @@ class MasterWeightsPath final : public StepAfterBackwardPath {
   }
   void after_update() override { masters_->write_back(); }
   void release(bool skipped) override {
-    for (auto& p : params_) p.mutable_grad().reset();
-    masters_->zero_grads();
+    masters_->zero_grads();  // the model's gradients and the masters
     scaler_.update(/*found_inf=*/skipped);
   }
 
  private:
   std::unique_ptr<precision::MasterWeights> masters_;
   precision::LossScaler scaler_;
-  std::vector<at::Tensor> params_;
 };
 
 /// The optimizer steps inside backward (optim/fused_backward.h).
@@ -252,7 +248,7 @@ std::unique_ptr<GradientPath> make_gradient_path(const NamedTensors& trainable, 
       fail("fused_backward_pass cannot be combined with fp16 loss scaling or fp32 master weights");
     }
     auto optimizer = make_optimizer(masters->optimizer_params());
-    return std::make_unique<MasterWeightsPath>(trainable, std::move(masters), options, std::move(optimizer));
+    return std::make_unique<MasterWeightsPath>(std::move(masters), options, std::move(optimizer));
   }
   masters.reset();
   auto optimizer = make_optimizer(trainable);
