@@ -1,5 +1,8 @@
 #include "shoestring/io/atomic_file.h"
 
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <filesystem>
 #include <stdexcept>
 
@@ -122,6 +125,54 @@ TEST(AtomicFile, EnsureWritableDirUnwritableProcThrows) {
     EXPECT_THAT(e.what(), HasSubstr("'/proc'"));
     EXPECT_THAT(e.what(), HasSubstr("not writable"));
   }
+}
+
+/// The pid of a process that has exited and been reaped: no process has it
+/// now (until the kernel reuses it, which takes a full wrap of pid_max).
+pid_t dead_pid() {
+  const pid_t child = ::fork();
+  if (child == 0) ::_exit(0);
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  return child;
+}
+
+TEST(AtomicFile, RemovesTemporariesOfDeadProcessesOnly) {
+  TempDir dir;
+  const pid_t dead = dead_pid();
+  fs::create_directories(dir.file("checkpoints/step-000002"));
+  const std::string stale1 =
+      dir.write(fmt::format("checkpoints/step-000002/model.safetensors.tmp.{}.3", dead), "12345");
+  const std::string stale2 = dir.write(fmt::format("config.toml.tmp.{}.0", dead), "abc");
+  const std::string probe = dir.write(fmt::format(".write_probe.{}", dead), "");
+  const std::string live = dir.write(fmt::format("metrics.jsonl.tmp.{}.7", ::getpid()), "live");  // this process
+  const std::string other = dir.write(fmt::format("notes.tmp.{}", dead), "not ours: no counter");
+  const std::string kept = dir.write("model.safetensors", "final");
+
+  const StaleTemporaries removed = remove_stale_temporaries(dir.path().string());
+  std::vector<std::string> expected{stale1, stale2, probe};
+  std::sort(expected.begin(), expected.end());
+  EXPECT_EQ(removed.paths, expected);
+  EXPECT_EQ(removed.bytes, 8u);
+  for (const auto& p : expected) EXPECT_FALSE(fs::exists(p)) << p;
+  for (const auto& p : {live, other, kept}) EXPECT_TRUE(fs::exists(p)) << p;
+  EXPECT_TRUE(remove_stale_temporaries(dir.file("missing")).paths.empty());
+}
+
+TEST(AtomicFile, TemporaryNamesMatchWhatWriteFileAtomicCreates) {
+  // The name remove_stale_temporaries looks for is the one write_file_atomic
+  // uses: capture it from inside a writer, then pretend its process died by
+  // renaming it to a dead pid.
+  TempDir dir;
+  std::string temp_name;
+  write_file_atomic(dir.file("out.bin"), [&](std::FILE*) {
+    for (const auto& e : fs::directory_iterator(dir.path())) temp_name = e.path().filename().string();
+  });
+  const std::string own = fmt::format(".tmp.{}.", ::getpid());
+  ASSERT_NE(temp_name.find("out.bin" + own), std::string::npos) << temp_name;
+  const std::string stale =
+      dir.write(temp_name.replace(temp_name.find(own), own.size(), fmt::format(".tmp.{}.", dead_pid())), "x");
+  EXPECT_EQ(remove_stale_temporaries(dir.path().string()).paths, std::vector<std::string>{stale});
 }
 
 }  // namespace

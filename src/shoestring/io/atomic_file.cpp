@@ -1,14 +1,18 @@
 #include "shoestring/io/atomic_file.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <sstream>
 
 #include "shoestring/core/error.h"
@@ -17,7 +21,45 @@ namespace shoestring {
 namespace fs = std::filesystem;
 
 namespace {
-std::atomic<uint64_t> g_counter{0};
+std::atomic<uint64_t> g_counter{0};  // names temporaries
+std::atomic<uint64_t> g_writes{0};   // counts writes for the crash hook
+
+/// The SHOESTRING_TEST_CRASH_AT_WRITE hook: the 1-based index of the write
+/// that ends the process (0: never).
+uint64_t crash_at_write() {
+  static const uint64_t n = [] {
+    const char* v = std::getenv("SHOESTRING_TEST_CRASH_AT_WRITE");
+    return v ? std::strtoull(v, nullptr, 10) : 0;
+  }();
+  return n;
+}
+
+bool all_digits(const std::string& s) {
+  return !s.empty() && s.size() <= 18 && std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
+
+/// The pid of a temporary's writer when `name` is "<target>.tmp.<pid>.<n>"
+/// (write_file_atomic) or ".write_probe.<pid>" (ensure_writable_dir); -1
+/// otherwise.
+long long temporary_writer(const std::string& name) {
+  const std::string probe = ".write_probe.";
+  if (name.rfind(probe, 0) == 0) {
+    const std::string pid = name.substr(probe.size());
+    return all_digits(pid) ? std::stoll(pid) : -1;
+  }
+  const size_t last_dot = name.rfind('.');
+  if (last_dot == std::string::npos || last_dot == 0 || !all_digits(name.substr(last_dot + 1))) return -1;
+  const size_t pid_dot = name.rfind('.', last_dot - 1);
+  if (pid_dot == std::string::npos) return -1;
+  const std::string pid = name.substr(pid_dot + 1, last_dot - pid_dot - 1);
+  if (!all_digits(pid) || pid_dot < 4 || name.compare(pid_dot - 4, 4, ".tmp") != 0) return -1;
+  return std::stoll(pid);
+}
+
+bool process_is_dead(long long pid) {
+  if (pid <= 0 || pid > std::numeric_limits<pid_t>::max()) return true;  // no process can have it
+  return ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH;
+}
 
 void fsync_dir(const fs::path& dir) {
   int fd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY);
@@ -35,6 +77,7 @@ void write_file_atomic(const std::string& path, const std::function<void(std::FI
   if (!f) {
     fail("cannot create '{}' (writing '{}'): {}", tmp, path, std::strerror(errno));
   }
+  const uint64_t index = ++g_writes;
   try {
     writer(f);
     if (std::fflush(f) != 0 || std::ferror(f)) {
@@ -42,6 +85,11 @@ void write_file_atomic(const std::string& path, const std::function<void(std::FI
     }
     if (::fsync(::fileno(f)) != 0) {
       fail("cannot fsync '{}': {}", path, std::strerror(errno));
+    }
+    if (index == crash_at_write()) {
+      std::fprintf(stderr, "SHOESTRING_TEST_CRASH_AT_WRITE=%llu: exiting before renaming '%s' to '%s'\n",
+                   static_cast<unsigned long long>(index), tmp.c_str(), path.c_str());
+      ::_exit(kCrashExitCode);  // as a kill would: no cleanup, the temporary stays
     }
   } catch (...) {
     std::fclose(f);
@@ -78,6 +126,28 @@ void ensure_writable_dir(const std::string& dir) {
   if (!f) fail("output directory '{}' is not writable: {}", dir, std::strerror(errno));
   std::fclose(f);
   std::remove(probe.c_str());
+}
+
+StaleTemporaries remove_stale_temporaries(const std::string& dir) {
+  StaleTemporaries removed;
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) return removed;
+  for (auto it = fs::recursive_directory_iterator(dir, fs::directory_options::skip_permission_denied, ec);
+       !ec && it != fs::recursive_directory_iterator(); it.increment(ec)) {
+    if (!it->is_regular_file(ec) || it->is_symlink(ec)) continue;
+    const long long pid = temporary_writer(it->path().filename().string());
+    if (pid < 0 || !process_is_dead(pid)) continue;
+    const uint64_t size = it->file_size(ec);
+    if (!fs::remove(it->path(), ec) || ec) {
+      fail("cannot remove the stale temporary file '{}': {}", it->path().string(),
+           ec ? ec.message() : std::string("it vanished"));
+    }
+    removed.paths.push_back(it->path().string());
+    removed.bytes += size;
+  }
+  if (ec) fail("cannot list '{}' for stale temporary files: {}", dir, ec.message());
+  std::sort(removed.paths.begin(), removed.paths.end());
+  return removed;
 }
 
 std::string read_file(const std::string& path) {
