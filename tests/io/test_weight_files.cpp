@@ -1,3 +1,6 @@
+#include <cmath>
+#include <limits>
+
 #include <gtest/gtest.h>
 
 #include <torch/torch.h>
@@ -146,4 +149,51 @@ TEST(WeightFiles, SaveCastsOneTensorAtATime) {
   EXPECT_EQ(out.find("w")->dtype, shoestring::StDtype::BF16);
   EXPECT_TRUE(torch::equal(out.get("w"), w.to(torch::kBFloat16)));  // round-to-nearest-even, as Tensor::to
   EXPECT_TRUE(torch::equal(out.get("i"), torch::arange(3)));
+}
+
+// A base model with NaN / inf weights is refused at load, naming the file,
+// the tensor and how many values are bad (reference: counted here with
+// torch::isfinite on the tensor written).
+TEST(WeightFiles, NonFiniteParametersAreRefusedNamingFileAndTensor) {
+  TempDir dir;
+  torch::Tensor a = torch::arange(6, torch::kFloat32).view({2, 3});
+  a[1][0] = std::numeric_limits<float>::quiet_NaN();
+  a[1][2] = std::numeric_limits<float>::infinity();
+  const std::string path = dir.file("bad.safetensors");
+  shoestring::save_safetensors(
+      path, {{"a.weight", a, {}}, {"b.weight", torch::ones({4}), {}}, {"stats", torch::full({2}, -INFINITY), {}}});
+  TwoLayers m;
+  const int64_t bad = a.isfinite().logical_not().sum().item<int64_t>();
+  const std::string e = error_of([&] { shoestring::load_weights(m, WeightFiles::open(path)); });
+  EXPECT_NE(e.find(path), std::string::npos) << e;
+  EXPECT_NE(e.find("\"a.weight\""), std::string::npos) << e;
+  EXPECT_NE(e.find(fmt::format("holds {} non-finite", bad)), std::string::npos) << e;
+  EXPECT_NE(e.find("flat index 3"), std::string::npos) << e;
+
+  // The buffer's -inf (a mask, say) is not a weight; with require_finite off
+  // everything loads as it is.
+  a[1][0] = 0;
+  a[1][2] = 0;
+  shoestring::save_safetensors(
+      path, {{"a.weight", a, {}}, {"b.weight", torch::ones({4}), {}}, {"stats", torch::full({2}, -INFINITY), {}}});
+  EXPECT_EQ(error_of([&] { shoestring::load_weights(m, WeightFiles::open(path)); }), "");
+  EXPECT_TRUE(torch::equal(m.s, torch::full({2}, -INFINITY)));
+}
+
+// Finite fp32 values that overflow the parameter's dtype are refused too
+// (bf16 keeps fp32's range: 1e39 cannot be written in fp32, so use an fp16
+// parameter, whose largest finite value is 65504).
+TEST(WeightFiles, ValuesOverflowingTheParameterDtypeAreRefused) {
+  TempDir dir;
+  struct Half : torch::nn::Module {
+    Half() { w = register_parameter("w", torch::zeros({3}, torch::kHalf)); }
+    torch::Tensor w;
+  } m;
+  const std::string path = dir.file("big.safetensors");
+  shoestring::save_safetensors(path, {{"w", torch::tensor({1.0f, 7e4f, -1e5f}), {}}});
+  const std::string e = error_of([&] { shoestring::load_weights(m, WeightFiles::open(path)); });
+  EXPECT_NE(e.find("\"w\" overflows Half: 2 of its 3 values"), std::string::npos) << e;
+  shoestring::LoadWeightsOptions off;
+  off.require_finite = false;
+  EXPECT_EQ(error_of([&] { shoestring::load_weights(m, WeightFiles::open(path), off); }), "");
 }

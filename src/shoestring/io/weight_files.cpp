@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <set>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -145,11 +146,39 @@ KeyDiff diff_keys(const std::map<std::string, std::vector<int64_t>>& expected,
   return d;
 }
 
+namespace {
+
+/// Throws naming `file` and `key` when `t` holds NaN or inf; `converted_to`
+/// names the dtype the values overflowed in ("": the file's own values).
+void require_finite(const at::Tensor& t, const std::string& file, const std::string& key,
+                    const std::string& converted_to) {
+  if (t.numel() == 0 || t.isfinite().all().item<bool>()) return;
+  const at::Tensor bad = t.isfinite().logical_not();
+  const int64_t n = bad.sum().item<int64_t>();
+  const int64_t first = bad.reshape({-1}).nonzero()[0][0].item<int64_t>();
+  if (converted_to.empty()) {
+    fail(
+        "{}: tensor \"{}\" holds {} non-finite value(s) (NaN or inf) of {}, the first at flat index {}; the "
+        "weights are corrupt (re-download or re-convert the file)",
+        file, key, n, t.numel(), first);
+  }
+  fail(
+      "{}: tensor \"{}\" overflows {}: {} of its {} values become inf when converted (the first at flat index "
+      "{}); keep this module in a wider dtype (a precision rule with storage = \"fp32\" or \"bf16\")",
+      file, key, converted_to, n, t.numel(), first);
+}
+
+}  // namespace
+
 LoadWeightsReport load_weights(torch::nn::Module& module, const WeightFiles& files, const LoadWeightsOptions& options) {
   torch::NoGradGuard no_grad;
   std::map<std::string, at::Tensor> targets;
   std::map<std::string, std::vector<int64_t>> expected, found;
-  for (const auto& item : module.named_parameters(/*recurse=*/true)) targets[item.key()] = item.value();
+  std::set<std::string> parameters;
+  for (const auto& item : module.named_parameters(/*recurse=*/true)) {
+    targets[item.key()] = item.value();
+    parameters.insert(item.key());
+  }
   for (const auto& item : module.named_buffers(/*recurse=*/true)) targets[item.key()] = item.value();
   for (const auto& [name, t] : targets) {
     if (t.is_meta()) fail("{}: cannot load into \"{}\": the model was built on the meta device", files.path(), name);
@@ -175,7 +204,13 @@ LoadWeightsReport load_weights(torch::nn::Module& module, const WeightFiles& fil
         to_scalar_type(info->dtype) == at::kByte && target.scalar_type() != at::kByte)
       fail("{}: tensor \"{}\" is {} and this libtorch has no float8 type to convert it to {}", files.path(), it->second,
            to_string(info->dtype), c10::toString(target.scalar_type()));
-    target.copy_(files.get(it->second));
+    const at::Tensor source = files.get(it->second);
+    const bool check = options.require_finite && parameters.count(name) && source.is_floating_point();
+    if (check) require_finite(source, files.path(), it->second, "");
+    target.copy_(source);
+    if (check && target.scalar_type() != source.scalar_type()) {
+      require_finite(target, files.path(), it->second, c10::toString(target.scalar_type()));
+    }
     ++report.loaded;
     report.loaded_bytes += target.numel() * target.element_size();
   }

@@ -81,6 +81,9 @@ struct LoadWeightsOptions {
   /// Load what matches and report the rest instead of failing (missing
   /// parameters keep their current values). Shape mismatches always fail.
   bool allow_partial = false;
+  /// Refuse parameters holding NaN / inf, in the file or after conversion to
+  /// the parameter's dtype (buffers are not checked: some hold -inf masks).
+  bool require_finite = true;
 };
 
 /// What load_weights() did.
@@ -95,9 +98,11 @@ struct LoadWeightsReport {
 /// meta), one tensor at a time, so peak extra memory is one tensor.
 /// F8 tensors stored as raw bytes (libtorch < 2.1) cannot be converted and
 /// are an error naming the tensor.
+/// Parameters are checked for NaN / inf (see require_finite) in the same pass.
 /// Throws shoestring::Error naming `files.path()` and listing missing,
 /// unexpected and mis-shaped keys (unless allow_partial: then only shape
-/// mismatches fail, and the report lists the rest).
+/// mismatches fail, and the report lists the rest), or naming a tensor
+/// holding NaN / inf and how many.
 LoadWeightsReport load_weights(torch::nn::Module& module, const WeightFiles& files,
                                const LoadWeightsOptions& options = {});
 
