@@ -14,9 +14,11 @@ struct CliResult {
   std::string output;  ///< stdout + stderr
 };
 
-/// Runs `shoestring ARGS` through the shell (ARGS is pasted as is).
-inline CliResult run_cli(const std::string& args) {
-  const std::string cmd = std::string(SHOESTRING_BINARY) + " " + args + " 2>&1";
+/// Runs `shoestring ARGS` through the shell (ARGS is pasted as is), with
+/// `env` ("NAME=value ...", pasted before the command) added to its
+/// environment.
+inline CliResult run_cli(const std::string& args, const std::string& env = "") {
+  const std::string cmd = env + (env.empty() ? "" : " ") + std::string(SHOESTRING_BINARY) + " " + args + " 2>&1";
   std::FILE* pipe = ::popen(cmd.c_str(), "r");
   CliResult r{-1, ""};
   if (!pipe) return r;

@@ -198,6 +198,30 @@ TEST(LdmTraining, FineTuneAndLoraStartFromTheSavedFile) {
        whole = load_safetensors(ls.run_dir + "/lora.safetensors");
   ASSERT_EQ(resumed.size(), whole.size());
   for (const auto& [k, v] : whole) EXPECT_TRUE(torch::equal(v, resumed.at(k))) << k;
+
+  // network_weights that do not fit the network (a lora_up missing) are
+  // refused before any slow work: before the text encoders are built, which
+  // here would fail on clip_skip = 3 (the tiny encoder has 2 layers).
+  std::vector<NamedTensor> kept;
+  const std::string dropped = "lora_unet_input_blocks_1_1_transformer_blocks_0_attn1_to_q.lora_up.weight";
+  for (const auto& [k, v] : whole) {
+    if (k != dropped) kept.push_back({k, v, std::nullopt});
+  }
+  const std::string broken = temp_dir("broken_lora") + ".safetensors";
+  save_safetensors(broken, kept);
+  TrainConfig bad = lora;
+  bad.output_dir = temp_dir("lora_bad");
+  bad.network_weights = broken;
+  bad.clip_skip = 3;
+  try {
+    train(bad, quiet());
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find(broken + ": LoRA keys do not match the network; 1 missing: " + dropped), std::string::npos) << m;
+  }
+  EXPECT_FALSE(fs::exists(bad.output_dir));  // nothing left to block a retry
+  fs::remove(broken);
 }
 
 TEST(LdmTraining, ResumeEqualsTheUninterruptedRun) {
@@ -276,6 +300,24 @@ TEST(LdmTraining, BadSetupsNameWhatIsWrong) {
   const std::string unet_only = fs::path(ssd).parent_path().string() + "/checkpoints/step-000001/model.safetensors";
   c = ldm_config("ssd1b", temp_dir("e6"), "pretrained_model_name_or_path = \"" + unet_only + "\"\n");
   EXPECT_NE(message(c).find("holds no text encoder"), std::string::npos) << message(c);
+  // A base file holding NaN is refused at load, naming the file and tensor,
+  // and leaves no run folder behind to block a retry.
+  {
+    std::vector<NamedTensor> tensors;
+    const std::string poisoned_key = "model.diffusion_model.out.2.weight";
+    for (auto& [k, v] : load_safetensors(ssd)) {
+      at::Tensor t = v.clone();
+      if (k == poisoned_key) t.view({-1})[5] = NAN;
+      tensors.push_back({k, t, std::nullopt});
+    }
+    const std::string nan_base = temp_dir("nan_base") + ".safetensors";
+    save_safetensors(nan_base, tensors);
+    c = ldm_config("ssd1b", temp_dir("e8"), "pretrained_model_name_or_path = \"" + nan_base + "\"\n");
+    const std::string e = message(c);
+    EXPECT_NE(e.find(nan_base + ": tensor \"" + poisoned_key + "\" holds 1 non-finite value"), std::string::npos) << e;
+    EXPECT_FALSE(fs::exists(c.output_dir));
+    fs::remove(nan_base);
+  }
   // A tiny file with model.tiny = false says so.
   c = ldm_config("ssd1b", temp_dir("e7"), "pretrained_model_name_or_path = \"" + ssd + "\"\n");
   c.tiny = false;

@@ -138,6 +138,24 @@ INSTANTIATE_TEST_SUITE_P(Precision, ResumeTest,
                                            Variant{"bf16_compass", true, "Compass", false, "fp32"}),
                          [](const auto& info) { return std::string(info.param.name); });
 
+// A run killed before its first checkpoint is resumed by starting it over
+// from its own config.toml: the same losses as the first attempt.
+TEST(Trainer, ResumeWithoutCheckpointStartsOver) {
+  TrainConfig c = shoestring::testing::tiny_emoji_config(temp_dir("no_checkpoint"));
+  c.max_train_steps = 3;
+  const std::string dir = train(c, quiet()).run_dir;
+  const std::vector<double> first = losses_of(dir + "/metrics.jsonl");
+  std::filesystem::remove_all(dir + "/checkpoints");  // as if killed before saving any
+  std::filesystem::remove(dir + "/model.safetensors");
+  TrainRunOptions o = quiet();
+  o.resume_dir = dir;
+  const TrainSummary again = train(load_config(dir + "/config.toml"), o);
+  EXPECT_EQ(again.first_step, 1);
+  EXPECT_EQ(losses_of(dir + "/metrics.jsonl"), first);
+  EXPECT_TRUE(std::filesystem::exists(dir + "/model.safetensors"));
+  std::filesystem::remove_all(dir);
+}
+
 TEST(Trainer, RefusesToOverwriteAndReportsMissingDataset) {
   auto cfg = tiny_config(temp_dir("missing"));
   cfg.train_data_dir = "/nonexistent/emoji";

@@ -466,8 +466,8 @@ void LoraNetworkImpl::save(const std::string& path, const std::map<std::string, 
   save_safetensors(path, tensors, metadata);
 }
 
-LoraLoadReport LoraNetworkImpl::load(const std::string& path, bool partial) {
-  auto file = SafetensorsFile::open(path);
+LoraLoadReport LoraNetworkImpl::check_file(const SafetensorsFile& file, bool partial) const {
+  const std::string& path = file.path();
   LoraLoadReport report;
   std::set<std::string> expected;
   for (const auto& m : modules_) {
@@ -490,26 +490,44 @@ LoraLoadReport LoraNetworkImpl::load(const std::string& path, bool partial) {
     }
     fail("{}", msg);
   }
+  for (const auto& m : modules_) {
+    const std::string& name = m->layer().kohya_name;
+    for (const auto* target : {&m->down(), &m->up()}) {
+      const std::string key = name + "." + (target == &m->down() ? kDown : kUp);
+      const TensorInfo* info = file.find(key);
+      if (!info) continue;
+      if (info->shape != target->sizes().vec()) {
+        fail("{}: '{}' has shape {}, the network expects {}", path, key, format_shape(info->shape),
+             format_shape(target->sizes()));
+      }
+      if (!at::isFloatingType(to_scalar_type(info->dtype))) fail("{}: '{}' is not a floating-point tensor", path, key);
+    }
+    const std::string key = name + "." + kAlpha;
+    if (const TensorInfo* info = file.find(key)) {
+      int64_t numel = 1;
+      for (int64_t d : info->shape) numel *= d;
+      if (numel != 1) fail("{}: '{}' must hold one value, has shape {}", path, key, format_shape(info->shape));
+    }
+  }
+  return report;
+}
+
+LoraLoadReport LoraNetworkImpl::check_file(const std::string& path, bool partial) const {
+  return check_file(SafetensorsFile::open(path), partial);
+}
+
+LoraLoadReport LoraNetworkImpl::load(const std::string& path, bool partial) {
+  auto file = SafetensorsFile::open(path);
+  const LoraLoadReport report = check_file(file, partial);
   torch::NoGradGuard no_grad;
   for (const auto& m : modules_) {
     const std::string& name = m->layer().kohya_name;
     for (auto* target : {&m->down(), &m->up()}) {
       const std::string key = name + "." + (target == &m->down() ? kDown : kUp);
-      if (!file.find(key)) continue;
-      torch::Tensor t = file.get(key);
-      if (t.sizes() != target->sizes()) {
-        fail("{}: '{}' has shape {}, the network expects {}", path, key, format_shape(t.sizes()),
-             format_shape(target->sizes()));
-      }
-      if (!t.is_floating_point()) fail("{}: '{}' is not a floating-point tensor", path, key);
-      target->copy_(t);
+      if (file.find(key)) target->copy_(file.get(key));
     }
     const std::string key = name + "." + kAlpha;
-    if (file.find(key)) {
-      torch::Tensor a = file.get(key);
-      if (a.numel() != 1) fail("{}: '{}' must hold one value, has shape {}", path, key, format_shape(a.sizes()));
-      m->set_alpha(a.to(torch::kFloat64).item<double>());
-    }
+    if (file.find(key)) m->set_alpha(file.get(key).to(torch::kFloat64).item<double>());
   }
   return report;
 }

@@ -39,6 +39,10 @@
 
 #include "shoestring/nn/layers.h"
 
+namespace shoestring {
+class SafetensorsFile;
+}
+
 namespace shoestring::nn {
 
 /// A part of the module tree with its own kohya prefix: the modules whose
@@ -263,6 +267,13 @@ class LoraNetworkImpl : public torch::nn::Module {
   /// each, and the counts) if the key sets differ; with `partial`, loads the
   /// common keys and returns the differences. Shape mismatches always throw.
   LoraLoadReport load(const std::string& path, bool partial = false);
+
+  /// The checks of load() without loading: the file's keys (from its header
+  /// only) against this network's, and the shapes and dtypes of lora_down /
+  /// lora_up and alpha. Works on a network built over a meta-device model,
+  /// so a run checks network_weights before any slow work. Throws as load().
+  LoraLoadReport check_file(const std::string& path, bool partial = false) const;
+  LoraLoadReport check_file(const SafetensorsFile& file, bool partial = false) const;
 
   /// Adds each adapter's delta_weight() into its layer's weight (computed in
   /// fp32, rounded once to the weight's dtype) and detaches every adapter:

@@ -85,6 +85,12 @@ class LdmTrainingModel final : public TrainingModel {
     sdxl_ = unet_options_.adm_in_channels() > 0;
     check_resolution();
     if (base_) unet_prefix_ = detect_unet_prefix();
+    if (source.check_module) {
+      // The run's checks of the module tree (network_weights against the
+      // LoRA network), on a meta-device UNet: nothing allocated.
+      auto meta_root = build_unet_root(nn::LayerInit{torch::TensorOptions().dtype(storage_).device(torch::kMeta)});
+      source.check_module(*meta_root, lora_components(config.network_train_unet_only));
+    }
 
     // ---- frozen parts first, one at a time, each freed after use, so the
     // run never holds them beside the UNet: text encoders, then the VAE ----
@@ -98,11 +104,7 @@ class LdmTrainingModel final : public TrainingModel {
       ScopedMemoryCategory category(MemoryCategory::weights);
       nn::LayerInit init{torch::TensorOptions().dtype(storage_)};
       init.initialize = !base_;
-      // As models::build_checkpoint_root: the UNet under its single-file prefix.
-      models::LdmUNet unet(models::LdmUNetOptions(unet_options_).init(init));
-      root_ = std::make_shared<torch::nn::Module>("CheckpointRoot");
-      nn::register_at(*root_, "model.diffusion_model", unet);  // kUNetPrefix without its dot
-      unet_ = unet.ptr();
+      root_ = build_unet_root(init, &unet_);
       if (base_) load_unet();
     }
     if (!source.quiet) {
@@ -174,6 +176,11 @@ class LdmTrainingModel final : public TrainingModel {
   /// The key prefix the configured UNet is stored under in the base file.
   /// Throws shoestring::Error naming what the file holds instead.
   std::string detect_unet_prefix() const;
+  /// The UNet (unet_options_, parameters as `init` says) under its
+  /// single-file prefix in a new root, as models::build_checkpoint_root
+  /// names it; `unet` receives the UNet when non-null.
+  std::shared_ptr<torch::nn::Module> build_unet_root(const nn::LayerInit& init,
+                                                     std::shared_ptr<models::LdmUNetImpl>* unet = nullptr) const;
   void load_unet();
   void check_resolution() const;
   void build_text_encoders();
@@ -205,6 +212,15 @@ class LdmTrainingModel final : public TrainingModel {
   // Sample prompts: context/y of each prompt, then of "".
   at::Tensor sample_context_, sample_y_;
 };
+
+std::shared_ptr<torch::nn::Module> LdmTrainingModel::build_unet_root(const nn::LayerInit& init,
+                                                                     std::shared_ptr<models::LdmUNetImpl>* unet) const {
+  models::LdmUNet built(models::LdmUNetOptions(unet_options_).init(init));
+  auto root = std::make_shared<torch::nn::Module>("CheckpointRoot");
+  nn::register_at(*root, "model.diffusion_model", built);  // kUNetPrefix without its dot
+  if (unet) *unet = built.ptr();
+  return root;
+}
 
 std::string LdmTrainingModel::detect_unet_prefix() const {
   const auto shapes = [&] {

@@ -67,11 +67,22 @@ void truncate_metrics(const std::string& path, int64_t keep_through) {
   write_bytes_atomic(path, kept);
 }
 
+/// Refuses to go on with a run already at `step` >= max_train_steps: such a
+/// run is complete (its final files were written before latest.json named
+/// its last step; see train()).
+void refuse_if_finished(const std::string& run_dir, int64_t step, int64_t max_train_steps) {
+  if (step < max_train_steps) return;
+  fail(
+      "run '{}' is already at step {} >= max_train_steps {} (it is complete: its final files are in the run "
+      "folder); pass --max-steps N with N > {} to train further",
+      run_dir, step, max_train_steps, step);
+}
+
 /// Refuses to resume `run_dir` with a config that differs from the run's own
 /// config.toml in anything the checkpoint depends on (the schema's resume
 /// keys: model, base files, LoRA, optimizer, precision, data order), naming
 /// each difference, and refuses a max_train_steps already reached, before
-/// any slow work.
+/// any slow work. `checkpoint_dir` is "" for a run that saved none.
 void check_resume(const std::string& run_dir, const std::string& checkpoint_dir, const TrainConfig& now) {
   const fs::path recorded = fs::path(run_dir) / "config.toml";
   if (fs::exists(recorded)) {
@@ -85,17 +96,24 @@ void check_resume(const std::string& run_dir, const std::string& checkpoint_dir,
   }
   // "step-000123" (checkpoint folders are named by step_name()).
   const std::string name = fs::path(checkpoint_dir).filename().string();
-  if (name.rfind("step-", 0) == 0) {
-    const int64_t step = std::strtoll(name.c_str() + 5, nullptr, 10);
-    if (step >= now.max_train_steps) {
-      fail("run '{}' is already at step {} >= max_train_steps {}; pass --max-steps N with N > {} to train further",
-           run_dir, step, now.max_train_steps, step);
-    }
+  if (name.rfind("step-", 0) == 0)
+    refuse_if_finished(run_dir, std::strtoll(name.c_str() + 5, nullptr, 10), now.max_train_steps);
+}
+
+/// Removes the temporaries that writes interrupted by a crash or kill left
+/// in the run folder (io/atomic_file.h), saying how much space came back.
+void remove_stale_temporaries_of(const std::string& run_dir, bool quiet) {
+  const StaleTemporaries stale = remove_stale_temporaries(run_dir);
+  if (!stale.paths.empty() && !quiet) {
+    spdlog::info("removed {} temporary file(s) ({}) left in {} by interrupted saves", stale.paths.size(),
+                 format_bytes(static_cast<int64_t>(stale.bytes)), run_dir);
   }
 }
 
 /// The run folder: created, or checked to hold no other run (fresh runs) /
-/// the run being resumed (its config must match).
+/// the run being resumed (its config must match). Temporaries of
+/// interrupted saves are removed. A resumed run that saved no checkpoint
+/// starts over from step 0.
 void prepare_run_dir(Run& run, const TrainRunOptions& options) {
   run.created_dir.dir = run.run_dir;
   run.created_dir.armed = !fs::exists(run.run_dir);
@@ -110,8 +128,14 @@ void prepare_run_dir(Run& run, const TrainRunOptions& options) {
       }
     }
   }
+  if (!run.created_dir.armed) remove_stale_temporaries_of(run.run_dir, options.quiet);
   if (options.resume_dir) {
-    run.resume_from = latest_checkpoint_dir(run.run_dir);
+    if (fs::exists(fs::path(run.run_dir) / "checkpoints" / "latest.json")) {
+      run.resume_from = latest_checkpoint_dir(run.run_dir);
+    } else {
+      spdlog::warn("--resume {}: the run stopped before its first checkpoint; starting it over from step 0",
+                   run.run_dir);
+    }
     check_resume(run.run_dir, run.resume_from, run.config);
     run.config.output_dir = run.run_dir;  // the run folder, whatever the config names
   }
@@ -283,6 +307,12 @@ std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions&
     if (!c.pretrained_model_name_or_path.empty()) source.pretrained = expand_path(c.pretrained_model_name_or_path);
     source.resume_dir = run.resume_from;
     source.quiet = options.quiet;
+    if (!c.network_module.empty() && !c.network_weights.empty()) {
+      // network_weights must fit the network before the dataset is encoded.
+      source.check_module = [&c](torch::nn::Module& module, const std::vector<nn::LoraComponent>& components) {
+        nn::LoraNetwork(module, components, lora_options(c))->check_file(expand_path(c.network_weights));
+      };
+    }
     run.model = make_training_model(c, run.dataset, source);
   }
   const auto [wants_master, fp16_training] = apply_precision(run, options);
@@ -311,25 +341,23 @@ std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions&
   const std::string metrics_path = (fs::path(run.run_dir) / "metrics.jsonl").string();
   if (!run.resume_from.empty()) {
     const int64_t step = restore_checkpoint(run, run.resume_from);
-    if (step >= c.max_train_steps) {
-      fail(
-          "run '{}' is already at step {} >= max_train_steps {}; pass --max-steps N with N > {} to "
-          "train further",
-          run.run_dir, step, c.max_train_steps, step);
-    }
-    truncate_metrics(metrics_path, step);
-    if (!options.quiet) spdlog::info("resumed from {} at step {}", run.resume_from, step);
+    refuse_if_finished(run.run_dir, step, c.max_train_steps);
+  }
+  // The run folder always records the config that is running (a resume may
+  // have raised max_train_steps), first: a run killed from here on can be
+  // resumed (`--resume` reads this file).
+  write_bytes_atomic((fs::path(run.run_dir) / "config.toml").string(), to_toml(c));
+  if (!run.resume_from.empty()) {
+    truncate_metrics(metrics_path, run.counters.step);
+    if (!options.quiet) spdlog::info("resumed from {} at step {}", run.resume_from, run.counters.step);
   } else {
     write_bytes_atomic(metrics_path, "");
   }
-  // The run folder always records the config that is running (a resume may
-  // have raised max_train_steps).
-  write_bytes_atomic((fs::path(run.run_dir) / "config.toml").string(), to_toml(c));
   if (!options.quiet) log_setup(run);
   return owned;
 }
 
-void save_checkpoint(Run& run, int64_t step) {
+std::string write_checkpoint(Run& run, int64_t step) {
   fs::path dir = fs::path(run.run_dir) / "checkpoints" / step_name(step);
   // A failed save (full disk, ...) leaves no empty checkpoint folder; files
   // are written atomically, so nothing partial either.
@@ -357,7 +385,11 @@ void save_checkpoint(Run& run, int64_t step) {
   state.master = path_state.masters;
   state.rng_cpu = cpu_rng_state();
   save_training_state((dir / "state.safetensors").string(), state);
-  set_latest_checkpoint(run.run_dir, dir.string(), step);
+  return dir.string();
+}
+
+void commit_checkpoint(Run& run, const std::string& dir, int64_t step) {
+  set_latest_checkpoint(run.run_dir, dir, step);
 }
 
 int64_t restore_checkpoint(Run& run, const std::string& dir) {

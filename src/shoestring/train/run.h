@@ -7,7 +7,8 @@
 // trainable modules, per-block compute and checkpointing, the fp16 overflow
 // guard), LoRA adapters, the gradient path with its optimizer
 // (optim/gradient_path.h), EMA, and, when resuming, the latest checkpoint.
-// save_checkpoint / restore_checkpoint write and read a run's checkpoints
+// write_checkpoint / commit_checkpoint / restore_checkpoint write, publish
+// and read a run's checkpoints
 // (the formats are in train/checkpoint_io.h); save_final_files writes the
 // run's final model (EMA weights when EMA is on) and LoRA files.
 #pragma once
@@ -68,16 +69,23 @@ struct Run {
 
 /// Sets up (or resumes, with options.resume_dir) the run `config` describes,
 /// writes config.toml and starts or truncates metrics.jsonl; see the file
-/// comment for the order. Throws shoestring::Error for an output_dir holding
+/// comment for the order. Removes temporaries that interrupted saves left in
+/// the run folder; a resumed run without a checkpoint starts over. Throws shoestring::Error for an output_dir holding
 /// another run, a resume whose config differs in what the checkpoint depends
 /// on or whose step count is reached, and whatever loading the dataset,
 /// model or checkpoint throws.
 std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions& options);
 
 /// Writes checkpoints/step-NNNNNN/ (weights or LoRA adapters, and the
-/// training state) and then points latest.json at it. A failed save leaves
-/// no empty folder. Throws shoestring::Error on I/O failure.
-void save_checkpoint(Run& run, int64_t step);
+/// training state) and returns the folder; latest.json does not move yet.
+/// A failed save leaves no empty folder. Throws shoestring::Error on I/O
+/// failure.
+std::string write_checkpoint(Run& run, int64_t step);
+
+/// Points checkpoints/latest.json at checkpoint folder `dir` of `step`
+/// (one atomic write): the moment the checkpoint counts for --resume.
+/// Throws shoestring::Error on I/O failure.
+void commit_checkpoint(Run& run, const std::string& dir, int64_t step);
 
 /// Restores weights, optimizer, gradient-path state, EMA, RNG, data position
 /// and counters from checkpoint folder `dir`; returns its step. Throws

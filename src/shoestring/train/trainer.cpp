@@ -167,11 +167,16 @@ TrainSummary train(const TrainConfig& config, const TrainRunOptions& options) {
     MemoryLedger::global().reset_peaks();
     report.step(train_step(*run, step, options.quiet));
     const bool last = step == c.max_train_steps;
-    if (every(c.save_every_n_steps, step) || last) save_checkpoint(*run, step);
+    std::string checkpoint;
+    if (every(c.save_every_n_steps, step) || last) checkpoint = write_checkpoint(*run, step);
     if (every(c.sample_every_n_steps, step) || last) sample(*run, report, step);
+    if (last) save_final_files(*run, step);  // EMA weights when EMA is on
+    // latest.json moves last: a checkpoint counts once everything of its
+    // step is written, and a run is complete when latest.json names its last
+    // step. Killed before, a run resumes from its previous checkpoint (or
+    // starts over) and writes it all again, the same bytes.
+    if (!checkpoint.empty()) commit_checkpoint(*run, checkpoint, step);
   }
-  // Final weights at the run root: EMA weights when EMA is on.
-  save_final_files(*run, step);
   return report.finish(step);
 }
 

@@ -18,6 +18,7 @@
 //    epsilon- or v-prediction objective and is saved in the LDM single-file
 //    layout together with the base checkpoint's VAE and text encoders.
 #pragma once
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -51,6 +52,12 @@ struct ModelSource {
   /// metadata (e.g. the emoji tokenizer) from it.
   std::string resume_dir;
   bool quiet = false;
+  /// When set, families whose construction does slow work (the LDM ones
+  /// encode the dataset) call it first, with a meta-device copy of the module
+  /// tree (named as module() will be) and its LoRA components; the run checks
+  /// network_weights with it. Families that build quickly do not call it (the
+  /// run's own later checks cover them). What it throws propagates.
+  std::function<void(torch::nn::Module& module, const std::vector<nn::LoraComponent>& lora_components)> check_module;
 };
 
 class TrainingModel {
