@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 
 #include <nlohmann/json.hpp>
 
@@ -145,6 +146,60 @@ TEST(Cli, BadInputsGiveClearErrors) {
   fs::remove(cfg);
   fs::remove(bad_cfg);
   fs::remove(junk);
+}
+
+// NaN passes CLI::Range, and NaN weights sampled to a black grid with exit
+// code 0: both are errors now, and no PNG (or sidecar) is written.
+TEST(Cli, SampleRefusesNonFiniteArgumentsAndWeights) {
+  std::string cfg = write_config();
+  std::string out = temp_path("nanrun");
+  fs::remove_all(out);
+  Result t = run("train " + cfg + " --output-dir " + out);
+  ASSERT_EQ(t.code, 0) << t.output;
+  const std::string model = out + "/model.safetensors";
+  const std::string png = temp_path("nangrid") + ".png";
+  const std::string sidecar = png.substr(0, png.size() - 4) + ".txt";
+  fs::remove(png);
+
+  for (const char* bad : {"nan", "NaN", "inf", "-inf"}) {
+    Result r = run("sample " + model + " --prompt \"red heart\" --steps 2 --cfg " + bad + " --out " + png);
+    EXPECT_NE(r.code, 0) << bad << ": " << r.output;
+    EXPECT_NE(r.output.find("--cfg"), std::string::npos) << r.output;
+    EXPECT_FALSE(fs::exists(png)) << bad;
+  }
+
+  // The same checkpoint with every floating tensor NaN, written with the project's writer.
+  auto file = shoestring::SafetensorsFile::open(model);
+  std::vector<shoestring::NamedTensor> tensors;
+  std::string first_floating;
+  for (const auto& info : file.tensors()) {
+    at::Tensor x = file.get(info.name).clone();
+    if (x.is_floating_point()) {
+      x.fill_(std::numeric_limits<double>::quiet_NaN());
+      if (first_floating.empty() || info.name < first_floating) first_floating = info.name;
+    }
+    tensors.push_back({info.name, x, std::nullopt});
+  }
+  ASSERT_FALSE(first_floating.empty());
+  const std::string nan_model = temp_path("nanmodel") + ".safetensors";
+  shoestring::save_safetensors(nan_model, tensors, file.metadata());
+  Result r = run("sample " + nan_model + " --prompt \"red heart\" --steps 2 --count 2 --out " + png);
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_NE(r.output.find(nan_model), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("tensor '" + first_floating + "'"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("non-finite"), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(png));
+  EXPECT_FALSE(fs::exists(sidecar));
+
+  // The finite checkpoint still samples.
+  Result ok = run("sample " + model + " --prompt \"red heart\" --steps 2 --count 1 --out " + png);
+  EXPECT_EQ(ok.code, 0) << ok.output;
+  EXPECT_TRUE(fs::exists(png));
+  fs::remove(png);
+  fs::remove(sidecar);
+  fs::remove(nan_model);
+  fs::remove_all(out);
+  fs::remove(cfg);
 }
 
 // `inspect --arch`: sizes a registered architecture without allocating it;

@@ -179,6 +179,127 @@ TEST(FolderDataset, WebpSkippedAndNoImagesIsAnError) {
   EXPECT_NE(ds.skipped()[0].reason.find("WebP"), std::string::npos);
 }
 
+namespace {
+/// Writes `text` (bytes as given) to `path`.
+void write_text(const fs::path& path, const std::string& text) { std::ofstream(path, std::ios::binary) << text; }
+
+/// Paths of `ds` relative to `root`, sorted.
+std::vector<std::string> relative_paths(const ImageCaptionDataset& ds, const fs::path& root) {
+  std::vector<std::string> out;
+  for (const auto& p : ds.paths()) out.push_back(fs::path(p).lexically_relative(root).string());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+}  // namespace
+
+// A link to a folder above it used to be followed until the path grew too
+// long: 3 images loaded as 123, without a word.
+TEST(FolderDataset, SymlinkLoopIsListedOnceAndReported) {
+  TempDir tmp;
+  fs::create_directories(tmp.path / "sub" / "deeper");
+  fs::copy_file(kFolder + "/heart.png", tmp.path / "a.png");
+  write_text(tmp.path / "a.txt", "a heart\n");
+  fs::copy_file(kFolder + "/grinning.png", tmp.path / "sub" / "b.png");
+  fs::copy_file(kFolder + "/heart.png", tmp.path / "sub" / "deeper" / "c.png");
+  fs::create_directory_symlink("..", tmp.path / "sub" / "loop");              // -> tmp
+  fs::create_directory_symlink("../..", tmp.path / "sub" / "deeper" / "up");  // -> tmp
+  fs::create_directory_symlink(".", tmp.path / "self");                       // -> tmp
+
+  const auto ds = ImageCaptionDataset::load_folder(tmp.path.string(), 8);
+  EXPECT_EQ(relative_paths(ds, tmp.path), (std::vector<std::string>{"a.png", "sub/b.png", "sub/deeper/c.png"}));
+  EXPECT_EQ(ds.images().size(0), 3);
+  ASSERT_EQ(ds.warnings().size(), 3u);
+  std::set<std::string> links;
+  for (const auto& w : ds.warnings()) {
+    links.insert(fs::path(w.path).lexically_relative(tmp.path).string());
+    EXPECT_NE(w.message.find("symlink loop"), std::string::npos) << w.message;
+    EXPECT_NE(w.message.find(w.path), std::string::npos) << w.message;  // names the link
+  }
+  EXPECT_EQ(links, (std::set<std::string>{"self", "sub/loop", "sub/deeper/up"}));
+}
+
+// Decision: a folder reached through two links is listed once (at its first
+// path in sorted order); an image and its caption file reached twice load
+// once; a symlinked image with a caption file of its own is a sample of its own.
+TEST(FolderDataset, ImageReachedTwiceThroughSymlinksLoadsOnce) {
+  TempDir tmp;
+  const fs::path pics = tmp.path / "pics";
+  const fs::path data = tmp.path / "data";
+  fs::create_directories(pics);
+  fs::create_directories(data);
+  fs::copy_file(kFolder + "/heart.png", pics / "x.png");
+  write_text(pics / "x.txt", "a heart\n");
+  fs::create_directory_symlink(pics, data / "one");
+  fs::create_directory_symlink(pics, data / "two");
+  fs::create_symlink(pics / "x.png", data / "same.png");  // same image, same caption file
+  fs::create_symlink(pics / "x.txt", data / "same.txt");
+  fs::create_symlink(pics / "x.png", data / "own.png");  // same image, its own caption
+  write_text(data / "own.txt", "another caption\n");
+
+  const auto ds = ImageCaptionDataset::load_folder(data.string(), 8);
+  EXPECT_EQ(relative_paths(ds, data), (std::vector<std::string>{"one/x.png", "own.png"}));
+  std::map<std::string, std::string> caption;
+  for (int64_t i = 0; i < ds.size(); ++i) caption[filename(ds.paths()[i])] = ds.captions()[i];
+  EXPECT_EQ(caption["x.png"], "a heart");
+  EXPECT_EQ(caption["own.png"], "another caption");
+  ASSERT_EQ(ds.warnings().size(), 2u);
+  EXPECT_EQ(filename(ds.warnings()[0].path), "two");
+  EXPECT_NE(ds.warnings()[0].message.find("already listed"), std::string::npos) << ds.warnings()[0].message;
+  EXPECT_EQ(filename(ds.warnings()[1].path), "same.png");
+  EXPECT_NE(ds.warnings()[1].message.find("loaded once"), std::string::npos) << ds.warnings()[1].message;
+  EXPECT_TRUE(ds.skipped().empty());
+}
+
+TEST(FolderDataset, CountsMissingAndEmptyCaptions) {
+  TempDir tmp;
+  for (const char* name : {"a", "b", "c", "d", "e", "f"}) {
+    fs::copy_file(kFolder + "/heart.png", tmp.path / (std::string(name) + ".png"));
+  }
+  write_text(tmp.path / "a.txt", "a heart\nsecond line ignored\n");
+  write_text(tmp.path / "b.txt", "");                // empty file
+  write_text(tmp.path / "c.txt", "   \t\nlater\n");  // blank first line
+  write_text(tmp.path / "d.txt",
+             "\xEF\xBB\xBF"
+             "caf\xC3\xA9 heart\r\n");  // BOM, CRLF
+  // e.png, f.png: no caption file
+  const auto ds = ImageCaptionDataset::load_folder(tmp.path.string(), 8);
+  ASSERT_EQ(ds.size(), 6);
+  std::map<std::string, std::string> caption;
+  for (int64_t i = 0; i < ds.size(); ++i) caption[filename(ds.paths()[i])] = ds.captions()[i];
+  EXPECT_EQ(caption, (std::map<std::string, std::string>{{"a.png", "a heart"},
+                                                         {"b.png", ""},
+                                                         {"c.png", ""},
+                                                         {"d.png", "caf\xC3\xA9 heart"},
+                                                         {"e.png", ""},
+                                                         {"f.png", ""}}));
+  EXPECT_EQ(ds.caption_stats().missing, 2);
+  EXPECT_EQ(ds.caption_stats().empty, 2);
+  EXPECT_EQ(ds.missing_captions(), 2);
+  // The Twemoji layout has neither.
+  const auto twemoji = ImageCaptionDataset::load_twemoji(kTwemoji, 8);
+  EXPECT_EQ(twemoji.caption_stats().missing, 0);
+  EXPECT_EQ(twemoji.caption_stats().empty, 0);
+}
+
+TEST(FolderDataset, CaptionThatIsNotUtf8IsAnErrorNamingFileAndOffset) {
+  TempDir tmp;
+  fs::copy_file(kFolder + "/heart.png", tmp.path / "a.png");
+  fs::copy_file(kFolder + "/heart.png", tmp.path / "b.png");
+  write_text(tmp.path / "a.txt", "fine\n");
+  write_text(tmp.path / "b.txt", "line one\ncaf\xE9\n");  // Latin-1 é on line 2, byte 12
+  try {
+    ImageCaptionDataset::load_folder(tmp.path.string(), 8);
+    FAIL() << "no error for a Latin-1 caption";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find((tmp.path / "b.txt").string()), std::string::npos) << msg;
+    EXPECT_NE(msg.find("not valid UTF-8"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("byte offset 12"), std::string::npos) << msg;
+  }
+  write_text(tmp.path / "b.txt", "\xED\xA0\x80 surrogate\n");
+  EXPECT_THROW(ImageCaptionDataset::load_folder(tmp.path.string(), 8), Error);
+}
+
 TEST(Dataset, MissingPathSaysHowToFetch) {
   try {
     ImageCaptionDataset::load(kData + "/no_such_dataset", 32);

@@ -1,4 +1,5 @@
 // `shoestring sample CHECKPOINT --prompt TEXT [--prompt TEXT]... [--steps N] [--cfg X] [--seed S] --out FILE.png`
+#include <cmath>
 #include <filesystem>
 
 #include <CLI/CLI.hpp>
@@ -29,6 +30,39 @@ nlohmann::json metadata_json(const SafetensorsFile& file, const std::string& key
     fail("{}: metadata '{}' is not valid JSON: {}", file.path(), key, e.what());
   }
 }
+
+/// CLI11 check for a floating option: NaN and inf are refused (NaN passes
+/// CLI::Range, as every comparison with it is false).
+CLI::Validator finite_number() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        double v = 0;
+        if (!CLI::detail::lexical_cast(text, v)) return "expected a number, got '" + text + "'";
+        if (!std::isfinite(v)) return "must be a finite number, got '" + text + "'";
+        return "";
+      },
+      "FINITE", "finite");
+}
+
+/// Throws shoestring::Error if a floating tensor of the checkpoint holds NaN
+/// or inf, naming the first such tensor and how many tensors are affected:
+/// sampling from such weights gives a blank grid.
+void check_finite_weights(const std::map<std::string, at::Tensor>& tensors, const std::string& path) {
+  std::string first;
+  int64_t first_bad = 0, first_numel = 0, bad_tensors = 0;
+  for (const auto& [name, t] : tensors) {
+    if (!t.is_floating_point()) continue;
+    const int64_t bad = (~at::isfinite(t)).sum().item<int64_t>();
+    if (bad == 0) continue;
+    if (bad_tensors++ == 0) first = name, first_bad = bad, first_numel = t.numel();
+  }
+  if (bad_tensors > 0) {
+    fail(
+        "{}: tensor '{}' holds {} non-finite values (NaN/inf) of {} ({} of {} tensors affected); the weights are "
+        "damaged or the run diverged, so sampling would give blank images",
+        path, first, first_bad, first_numel, bad_tensors, tensors.size());
+  }
+}
 }  // namespace
 
 void register_sample(CLI::App& app) {
@@ -48,7 +82,9 @@ void register_sample(CLI::App& app) {
       ->required()
       ->allow_extra_args(false);
   cmd->add_option("--steps", args->steps, "Euler steps")->check(CLI::Range(1, 1000));
-  cmd->add_option("--cfg", args->cfg, "classifier-free guidance scale (1 = off)")->check(CLI::Range(0.0, 100.0));
+  cmd->add_option("--cfg", args->cfg, "classifier-free guidance scale (1 = off)")
+      ->check(finite_number())
+      ->check(CLI::Range(0.0, 100.0));
   cmd->add_option("--seed", args->seed, "first seed; columns use seed, seed+1, ...")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 62));
   cmd->add_option("--count", args->count, "images per prompt (grid columns)")->check(CLI::Range(1, 64));
@@ -79,6 +115,7 @@ void register_sample(CLI::App& app) {
     if (!tensors.empty() && tensors.begin()->second.scalar_type() == torch::kBFloat16) {
       model->to(torch::kBFloat16);
     }
+    check_finite_weights(tensors, file.path());
     load_module(*model, tensors, file.path());
     SampleRequest req;
     req.prompts = args->prompts;

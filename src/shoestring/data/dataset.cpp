@@ -3,13 +3,16 @@
 
 #include <filesystem>
 #include <random>
+#include <set>
 
 #include <ATen/Parallel.h>
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
+#include <spdlog/spdlog.h>
 #include <torch/torch.h>
 
 #include "shoestring/core/error.h"
+#include "shoestring/core/utf8.h"
 #include "shoestring/data/image.h"
 #include "shoestring/io/atomic_file.h"
 
@@ -76,6 +79,80 @@ const nlohmann::json& require(const nlohmann::json& entry, const char* key, nloh
 
 bool is_image_extension(const std::string& ext) {
   return ext == ".png" || ext == ".jpg" || ext == ".jpeg" || ext == ".bmp" || ext == ".gif" || ext == ".tga";
+}
+
+/// Lists the files under a dataset folder, following symlinks but visiting
+/// each folder once by its canonical path (see load_folder in dataset.h).
+class FolderWalk {
+ public:
+  explicit FolderWalk(const std::string& root) : root_(root) {}
+
+  /// Lists `dir` (canonical path `canonical`) and, depth first in name order,
+  /// the folders below it. Throws shoestring::Error if a folder cannot be listed.
+  void walk(const fs::path& dir, const fs::path& canonical) {
+    chain_.push_back(canonical);
+    first_seen_.emplace(canonical, dir);
+    std::error_code ec;
+    std::vector<fs::directory_entry> entries;
+    fs::directory_iterator it(dir, ec);
+    if (ec) fail("dataset folder {}: cannot list {}: {}", root_, dir.string(), ec.message());
+    for (; it != fs::directory_iterator(); it.increment(ec)) {
+      if (ec) fail("dataset folder {}: cannot list {}: {}", root_, dir.string(), ec.message());
+      entries.push_back(*it);
+    }
+    std::sort(entries.begin(), entries.end(),
+              [](const fs::directory_entry& a, const fs::directory_entry& b) { return a.path() < b.path(); });
+    for (const fs::directory_entry& entry : entries) {
+      const std::string fname = entry.path().filename().string();
+      if (!fname.empty() && fname[0] == '.') continue;
+      if (entry.is_directory(ec)) {  // follows symlinks
+        const fs::path target = fs::canonical(entry.path(), ec);
+        if (ec) fail("dataset folder {}: cannot resolve {}: {}", root_, entry.path().string(), ec.message());
+        const auto first = first_seen_.find(target);
+        if (std::find(chain_.begin(), chain_.end(), target) != chain_.end()) {
+          warn(entry.path(), fmt::format("{} -> {} is a symlink loop (it leads back to {}, a folder above it); "
+                                         "not followed",
+                                         entry.path().string(), target.string(), first->second.string()));
+        } else if (first != first_seen_.end()) {
+          warn(entry.path(), fmt::format("{} -> {} leads to a folder already listed as {}; not listed twice",
+                                         entry.path().string(), target.string(), first->second.string()));
+        } else {
+          walk(entry.path(), target);
+        }
+      } else if (entry.is_regular_file(ec)) {
+        files_.push_back(entry.path());
+      }
+    }
+    chain_.pop_back();
+  }
+
+  /// The files found, in the order listed (sorted by path).
+  std::vector<fs::path>& files() { return files_; }
+  std::vector<DatasetWarning>& warnings() { return warnings_; }
+
+  /// Records and logs a warning about `path`.
+  void warn(const fs::path& path, std::string message) {
+    spdlog::warn("dataset folder {}: {}", root_, message);
+    warnings_.push_back({path.string(), std::move(message)});
+  }
+
+ private:
+  std::string root_;
+  std::vector<fs::path> chain_;              // canonical paths of the folders being listed, outermost first
+  std::map<fs::path, fs::path> first_seen_;  // canonical folder -> the path it was listed at
+  std::vector<fs::path> files_;
+  std::vector<DatasetWarning> warnings_;
+};
+
+/// Logs one warning for the images of `paths` (at most 5 named).
+void warn_captions(const std::string& source, const std::vector<std::string>& paths, const char* what) {
+  if (paths.empty()) return;
+  constexpr size_t kShown = 5;
+  const std::vector<std::string> shown(paths.begin(),
+                                       paths.begin() + static_cast<std::ptrdiff_t>(std::min(kShown, paths.size())));
+  spdlog::warn("dataset {}: {} image{} {}; trained with the caption \"\": {}{}", source, paths.size(),
+               paths.size() == 1 ? "" : "s", what, fmt::join(shown, ", "),
+               paths.size() > kShown ? fmt::format(" and {} more", paths.size() - kShown) : std::string());
 }
 
 }  // namespace
@@ -151,20 +228,16 @@ ImageCaptionDataset ImageCaptionDataset::load_twemoji(const std::string& root, i
 ImageCaptionDataset ImageCaptionDataset::load_folder(const std::string& dir, int resolution) {
   std::error_code ec;
   if (!fs::is_directory(dir, ec)) fail("dataset folder {}: not a directory", dir);
-  std::vector<fs::path> files;
-  fs::recursive_directory_iterator it(dir, fs::directory_options::follow_directory_symlink, ec);
-  if (ec) fail("dataset folder {}: cannot list: {}", dir, ec.message());
-  for (; it != fs::recursive_directory_iterator(); it.increment(ec)) {
-    if (ec) fail("dataset folder {}: cannot list: {}", dir, ec.message());
-    const std::string fname = it->path().filename().string();
-    if (!fname.empty() && fname[0] == '.') {
-      if (it->is_directory(ec)) it.disable_recursion_pending();
-      continue;
-    }
-    if (it->is_regular_file(ec)) files.push_back(it->path());
-  }
+  const fs::path root_canonical = fs::canonical(dir, ec);
+  if (ec) fail("dataset folder {}: cannot resolve: {}", dir, ec.message());
+  FolderWalk walk(dir);
+  walk.walk(fs::path(dir), root_canonical);
+  std::vector<fs::path>& files = walk.files();
   std::sort(files.begin(), files.end());
 
+  // An image reached through several paths with the same caption file loads
+  // once: key (canonical image, canonical caption file or "").
+  std::map<std::pair<fs::path, fs::path>, fs::path> loaded;
   std::vector<Candidate> candidates;
   for (const fs::path& file : files) {
     const std::string ext = lowercase(file.extension().string());
@@ -178,15 +251,36 @@ ImageCaptionDataset ImageCaptionDataset::load_folder(const std::string& dir, int
     if (!is_image_extension(ext)) continue;
     fs::path caption_path = file;
     caption_path.replace_extension(".txt");
-    std::string caption;
     const bool has_caption = fs::is_regular_file(caption_path, ec);
-    if (has_caption) {
-      const std::string text = read_file(caption_path.string());
-      caption = trim(std::string_view(text).substr(0, text.find('\n')));
+    fs::path image_canonical = fs::canonical(file, ec);
+    if (ec) image_canonical = file;
+    fs::path caption_canonical = has_caption ? fs::canonical(caption_path, ec) : fs::path();
+    if (ec) caption_canonical = caption_path;
+    const auto [first, inserted] = loaded.emplace(std::make_pair(image_canonical, caption_canonical), file);
+    if (!inserted) {
+      walk.warn(file, fmt::format("{} is the same image and caption file as {} (through a symlink); loaded once",
+                                  file.string(), first->second.string()));
+      continue;
     }
-    candidates.push_back({file.string(), std::move(caption), !has_caption, ""});
+    std::string caption;
+    if (has_caption) {
+      std::string text = read_file(caption_path.string());
+      const size_t bad = utf8_error_offset(text);
+      if (bad != std::string::npos) {
+        fail("caption file {}: not valid UTF-8 at byte offset {} (byte 0x{:02X}); save it as UTF-8",
+             caption_path.string(), bad, static_cast<unsigned char>(text[bad]));
+      }
+      std::string_view view(text);
+      if (view.substr(0, 3) == "\xEF\xBB\xBF") view.remove_prefix(3);  // byte order mark
+      caption = trim(view.substr(0, view.find('\n')));
+    }
+    Candidate c{file.string(), std::move(caption), !has_caption, ""};
+    c.empty_caption = has_caption && c.caption.empty();
+    candidates.push_back(std::move(c));
   }
-  return decode_all(std::move(candidates), resolution, dir);
+  ImageCaptionDataset ds = decode_all(std::move(candidates), resolution, dir);
+  ds.warnings_ = std::move(walk.warnings());
+  return ds;
 }
 
 ImageCaptionDataset ImageCaptionDataset::load(const std::string& path, int resolution) {
@@ -239,11 +333,13 @@ ImageCaptionDataset ImageCaptionDataset::decode_all(std::vector<Candidate> candi
   ImageCaptionDataset ds;
   ds.resolution_ = resolution;
   std::vector<int64_t> keep;
+  std::vector<std::string> missing, empty;
   for (int64_t i = 0; i < n; ++i) {
     Candidate& c = candidates[static_cast<size_t>(i)];
     if (reasons[static_cast<size_t>(i)].empty()) {
       keep.push_back(i);
-      if (c.missing_caption) ++ds.missing_captions_;
+      if (c.missing_caption) missing.push_back(c.path);
+      if (c.empty_caption) empty.push_back(c.path);
       ds.captions_.push_back(std::move(c.caption));
       ds.paths_.push_back(std::move(c.path));
     } else {
@@ -255,6 +351,10 @@ ImageCaptionDataset ImageCaptionDataset::decode_all(std::vector<Candidate> candi
          ds.skipped_.empty() ? std::string() : "; first: " + ds.skipped_.front().reason);
   }
   ds.images_ = static_cast<int64_t>(keep.size()) == n ? all : all.index_select(0, at::tensor(keep, at::kLong));
+  ds.caption_stats_.missing = static_cast<int64_t>(missing.size());
+  ds.caption_stats_.empty = static_cast<int64_t>(empty.size());
+  warn_captions(source, missing, "without a caption file (.txt beside it)");
+  warn_captions(source, empty, "with an empty caption file");
   return ds;
 }
 

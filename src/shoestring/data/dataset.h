@@ -15,6 +15,20 @@ struct SkippedImage {
   std::string reason;  ///< why, naming the file (e.g. stb_image's decode error)
 };
 
+/// Something about a dataset folder worth a word that is not a skipped image:
+/// a symlink loop not followed, a folder or image reached twice.
+struct DatasetWarning {
+  std::string path;     ///< the path (symlink) concerned
+  std::string message;  ///< what happened, naming the path and what it points to
+};
+
+/// How the captions of the loaded images came about (folder layout; the
+/// Twemoji layout builds every caption from emoji.json, so both stay 0).
+struct CaptionStats {
+  int64_t missing = 0;  ///< no caption file beside the image: caption "" (as kohya's sd-scripts)
+  int64_t empty = 0;    ///< a caption file whose first line is empty or only whitespace: caption ""
+};
+
 /// In-memory image/caption dataset; images stored as uint8 [N, 3, R, R]
 /// (RGB, alpha composited over white, centre-cropped and resized: see
 /// decode_image in image.h).
@@ -38,11 +52,24 @@ class ImageCaptionDataset {
   /// kohya-ss layout: a folder searched recursively (names starting with '.'
   /// ignored, paths sorted) for images (.png .jpg .jpeg .bmp .gif .tga, any
   /// case), each captioned by the first line, trimmed, of the same-named .txt
-  /// beside it (a.png + a.txt), as kohya's sd-scripts read captions. An image
-  /// without a .txt gets the caption "" and is counted in missing_captions().
+  /// beside it (a.png + a.txt), as kohya's sd-scripts read captions; a UTF-8
+  /// byte order mark at the start of the .txt is dropped.
+  /// Symlinks are followed, each folder is visited once (by canonical path):
+  /// a link to a folder above it (a loop) and a second link to a folder
+  /// already visited are not followed, and are reported in warnings() and
+  /// logged. An image reached through several paths with the same caption
+  /// file (e.g. two links to one folder) loads once, from the first path in
+  /// sorted order (also a warning); a symlinked image with a caption file of
+  /// its own is a sample of its own.
+  /// Captions: an image without a .txt, or with a .txt whose first line is
+  /// empty, gets the caption "" (kohya's sd-scripts do the same for a missing
+  /// file, with a warning); both are counted in caption_stats() and logged as
+  /// one warning naming the first few images.
   /// .webp files are skipped with a reason (stb_image does not decode WebP);
   /// unreadable or corrupt images are skipped with stb's reason.
-  /// Throws shoestring::Error if `dir` is not a folder or no image loads.
+  /// Throws shoestring::Error if `dir` is not a folder or cannot be listed, if
+  /// no image loads, or if a caption file is not valid UTF-8 (RFC 3629),
+  /// naming the file and the byte offset (kohya stops on it too).
   static ImageCaptionDataset load_folder(const std::string& dir, int resolution);
 
   /// Picks the layout: `path`/emoji.json present (or `path` is an emoji.json
@@ -63,8 +90,14 @@ class ImageCaptionDataset {
   const at::Tensor& images() const { return images_; }
   /// Images that were skipped, with reasons.
   const std::vector<SkippedImage>& skipped() const { return skipped_; }
-  /// Images loaded without a caption file (folder layout only).
-  int64_t missing_captions() const { return missing_captions_; }
+  /// Images loaded without a caption file (folder layout only); the same as
+  /// caption_stats().missing.
+  int64_t missing_captions() const { return caption_stats_.missing; }
+  /// Counts of loaded images whose caption is missing or empty.
+  const CaptionStats& caption_stats() const { return caption_stats_; }
+  /// Loops and duplicates met while listing a folder (load_folder), in the
+  /// order met; empty for the Twemoji layout.
+  const std::vector<DatasetWarning>& warnings() const { return warnings_; }
 
   /// float32 [B, 3, R, R] in [-1, 1] (x / 127.5 - 1) for the given indices.
   /// Throws shoestring::Error for an index outside [0, N).
@@ -78,6 +111,7 @@ class ImageCaptionDataset {
     std::string caption;
     bool missing_caption = false;  ///< no caption file was found
     std::string skip_reason;       ///< non-empty: skip without decoding
+    bool empty_caption = false;    ///< the caption file's first line is blank
   };
   /// Decodes candidates in parallel (at::parallel_for); failures go to skipped().
   static ImageCaptionDataset decode_all(std::vector<Candidate> candidates, int resolution, const std::string& source);
@@ -87,7 +121,8 @@ class ImageCaptionDataset {
   std::vector<std::string> paths_;
   at::Tensor images_;
   std::vector<SkippedImage> skipped_;
-  int64_t missing_captions_ = 0;
+  CaptionStats caption_stats_;
+  std::vector<DatasetWarning> warnings_;
 };
 
 /// Deterministic epoch-shuffled batch order, independent of torch's global RNG,

@@ -484,12 +484,11 @@ at::Tensor LdmTrainingModel::sample(const SampleRequest& request) {
         at::Tensor eps = out[1] + request.cfg * (out[0] - out[1]);
         x = schedule_.ddim_step(x, eps.unsqueeze(0), t, t_prev);
       }
-      at::Tensor img = vae->decode_latents(x).clamp(-1, 1);
-      images.push_back(((img + 1) * 127.5).round().to(torch::kUInt8));
+      images.push_back(vae->decode_latents(x).to(torch::kFloat32));
     }
   }
   if (was_training) root_->train();
-  return torch::cat(images, 0);
+  return samples_to_uint8(torch::cat(images, 0), request);
 }
 
 std::vector<std::pair<std::string, at::Tensor>> LdmTrainingModel::companion_tensors() {

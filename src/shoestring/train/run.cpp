@@ -296,7 +296,9 @@ std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions&
   const std::string data_dir = expand_path(c.train_data_dir);
   run.dataset = ImageCaptionDataset::load(data_dir, static_cast<int>(c.resolution));
   if (!options.quiet) {
-    spdlog::info("dataset: {} images from {} ({} skipped)", run.dataset.size(), data_dir, run.dataset.skipped().size());
+    spdlog::info("dataset: {} images from {} ({} skipped; captions: {} missing, {} empty)", run.dataset.size(),
+                 data_dir, run.dataset.skipped().size(), run.dataset.caption_stats().missing,
+                 run.dataset.caption_stats().empty);
   }
   run.sampler = std::make_unique<BatchSampler>(run.dataset.size(), c.train_batch_size, static_cast<uint64_t>(c.seed));
 

@@ -51,8 +51,32 @@ at::Tensor generate_images(TinyUNetModel& model, const WordTokenizer& tokenizer,
     outputs.push_back(sample_euler(velocity, noise, request.steps));
   }
   if (was_training) model->train();
-  at::Tensor x = torch::cat(outputs);
-  return ((x.clamp(-1, 1) + 1) * 127.5).round().to(torch::kUInt8);
+  return samples_to_uint8(torch::cat(outputs), request);
+}
+
+at::Tensor samples_to_uint8(const at::Tensor& images, const SampleRequest& request) {
+  const int64_t n = images.size(0);
+  const auto seeds = static_cast<int64_t>(request.seeds.size());
+  if (n != static_cast<int64_t>(request.prompts.size()) * seeds) {
+    fail("sampling: {} images for {} prompts x {} seeds", n, request.prompts.size(), seeds);
+  }
+  const at::Tensor bad = ~at::isfinite(images);  // [N, 3, R, R]
+  if (bad.any().item<bool>()) {
+    const at::Tensor bad_pixels = bad.any(1).flatten(1).sum(1);  // [N]: non-finite pixels per image
+    const at::Tensor affected = bad_pixels.nonzero().flatten();
+    const int64_t first = affected[0].item<int64_t>();
+    const bool has_nan = at::isnan(images).any().item<bool>();
+    const bool has_inf = at::isinf(images).any().item<bool>();
+    const char* kind = has_nan && has_inf ? "NaN and inf" : has_nan ? "NaN" : "inf";
+    fail(
+        "sample: the model produced {} in {} of {} pixels for prompt '{}' seed {} ({} of {} images affected); no "
+        "image written. Non-finite weights (a diverged run: inspect the checkpoint) or an extreme guidance scale "
+        "(cfg {}) cause this",
+        kind, bad_pixels[first].item<int64_t>(), images.size(-2) * images.size(-1),
+        request.prompts[static_cast<size_t>(first / seeds)], request.seeds[static_cast<size_t>(first % seeds)],
+        affected.size(0), n, request.cfg);
+  }
+  return ((images.to(torch::kFloat32).clamp(-1, 1) + 1) * 127.5).round().to(torch::kUInt8);
 }
 
 void save_sample_grid(const std::string& path, const at::Tensor& images, const SampleRequest& request) {

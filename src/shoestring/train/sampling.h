@@ -26,8 +26,18 @@ struct SampleRequest {
 /// Returns uint8 [P*S, 3, R, R] with R the model's training resolution.
 /// The model is put in eval mode for the duration and restored after; runs
 /// under no-grad; does not touch libtorch's global RNG (noise comes from a
-/// generator per seed). Throws shoestring::Error for an empty request.
+/// generator per seed). Throws shoestring::Error for an empty request, or
+/// when the model produced a non-finite value (see samples_to_uint8).
 at::Tensor generate_images(TinyUNetModel& model, const WordTokenizer& tokenizer, const SampleRequest& request);
+
+/// Sampled images, floating [P*S, 3, R, R] in about [-1, 1] (row-major by
+/// prompt as generate_images), to uint8 [P*S, 3, R, R]: (clamp(x, -1, 1) + 1)
+/// * 127.5, rounded. Throws shoestring::Error if any value is NaN or
+/// infinite (a cast would turn them into black or arbitrary pixels), naming
+/// the first such image's prompt and seed, how many of its R*R pixels are
+/// non-finite (a pixel: any of its channels), and how many of the images are
+/// affected; also if the tensor's first dimension is not P*S.
+at::Tensor samples_to_uint8(const at::Tensor& images, const SampleRequest& request);
 
 /// Writes a grid (rows = prompts, columns = seeds) with each prompt printed
 /// under its row, and a sidecar `<path minus .png>.txt` listing row prompts and
