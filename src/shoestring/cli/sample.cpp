@@ -11,6 +11,7 @@
 #include "shoestring/core/threads.h"
 #include "shoestring/data/tokenizer.h"
 #include "shoestring/io/safetensors.h"
+#include "shoestring/io/weight_files.h"
 #include "shoestring/models/architecture.h"
 #include "shoestring/train/checkpoint_io.h"
 #include "shoestring/train/sampling.h"
@@ -44,25 +45,6 @@ CLI::Validator finite_number() {
       "FINITE", "finite");
 }
 
-/// Throws shoestring::Error if a floating tensor of the checkpoint holds NaN
-/// or inf, naming the first such tensor and how many tensors are affected:
-/// sampling from such weights gives a blank grid.
-void check_finite_weights(const std::map<std::string, at::Tensor>& tensors, const std::string& path) {
-  std::string first;
-  int64_t first_bad = 0, first_numel = 0, bad_tensors = 0;
-  for (const auto& [name, t] : tensors) {
-    if (!t.is_floating_point()) continue;
-    const int64_t bad = (~at::isfinite(t)).sum().item<int64_t>();
-    if (bad == 0) continue;
-    if (bad_tensors++ == 0) first = name, first_bad = bad, first_numel = t.numel();
-  }
-  if (bad_tensors > 0) {
-    fail(
-        "{}: tensor '{}' holds {} non-finite values (NaN/inf) of {} ({} of {} tensors affected); the weights are "
-        "damaged or the run diverged, so sampling would give blank images",
-        path, first, first_bad, first_numel, bad_tensors, tensors.size());
-  }
-}
 }  // namespace
 
 void register_sample(CLI::App& app) {
@@ -115,7 +97,8 @@ void register_sample(CLI::App& app) {
     if (!tensors.empty() && tensors.begin()->second.scalar_type() == torch::kBFloat16) {
       model->to(torch::kBFloat16);
     }
-    check_finite_weights(tensors, file.path());
+    // Sampling from NaN / inf weights gives a blank grid.
+    for (const auto& [name, t] : tensors) require_finite(t, file.path(), name);
     load_module(*model, tensors, file.path());
     SampleRequest req;
     req.prompts = args->prompts;

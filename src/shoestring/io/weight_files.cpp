@@ -146,20 +146,16 @@ KeyDiff diff_keys(const std::map<std::string, std::vector<int64_t>>& expected,
   return d;
 }
 
-namespace {
-
-/// Throws naming `file` and `key` when `t` holds NaN or inf; `converted_to`
-/// names the dtype the values overflowed in ("": the file's own values).
 void require_finite(const at::Tensor& t, const std::string& file, const std::string& key,
                     const std::string& converted_to) {
-  if (t.numel() == 0 || t.isfinite().all().item<bool>()) return;
+  if (!t.is_floating_point() || t.numel() == 0 || t.isfinite().all().item<bool>()) return;
   const at::Tensor bad = t.isfinite().logical_not();
   const int64_t n = bad.sum().item<int64_t>();
   const int64_t first = bad.reshape({-1}).nonzero()[0][0].item<int64_t>();
   if (converted_to.empty()) {
     fail(
         "{}: tensor \"{}\" holds {} non-finite value(s) (NaN or inf) of {}, the first at flat index {}; the "
-        "weights are corrupt (re-download or re-convert the file)",
+        "weights are damaged (a corrupt file, or a run that diverged)",
         file, key, n, t.numel(), first);
   }
   fail(
@@ -167,8 +163,6 @@ void require_finite(const at::Tensor& t, const std::string& file, const std::str
       "{}); keep this module in a wider dtype (a precision rule with storage = \"fp32\" or \"bf16\")",
       file, key, converted_to, n, t.numel(), first);
 }
-
-}  // namespace
 
 LoadWeightsReport load_weights(torch::nn::Module& module, const WeightFiles& files, const LoadWeightsOptions& options) {
   torch::NoGradGuard no_grad;

@@ -73,6 +73,13 @@ struct KeyDiff {
 KeyDiff diff_keys(const std::map<std::string, std::vector<int64_t>>& expected,
                   const std::map<std::string, std::vector<int64_t>>& found);
 
+/// Throws shoestring::Error naming `file`, tensor `key`, how many values are
+/// NaN / inf and the first one's flat index, when floating tensor `t` holds
+/// any; `converted_to` names the dtype the values overflowed in after a
+/// conversion ("" = the file's own values). Non-floating tensors pass.
+void require_finite(const at::Tensor& t, const std::string& file, const std::string& key,
+                    const std::string& converted_to = "");
+
 /// Options of load_weights().
 struct LoadWeightsOptions {
   /// Maps a file key to the module's name for it ("" = skip the key). Default:
