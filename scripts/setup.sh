@@ -14,6 +14,7 @@ PKGS=(
   libstb-dev                        # image read/write/resize
   libfmt-dev libspdlog-dev          # logs
   libgtest-dev libgmock-dev libbenchmark-dev
+  clang libclang-rt-14-dev          # libFuzzer + sanitizer runtimes (scripts/fuzz.sh; a Recommends of clang)
 )
 
 missing=()

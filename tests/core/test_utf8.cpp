@@ -69,6 +69,27 @@ TEST(Utf8, KnownValidAndInvalidText) {
 
 // Every sequence of one to three bytes, and every four-byte one whose last
 // byte is one of a few representatives, against the reference.
+TEST(Utf8, SequenceLengthAndCodePoint) {
+  // (UTF-8 bytes, code point) from the Unicode code charts.
+  const std::pair<std::string, char32_t> known[] = {
+      {"A", U'A'},
+      {"\xc3\xa9", U'\u00e9'},
+      {"\xc2\x9b", U'\u009b'},
+      {"\xe2\x82\xac", U'\u20ac'},
+      {"\xe2\x80\xae", U'\u202e'},
+      {"\xf0\x9f\x98\x80", U'\U0001f600'},
+      {"\xf4\x8f\xbf\xbf", U'\U0010ffff'},
+  };
+  for (const auto& [text, cp] : known) {
+    const std::string in = "x" + text + "y";
+    ASSERT_EQ(utf8_sequence_length(in, 1), text.size()) << text;
+    EXPECT_EQ(utf8_code_point(in, 1, text.size()), cp) << text;
+  }
+  for (const std::string bad : {"\x80", "\xc0\xaf", "\xe0\x80\xaf", "\xed\xa0\x80", "\xf4\x90\x80\x80", "\xe2\x82"}) {
+    EXPECT_EQ(utf8_sequence_length(bad, 0), 0u) << bad;
+  }
+}
+
 TEST(Utf8, AgreesWithDecodingReferenceOnAllShortSequences) {
   std::string s;
   for (int a = 0; a < 256; ++a) {

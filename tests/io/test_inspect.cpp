@@ -97,6 +97,30 @@ TEST(Inspect, TextGroupsThousandsAndCutsLongMetadata) {
   EXPECT_LT(text.size(), 1000u);
 }
 
+TEST(Inspect, TextEscapesControlCharactersInNamesAndMetadata) {
+  testing::TempDir dir;
+  std::string path = dir.file("hostile.safetensors");
+  save_safetensors(path,
+                   {{"a\x1b[31mred", torch::zeros({2}), std::nullopt},
+                    {"b\n  forged  F32  [9]  9", torch::zeros({1}), std::nullopt}},
+                   {{"k\x1b]0;title\x07", "v\x1b[2J"}});
+  std::string text = inspect_text(SafetensorsFile::open(path));
+  EXPECT_EQ(text.find('\x1b'), std::string::npos) << text;
+  EXPECT_EQ(text.find('\x07'), std::string::npos) << text;
+  EXPECT_THAT(text, ::testing::ContainsRegex(R"(a\\x1b\[31mred +F32 +\[2\] +2)"
+                                             "\n"));
+  EXPECT_THAT(text, ::testing::ContainsRegex(R"(b\\n  forged  F32  \[9\]  9 +F32 +\[1\] +1)"
+                                             "\n"));
+  EXPECT_THAT(text, HasSubstr(R"(k\x1b]0;title\x07 = v\x1b[2J)"));
+  // One line per tensor: the header line, two tensor lines, nothing forged.
+  EXPECT_EQ(text.find("\n  forged"), std::string::npos);
+  // The JSON summary keeps names exactly (its encoder escapes them).
+  json j = inspect_json(SafetensorsFile::open(path));
+  EXPECT_EQ(j["tensors"][0]["name"].get<std::string>() + j["tensors"][1]["name"].get<std::string>(),
+            "a\x1b[31mred"
+            "b\n  forged  F32  [9]  9");
+}
+
 TEST(Inspect, TextForFileWithoutTensors) {
   testing::TempDir dir;
   std::string path = dir.file("none.safetensors");

@@ -351,6 +351,13 @@ struct BadFile {
   std::vector<std::string> needles;  // all must appear in the message
 };
 
+/// "[1,1,...,1]" with `rank` ones (a shape of one element).
+std::string ones_shape(int rank) {
+  std::string s = "[1";
+  for (int i = 1; i < rank; ++i) s += ",1";
+  return s + "]";
+}
+
 std::vector<BadFile> bad_files() {
   const std::string f32x2 = entry("F32", "[2]", 0, 8);
   const std::string d8(8, '\0');
@@ -434,6 +441,18 @@ std::vector<BadFile> bad_files() {
       {"DuplicateKeyInEntry",
        st_file(R"({"w":{"dtype":"F32","dtype":"I32","shape":[2],"data_offsets":[0,8]}})", d8),
        {"duplicate key 'dtype'", "'w'"}},
+      {"HeaderEmpty", st_file(""), {"header is not a JSON object", "start with '{'", "an empty header"}},
+      {"LeadingSpace", st_file(" {}"), {"header is not a JSON object", "start with '{'", "found ' '"}},
+      {"LeadingControlByte", st_file("\x1b{}"), {"header is not a JSON object", "found byte 0x1b"}},
+      {"NestedTooDeep",
+       st_file("{\"w\":" + entry("F32", "[[[[[[[[2]]]]]]]]", 0, 8) + "}", d8),
+       {"deeper than 8 levels", "at byte 34 of the header"}},
+      {"NestedBracketsMegabyte",
+       st_file("{\"a\":" + std::string(1 << 20, '[') + std::string(1 << 20, ']') + "}"),
+       {"deeper than 8 levels", "at byte 12 of the header"}},
+      {"ArrayTooLong",
+       st_file("{\"w\":" + entry("U8", ones_shape(1025), 0, 1) + "}", std::string(1, '\0')),
+       {"array of more than 1024 elements"}},
   };
 }
 
@@ -472,6 +491,49 @@ TEST(Safetensors, AcceptsZeroElementTensorsAnywhere) {
   EXPECT_EQ(file.get("b")[3].item<int>(), 8);
   // No tensors at all and an empty buffer is a valid file too.
   EXPECT_TRUE(SafetensorsFile::open(dir.write("e.safetensors", st_file("{}"))).tensors().empty());
+}
+
+TEST(Safetensors, BracketsInsideStringsDoNotCountAsNesting) {
+  TempDir dir;
+  // Names and metadata may hold any characters; only structure counts towards the depth bound.
+  const std::string name = std::string(20, '[') + "\\\"" + std::string(20, '{');  // JSON text [[..[\"{{..{
+  const std::string header = "{\"__metadata__\":{\"note\":\"" + std::string(30, '[') + "\"},\"" + name +
+                             "\":" + entry("U8", ones_shape(1024), 0, 1) + "}";
+  auto file = SafetensorsFile::open(dir.write("s.safetensors", st_file(header, std::string(1, '\x07'))));
+  ASSERT_EQ(file.tensors().size(), 1u);
+  EXPECT_EQ(file.tensors()[0].name, std::string(20, '[') + "\"" + std::string(20, '{'));
+  EXPECT_EQ(file.tensors()[0].shape.size(), 1024u);
+  EXPECT_EQ(file.metadata().at("note"), std::string(30, '['));
+}
+
+// A header of many tensors opens in time linear in its size (the ctest
+// TIMEOUT of this test, set in tests/io/timeouts.cmake, bounds it; before the
+// fix, 40,000 tensors took minutes). Also: a duplicate name at the end of such
+// a header is still found.
+std::string many_tensors_header(int n) {
+  std::string header = "{";
+  for (int i = 0; i < n; ++i) header += (i ? ",\"t" : "\"t") + std::to_string(i) + "\":" + entry("F32", "[0]", 0, 0);
+  return header;
+}
+
+TEST(SafetensorsScale, Opens100000TensorHeader) {
+  TempDir dir;
+  constexpr int kTensors = 100'000;
+  auto file = SafetensorsFile::open(dir.write("many.safetensors", st_file(many_tensors_header(kTensors) + "}")));
+  ASSERT_EQ(file.tensors().size(), static_cast<size_t>(kTensors));
+  for (int i : {0, 1, 4242, kTensors - 1}) {
+    const TensorInfo* t = file.find("t" + std::to_string(i));
+    ASSERT_NE(t, nullptr) << i;
+    EXPECT_EQ(t->dtype, StDtype::F32);
+    EXPECT_EQ(t->shape, std::vector<int64_t>{0});
+  }
+  const std::string dup = many_tensors_header(kTensors) + ",\"t17\":" + entry("F32", "[0]", 0, 0) + "}";
+  try {
+    SafetensorsFile::open(dir.write("dup.safetensors", st_file(dup)));
+    FAIL() << "accepted a duplicate name";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("duplicate tensor name 't17'"));
+  }
 }
 
 TEST(Safetensors, RejectsMissingFileAndDirectory) {

@@ -18,6 +18,7 @@
 
 #include "shoestring/cli/commands.h"
 #include "shoestring/core/error.h"
+#include "shoestring/core/text.h"
 #include "shoestring/core/units.h"
 #include "shoestring/io/inspect.h"
 #include "shoestring/io/safetensors.h"
@@ -91,12 +92,12 @@ std::string detection_text(const std::vector<models::Detection>& found) {
   auto list = [&](const char* what, const std::vector<std::string>& items) {
     if (items.empty()) return;
     out << fmt::format("  {} {}:\n", items.size(), what);
-    for (size_t i = 0; i < items.size() && i < kShown; ++i) out << "    " << items[i] << '\n';
+    for (size_t i = 0; i < items.size() && i < kShown; ++i) out << "    " << printable(items[i]) << '\n';
     if (items.size() > kShown) out << fmt::format("    ... and {} more\n", items.size() - kShown);
   };
   for (const auto& d : found) {
     out << fmt::format("architecture: {}{} under '{}' ({} tensors match; {} missing, {} unexpected, {} other shape)\n",
-                       d.architecture, d.tiny ? " (tiny width)" : "", d.prefix, d.matched, d.missing.size(),
+                       d.architecture, d.tiny ? " (tiny width)" : "", printable(d.prefix), d.matched, d.missing.size(),
                        d.unexpected.size(), d.mismatched.size());
     list("missing", d.missing);
     list("unexpected", d.unexpected);
@@ -132,10 +133,10 @@ void inspect_sharded(const InspectOptions& o) {
     for (const auto& d : found) j["architectures"].push_back(detection_json(d));
     std::cout << j.dump(2) << '\n';
   } else {
-    std::cout << fmt::format("{}: sharded checkpoint, {} shards, {} tensors, {} parameters, {} of data\n", o.file,
-                             per_file.size(), shapes.size(), params,
+    std::cout << fmt::format("{}: sharded checkpoint, {} shards, {} tensors, {} parameters, {} of data\n",
+                             printable(o.file), per_file.size(), shapes.size(), params,
                              format_bytes(static_cast<int64_t>(files.data_bytes())));
-    for (const auto& [f, n] : per_file) std::cout << fmt::format("  {}: {} tensors\n", f, n);
+    for (const auto& [f, n] : per_file) std::cout << fmt::format("  {}: {} tensors\n", printable(f), n);
     std::cout << detection_text(found);
   }
   std::cout.flush();

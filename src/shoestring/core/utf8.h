@@ -1,4 +1,5 @@
-// UTF-8 validation for text read from user files (captions).
+// UTF-8 validation for text read from user files (captions, names shown
+// by core/text.h).
 #pragma once
 #include <cstddef>
 #include <string_view>
@@ -15,5 +16,14 @@ namespace shoestring {
 /// 0x80..0xBF. U+0000 and
 /// noncharacters such as U+FFFE are valid, as in RFC 3629.
 size_t utf8_error_offset(std::string_view text);
+
+/// Length of the well-formed UTF-8 sequence that starts at text[i] (i <
+/// text.size()): 1 for ASCII, 2 to 4 for a multi-byte sequence, or 0 when the
+/// bytes there are ill-formed by the rules of utf8_error_offset().
+size_t utf8_sequence_length(std::string_view text, size_t i);
+
+/// The code point of the well-formed sequence of `len` bytes at text[i] (as
+/// returned by utf8_sequence_length).
+char32_t utf8_code_point(std::string_view text, size_t i, size_t len);
 
 }  // namespace shoestring

@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "shoestring/core/text.h"
 #include "shoestring/io/safetensors.h"
 
 namespace shoestring {
@@ -26,20 +27,10 @@ std::string grouped(uint64_t v) {
 std::string mib(uint64_t bytes) { return fmt::format("{:.2f} MiB", static_cast<double>(bytes) / (1024.0 * 1024.0)); }
 
 /// Metadata values can be long (embedded configs, thumbnails): keep the text
-/// summary on one line per key and cut values beyond `limit` characters.
+/// summary on one line per key (control characters escaped, core/text.h) and
+/// cut values beyond `limit` characters.
 std::string one_line(const std::string& s, size_t limit = 200) {
-  std::string out;
-  for (char c : s) {
-    if (c == '\n') {
-      out += "\\n";
-    } else if (c == '\r') {
-      out += "\\r";
-    } else if (c == '\t') {
-      out += "\\t";
-    } else {
-      out.push_back(c);
-    }
-  }
+  std::string out = printable(s);
   if (out.size() > limit) {
     out = fmt::format("{}... ({} characters in all)", out.substr(0, limit), s.size());
   }
@@ -78,14 +69,16 @@ nlohmann::json inspect_json(const SafetensorsFile& file) {
 std::string inspect_text(const SafetensorsFile& file) {
   const auto& tensors = file.tensors();
   size_t name_w = 4, dtype_w = 5, shape_w = 5;
-  std::vector<std::string> shapes;
+  std::vector<std::string> shapes, names;  // names with control characters escaped
   shapes.reserve(tensors.size());
+  names.reserve(tensors.size());
   uint64_t parameters = 0;
   uint64_t bytes = 0;
   std::map<std::string, uint64_t> per_dtype;
   for (const auto& t : tensors) {
     shapes.push_back(shape_text(t.shape));
-    name_w = std::max(name_w, t.name.size());
+    names.push_back(printable(t.name));
+    name_w = std::max(name_w, names.back().size());
     dtype_w = std::max(dtype_w, std::string(to_string(t.dtype)).size());
     shape_w = std::max(shape_w, shapes.back().size());
     parameters += static_cast<uint64_t>(t.numel());
@@ -93,14 +86,14 @@ std::string inspect_text(const SafetensorsFile& file) {
     per_dtype[to_string(t.dtype)] += t.nbytes();
   }
 
-  std::string out = fmt::format("{}: {} tensors\n", file.path(), tensors.size());
+  std::string out = fmt::format("{}: {} tensors\n", printable(file.path()), tensors.size());
   if (!tensors.empty()) {
     out += fmt::format("  {:<{}}  {:<{}}  {:<{}}  {:>14}\n", "name", name_w, "dtype", dtype_w, "shape", shape_w,
                        "parameters");
   }
   for (size_t i = 0; i < tensors.size(); ++i) {
     const auto& t = tensors[i];
-    out += fmt::format("  {:<{}}  {:<{}}  {:<{}}  {:>14}\n", t.name, name_w, to_string(t.dtype), dtype_w, shapes[i],
+    out += fmt::format("  {:<{}}  {:<{}}  {:<{}}  {:>14}\n", names[i], name_w, to_string(t.dtype), dtype_w, shapes[i],
                        shape_w, grouped(static_cast<uint64_t>(t.numel())));
   }
   out += fmt::format("total: {} parameters, {} bytes ({})\n", grouped(parameters), grouped(bytes), mib(bytes));

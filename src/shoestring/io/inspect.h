@@ -20,7 +20,9 @@ nlohmann::json inspect_json(const SafetensorsFile& file);
 
 /// Human-readable summary of `file`: one line per tensor (name, dtype, shape,
 /// number of elements), then total parameters, total bytes (and MiB), bytes
-/// per dtype, and the metadata. Ends with a newline.
+/// per dtype, and the metadata. Ends with a newline. Names, metadata and the
+/// path are shown through printable() (core/text.h): control characters in
+/// them are escaped, never sent to the terminal.
 std::string inspect_text(const SafetensorsFile& file);
 
 }  // namespace shoestring

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <set>
 #include <unordered_map>
+#include <unordered_set>
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
@@ -105,38 +106,120 @@ std::shared_ptr<Mapping> map_file(const std::string& path) {
   return m;
 }
 
-/// Parses `text` with duplicate-key detection (nlohmann::json keeps the last
-/// of duplicate keys silently). Returns the first duplicate as
-/// (enclosing top-level key or "", duplicate key) through `dup`.
-nlohmann::json parse_header_json(std::string_view text, std::optional<std::string>* dup_name,
-                                 std::optional<std::pair<std::string, std::string>>* dup_key) {
-  using json = nlohmann::json;
-  std::vector<std::set<std::string>> keys;  // one set per open object
-  std::string top_key;
-  auto cb = [&](int /*depth*/, json::parse_event_t ev, json& parsed) {
-    switch (ev) {
-      case json::parse_event_t::object_start: keys.emplace_back(); break;
-      case json::parse_event_t::object_end:
-        if (!keys.empty()) keys.pop_back();
-        break;
-      case json::parse_event_t::key: {
-        if (keys.empty() || !parsed.is_string()) break;
-        const std::string& k = parsed.get_ref<const std::string&>();
-        bool inserted = keys.back().insert(k).second;
-        if (keys.size() == 1) {
-          top_key = k;
-          if (!inserted && !*dup_name) *dup_name = k;
-        } else if (!inserted && !*dup_key) {
-          *dup_key = std::make_pair(top_key, k);
-        }
-        break;
+/// Nesting a valid header needs: the header object, a tensor entry (or
+/// __metadata__), and the entry's "shape" / "data_offsets" arrays. The margin
+/// keeps a clear message for near misses (e.g. "shape": [[2]]); the bound
+/// keeps a header of nested brackets from costing gigabytes before it fails.
+constexpr int kMaxHeaderDepth = 8;
+
+/// A valid header's arrays ("shape", "data_offsets") hold a few numbers each.
+/// Bounded for the same reason as the depth.
+constexpr size_t kMaxHeaderArrayLength = 1024;
+
+/// "'{'" for a printable ASCII byte, else "byte 0x1b".
+std::string describe_byte(unsigned char c) {
+  if (c >= 0x20 && c < 0x7f) return fmt::format("'{}'", static_cast<char>(c));
+  return fmt::format("byte 0x{:02x}", c);
+}
+
+/// One linear pass over `text` that tracks bracket depth outside strings;
+/// returns the offset of the first '{' or '[' that opens level max_depth + 1,
+/// or nullopt. Exact for well-formed JSON; for malformed text the parser that
+/// runs next reports the syntax error.
+std::optional<size_t> find_too_deep(std::string_view text, int max_depth) {
+  int depth = 0;
+  bool in_string = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (in_string) {
+      if (c == '\\') {
+        ++i;  // the escaped character cannot end the string
+      } else if (c == '"') {
+        in_string = false;
       }
-      default: break;
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '{' || c == '[') {
+      if (++depth > max_depth) return i;
+    } else if (c == '}' || c == ']') {
+      --depth;
+    }
+  }
+  return std::nullopt;
+}
+
+/// SAX pass over the header (nlohmann::json keeps the last of duplicate keys
+/// silently, so they are found here): records the first duplicate tensor name,
+/// the first duplicate key inside a top-level entry, the first over-long array
+/// and the first syntax error, and stops there. Linear in the header size: one
+/// hash set of keys per open object.
+class HeaderCheck : public nlohmann::json_sax<nlohmann::json> {
+ public:
+  std::optional<std::string> dup_name;                         // duplicate top-level key
+  std::optional<std::pair<std::string, std::string>> dup_key;  // (top-level key, duplicate key)
+  std::optional<std::string> syntax_error;                     // the JSON parser's message
+  bool long_array = false;
+
+  bool null() override { return value(); }
+  bool boolean(bool) override { return value(); }
+  bool number_integer(number_integer_t) override { return value(); }
+  bool number_unsigned(number_unsigned_t) override { return value(); }
+  bool number_float(number_float_t, const string_t&) override { return value(); }
+  bool string(string_t&) override { return value(); }
+  bool binary(binary_t&) override { return value(); }
+  bool start_object(std::size_t) override {
+    if (!value()) return false;
+    open_.push_back({true, 0});
+    keys_.emplace_back();
+    return true;
+  }
+  bool end_object() override {
+    open_.pop_back();
+    keys_.pop_back();
+    return true;
+  }
+  bool start_array(std::size_t) override {
+    if (!value()) return false;
+    open_.push_back({false, 0});
+    return true;
+  }
+  bool end_array() override {
+    open_.pop_back();
+    return true;
+  }
+  bool key(string_t& k) override {
+    const bool fresh = keys_.back().insert(k).second;
+    if (open_.size() == 1) {
+      top_key_ = k;
+      if (!fresh) dup_name = k;
+    } else if (!fresh) {
+      dup_key = std::make_pair(top_key_, k);
+    }
+    return fresh;
+  }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& e) override {
+    syntax_error = e.what();
+    return false;
+  }
+
+ private:
+  struct Open {
+    bool object;
+    size_t elements;  // of an array
+  };
+  std::vector<Open> open_;                             // open objects and arrays, outermost first
+  std::vector<std::unordered_set<std::string>> keys_;  // the keys of each open object, outermost first
+  std::string top_key_;                                // the top-level key being read
+
+  // Counts an array element; false (stop) when an array grows too long.
+  bool value() {
+    if (!open_.empty() && !open_.back().object && ++open_.back().elements > kMaxHeaderArrayLength) {
+      long_array = true;
+      return false;
     }
     return true;
-  };
-  return json::parse(text.begin(), text.end(), cb);
-}
+  }
+};
 
 }  // namespace
 
@@ -245,21 +328,38 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
   st->header_size = n;
   const uint64_t data_size = file_size - 8 - n;
 
-  std::optional<std::string> dup_name;
-  std::optional<std::pair<std::string, std::string>> dup_key;
+  // Checked before the JSON parser sees the header, so that text that cannot
+  // be a header is refused without building it in memory.
+  const std::string_view text(reinterpret_cast<const char*>(base + 8), static_cast<size_t>(n));
+  if (text.empty() || text.front() != '{') {
+    fail("{}: header is not a JSON object: the format requires it to start with '{{' (found {})", where,
+         text.empty() ? "an empty header" : describe_byte(static_cast<unsigned char>(text.front())));
+  }
+  if (auto at = find_too_deep(text, kMaxHeaderDepth)) {
+    fail(
+        "{}: header nests JSON objects and arrays deeper than {} levels (at byte {} of the header); a "
+        "safetensors header needs 3 (the header object, a tensor entry, its \"shape\")",
+        where, kMaxHeaderDepth, *at);
+  }
+  HeaderCheck check;
+  json::sax_parse(text.begin(), text.end(), &check);
+  if (check.syntax_error) fail("{}: header is not valid JSON: {}", where, *check.syntax_error);
+  if (check.dup_name) fail("{}: duplicate tensor name '{}' in the header", where, *check.dup_name);
+  if (check.dup_key) {
+    fail("{}: duplicate key '{}' in the header entry '{}'", where, check.dup_key->second, check.dup_key->first);
+  }
+  if (check.long_array) {
+    fail("{}: header has an array of more than {} elements (\"shape\" and \"data_offsets\" hold a few numbers)", where,
+         kMaxHeaderArrayLength);
+  }
   json header;
   try {
-    header = parse_header_json(std::string_view(reinterpret_cast<const char*>(base + 8), static_cast<size_t>(n)),
-                               &dup_name, &dup_key);
+    header = json::parse(text.begin(), text.end());
   } catch (const json::exception& e) {
     fail("{}: header is not valid JSON: {}", where, e.what());
   }
   if (!header.is_object()) {
     fail("{}: header is not a JSON object (got {})", where, header.type_name());
-  }
-  if (dup_name) fail("{}: duplicate tensor name '{}' in the header", where, *dup_name);
-  if (dup_key) {
-    fail("{}: duplicate key '{}' in the header entry '{}'", where, dup_key->second, dup_key->first);
   }
 
   for (const auto& [name, entry] : header.items()) {

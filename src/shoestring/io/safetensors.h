@@ -83,12 +83,17 @@ class SafetensorsFile {
   /// the path and the rule broken (and the tensor where relevant):
   /// file shorter than 8 bytes; header length above 100,000,000 bytes (the
   /// limit of the reference implementation) or past the end of the file;
-  /// header not valid JSON / not an object; an entry not an object; missing or
+  /// header not starting with '{' (the format requires it; trailing spaces
+  /// are allowed), nesting objects / arrays deeper than 8 levels (a header
+  /// needs 3) or holding an array of more than 1024 elements (both checked
+  /// before the header is built in memory), header not valid JSON / not an
+  /// object; an entry not an object; missing or
   /// wrong-typed "dtype", "shape", "data_offsets"; negative dimensions;
   /// "__metadata__" not a string -> string object; unknown dtype; byte size
   /// not matching shape and dtype; duplicate tensor names (or duplicate keys
   /// anywhere in the header); data offsets that overlap, leave holes, run past
   /// the end of the file, or leave unused bytes at the end of the buffer.
+  /// Time and memory are linear in the header size (bench/safetensors_open).
   static SafetensorsFile open(const std::string& path);
 
   /// Path as given to open().

@@ -58,7 +58,10 @@ WeightFiles WeightFiles::open(const std::string& path) {
     assigned[name] = file;
     if (!shard_of_file.count(file)) {
       const std::string shard_path = (folder / rel).string();
-      if (!fs::exists(shard_path)) fail("{}: shard \"{}\" (holding \"{}\") does not exist", path, shard_path, name);
+      std::error_code ec;  // e.g. a name too long for the file system: an error, not an exception
+      if (!fs::exists(shard_path, ec))
+        fail("{}: shard \"{}\" (holding \"{}\") does not exist{}", path, shard_path, name,
+             ec ? " (" + ec.message() + ")" : "");
       shard_of_file[file] = w.files_.size();
       w.files_.push_back(SafetensorsFile::open(shard_path));
     }

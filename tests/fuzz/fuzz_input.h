@@ -1,0 +1,66 @@
+// One fuzz input through the readers of untrusted files: SafetensorsFile
+// (io/safetensors.h) and the sharded-checkpoint index WeightFiles
+// (io/weight_files.h). Shared by the libFuzzer target (fuzz_readers.cpp) and
+// the regression test that replays the committed inputs (tests/io/
+// test_fuzz_regressions.cpp), so both run exactly the same code.
+//
+// Input layout (byte 0 picks the reader):
+//   byte 0 even: bytes 1.. are a .safetensors file;
+//   byte 0 odd:  bytes 1..4 are a little-endian u32 L, then L bytes of
+//                index JSON (written as model.safetensors.index.json), then
+//                the rest as the shard file "s.safetensors" beside it.
+#pragma once
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "shoestring/io/safetensors.h"
+#include "shoestring/io/weight_files.h"
+
+namespace shoestring::fuzz {
+
+inline void write_bytes(const std::string& path, const uint8_t* data, size_t size) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(reinterpret_cast<const char*>(data), static_cast<std::streamsize>(size));
+}
+
+/// Reads the input through the chosen reader in the folder `dir` (existing,
+/// writable; its files are overwritten) and touches every tensor it lists.
+/// Returns normally for an accepted file; throws what the reader throws
+/// (shoestring::Error for a refused one: anything else is a bug).
+inline void read_fuzz_input(const uint8_t* data, size_t size, const std::filesystem::path& dir) {
+  if (size == 0) return;
+  const bool index = data[0] & 1;
+  ++data, --size;
+  if (!index) {
+    const std::string path = (dir / "f.safetensors").string();
+    write_bytes(path, data, size);
+    const SafetensorsFile file = SafetensorsFile::open(path);
+    for (const auto& t : file.tensors()) {
+      const std::string_view raw = file.bytes(t);
+      if (raw.size() != t.nbytes()) throw std::logic_error("bytes() size differs from nbytes()");
+      if (t.nbytes() <= 4096) (void)file.get(t);
+    }
+    (void)file.metadata();
+    return;
+  }
+  uint32_t len = 0;
+  if (size < 4) return;
+  std::memcpy(&len, data, 4);
+  data += 4, size -= 4;
+  if (len > size) len = static_cast<uint32_t>(size);
+  const std::string index_path = (dir / "model.safetensors.index.json").string();
+  write_bytes(index_path, data, len);
+  write_bytes((dir / "s.safetensors").string(), data + len, size - len);
+  const WeightFiles files = WeightFiles::open(index_path);
+  for (const auto& name : files.names()) {
+    const TensorInfo* t = files.find(name);
+    if (!t) throw std::logic_error("names() lists a tensor find() does not know");
+    if (t->nbytes() <= 4096) (void)files.get(name);
+    (void)files.file_of(name);
+  }
+}
+
+}  // namespace shoestring::fuzz

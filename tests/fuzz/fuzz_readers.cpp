@@ -1,0 +1,46 @@
+// libFuzzer target for the safetensors reader and the sharded-checkpoint
+// index reader (input layout: fuzz_input.h). Built with -DSHOESTRING_FUZZ=ON
+// and clang (scripts/fuzz.sh); ASan + UBSan catch memory errors and undefined
+// behaviour, and an exception other than shoestring::Error is a finding too
+// (libFuzzer reports it as a crash).
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <filesystem>
+#include <string>
+
+#include "fuzz_input.h"
+#include "shoestring/core/error.h"
+
+namespace {
+
+/// A private folder for the files of one input, removed at exit.
+struct WorkDir {
+  std::filesystem::path path;
+  WorkDir() {
+    std::string tmpl = (std::filesystem::temp_directory_path() / "shoestring_fuzz_XXXXXX").string();
+    if (!::mkdtemp(tmpl.data())) std::abort();
+    path = tmpl;
+  }
+  ~WorkDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path, ec);
+  }
+};
+
+const std::filesystem::path& work_dir() {
+  static const WorkDir dir;
+  return dir.path;
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  try {
+    shoestring::fuzz::read_fuzz_input(data, size, work_dir());
+  } catch (const shoestring::Error&) {
+    // A refused file: the expected outcome for most inputs.
+  }
+  return 0;
+}
