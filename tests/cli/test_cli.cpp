@@ -109,6 +109,14 @@ TEST(Cli, BadInputsGiveClearErrors) {
   Result no_resume = run("train --resume /nonexistent_run_dir");
   EXPECT_EQ(no_resume.code, 1);
   EXPECT_NE(no_resume.output.find("/nonexistent_run_dir"), std::string::npos) << no_resume.output;
+  // A folder without config.toml (a run killed before writing it) says what to do instead.
+  const std::string empty_run = temp_path("empty_run");
+  fs::create_directories(empty_run);
+  Result not_a_run = run("train --resume " + empty_run);
+  EXPECT_EQ(not_a_run.code, 1);
+  EXPECT_NE(not_a_run.output.find("it has no config.toml"), std::string::npos) << not_a_run.output;
+  EXPECT_NE(not_a_run.output.find("original command"), std::string::npos) << not_a_run.output;
+  fs::remove_all(empty_run);
 
   // A directory given as the config, and --set before the positional CONFIG.
   fs::path dir_cfg = temp_path("dir") + ".toml";

@@ -44,7 +44,12 @@ void register_train(CLI::App& app) {
       fail("train: a CONFIG file is required (or --resume RUN_DIR)");
     }
     if (!fs::exists(config_path)) {
-      if (!args->resume.empty()) fail("--resume '{}': not a run folder (it has no config.toml)", args->resume);
+      if (!args->resume.empty()) {
+        fail(
+            "--resume '{}': not a run folder (it has no config.toml; a run killed before writing it has nothing "
+            "to resume: start it again with its original command)",
+            args->resume);
+      }
       fail("config file '{}' does not exist", config_path);
     }
     if (fs::is_directory(config_path)) fail("config '{}' is a directory, expected a TOML file", config_path);
