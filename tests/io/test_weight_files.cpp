@@ -91,6 +91,15 @@ TEST(WeightFiles, BadIndexesNameTheProblem) {
                                                                   "b.weight": "m-00002-of-00002.safetensors"}})"));
   });
   EXPECT_NE(msg.find("stats"), std::string::npos) << msg;
+  // A tensor listed twice (JSON parsers keep one of the two silently), in
+  // two shards: the index is ambiguous.
+  msg = error_of([&] { WeightFiles::open(write_sharded(dir, R"("b.weight": "m-00001-of-00002.safetensors", )")); });
+  EXPECT_NE(msg.find("weight_map lists \"b.weight\" twice"), std::string::npos) << msg;
+  // Deep nesting is refused before the JSON is built (an index needs 2 levels).
+  msg = error_of([&] {
+    WeightFiles::open(dir.write("deep.index.json", R"({"metadata": {"a": [[[[[[[[[1]]]]]]]]]}, "weight_map": {}})"));
+  });
+  EXPECT_NE(msg.find("nested deeper than 8 levels (at byte"), std::string::npos) << msg;
 }
 
 TEST(WeightFiles, MissingUnexpectedAndMisShapedKeysAreListed) {

@@ -11,7 +11,6 @@
 #include <cstring>
 #include <set>
 #include <unordered_map>
-#include <unordered_set>
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
@@ -21,6 +20,7 @@
 #include "shoestring/core/torch_compat.h"
 #include "shoestring/core/units.h"
 #include "shoestring/io/atomic_file.h"
+#include "shoestring/io/json_structure.h"
 
 // The format is little-endian and we use file bytes as they are.
 #if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
@@ -121,105 +121,6 @@ std::string describe_byte(unsigned char c) {
   if (c >= 0x20 && c < 0x7f) return fmt::format("'{}'", static_cast<char>(c));
   return fmt::format("byte 0x{:02x}", c);
 }
-
-/// One linear pass over `text` that tracks bracket depth outside strings;
-/// returns the offset of the first '{' or '[' that opens level max_depth + 1,
-/// or nullopt. Exact for well-formed JSON; for malformed text the parser that
-/// runs next reports the syntax error.
-std::optional<size_t> find_too_deep(std::string_view text, int max_depth) {
-  int depth = 0;
-  bool in_string = false;
-  for (size_t i = 0; i < text.size(); ++i) {
-    const char c = text[i];
-    if (in_string) {
-      if (c == '\\') {
-        ++i;  // the escaped character cannot end the string
-      } else if (c == '"') {
-        in_string = false;
-      }
-    } else if (c == '"') {
-      in_string = true;
-    } else if (c == '{' || c == '[') {
-      if (++depth > max_depth) return i;
-    } else if (c == '}' || c == ']') {
-      --depth;
-    }
-  }
-  return std::nullopt;
-}
-
-/// SAX pass over the header (nlohmann::json keeps the last of duplicate keys
-/// silently, so they are found here): records the first duplicate tensor name,
-/// the first duplicate key inside a top-level entry, the first over-long array
-/// and the first syntax error, and stops there. Linear in the header size: one
-/// hash set of keys per open object.
-class HeaderCheck : public nlohmann::json_sax<nlohmann::json> {
- public:
-  std::optional<std::string> dup_name;                         // duplicate top-level key
-  std::optional<std::pair<std::string, std::string>> dup_key;  // (top-level key, duplicate key)
-  std::optional<std::string> syntax_error;                     // the JSON parser's message
-  bool long_array = false;
-
-  bool null() override { return value(); }
-  bool boolean(bool) override { return value(); }
-  bool number_integer(number_integer_t) override { return value(); }
-  bool number_unsigned(number_unsigned_t) override { return value(); }
-  bool number_float(number_float_t, const string_t&) override { return value(); }
-  bool string(string_t&) override { return value(); }
-  bool binary(binary_t&) override { return value(); }
-  bool start_object(std::size_t) override {
-    if (!value()) return false;
-    open_.push_back({true, 0});
-    keys_.emplace_back();
-    return true;
-  }
-  bool end_object() override {
-    open_.pop_back();
-    keys_.pop_back();
-    return true;
-  }
-  bool start_array(std::size_t) override {
-    if (!value()) return false;
-    open_.push_back({false, 0});
-    return true;
-  }
-  bool end_array() override {
-    open_.pop_back();
-    return true;
-  }
-  bool key(string_t& k) override {
-    const bool fresh = keys_.back().insert(k).second;
-    if (open_.size() == 1) {
-      top_key_ = k;
-      if (!fresh) dup_name = k;
-    } else if (!fresh) {
-      dup_key = std::make_pair(top_key_, k);
-    }
-    return fresh;
-  }
-  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& e) override {
-    syntax_error = e.what();
-    return false;
-  }
-
- private:
-  struct Open {
-    bool object;
-    size_t elements;  // of an array
-  };
-  std::vector<Open> open_;                             // open objects and arrays, outermost first
-  std::vector<std::unordered_set<std::string>> keys_;  // the keys of each open object, outermost first
-  std::string top_key_;                                // the top-level key being read
-
-  // Counts an array element; false (stop) when an array grows too long.
-  bool value() {
-    if (!open_.empty() && !open_.back().object && ++open_.back().elements > kMaxHeaderArrayLength) {
-      long_array = true;
-      return false;
-    }
-    return true;
-  }
-};
 
 }  // namespace
 
@@ -335,18 +236,18 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
     fail("{}: header is not a JSON object: the format requires it to start with '{{' (found {})", where,
          text.empty() ? "an empty header" : describe_byte(static_cast<unsigned char>(text.front())));
   }
-  if (auto at = find_too_deep(text, kMaxHeaderDepth)) {
+  const JsonStructureIssues check = scan_json_structure(text, kMaxHeaderDepth, kMaxHeaderArrayLength);
+  if (check.too_deep_at) {
     fail(
         "{}: header nests JSON objects and arrays deeper than {} levels (at byte {} of the header); a "
         "safetensors header needs 3 (the header object, a tensor entry, its \"shape\")",
-        where, kMaxHeaderDepth, *at);
+        where, kMaxHeaderDepth, *check.too_deep_at);
   }
-  HeaderCheck check;
-  json::sax_parse(text.begin(), text.end(), &check);
   if (check.syntax_error) fail("{}: header is not valid JSON: {}", where, *check.syntax_error);
-  if (check.dup_name) fail("{}: duplicate tensor name '{}' in the header", where, *check.dup_name);
-  if (check.dup_key) {
-    fail("{}: duplicate key '{}' in the header entry '{}'", where, check.dup_key->second, check.dup_key->first);
+  if (check.duplicate_top_key) fail("{}: duplicate tensor name '{}' in the header", where, *check.duplicate_top_key);
+  if (check.duplicate_nested_key) {
+    fail("{}: duplicate key '{}' in the header entry '{}'", where, check.duplicate_nested_key->second,
+         check.duplicate_nested_key->first);
   }
   if (check.long_array) {
     fail("{}: header has an array of more than {} elements (\"shape\" and \"data_offsets\" hold a few numbers)", where,

@@ -11,6 +11,7 @@
 
 #include "shoestring/core/error.h"
 #include "shoestring/io/atomic_file.h"
+#include "shoestring/io/json_structure.h"
 
 namespace shoestring {
 namespace fs = std::filesystem;
@@ -38,6 +39,25 @@ WeightFiles WeightFiles::open(const std::string& path) {
     return w;
   }
   const std::string text = read_file(path);
+  // An index is {"metadata": {...}, "weight_map": {name: file}}: 2 levels; a
+  // margin for metadata holding objects of its own.
+  constexpr int kMaxIndexDepth = 8;
+  const JsonStructureIssues issues = scan_json_structure(text, kMaxIndexDepth, size_t{1} << 20);
+  if (issues.too_deep_at) {
+    fail("{}: not a sharded-checkpoint index: JSON nested deeper than {} levels (at byte {}); an index needs 2", path,
+         kMaxIndexDepth, *issues.too_deep_at);
+  }
+  if (issues.syntax_error)
+    fail("{}: not a valid sharded-checkpoint index (JSON error: {})", path, *issues.syntax_error);
+  if (issues.duplicate_nested_key && issues.duplicate_nested_key->first == "weight_map") {
+    fail("{}: weight_map lists \"{}\" twice (which shard holds it is ambiguous)", path,
+         issues.duplicate_nested_key->second);
+  }
+  if (issues.duplicate_top_key || issues.duplicate_nested_key) {
+    fail("{}: the index gives key \"{}\" twice", path,
+         issues.duplicate_top_key ? *issues.duplicate_top_key : issues.duplicate_nested_key->second);
+  }
+  if (issues.long_array) fail("{}: the index holds an array of more than {} values", path, size_t{1} << 20);
   nlohmann::json index;
   try {
     index = nlohmann::json::parse(text);
