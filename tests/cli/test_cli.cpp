@@ -109,6 +109,21 @@ TEST(Cli, BadInputsGiveClearErrors) {
   Result no_resume = run("train --resume /nonexistent_run_dir");
   EXPECT_EQ(no_resume.code, 1);
   EXPECT_NE(no_resume.output.find("/nonexistent_run_dir"), std::string::npos) << no_resume.output;
+  // Names quoted in error messages are escaped: a tensor name holding a
+  // terminal escape (JSON \u001b) cannot colour the terminal.
+  {
+    const std::string entry = R"({"dtype":"F32","shape":[0],"data_offsets":[0,0]})";
+    const std::string header = R"({"\u001b[31mEVIL":)" + entry + R"(,"\u001b[31mEVIL":)" + entry + "}";
+    std::string bytes(8, '\0');
+    for (int i = 0; i < 8; ++i) bytes[i] = static_cast<char>((header.size() >> (8 * i)) & 0xff);
+    const std::string evil = temp_path("evil") + ".safetensors";
+    std::ofstream(evil, std::ios::binary) << bytes << header;
+    Result r = run("inspect " + evil);
+    EXPECT_EQ(r.code, 1) << r.output;
+    EXPECT_NE(r.output.find("duplicate tensor name '\\x1b[31mEVIL'"), std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find('\x1b'), std::string::npos) << r.output;
+    fs::remove(evil);
+  }
   // A folder without config.toml (a run killed before writing it) says what to do instead.
   const std::string empty_run = temp_path("empty_run");
   fs::create_directories(empty_run);

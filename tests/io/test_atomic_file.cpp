@@ -1,6 +1,5 @@
 #include "shoestring/io/atomic_file.h"
 
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -127,52 +126,62 @@ TEST(AtomicFile, EnsureWritableDirUnwritableProcThrows) {
   }
 }
 
-/// The pid of a process that has exited and been reaped: no process has it
-/// now (until the kernel reuses it, which takes a full wrap of pid_max).
-pid_t dead_pid() {
-  const pid_t child = ::fork();
-  if (child == 0) ::_exit(0);
-  int status = 0;
-  ::waitpid(child, &status, 0);
-  return child;
-}
-
-TEST(AtomicFile, RemovesTemporariesOfDeadProcessesOnly) {
+// Only the temporaries of the names the caller owns go, whatever their pid
+// (a container's restarted process often has the dead one's pid, e.g. 1),
+// and only in the folder given, not below it.
+TEST(AtomicFile, RemovesOwnedTemporariesOnly) {
   TempDir dir;
-  const pid_t dead = dead_pid();
-  fs::create_directories(dir.file("checkpoints/step-000002"));
-  const std::string stale1 =
-      dir.write(fmt::format("checkpoints/step-000002/model.safetensors.tmp.{}.3", dead), "12345");
-  const std::string stale2 = dir.write(fmt::format("config.toml.tmp.{}.0", dead), "abc");
-  const std::string probe = dir.write(fmt::format(".write_probe.{}", dead), "");
-  const std::string live = dir.write(fmt::format("metrics.jsonl.tmp.{}.7", ::getpid()), "live");  // this process
-  const std::string other = dir.write(fmt::format("notes.tmp.{}", dead), "not ours: no counter");
+  fs::create_directories(dir.file("projects/deep"));
+  const std::string stale1 = dir.write("model.safetensors.tmp.1.3", "12345");
+  const std::string stale2 = dir.write(fmt::format("config.toml.tmp.{}.0", ::getpid()), "abc");
+  const std::string probe = dir.write(".write_probe.77", "");
+  const std::string foreign = dir.write("thesis.docx.tmp.99999.3", "a user's file");
+  const std::string below = dir.write("projects/deep/model.safetensors.tmp.5.1", "not in this folder");
+  const std::string no_counter = dir.write("model.safetensors.tmp.5", "not a temporary name");
   const std::string kept = dir.write("model.safetensors", "final");
 
-  const StaleTemporaries removed = remove_stale_temporaries(dir.path().string());
+  const StaleTemporaries removed = remove_temporaries(dir.path().string(), [](const std::string& name) {
+    return name == "model.safetensors" || name == "config.toml" || name == ".write_probe";
+  });
   std::vector<std::string> expected{stale1, stale2, probe};
   std::sort(expected.begin(), expected.end());
   EXPECT_EQ(removed.paths, expected);
   EXPECT_EQ(removed.bytes, 8u);
   for (const auto& p : expected) EXPECT_FALSE(fs::exists(p)) << p;
-  for (const auto& p : {live, other, kept}) EXPECT_TRUE(fs::exists(p)) << p;
-  EXPECT_TRUE(remove_stale_temporaries(dir.file("missing")).paths.empty());
+  for (const auto& p : {foreign, below, no_counter, kept}) EXPECT_TRUE(fs::exists(p)) << p;
+  EXPECT_TRUE(remove_temporaries(dir.file("missing"), [](const std::string&) { return true; }).paths.empty());
 }
 
 TEST(AtomicFile, TemporaryNamesMatchWhatWriteFileAtomicCreates) {
-  // The name remove_stale_temporaries looks for is the one write_file_atomic
-  // uses: capture it from inside a writer, then pretend its process died by
-  // renaming it to a dead pid.
+  // The name remove_temporaries looks for is the one write_file_atomic uses:
+  // capture it from inside a writer, then leave a copy behind.
   TempDir dir;
   std::string temp_name;
   write_file_atomic(dir.file("out.bin"), [&](std::FILE*) {
     for (const auto& e : fs::directory_iterator(dir.path())) temp_name = e.path().filename().string();
   });
-  const std::string own = fmt::format(".tmp.{}.", ::getpid());
-  ASSERT_NE(temp_name.find("out.bin" + own), std::string::npos) << temp_name;
-  const std::string stale =
-      dir.write(temp_name.replace(temp_name.find(own), own.size(), fmt::format(".tmp.{}.", dead_pid())), "x");
-  EXPECT_EQ(remove_stale_temporaries(dir.path().string()).paths, std::vector<std::string>{stale});
+  ASSERT_EQ(temp_name.rfind(fmt::format("out.bin.tmp.{}.", ::getpid()), 0), 0u) << temp_name;
+  const std::string stale = dir.write(temp_name, "x");
+  EXPECT_EQ(remove_temporaries(dir.path().string(), [](const std::string& n) { return n == "out.bin"; }).paths,
+            std::vector<std::string>{stale});
+}
+
+// flock locks belong to an open file description: a second lock on the same
+// file is refused even in the same process, and released with the first.
+TEST(AtomicFile, FolderLockIsExclusiveUntilReleased) {
+  TempDir dir;
+  {
+    FolderLock first(dir.path().string(), ".lock");
+    try {
+      FolderLock second(dir.path().string(), ".lock");
+      FAIL() << "no error";
+    } catch (const Error& e) {
+      EXPECT_THAT(e.what(), HasSubstr("in use by another shoestring process"));
+      EXPECT_THAT(e.what(), HasSubstr(dir.path().string()));
+    }
+  }
+  FolderLock again(dir.path().string(), ".lock");  // released: free again
+  EXPECT_TRUE(fs::exists(again.path()));
 }
 
 }  // namespace

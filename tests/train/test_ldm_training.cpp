@@ -221,6 +221,20 @@ TEST(LdmTraining, FineTuneAndLoraStartFromTheSavedFile) {
     EXPECT_NE(m.find(broken + ": LoRA keys do not match the network; 1 missing: " + dropped), std::string::npos) << m;
   }
   EXPECT_FALSE(fs::exists(bad.output_dir));  // nothing left to block a retry
+  // network_weights holding NaN are refused by name, not trained into NaN.
+  std::vector<NamedTensor> poisoned;
+  const std::string nan_key = "lora_unet_input_blocks_1_1_transformer_blocks_0_attn1_to_q.lora_down.weight";
+  for (const auto& [k, v] : whole) poisoned.push_back({k, k == nan_key ? torch::full_like(v, NAN) : v, std::nullopt});
+  save_safetensors(broken, poisoned);
+  bad.clip_skip = lora.clip_skip;
+  try {
+    train(bad, quiet());
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find(broken + ": tensor \"" + nan_key + "\" holds"), std::string::npos) << m;
+  }
+  EXPECT_FALSE(fs::exists(bad.output_dir));
   fs::remove(broken);
 }
 

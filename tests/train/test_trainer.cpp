@@ -1,6 +1,7 @@
 // End-to-end training tests on the committed Twemoji fixtures (no network).
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 
@@ -8,9 +9,11 @@
 
 #include "shoestring/core/error.h"
 #include "shoestring/data/tokenizer.h"
+#include "shoestring/io/atomic_file.h"
 #include "shoestring/io/safetensors.h"
 #include "shoestring/train/checkpoint_io.h"
 #include "shoestring/train/config.h"
+#include "shoestring/train/run.h"
 #include "shoestring/train/sampling.h"
 #include "shoestring/train/tiny_unet_model.h"
 #include "shoestring/train/trainer.h"
@@ -154,6 +157,60 @@ TEST(Trainer, ResumeWithoutCheckpointStartsOver) {
   EXPECT_EQ(losses_of(dir + "/metrics.jsonl"), first);
   EXPECT_TRUE(std::filesystem::exists(dir + "/model.safetensors"));
   std::filesystem::remove_all(dir);
+}
+
+// A run folder is trained in by one process at a time; the stale-temporary
+// cleanup touches only temporaries of the files a run writes; a checkpoint
+// with a NaN weight is refused by name.
+TEST(Trainer, RunFolderIsLockedCleanedNarrowlyAndCheckedForNaN) {
+  namespace fs = std::filesystem;
+  TrainConfig c = shoestring::testing::tiny_emoji_config(temp_dir("locked"));
+  c.max_train_steps = 2;
+  c.save_every_n_steps = 1;
+  fs::create_directories(c.output_dir + "/projects");
+  const std::string foreign = c.output_dir + "/thesis.docx.tmp.99999.3";
+  const std::string below = c.output_dir + "/projects/model.safetensors.tmp.1.1";
+  const std::string stale = c.output_dir + "/config.toml.tmp.1.0";
+  for (const auto& p : {foreign, below, stale}) std::ofstream(p) << "x";
+  {
+    FolderLock held(c.output_dir, kRunLockFile);  // another process's run, as far as train() can tell
+    try {
+      train(c, quiet());
+      ADD_FAILURE() << "no error";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("in use by another shoestring process"), std::string::npos) << e.what();
+    }
+  }
+  const std::string dir = train(c, quiet()).run_dir;
+  EXPECT_TRUE(fs::exists(foreign));
+  EXPECT_TRUE(fs::exists(below));
+  EXPECT_FALSE(fs::exists(stale));
+
+  // NaN in the latest checkpoint's weights: the resume names file and tensor.
+  const std::string ckpt = dir + "/checkpoints/step-000002/model.safetensors";
+  std::vector<NamedTensor> tensors;
+  std::string poisoned;
+  for (auto& [k, v] : load_safetensors(ckpt)) {
+    at::Tensor t = v.clone();
+    if (poisoned.empty() && t.is_floating_point() && t.numel() > 1) {
+      poisoned = k;
+      t.view({-1})[1] = NAN;
+    }
+    tensors.push_back({k, t, std::nullopt});
+  }
+  const auto metadata = SafetensorsFile::open(ckpt).metadata();  // the tokenizer lives there
+  save_safetensors(ckpt, tensors, metadata);
+  TrainRunOptions o = quiet();
+  o.resume_dir = dir;
+  c.max_train_steps = 3;
+  try {
+    train(c, o);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find(ckpt + ": tensor \"" + poisoned + "\" holds 1 non-finite"), std::string::npos) << m;
+  }
+  fs::remove_all(dir);
 }
 
 TEST(Trainer, RefusesToOverwriteAndReportsMissingDataset) {

@@ -236,9 +236,9 @@ void run_convert(const ConvertOptions& o) {
     out.push_back({p.out_name, t, std::nullopt, c});
   }
   if (problem_count > 0 && !o.force)
-    fail("convert: writing {} as {} would damage {} tensor(s) (pass --force to write anyway):\n  {}{}", o.out, o.dtype,
-         problem_count, fmt::join(problems, "\n  "),
-         problem_count > 20 ? fmt::format("\n  ... ({} in all)", problem_count) : "");
+    fail("convert: writing {} as {} would damage {} tensor(s) (pass --force to write anyway): {}{}", o.out, o.dtype,
+         problem_count, fmt::join(problems, "; "),
+         problem_count > 20 ? fmt::format("; ... ({} in all)", problem_count) : "");
   std::map<std::string, std::string> metadata = files.metadata();
   metadata["shoestring.architecture"] = arch;
   metadata["shoestring.layout"] = o.to;

@@ -4,6 +4,7 @@
 
 #include "shoestring/cli/commands.h"
 #include "shoestring/core/error.h"
+#include "shoestring/core/text.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"shoestring: train diffusion image models on small-memory hardware"};
@@ -20,13 +21,15 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   } catch (const shoestring::Error& e) {
-    fmt::print(stderr, "error: {}\n", e.what());
+    // Messages quote names from files (tensors, shards, keys): escaped, so a
+    // name cannot colour the terminal or forge a line.
+    fmt::print(stderr, "error: {}\n", shoestring::printable(e.what()));
     return 1;
   } catch (const c10::Error& e) {
     fmt::print(stderr, "error (libtorch): {}\n", e.what_without_backtrace());
     return 1;
   } catch (const std::exception& e) {
-    fmt::print(stderr, "error: {}\n", e.what());
+    fmt::print(stderr, "error: {}\n", shoestring::printable(e.what()));
     return 1;
   }
   return 0;

@@ -1,7 +1,7 @@
 #include "shoestring/io/atomic_file.h"
 
 #include <fcntl.h>
-#include <signal.h>
+#include <sys/file.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -12,7 +12,6 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <limits>
 #include <sstream>
 
 #include "shoestring/core/error.h"
@@ -38,27 +37,18 @@ bool all_digits(const std::string& s) {
   return !s.empty() && s.size() <= 18 && std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
 }
 
-/// The pid of a temporary's writer when `name` is "<target>.tmp.<pid>.<n>"
-/// (write_file_atomic) or ".write_probe.<pid>" (ensure_writable_dir); -1
-/// otherwise.
-long long temporary_writer(const std::string& name) {
+/// The target name of a temporary: "<name>" for "<name>.tmp.<pid>.<n>"
+/// (write_file_atomic), ".write_probe" for ".write_probe.<pid>"
+/// (ensure_writable_dir); "" for any other name.
+std::string temporary_target(const std::string& name) {
   const std::string probe = ".write_probe.";
-  if (name.rfind(probe, 0) == 0) {
-    const std::string pid = name.substr(probe.size());
-    return all_digits(pid) ? std::stoll(pid) : -1;
-  }
+  if (name.rfind(probe, 0) == 0) return all_digits(name.substr(probe.size())) ? ".write_probe" : "";
   const size_t last_dot = name.rfind('.');
-  if (last_dot == std::string::npos || last_dot == 0 || !all_digits(name.substr(last_dot + 1))) return -1;
+  if (last_dot == std::string::npos || last_dot == 0 || !all_digits(name.substr(last_dot + 1))) return "";
   const size_t pid_dot = name.rfind('.', last_dot - 1);
-  if (pid_dot == std::string::npos) return -1;
-  const std::string pid = name.substr(pid_dot + 1, last_dot - pid_dot - 1);
-  if (!all_digits(pid) || pid_dot < 4 || name.compare(pid_dot - 4, 4, ".tmp") != 0) return -1;
-  return std::stoll(pid);
-}
-
-bool process_is_dead(long long pid) {
-  if (pid <= 0 || pid > std::numeric_limits<pid_t>::max()) return true;  // no process can have it
-  return ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH;
+  if (pid_dot == std::string::npos || !all_digits(name.substr(pid_dot + 1, last_dot - pid_dot - 1))) return "";
+  if (pid_dot < 5 || name.compare(pid_dot - 4, 4, ".tmp") != 0) return "";
+  return name.substr(0, pid_dot - 4);
 }
 
 void fsync_dir(const fs::path& dir) {
@@ -128,15 +118,14 @@ void ensure_writable_dir(const std::string& dir) {
   std::remove(probe.c_str());
 }
 
-StaleTemporaries remove_stale_temporaries(const std::string& dir) {
+StaleTemporaries remove_temporaries(const std::string& dir, const std::function<bool(const std::string&)>& owned) {
   StaleTemporaries removed;
   std::error_code ec;
   if (!fs::is_directory(dir, ec)) return removed;
-  for (auto it = fs::recursive_directory_iterator(dir, fs::directory_options::skip_permission_denied, ec);
-       !ec && it != fs::recursive_directory_iterator(); it.increment(ec)) {
-    if (!it->is_regular_file(ec) || it->is_symlink(ec)) continue;
-    const long long pid = temporary_writer(it->path().filename().string());
-    if (pid < 0 || !process_is_dead(pid)) continue;
+  for (auto it = fs::directory_iterator(dir, ec); !ec && it != fs::directory_iterator(); it.increment(ec)) {
+    if (it->is_symlink(ec) || !it->is_regular_file(ec)) continue;
+    const std::string target = temporary_target(it->path().filename().string());
+    if (target.empty() || !owned(target)) continue;
     const uint64_t size = it->file_size(ec);
     if (!fs::remove(it->path(), ec) || ec) {
       fail("cannot remove the stale temporary file '{}': {}", it->path().string(),
@@ -148,6 +137,24 @@ StaleTemporaries remove_stale_temporaries(const std::string& dir) {
   if (ec) fail("cannot list '{}' for stale temporary files: {}", dir, ec.message());
   std::sort(removed.paths.begin(), removed.paths.end());
   return removed;
+}
+
+FolderLock::FolderLock(const std::string& dir, const std::string& name) : path_((fs::path(dir) / name).string()) {
+  fd_ = ::open(path_.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd_ < 0) fail("cannot create the lock file '{}': {}", path_, std::strerror(errno));
+  if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+    const int err = errno;
+    ::close(fd_);
+    fd_ = -1;
+    if (err == EWOULDBLOCK) {
+      fail("'{}' is in use by another shoestring process (it holds {}); wait for it to end or stop it", dir, path_);
+    }
+    fail("cannot lock '{}': {}", path_, std::strerror(err));
+  }
+}
+
+FolderLock::~FolderLock() {
+  if (fd_ >= 0) ::close(fd_);  // releases the lock
 }
 
 std::string read_file(const std::string& path) {

@@ -4,7 +4,8 @@
 // file under the final name.
 //
 // A process killed mid-write (kill -9, power loss) leaves its temporary
-// behind; remove_stale_temporaries() clears those of dead processes.
+// behind; remove_temporaries() clears them in a folder the caller owns
+// (FolderLock).
 // SHOESTRING_TEST_CRASH_AT_WRITE=N (a test hook) makes the N-th atomic write
 // of the process end it with _exit(kCrashExitCode) after the temporary is
 // written and before the rename, as a kill at that point would: the
@@ -38,20 +39,39 @@ void write_bytes_atomic(const std::string& path, std::string_view bytes);
 /// Used before any work starts so that an unwritable output folder fails fast.
 void ensure_writable_dir(const std::string& dir);
 
-/// What remove_stale_temporaries() removed.
+/// What remove_temporaries() removed.
 struct StaleTemporaries {
   std::vector<std::string> paths;  ///< removed files, sorted
   uint64_t bytes = 0;              ///< their total size
 };
 
-/// Removes, under `dir` (recursively, without following symlinks), the
-/// temporaries that interrupted writes left: `<name>.tmp.<pid>.<n>` from
-/// write_file_atomic and `.write_probe.<pid>` from ensure_writable_dir, whose
-/// process `<pid>` no longer exists (kill(pid, 0) fails with ESRCH).
-/// Temporaries of live processes, this one included, are kept: another run
-/// may be writing them. A missing `dir` removes nothing. Throws
-/// shoestring::Error naming a file that cannot be removed.
-StaleTemporaries remove_stale_temporaries(const std::string& dir);
+/// Removes, in folder `dir` (not below it, symlinks not followed), the
+/// temporaries that interrupted writes left: `<name>.tmp.<pid>.<n>` of
+/// write_file_atomic and `.write_probe.<pid>` of ensure_writable_dir (whose
+/// `<name>` is ".write_probe"), for the names `owned(name)` accepts, whatever
+/// their pid (in a container a restarted process often has the dead one's
+/// pid). Only for folders no other process writes in: hold a FolderLock.
+/// A missing `dir` removes nothing. Throws shoestring::Error naming a file
+/// that cannot be removed.
+StaleTemporaries remove_temporaries(const std::string& dir, const std::function<bool(const std::string&)>& owned);
+
+/// An exclusive advisory lock (flock) on `<dir>/<name>`, held from
+/// construction until destruction or process exit (a kill releases it too).
+/// The lock file is left in place, empty. Throws shoestring::Error naming
+/// the folder when another process holds the lock, or the file cannot be
+/// created.
+class FolderLock {
+ public:
+  FolderLock(const std::string& dir, const std::string& name);
+  ~FolderLock();
+  FolderLock(const FolderLock&) = delete;
+  FolderLock& operator=(const FolderLock&) = delete;
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+  int fd_ = -1;
+};
 
 /// Reads a whole file. Throws shoestring::Error naming the path on failure.
 std::string read_file(const std::string& path);

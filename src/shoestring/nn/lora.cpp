@@ -10,6 +10,7 @@
 #include "shoestring/core/error.h"
 #include "shoestring/core/units.h"
 #include "shoestring/io/safetensors.h"
+#include "shoestring/io/weight_files.h"
 
 namespace shoestring::nn {
 namespace {
@@ -524,10 +525,17 @@ LoraLoadReport LoraNetworkImpl::load(const std::string& path, bool partial) {
     const std::string& name = m->layer().kohya_name;
     for (auto* target : {&m->down(), &m->up()}) {
       const std::string key = name + "." + (target == &m->down() ? kDown : kUp);
-      if (file.find(key)) target->copy_(file.get(key));
+      if (!file.find(key)) continue;
+      const torch::Tensor t = file.get(key);
+      require_finite(t, path, key);  // NaN adapters would train to NaN silently
+      target->copy_(t);
     }
     const std::string key = name + "." + kAlpha;
-    if (file.find(key)) m->set_alpha(file.get(key).to(torch::kFloat64).item<double>());
+    if (file.find(key)) {
+      const torch::Tensor a = file.get(key);
+      require_finite(a, path, key);
+      m->set_alpha(a.to(torch::kFloat64).item<double>());
+    }
   }
   return report;
 }

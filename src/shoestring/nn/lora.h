@@ -265,7 +265,8 @@ class LoraNetworkImpl : public torch::nn::Module {
   /// network, bit-exact when dtypes match. Without `partial`, throws
   /// shoestring::Error listing the missing and unexpected keys (up to 20 of
   /// each, and the counts) if the key sets differ; with `partial`, loads the
-  /// common keys and returns the differences. Shape mismatches always throw.
+  /// common keys and returns the differences. Shape mismatches and NaN / inf
+  /// values (named by key) always throw.
   LoraLoadReport load(const std::string& path, bool partial = false);
 
   /// The checks of load() without loading: the file's keys (from its header

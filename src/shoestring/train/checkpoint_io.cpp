@@ -1,6 +1,7 @@
 #include "shoestring/train/checkpoint_io.h"
 
 #include <filesystem>
+#include <set>
 
 #include <torch/torch.h>
 
@@ -35,7 +36,13 @@ void load_module(torch::nn::Module& module, const std::map<std::string, at::Tens
   for (const auto& [name, t] : tensors) found[name] = t.sizes().vec();
   const KeyDiff diff = diff_keys(expected, found);
   if (!diff.empty()) fail("{}: checkpoint does not match the model: {}", source, diff.describe());
-  for (auto& [name, t] : targets) t.copy_(tensors.at(name));
+  std::set<std::string> parameters;
+  for (const auto& item : module.named_parameters(/*recurse=*/true)) parameters.insert(item.key());
+  for (auto& [name, t] : targets) {
+    const at::Tensor& source_tensor = tensors.at(name);
+    if (parameters.count(name)) require_finite(source_tensor, source, name);  // a damaged checkpoint
+    t.copy_(source_tensor);
+  }
 }
 
 at::Tensor cpu_rng_state() {

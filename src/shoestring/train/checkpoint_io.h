@@ -35,7 +35,8 @@ void save_module(const std::string& path, const torch::nn::Module& module,
 
 /// Copies tensors from `tensors` into the module's parameters and buffers by
 /// name, converting dtype to the module's. Throws shoestring::Error listing
-/// missing keys, unexpected keys and shape mismatches (`source` names the file).
+/// missing keys, unexpected keys and shape mismatches, or naming a parameter
+/// that holds NaN / inf (`source` names the file).
 void load_module(torch::nn::Module& module, const std::map<std::string, at::Tensor>& tensors,
                  const std::string& source);
 

@@ -2,6 +2,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <set>
 
 #include <spdlog/spdlog.h>
 #include <torch/torch.h>
@@ -22,8 +23,13 @@ namespace shoestring {
 namespace fs = std::filesystem;
 
 RemoveIfEmpty::~RemoveIfEmpty() {
+  if (!armed) return;
   std::error_code ec;
-  if (armed && fs::is_empty(dir, ec)) fs::remove(dir, ec);
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    if (e.path().filename() != ignored || ignored.empty()) return;  // something else is there
+  }
+  if (!ignored.empty()) fs::remove(fs::path(dir) / ignored, ec);
+  fs::remove(dir, ec);
 }
 
 namespace {
@@ -67,11 +73,18 @@ void truncate_metrics(const std::string& path, int64_t keep_through) {
   write_bytes_atomic(path, kept);
 }
 
-/// Refuses to go on with a run already at `step` >= max_train_steps: such a
-/// run is complete (its final files were written before latest.json named
-/// its last step; see train()).
+/// Refuses to go on with a run already at `step` >= max_train_steps: at
+/// max_train_steps it is complete (its final files were written before
+/// latest.json named its last step; see train()); beyond it, the config
+/// asks for fewer steps than the run has.
 void refuse_if_finished(const std::string& run_dir, int64_t step, int64_t max_train_steps) {
   if (step < max_train_steps) return;
+  if (step > max_train_steps) {
+    fail(
+        "run '{}' is at step {}, beyond max_train_steps {}: a run does not go back; pass --max-steps N with N > {} "
+        "to train further (its checkpoints are in {}/checkpoints)",
+        run_dir, step, max_train_steps, step, run_dir);
+  }
   fail(
       "run '{}' is already at step {} >= max_train_steps {} (it is complete: its final files are in the run "
       "folder); pass --max-steps N with N > {} to train further",
@@ -101,9 +114,39 @@ void check_resume(const std::string& run_dir, const std::string& checkpoint_dir,
 }
 
 /// Removes the temporaries that writes interrupted by a crash or kill left
-/// in the run folder (io/atomic_file.h), saying how much space came back.
+/// in the run folder (io/atomic_file.h), saying how much space came back:
+/// only those of the files a run writes, in the folders it writes them in
+/// (the README's run folder layout), so nothing else in an output_dir is
+/// touched. The caller holds the run folder's lock.
 void remove_stale_temporaries_of(const std::string& run_dir, bool quiet) {
-  const StaleTemporaries stale = remove_stale_temporaries(run_dir);
+  auto any_of = [](std::initializer_list<const char*> names) {
+    std::set<std::string> set(names.begin(), names.end());
+    return [set](const std::string& name) { return set.count(name) > 0; };
+  };
+  auto step_file = [](const std::string& name, const char* extension) {
+    const std::string ext(extension);
+    if (name.rfind("step-", 0) != 0 || name.size() <= 5 + ext.size()) return false;
+    if (name.compare(name.size() - ext.size(), ext.size(), ext) != 0) return false;
+    return std::all_of(name.begin() + 5, name.end() - static_cast<std::ptrdiff_t>(ext.size()),
+                       [](char c) { return c >= '0' && c <= '9'; });
+  };
+  const fs::path root(run_dir);
+  StaleTemporaries stale = remove_temporaries(
+      run_dir, any_of({"config.toml", "metrics.jsonl", "model.safetensors", "lora.safetensors", ".write_probe"}));
+  auto add = [&stale](StaleTemporaries more) {
+    stale.paths.insert(stale.paths.end(), more.paths.begin(), more.paths.end());
+    stale.bytes += more.bytes;
+  };
+  add(remove_temporaries((root / "checkpoints").string(), any_of({"latest.json"})));
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(root / "checkpoints", ec)) {
+    if (!e.is_symlink() && e.is_directory() && step_file(e.path().filename().string(), "")) {
+      add(remove_temporaries(e.path().string(),
+                             any_of({"model.safetensors", "lora.safetensors", "state.safetensors"})));
+    }
+  }
+  add(remove_temporaries((root / "samples").string(),
+                         [&](const std::string& name) { return step_file(name, ".png") || step_file(name, ".txt"); }));
   if (!stale.paths.empty() && !quiet) {
     spdlog::info("removed {} temporary file(s) ({}) left in {} by interrupted saves", stale.paths.size(),
                  format_bytes(static_cast<int64_t>(stale.bytes)), run_dir);
@@ -117,7 +160,9 @@ void remove_stale_temporaries_of(const std::string& run_dir, bool quiet) {
 void prepare_run_dir(Run& run, const TrainRunOptions& options) {
   run.created_dir.dir = run.run_dir;
   run.created_dir.armed = !fs::exists(run.run_dir);
+  run.created_dir.ignored = kRunLockFile;
   ensure_writable_dir(run.run_dir);
+  run.lock = std::make_unique<FolderLock>(run.run_dir, kRunLockFile);
   if (!options.resume_dir && !run.created_dir.armed) {
     for (const char* marker : {"checkpoints/latest.json", "metrics.jsonl", "config.toml"}) {
       if (fs::exists(fs::path(run.run_dir) / marker)) {
@@ -128,7 +173,7 @@ void prepare_run_dir(Run& run, const TrainRunOptions& options) {
       }
     }
   }
-  if (!run.created_dir.armed) remove_stale_temporaries_of(run.run_dir, options.quiet);
+  remove_stale_temporaries_of(run.run_dir, options.quiet);
   if (options.resume_dir) {
     if (fs::exists(fs::path(run.run_dir) / "checkpoints" / "latest.json")) {
       run.resume_from = latest_checkpoint_dir(run.run_dir);
@@ -363,7 +408,7 @@ std::string write_checkpoint(Run& run, int64_t step) {
   fs::path dir = fs::path(run.run_dir) / "checkpoints" / step_name(step);
   // A failed save (full disk, ...) leaves no empty checkpoint folder; files
   // are written atomically, so nothing partial either.
-  RemoveIfEmpty cleanup{dir.string(), fs::create_directories(dir)};
+  RemoveIfEmpty cleanup{dir.string(), fs::create_directories(dir), ""};
   if (!run.lora_only()) {
     save_module((dir / "model.safetensors").string(), run.model->module(), run.model->metadata(step));
   }

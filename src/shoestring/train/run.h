@@ -21,6 +21,7 @@
 #include <nlohmann/json.hpp>
 
 #include "shoestring/data/dataset.h"
+#include "shoestring/io/atomic_file.h"
 #include "shoestring/nn/lora.h"
 #include "shoestring/optim/grad_hooks.h"
 #include "shoestring/optim/gradient_path.h"
@@ -35,15 +36,21 @@ namespace shoestring {
 
 /// Removes a folder on destruction if it is empty and was created by this
 /// run (a run that fails before writing anything leaves nothing behind).
+/// A file named `ignored` does not count: it goes with the folder.
 struct RemoveIfEmpty {
   std::string dir;
   bool armed = false;
+  std::string ignored;
   ~RemoveIfEmpty();
 };
 
+/// The run folder's lock file: one process trains in a run folder at a time.
+inline constexpr const char* kRunLockFile = ".shoestring.lock";
+
 /// Everything the loop needs, built once by setup_run.
 struct Run {
-  RemoveIfEmpty created_dir;  ///< first member: checked after everything else is gone
+  RemoveIfEmpty created_dir;         ///< first member: checked after everything else is gone
+  std::unique_ptr<FolderLock> lock;  ///< on run_dir/kRunLockFile, held while the run is set up and trains
   TrainConfig config;
   std::string run_dir;
   std::string resume_from;  ///< checkpoint folder resumed from ("" for a fresh run)
@@ -69,8 +76,9 @@ struct Run {
 
 /// Sets up (or resumes, with options.resume_dir) the run `config` describes,
 /// writes config.toml and starts or truncates metrics.jsonl; see the file
-/// comment for the order. Removes temporaries that interrupted saves left in
-/// the run folder; a resumed run without a checkpoint starts over. Throws shoestring::Error for an output_dir holding
+/// comment for the order. Locks the run folder (a second process training
+/// there is refused), removes the temporaries that interrupted saves left in
+/// it, and starts a resumed run without a checkpoint over. Throws shoestring::Error for an output_dir holding
 /// another run, a resume whose config differs in what the checkpoint depends
 /// on or whose step count is reached, and whatever loading the dataset,
 /// model or checkpoint throws.
