@@ -156,6 +156,15 @@ TEST(Trainer, ResumeWithoutCheckpointStartsOver) {
   EXPECT_EQ(again.first_step, 1);
   EXPECT_EQ(losses_of(dir + "/metrics.jsonl"), first);
   EXPECT_TRUE(std::filesystem::exists(dir + "/model.safetensors"));
+  // Asking for fewer steps than the run has is not "complete": it says so.
+  TrainConfig fewer = load_config(dir + "/config.toml");
+  fewer.max_train_steps = 2;
+  try {
+    train(fewer, o);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("is at step 3, beyond max_train_steps 2"), std::string::npos) << e.what();
+  }
   std::filesystem::remove_all(dir);
 }
 
