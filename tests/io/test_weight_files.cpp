@@ -5,6 +5,7 @@
 
 #include <torch/torch.h>
 
+#include "../error_testing.h"
 #include "shoestring/core/error.h"
 #include "shoestring/io/safetensors.h"
 #include "shoestring/io/weight_files.h"
@@ -13,6 +14,8 @@
 using shoestring::Error;
 using shoestring::WeightFiles;
 using shoestring::testing::TempDir;
+
+using shoestring::testing::error_of;
 
 namespace {
 
@@ -27,15 +30,6 @@ struct TwoLayers : torch::nn::Module {
   }
   torch::Tensor a, b, s;
 };
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
 
 // Writes a two-shard checkpoint of TwoLayers' tensors (values 1..n) and its index.
 std::string write_sharded(const TempDir& dir, const std::string& extra_index_entry = "") {

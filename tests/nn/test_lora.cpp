@@ -8,6 +8,7 @@
 
 #include <torch/torch.h>
 
+#include "../error_testing.h"
 #include "reference_data.h"
 #include "shoestring/core/error.h"
 #include "shoestring/io/safetensors.h"
@@ -17,6 +18,8 @@
 namespace fs = std::filesystem;
 using namespace shoestring;
 using namespace shoestring::nn;
+
+using shoestring::testing::error_of;
 
 namespace {
 
@@ -87,15 +90,6 @@ void randomize(LoraNetworkImpl& net, uint64_t seed) {
   torch::manual_seed(seed);
   torch::NoGradGuard no_grad;
   for (auto& p : net.parameters()) p.normal_(0.0, 0.3);
-}
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 
 #include <torch/torch.h>
 
+#include "../error_testing.h"
 #include "shoestring/core/error.h"
 #include "shoestring/data/tokenizer.h"
 #include "shoestring/train/sampling.h"
@@ -13,6 +14,8 @@
 #include "train_testing.h"
 
 using namespace shoestring;
+
+using shoestring::testing::error_of;
 
 namespace {
 
@@ -22,15 +25,6 @@ SampleRequest two_by_two() {
   req.seeds = {7, 8};
   req.steps = 2;
   return req;
-}
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
 }
 
 }  // namespace
