@@ -14,8 +14,11 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <stdexcept>
 #include <string>
+#include <vector>
 
+#include "shoestring/core/error.h"
 #include "shoestring/io/safetensors.h"
 #include "shoestring/io/weight_files.h"
 
@@ -26,8 +29,32 @@ inline void write_bytes(const std::string& path, const uint8_t* data, size_t siz
   out.write(reinterpret_cast<const char*>(data), static_cast<std::streamsize>(size));
 }
 
+/// The oracle for an accepted file: written back with save_safetensors and
+/// read again, it holds the same metadata and the same tensors (name, dtype,
+/// shape, bytes). Throws std::logic_error (a finding) when it does not.
+inline void round_trip(const SafetensorsFile& file, const std::string& path) {
+  std::vector<NamedTensor> tensors;
+  for (const auto& t : file.tensors()) tensors.push_back({t.name, file.get(t), t.dtype});
+  try {
+    save_safetensors(path, tensors, file.metadata());
+  } catch (const Error& e) {
+    throw std::logic_error(std::string("an accepted file cannot be written back: ") + e.what());
+  }
+  const SafetensorsFile again = SafetensorsFile::open(path);
+  if (again.metadata() != file.metadata()) throw std::logic_error("metadata changed in a round trip");
+  if (again.tensors().size() != file.tensors().size()) throw std::logic_error("tensor count changed in a round trip");
+  for (const auto& t : file.tensors()) {
+    const TensorInfo* u = again.find(t.name);
+    if (!u || u->dtype != t.dtype || u->shape != t.shape || again.bytes(*u) != file.bytes(t)) {
+      throw std::logic_error("tensor '" + t.name + "' changed in a round trip");
+    }
+  }
+}
+
 /// Reads the input through the chosen reader in the folder `dir` (existing,
-/// writable; its files are overwritten) and touches every tensor it lists.
+/// writable; its files are overwritten), touches every tensor it lists and,
+/// for an accepted safetensors file of at most 64 KiB of data, checks that it
+/// round-trips (round_trip).
 /// Returns normally for an accepted file; throws what the reader throws
 /// (shoestring::Error for a refused one: anything else is a bug).
 inline void read_fuzz_input(const uint8_t* data, size_t size, const std::filesystem::path& dir) {
@@ -38,12 +65,14 @@ inline void read_fuzz_input(const uint8_t* data, size_t size, const std::filesys
     const std::string path = (dir / "f.safetensors").string();
     write_bytes(path, data, size);
     const SafetensorsFile file = SafetensorsFile::open(path);
+    uint64_t total = 0;
     for (const auto& t : file.tensors()) {
       const std::string_view raw = file.bytes(t);
       if (raw.size() != t.nbytes()) throw std::logic_error("bytes() size differs from nbytes()");
       if (t.nbytes() <= 4096) (void)file.get(t);
+      total += t.nbytes();
     }
-    (void)file.metadata();
+    if (total <= (uint64_t{1} << 16)) round_trip(file, (dir / "round.safetensors").string());
     return;
   }
   uint32_t len = 0;
