@@ -15,6 +15,7 @@
 
 #include "shoestring/models/cascade.h"
 #include "shoestring/models/mmdit.h"
+#include "bench_machine.h"
 
 using namespace shoestring;
 
@@ -38,6 +39,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "usage: %s <cascade-c | cascade-c-lite | sd35m> [latent side] [--backward]\n", argv[0]);
     return 2;
   }
+  shoestring::bench::print_machine();
   const std::string name = argv[1];
   const bool backward = argc > 2 && std::strcmp(argv[argc - 1], "--backward") == 0;
   const bool cascade = name.rfind("cascade", 0) == 0;

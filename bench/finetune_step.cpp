@@ -34,6 +34,7 @@
 #include "shoestring/train/checkpoint_io.h"
 #include "shoestring/train/config.h"
 #include "shoestring/train/trainer.h"
+#include "bench_machine.h"
 
 using namespace shoestring;
 namespace fs = std::filesystem;
@@ -78,6 +79,7 @@ int main(int argc, char** argv) {
   app.add_option("--keep", keep, "folder for the checkpoint and the run (kept); default: a temp folder, removed");
   app.add_option("--threads", threads, "intra-op threads (0 = every allowed CPU)");
   CLI11_PARSE(app, argc, argv);
+  shoestring::bench::print_machine();
   if (resolution == 0) resolution = arch == "sd15" ? 512 : 1024;
   const fs::path dir =
       keep.empty() ? fs::temp_directory_path() / fmt::format("shoestring_finetune_{}", ::getpid()) : fs::path(keep);

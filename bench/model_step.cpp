@@ -35,6 +35,7 @@
 #include "shoestring/core/units.h"
 #include "shoestring/plan/measure.h"
 #include "shoestring/plan/memory_plan.h"
+#include "bench_machine.h"
 
 using namespace shoestring;
 
@@ -58,6 +59,7 @@ int main(int argc, char** argv) {
   app.add_flag("--tiny", o.tiny, "the architecture's tiny-width variant (quick check)");
   app.add_flag("--json", json, "one JSON object");
   CLI11_PARSE(app, argc, argv);
+  shoestring::bench::print_machine(json);
   try {
     configure_threads(threads);
     o.checkpointing = !no_checkpointing;

@@ -71,6 +71,7 @@
 #endif
 #if __has_include("shoestring/optim/lion.h")
 #include "shoestring/optim/lion.h"
+#include "bench_machine.h"
 #define SHOESTRING_BENCH_HAS_LION 1
 #endif
 
@@ -486,6 +487,7 @@ int main(int argc, char** argv) {
   app.add_option("--only", only, "run only configurations whose name contains this text");
   app.add_flag("--json", json, "one JSON object per configuration, one per line");
   CLI11_PARSE(app, argc, argv);
+  shoestring::bench::print_machine(json);
   try {
     MemoryLedger::global().install();
     configure_threads(threads);

@@ -17,6 +17,7 @@
 #include "shoestring/core/units.h"
 #include "shoestring/plan/measure.h"
 #include "shoestring/train/config.h"
+#include "bench_machine.h"
 
 namespace fs = std::filesystem;
 using namespace shoestring;
@@ -36,6 +37,7 @@ int main(int argc, char** argv) {
   app.add_flag("--quick", quick, "small grid (batches <= 8)");
   app.add_option("--set", sets, "config override key=value");
   CLI11_PARSE(app, argc, argv);
+  shoestring::bench::print_machine();
   try {
     if (data.empty()) {
       const std::string cache = expand_path("${SHOESTRING_CACHE}/emoji-datasource-twitter-16.0.0");

@@ -18,6 +18,7 @@
 #include "shoestring/core/error.h"
 #include "shoestring/train/config.h"
 #include "shoestring/train/trainer.h"
+#include "bench_machine.h"
 
 namespace fs = std::filesystem;
 
@@ -39,6 +40,7 @@ int main(int argc, char** argv) {
   app.add_option("--only", only, "run only the configuration with this name");
   app.add_flag("--json", json, "one JSON object per configuration");
   CLI11_PARSE(app, argc, argv);
+  shoestring::bench::print_machine(json);
 
   std::string source = SHOESTRING_BENCH_SOURCE_DIR;
   std::string data = shoestring::expand_path("${SHOESTRING_CACHE}/emoji-datasource-twitter-16.0.0");

@@ -6,7 +6,7 @@
 //
 //   build/bench/safetensors_open [--counts 10000,40000,100000] [--repeats 3] [--json]
 //
-// Prints the CPU (model name and vector features from /proc/cpuinfo), then per
+// Prints the CPU (model name and vector features, bench/bench_machine.h), then per
 // count: header bytes and the fastest of `repeats` opens in milliseconds.
 #include <unistd.h>
 
@@ -24,36 +24,11 @@
 #include <nlohmann/json.hpp>
 
 #include "shoestring/io/safetensors.h"
+#include "bench_machine.h"
 
 using namespace shoestring;
 
 namespace {
-
-/// "model name" and the vector-extension flags of the first CPU in /proc/cpuinfo.
-std::pair<std::string, std::string> cpu_description() {
-  std::ifstream f("/proc/cpuinfo");
-  std::string model = "unknown", features;
-  bool have_model = false, have_flags = false;
-  for (std::string line; std::getline(f, line) && !(have_model && have_flags);) {
-    const auto colon = line.find(':');
-    if (colon == std::string::npos) continue;
-    const std::string value = colon + 2 <= line.size() ? line.substr(colon + 2) : "";
-    if (!have_model && line.rfind("model name", 0) == 0) {
-      model = value;
-      have_model = true;
-    } else if (!have_flags && line.rfind("flags", 0) == 0) {
-      std::istringstream words(value);
-      for (std::string w; words >> w;) {
-        if (w == "sse4_2" || w == "avx" || w == "avx2" || w == "fma" || w == "f16c" || w.rfind("avx512", 0) == 0 ||
-            w == "amx_bf16") {
-          features += (features.empty() ? "" : " ") + w;
-        }
-      }
-      have_flags = true;
-    }
-  }
-  return {model, features};
-}
 
 /// Writes a safetensors file of `n` zero-size tensors to `path`; returns the header length.
 uint64_t write_many_tensors(const std::string& path, int64_t n) {
@@ -81,9 +56,8 @@ int main(int argc, char** argv) {
   app.add_option("--repeats", repeats, "opens per count (the fastest is reported)")->check(CLI::Range(1, 100));
   app.add_flag("--json", json, "one JSON object per count");
   CLI11_PARSE(app, argc, argv);
+  shoestring::bench::print_machine(json);
 
-  const auto [model, features] = cpu_description();
-  if (!json) fmt::print("cpu: {} ({})\n", model, features.empty() ? "no vector extensions listed" : features);
   const auto dir = std::filesystem::temp_directory_path() / fmt::format("shoestring_bench_open_{}", ::getpid());
   std::filesystem::create_directories(dir);
   int rc = 0;
@@ -107,9 +81,7 @@ int main(int argc, char** argv) {
         fmt::print("{}\n", nlohmann::json{{"tensors", n},
                                           {"header_bytes", header_bytes},
                                           {"open_ms", best},
-                                          {"repeats", repeats},
-                                          {"cpu", model},
-                                          {"cpu_features", features}}
+                                          {"repeats", repeats}}
                                .dump());
       } else {
         fmt::print("{:>8} tensors, header {:>10} bytes: open {:>10.1f} ms (fastest of {})\n", n, header_bytes, best,

@@ -16,6 +16,7 @@
 #include "shoestring/core/units.h"
 #include "shoestring/train/config.h"
 #include "shoestring/train/trainer.h"
+#include "bench_machine.h"
 
 namespace fs = std::filesystem;
 
@@ -30,6 +31,7 @@ int main(int argc, char** argv) {
   app.add_option("--set", sets, "config override key=value");
   app.add_flag("--json", json, "one JSON object on stdout");
   CLI11_PARSE(app, argc, argv);
+  shoestring::bench::print_machine(json);
   try {
     std::string out = (fs::temp_directory_path() / ("shoestring_bench_" + std::to_string(::getpid()))).string();
     sets.push_back("max_train_steps=" + std::to_string(steps));

@@ -9,6 +9,7 @@
 
 #include <torch/torch.h>
 
+#include "shoestring/core/cpu_features.h"
 #include "shoestring/core/error.h"
 #include "shoestring/io/safetensors.h"
 #include "shoestring/precision/policy.h"
@@ -156,7 +157,9 @@ TEST(PrecisionTraining, RulesInConfigRoundTripAndErrorsNameTheRule) {
 }
 
 TEST(PrecisionTraining, ShorthandsConfigureTheModelsBlocks) {
-  auto c = tiny_config("/tmp/unused", "mixed_precision = \"bf16\"\ngradient_checkpointing = true\n");
+  // bf16_compute = "bf16": the blocks compute in bf16 whatever this CPU has.
+  auto c = tiny_config("/tmp/unused",
+                       "mixed_precision = \"bf16\"\ngradient_checkpointing = true\nprecision.bf16_compute = \"bf16\"\n");
   TinyUNetModel model(TinyUNetModelOptions::from_config(c, 16));
   auto tables = model->block_tables();
   auto policy = precision_policy(c);
@@ -181,6 +184,39 @@ TEST(PrecisionTraining, ShorthandsConfigureTheModelsBlocks) {
   EXPECT_NE(explain.find("unet.mid.res1 [block]"), std::string::npos) << explain;
   EXPECT_NE(explain.find("unet [scope]"), std::string::npos) << explain;
   EXPECT_NE(explain.find("shorthand mixed_precision"), std::string::npos) << explain;
+}
+
+// full_bf16 on a CPU without bf16 units: bf16 weights, fp32 blocks, unless
+// precision.bf16_compute insists; on one with bf16 units, bf16 blocks.
+TEST(PrecisionTraining, Bf16ComputeFollowsTheHardwareUnlessTheConfigInsists) {
+  CpuFeatures avx2, spr;
+  avx2.avx2 = spr.avx2 = spr.avx512f = spr.avx512_bf16 = true;
+  const precision::ComputeHardware slow = precision::cpu_hardware(avx2), fast = precision::cpu_hardware(spr);
+  const auto block_compute = [](const TrainConfig& c, const precision::ComputeHardware& hw) {
+    TinyUNetModel model(TinyUNetModelOptions::from_config(c, 16));
+    auto tables = model->block_tables();
+    auto res = precision::resolve(*model, precision_policy(c, hw), {tables.begin(), tables.end()});
+    precision::apply(*model, res, tables);
+    EXPECT_EQ(model->unet->conv_in->weight.scalar_type(), at::kBFloat16) << "bf16 storage either way";
+    return model->unet->block_table()
+        ->find(model->unet->down[0]->as<models::TinyUNetLevelImpl>()->res[0].get())
+        ->compute;
+  };
+  TrainConfig c = tiny_config("/tmp/unused", "full_bf16 = true\n");
+  EXPECT_EQ(c.bf16_compute, "auto");
+  EXPECT_EQ(block_compute(c, slow), at::kFloat);
+  EXPECT_EQ(block_compute(c, fast), at::kBFloat16);
+  c.bf16_compute = "bf16";
+  EXPECT_EQ(block_compute(c, slow), at::kBFloat16);
+  c.bf16_compute = "fp32";
+  EXPECT_EQ(block_compute(c, fast), at::kFloat);
+  try {
+    tiny_config("/tmp/unused", "precision.bf16_compute = \"fast\"\n");
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("bf16_compute"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("fast"), std::string::npos) << e.what();
+  }
 }
 
 TEST(PrecisionTraining, SavePrecisionGuardRefusesOverflowUnlessForced) {

@@ -35,7 +35,8 @@ std::string Rule::describe() const {
 }
 
 std::string Settings::describe() const {
-  return fmt::format("storage {}, compute {}, {}{}, master {}", to_string(storage), to_string(compute),
+  return fmt::format("storage {}, compute {}{}, {}{}, master {}", to_string(storage), to_string(compute),
+                     compute_substituted ? " (substituted)" : "",
                      trainable ? "trainable" : "frozen", checkpoint ? ", checkpoint" : "",
                      master_fp32 ? "fp32" : "none");
 }
@@ -173,6 +174,10 @@ Settings Policy::resolve(const std::string& path) const {
     if (r.checkpoint) s.checkpoint = *r.checkpoint, s.checkpoint_rule = r.index;
     if (r.master_fp32) s.master_fp32 = *r.master_fp32, s.master_rule = r.index;
   }
+  if (substitution_ && s.compute == substitution_->from) {
+    s.compute = substitution_->to;
+    s.compute_substituted = true;
+  }
   return s;
 }
 
@@ -276,6 +281,10 @@ std::string format_explain(const Resolution& r, const Policy& policy) {
     out += fmt::format("  {}: applies to {} parameters\n", rule.describe(), governed);
   }
   if (policy.rules().empty()) out += "  (none: everything fp32, trainable)\n";
+  if (const auto& sub = policy.compute_substitution()) {
+    out += fmt::format("compute {} runs as {} ({}); the compute column shows what runs\n", to_string(sub->from),
+                       to_string(sub->to), sub->reason);
+  }
   for (const auto& w : r.warnings) out += "warning: " + w + "\n";
   return out;
 }

@@ -68,7 +68,10 @@ struct Settings {
   bool checkpoint = false;
   bool master_fp32 = false;
   int storage_rule = 0, compute_rule = 0, trainable_rule = 0, checkpoint_rule = 0, master_rule = 0;
-  /// "storage fp16, compute fp16, trainable, master none".
+  /// True when the rules asked for another compute dtype and the policy's
+  /// ComputeSubstitution replaced it (e.g. bf16 -> fp32 on a CPU without bf16 units).
+  bool compute_substituted = false;
+  /// "storage fp16, compute fp16, trainable, master none" ("compute fp32 (for bf16)" when substituted).
   std::string describe() const;
 };
 
@@ -87,6 +90,16 @@ bool glob_match(const std::string& pattern, const std::string& path);
 std::vector<RuleSpec> shorthand_rules(const std::string& mixed_precision, bool full_bf16, bool full_fp16,
                                       bool gradient_checkpointing);
 
+/// A compute dtype that the hardware runs badly, and what runs instead: every
+/// module whose rules resolve to compute `from` computes in `to`. Chosen by
+/// precision/compute_choice.h from the config's precision.bf16_compute and
+/// the device (bf16 -> fp32 on CPUs without bf16 units).
+struct ComputeSubstitution {
+  Dtype from = Dtype::bf16;
+  Dtype to = Dtype::fp32;
+  std::string reason;  ///< for the run log: "AMD EPYC has no AVX-512 BF16 / AMX BF16 units"
+};
+
 /// An ordered list of validated rules.
 class Policy {
  public:
@@ -100,6 +113,12 @@ class Policy {
 
   const std::vector<Rule>& rules() const { return rules_; }
 
+  /// Makes resolve() compute in `s.to` wherever the rules say `s.from`.
+  /// Storage, trainable, checkpoint and master are untouched (bf16 weights
+  /// keep their memory saving and their stochastic rounding).
+  void set_compute_substitution(ComputeSubstitution s) { substitution_ = std::move(s); }
+  const std::optional<ComputeSubstitution>& compute_substitution() const { return substitution_; }
+
   /// Settings of the module or parameter at dotted `path` ("" = root).
   Settings resolve(const std::string& path) const;
 
@@ -108,6 +127,7 @@ class Policy {
 
  private:
   std::vector<Rule> rules_;
+  std::optional<ComputeSubstitution> substitution_;
 };
 
 /// One module of a resolved model (for `shoestring plan --explain`).

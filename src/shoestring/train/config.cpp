@@ -8,6 +8,7 @@
 
 #include <toml++/toml.h>
 
+#include "shoestring/core/cpu_features.h"
 #include "shoestring/core/error.h"
 #include "shoestring/io/atomic_file.h"
 #include "shoestring/models/architecture.h"
@@ -335,7 +336,11 @@ std::string to_toml(const TrainConfig& c) {
   return ss.str();
 }
 
-precision::Policy precision_policy(const TrainConfig& c) {
+precision::ComputeHardware compute_hardware(const TrainConfig&) { return precision::cpu_hardware(cpu_features()); }
+
+precision::Policy precision_policy(const TrainConfig& c) { return precision_policy(c, compute_hardware(c)); }
+
+precision::Policy precision_policy(const TrainConfig& c, const precision::ComputeHardware& hardware) {
   std::vector<precision::RuleSpec> specs =
       precision::shorthand_rules(c.mixed_precision, c.full_bf16, c.full_fp16, c.gradient_checkpointing);
   if (!c.network_module.empty()) {
@@ -348,7 +353,11 @@ precision::Policy precision_policy(const TrainConfig& c) {
     specs.push_back(frozen);
   }
   for (const auto& r : c.precision_rules) specs.push_back(r);
-  return precision::Policy::from_specs(specs);
+  precision::Policy policy = precision::Policy::from_specs(specs);
+  if (auto sub = precision::choose_bf16_compute(precision::parse_bf16_compute(c.bf16_compute), hardware)) {
+    policy.set_compute_substitution(std::move(*sub));
+  }
+  return policy;
 }
 
 }  // namespace shoestring

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "shoestring/models/architecture.h"
+#include "shoestring/precision/compute_choice.h"
 #include "shoestring/precision/policy.h"
 
 namespace shoestring {
@@ -66,6 +67,7 @@ struct TrainConfig {
   int64_t lr_warmup_steps = 0;
   int64_t train_batch_size = 1;
   int64_t max_train_steps = 1600;
+  double max_train_minutes = 0;  ///< wall-time budget of a run's first invocation; sizes max_train_steps (0 = off)
   int64_t gradient_accumulation_steps = 1;
   double max_grad_norm = 1.0;  ///< 0 disables clipping
   bool gradient_checkpointing = false;
@@ -79,6 +81,7 @@ struct TrainConfig {
   std::vector<precision::RuleSpec> precision_rules;
   double overflow_threshold = 0.5;            ///< precision.overflow_threshold: fraction of 65504
   bool auto_upcast = false;                   ///< precision.auto_upcast: overflowing fp16 blocks -> fp32
+  std::string bf16_compute = "auto";          ///< precision.bf16_compute: auto | bf16 | fp32 (precision/compute_choice.h)
   double loss_scale_init = 65536.0;           ///< precision.loss_scale_init (GradScaler init_scale)
   int64_t loss_scale_growth_interval = 2000;  ///< precision.loss_scale_growth_interval
   std::string save_precision = "auto";        ///< auto (storage dtype) | fp32 | float | fp16 | bf16
@@ -133,9 +136,17 @@ std::string to_toml(const TrainConfig& config);
 
 /// The precision rules of a config: the shorthands (mixed_precision,
 /// full_bf16, full_fp16, gradient_checkpointing; see precision::shorthand_rules)
-/// followed by the [[precision.rule]] entries. Throws shoestring::Error as
-/// precision::Policy::from_specs.
+/// followed by the [[precision.rule]] entries, with the compute substitution
+/// that precision.bf16_compute chooses for `hardware` (bf16 -> fp32 compute on
+/// a CPU without bf16 units under "auto"; precision/compute_choice.h). Throws
+/// shoestring::Error as precision::Policy::from_specs, or for a bad
+/// precision.bf16_compute.
+precision::Policy precision_policy(const TrainConfig& config, const precision::ComputeHardware& hardware);
+/// As above, on the hardware the run computes on (compute_hardware(config)).
 precision::Policy precision_policy(const TrainConfig& config);
+/// The hardware a run of `config` computes on: this machine's CPU
+/// (core/cpu_features.h).
+precision::ComputeHardware compute_hardware(const TrainConfig& config);
 
 /// The keys a run's checkpoint depends on (schema flag kResume*) whose value
 /// differs between `was` (the run's recorded config.toml) and `now`, each as

@@ -7,6 +7,7 @@
 #include <spdlog/spdlog.h>
 #include <torch/torch.h>
 
+#include "shoestring/core/cpu_features.h"
 #include "shoestring/core/error.h"
 #include "shoestring/core/memory_ledger.h"
 #include "shoestring/core/threads.h"
@@ -16,6 +17,7 @@
 #include "shoestring/models/architecture.h"
 #include "shoestring/nn/chunked_attention.h"
 #include "shoestring/optim/factory.h"
+#include "shoestring/precision/compute_choice.h"
 #include "shoestring/precision/policy.h"
 #include "shoestring/train/sampling.h"
 
@@ -186,6 +188,27 @@ void prepare_run_dir(Run& run, const TrainRunOptions& options) {
   }
 }
 
+/// The blocks' compute dtypes as the run log states them: "fp32", or
+/// "fp32 / bf16" when blocks differ, "fp32 (instead of bf16)" when the
+/// policy's compute substitution took effect.
+std::string compute_summary(const precision::Resolution& resolution, const precision::Policy& policy) {
+  std::vector<std::string> dtypes;
+  bool substituted = false;
+  for (const auto& m : resolution.modules) {
+    if (!m.block) continue;
+    const std::string d = precision::to_string(m.settings.compute);
+    if (std::find(dtypes.begin(), dtypes.end(), d) == dtypes.end()) dtypes.push_back(d);
+    substituted = substituted || m.settings.compute_substituted;
+  }
+  if (dtypes.empty()) dtypes.push_back("fp32");
+  std::string out = fmt::format("{}", fmt::join(dtypes, " / "));
+  if (substituted && policy.compute_substitution()) {
+    const auto& sub = *policy.compute_substitution();
+    out += fmt::format(" (instead of {})", precision::to_string(sub.from));
+  }
+  return out;
+}
+
 /// Applies the precision policy to the model (storage dtypes, trainable,
 /// per-block compute and checkpointing) and attaches the fp16 overflow guard
 /// when anything trains or computes in fp16. Returns the per-parameter
@@ -193,12 +216,26 @@ void prepare_run_dir(Run& run, const TrainRunOptions& options) {
 std::pair<std::map<std::string, bool>, bool> apply_precision(Run& run, const TrainRunOptions& options) {
   const TrainConfig& c = run.config;
   torch::nn::Module& model = run.model->module();
-  const precision::Policy policy = precision_policy(c);
+  const precision::ComputeHardware hardware = compute_hardware(c);
+  const precision::Policy policy = precision_policy(c, hardware);
   run.precision_rules = policy.rules().size();
   const std::vector<nn::BlockTable*> block_tables = run.model->block_tables();
   const precision::Resolution resolution =
       precision::resolve(model, policy, {block_tables.begin(), block_tables.end()});
   for (const auto& w : resolution.warnings) spdlog::warn("{}", w);
+  run.compute_summary = compute_summary(resolution, policy);
+  if (run.compute_summary.find("instead of") != std::string::npos) {
+    const auto& sub = *policy.compute_substitution();
+    run.compute_note = fmt::format("; {} compute runs as {}: {}", precision::to_string(sub.from),
+                                   precision::to_string(sub.to), sub.reason);
+  }
+  if (std::any_of(resolution.modules.begin(), resolution.modules.end(),
+                  [](const precision::ModuleRow& m) { return m.block && m.settings.compute == precision::Dtype::bf16; })) {
+    const precision::Bf16Compute mode = precision::parse_bf16_compute(c.bf16_compute);
+    if (mode == precision::Bf16Compute::bf16 && !hardware.bf16_units) {
+      spdlog::warn("{}", precision::bf16_compute_warning(mode, hardware, measure_bf16_matmul_slowdown()));
+    }
+  }
   {
     ScopedMemoryCategory category(MemoryCategory::weights);
     precision::apply(model, resolution, block_tables);
@@ -275,20 +312,22 @@ std::unique_ptr<GradientPath> make_run_gradient_path(const Run& run, const std::
 
 void log_setup(const Run& run) {
   const TrainConfig& c = run.config;
+  spdlog::info("{}", describe(cpu_features()));
   spdlog::info(
       "model: {:.2f}M trainable parameters, weights {}, {}, {} threads; optimizer {}{}", run.trainable_parameters / 1e6,
       c.full_bf16 || c.full_fp16 ? fmt::format("{} ({})", c.full_bf16 ? "bf16" : "fp16",
                                                c.stochastic_rounding ? "stochastic rounding" : "round-to-nearest")
                                  : std::string("fp32"),
-      c.mixed_precision == "no" ? "compute in weight dtype" : c.mixed_precision + " compute", run.threads,
+      "compute " + run.compute_summary, run.threads,
       c.optimizer_type, c.fused_backward_pass ? " (fused backward)" : "");
   const precision::LossScaler* scaler = run.gradients->loss_scaler();
-  spdlog::info("precision: {} rule(s) (docs/precision.md){}{}", run.precision_rules,
+  spdlog::info("precision: {} rule(s) (docs/precision.md){}{}{}", run.precision_rules,
                scaler ? fmt::format(", fp16 with dynamic loss scaling (init {})", scaler->scale()) : std::string(),
                run.gradients->master_count() > 0
                    ? fmt::format(", {} fp32 master weights ({})", run.gradients->master_count(),
                                  format_bytes(run.gradients->master_bytes()))
-                   : std::string());
+                   : std::string(),
+               run.compute_note);
 }
 
 /// Writes the kohya LoRA file (networks.lora keys, ss_* metadata). The final
@@ -397,11 +436,21 @@ std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions&
   if (!run.resume_from.empty()) {
     truncate_metrics(metrics_path, run.counters.step);
     if (!options.quiet) spdlog::info("resumed from {} at step {}", run.resume_from, run.counters.step);
+    if (c.max_train_minutes > 0 && !options.quiet) {
+      spdlog::info("max_train_minutes sizes a run's first invocation only: this one goes on to max_train_steps {}",
+                   c.max_train_steps);
+    }
   } else {
     write_bytes_atomic(metrics_path, "");
   }
   if (!options.quiet) log_setup(run);
   return owned;
+}
+
+void set_max_train_steps(Run& run, int64_t steps, const std::string& why) {
+  run.config.max_train_steps = steps;
+  write_bytes_atomic((fs::path(run.run_dir) / "config.toml").string(), to_toml(run.config));
+  spdlog::info("{}", why);
 }
 
 std::string write_checkpoint(Run& run, int64_t step) {

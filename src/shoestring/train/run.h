@@ -68,6 +68,9 @@ struct Run {
   nlohmann::json predicted_memory;  ///< TrainRunOptions::predict_memory's answer (null without one)
   int threads = 0;
   size_t precision_rules = 0;
+  /// What the blocks compute in, for the log: "fp32", "bf16", "fp32 (bf16 asked; <reason>)", "fp32 / bf16".
+  std::string compute_summary;
+  std::string compute_note;  ///< "; bf16 compute runs as fp32: <reason>" for the log, "" without substitution
 
   /// A LoRA run whose frozen base comes back from the pretrained file: its
   /// checkpoints and final output hold the adapters only (as kohya's).
@@ -83,6 +86,12 @@ struct Run {
 /// on or whose step count is reached, and whatever loading the dataset,
 /// model or checkpoint throws.
 std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions& options);
+
+/// Sets the run's max_train_steps to `steps` (the time budget's sizing,
+/// train/time_budget.h), logs `why` and rewrites the run's config.toml, so
+/// that `--resume` goes on to the same last step. Throws shoestring::Error
+/// on I/O failure.
+void set_max_train_steps(Run& run, int64_t steps, const std::string& why);
 
 /// Writes checkpoints/step-NNNNNN/ (weights or LoRA adapters, and the
 /// training state) and returns the folder; latest.json does not move yet.

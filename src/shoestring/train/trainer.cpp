@@ -15,6 +15,7 @@
 #include "shoestring/train/lr_schedule.h"
 #include "shoestring/train/report.h"
 #include "shoestring/train/run.h"
+#include "shoestring/train/time_budget.h"
 
 namespace shoestring {
 
@@ -155,17 +156,25 @@ void sample(Run& run, RunReport& report, int64_t step) {
 
 bool every(int64_t n, int64_t step) { return n > 0 && step % n == 0; }
 
+double seconds_now() { return std::chrono::duration<double>(Clock::now().time_since_epoch()).count(); }
+
 }  // namespace
 
 TrainSummary train(const TrainConfig& config, const TrainRunOptions& options) {
+  const double started = seconds_now();
   std::unique_ptr<Run> run = setup_run(config, options);
   const TrainConfig& c = run->config;
   RunReport report(*run, options);
   int64_t step = run->counters.step;
+  TimeBudget budget(c, step, started);
   while (step < c.max_train_steps) {
     ++step;
     MemoryLedger::global().reset_peaks();
-    report.step(train_step(*run, step, options.quiet));
+    const StepRecord record = train_step(*run, step, options.quiet);
+    report.step(record);
+    if (const auto sized = budget.observe(step, record.seconds, seconds_now())) {
+      set_max_train_steps(*run, *sized, budget.explanation());  // max_train_minutes
+    }
     const bool last = step == c.max_train_steps;
     std::string checkpoint;
     if (every(c.save_every_n_steps, step) || last) checkpoint = write_checkpoint(*run, step);
