@@ -8,6 +8,7 @@
 
 #include <toml++/toml.h>
 
+#include "shoestring/core/device.h"
 #include "shoestring/core/error.h"
 #include "shoestring/io/atomic_file.h"
 #include "shoestring/models/architecture.h"
@@ -221,6 +222,12 @@ void validate(const TrainConfig& c, const std::string& source) {
   }
   if (c.network_module.empty() && (!c.network_args.empty() || !c.network_weights.empty())) {
     fail("{}: network_args / network_weights need network_module = \"networks.lora\"", source);
+  }
+  // The form only: whether the machine has the device is checked when a run starts (resolve_device).
+  try {
+    parse_device(c.device, "device");
+  } catch (const Error& e) {
+    fail("{}: {}", source, e.what());
   }
 }
 

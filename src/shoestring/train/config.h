@@ -112,6 +112,9 @@ struct TrainConfig {
   double sample_cfg = 4.0;
   int64_t log_every_n_steps = 10;  ///< progress line cadence when not on a TTY
   int64_t num_threads = 0;         ///< 0: libtorch default
+  /// "auto" | "cpu" | "cuda" | "cuda:N" (core/device.h): where the model, its
+  /// gradients and optimizer state live; the dataset and caches stay in host memory.
+  std::string device = "auto";
 };
 
 /// Parses a TOML config file and applies `--set key=value` overrides (the

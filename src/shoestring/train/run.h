@@ -68,6 +68,10 @@ struct Run {
   nlohmann::json predicted_memory;  ///< TrainRunOptions::predict_memory's answer (null without one)
   int threads = 0;
   size_t precision_rules = 0;
+  /// Where the module tree, gradients, optimizer state, EMA and masters live
+  /// (config `device`, resolved); the dataset and caches stay in host memory.
+  c10::Device device{c10::kCPU};
+  std::string device_note;  ///< why the compute dtype was changed for the device ("" when it was not)
 
   /// A LoRA run whose frozen base comes back from the pretrained file: its
   /// checkpoints and final output hold the adapters only (as kohya's).
