@@ -172,6 +172,46 @@ TEST(Cli, BadInputsGiveClearErrors) {
   fs::remove(junk);
 }
 
+// The device setting: a CUDA request on a machine that cannot meet it fails
+// before any work (no run folder), naming the flag or key, the value and why;
+// a malformed value names the accepted forms.
+TEST(Cli, DeviceRequestsTheMachineCannotMeetFailFirst) {
+  const std::string cfg = write_config();
+  const std::string out = temp_path("device");
+  Result bad_form = run("train " + cfg + " --device gpu --output-dir " + out);
+  EXPECT_EQ(bad_form.code, 1);
+  EXPECT_NE(bad_form.output.find("--device = \"gpu\""), std::string::npos) << bad_form.output;
+  EXPECT_NE(bad_form.output.find("\"cuda:N\""), std::string::npos) << bad_form.output;
+  EXPECT_FALSE(fs::exists(out));
+
+  Result key_form = run("train " + cfg + " --set device=tpu --output-dir " + out);
+  EXPECT_EQ(key_form.code, 1);
+  EXPECT_NE(key_form.output.find("device = \"tpu\""), std::string::npos) << key_form.output;
+  EXPECT_FALSE(fs::exists(out));
+
+  // This machine (Debian's CPU-only libtorch): CUDA cannot be had.
+  Result cuda = run("train " + cfg + " --device cuda:1 --output-dir " + out);
+  if (cuda.code != 0) {
+    EXPECT_EQ(cuda.code, 1);
+    EXPECT_NE(cuda.output.find("--device = \"cuda:1\""), std::string::npos) << cuda.output;
+    const bool says_why = cuda.output.find("built without CUDA") != std::string::npos ||
+                          cuda.output.find("no CUDA device") != std::string::npos ||
+                          cuda.output.find("only") != std::string::npos;
+    EXPECT_TRUE(says_why) << cuda.output;
+    EXPECT_FALSE(fs::exists(out));
+  }
+  Result key_cuda = run("train " + cfg + " --set device=cuda --output-dir " + out);
+  if (key_cuda.code != 0) {
+    EXPECT_NE(key_cuda.output.find("device = \"cuda\""), std::string::npos) << key_cuda.output;
+    EXPECT_FALSE(fs::exists(out));
+  }
+  Result sample = run("sample /nonexistent.safetensors --prompt x --device cuda:7 --out " + temp_path("d") + ".png");
+  EXPECT_EQ(sample.code, 1);
+  EXPECT_NE(sample.output.find("--device = \"cuda:7\""), std::string::npos) << sample.output;
+  fs::remove_all(out);
+  fs::remove(cfg);
+}
+
 // NaN passes CLI::Range, and NaN weights sampled to a black grid with exit
 // code 0: both are errors now, and no PNG (or sidecar) is written.
 TEST(Cli, SampleRefusesNonFiniteArgumentsAndWeights) {

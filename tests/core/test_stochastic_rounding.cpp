@@ -385,5 +385,97 @@ TEST(StochasticRoundingTensor, RejectsBadArguments) {
                            stochastic_round(t.contiguous(), torch::kHalf, {1, 2, 3})));
 }
 
+// ---------------------------------------------------------------- ATen-op path
+// The device-generic path (what CUDA tensors take without a custom kernel),
+// forced on CPU tensors: the same bits as the fast CPU loop, element for
+// element, over every class of input (random normals, the special patterns,
+// fp16 subnormals and overflow, all-ones mantissas that carry).
+
+torch::Tensor special_patterns() {
+  std::vector<float> v = {0.0f,
+                          -0.0f,
+                          1.0f,
+                          -1.0f,
+                          65504.0f,
+                          65519.0f,
+                          65520.0f,
+                          70000.0f,
+                          -70000.0f,
+                          FLT_MAX,
+                          -FLT_MAX,
+                          std::numeric_limits<float>::infinity(),
+                          -std::numeric_limits<float>::infinity(),
+                          std::numeric_limits<float>::quiet_NaN(),
+                          -std::numeric_limits<float>::quiet_NaN(),
+                          from_bits(0x7F800001u),
+                          from_bits(0xFFFFFFFFu),
+                          from_bits(0x7FFFFFFFu),
+                          6.1e-5f,
+                          6.0e-5f,
+                          1e-7f,
+                          -3e-8f,
+                          5.96e-8f,
+                          1e-30f,
+                          from_bits(0x00000001u),
+                          from_bits(0x807FFFFFu),
+                          from_bits(0x3F7FFFFFu),
+                          from_bits(0x387FFFFFu),
+                          from_bits(0x38800000u),
+                          from_bits(0x477FEFFFu)};
+  return torch::tensor(v);
+}
+
+TEST(StochasticRoundingGeneric, RandomBitsTensorMatchesCounterRng) {
+  const RoundingKey key{0xFFFFFFFFFFFFFFFFull, 123456789, 7};
+  const int64_t first = (int64_t{1} << 40) + 5;
+  const auto bits = stochastic_rounding_random_bits_tensor(key, first, 5000, torch::kCPU);
+  ASSERT_EQ(bits.scalar_type(), torch::kLong);
+  const int64_t* b = bits.data_ptr<int64_t>();
+  for (int64_t i = 0; i < 5000; ++i) {
+    ASSERT_EQ(static_cast<uint64_t>(b[i]), stochastic_rounding_random_bits(key, static_cast<uint64_t>(first + i))) << i;
+  }
+}
+
+TEST(StochasticRoundingGeneric, SameBitsAsTheCpuLoop) {
+  torch::manual_seed(3);
+  // More than one 2^20-element chunk of the generic path, uneven.
+  const int64_t n = (int64_t{1} << 20) + 4321;
+  auto src = torch::randn({n}) * 3;
+  src.slice(0, 0, 200000).mul_(1e-5);      // fp16 subnormals and small normals
+  src.slice(0, 200000, 300000).mul_(3e4);  // fp16 overflow
+  // Random bit patterns (every exponent, NaN payloads included).
+  src.slice(0, 300000, 400000).copy_(torch::randint(INT32_MIN, INT32_MAX, {100000}, torch::kInt).view(torch::kFloat));
+  const auto special = special_patterns();
+  src.slice(0, 400000, 400000 + special.numel()).copy_(special);
+  for (auto dtype : {torch::kBFloat16, torch::kHalf}) {
+    for (int64_t offset : {int64_t{0}, int64_t{987654321}}) {
+      const RoundingKey key{31, 4, 9};
+      auto fast = torch::empty({n}, dtype);
+      auto generic = torch::empty({n}, dtype);
+      stochastic_round_into(src, fast, key, offset);
+      stochastic_round_into_generic(src, generic, key, offset);
+      const auto fast_bits = fast.view(torch::kShort);
+      const auto generic_bits = generic.view(torch::kShort);
+      const int64_t differ = fast_bits.ne(generic_bits).sum().item<int64_t>();
+      EXPECT_EQ(differ, 0) << c10::toString(dtype) << " offset " << offset;
+    }
+  }
+}
+
+TEST(StochasticRoundingGeneric, RejectsWhatTheCpuPathRejects) {
+  const auto src = torch::zeros({8});
+  auto wrong_numel = torch::empty({7}, torch::kBFloat16);
+  auto strided = torch::empty({16}, torch::kBFloat16).slice(0, 0, 16, 2);
+  EXPECT_THROW(stochastic_round_into_generic(src, wrong_numel, {}), Error);
+  EXPECT_THROW(stochastic_round_into_generic(src, strided, {}), Error);
+  auto meta_dst = torch::empty({8}, torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kMeta));
+  try {
+    stochastic_round_into(src, meta_dst, {});
+    FAIL() << "expected an error for tensors on two devices";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("one device"), std::string::npos) << e.what();
+  }
+}
+
 }  // namespace
 }  // namespace shoestring

@@ -1,4 +1,5 @@
-// `shoestring sample CHECKPOINT --prompt TEXT [--prompt TEXT]... [--steps N] [--cfg X] [--seed S] --out FILE.png`
+// `shoestring sample CHECKPOINT --prompt TEXT [--prompt TEXT]... [--steps N] [--cfg X] [--seed S] --out FILE.png
+// [--device auto|cpu|cuda|cuda:N]`
 #include <cmath>
 #include <filesystem>
 
@@ -7,6 +8,7 @@
 #include <torch/torch.h>
 
 #include "shoestring/cli/commands.h"
+#include "shoestring/core/device.h"
 #include "shoestring/core/error.h"
 #include "shoestring/core/threads.h"
 #include "shoestring/data/tokenizer.h"
@@ -55,6 +57,7 @@ void register_sample(CLI::App& app) {
     int64_t seed = 0;
     int64_t count = 4;
     std::string out;
+    std::string device = "auto";
   };
   auto args = std::make_shared<Args>();
   CLI::App* cmd = app.add_subcommand("sample", "generate images from a trained checkpoint");
@@ -70,7 +73,11 @@ void register_sample(CLI::App& app) {
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 62));
   cmd->add_option("--count", args->count, "images per prompt (grid columns)")->check(CLI::Range(1, 64));
   cmd->add_option("--out", args->out, "output PNG")->required();
+  cmd->add_option("--device", args->device,
+                  "where to sample: auto (first CUDA device if any, else cpu), cpu, cuda, "
+                  "cuda:N (the same noise, drawn on the CPU, on every device)");
   cmd->callback([args] {
+    const at::Device device = resolve_device(args->device, "--device");  // before any work
     namespace fs = std::filesystem;
     fs::path out(args->out);
     fs::path parent = out.parent_path().empty() ? fs::path(".") : out.parent_path();
@@ -98,6 +105,7 @@ void register_sample(CLI::App& app) {
     }
     // Refuses NaN / inf weights by name (sampling from them gives a blank grid).
     load_module(*model, tensors, file.path());
+    model->to(device);
     SampleRequest req;
     req.prompts = args->prompts;
     for (int64_t i = 0; i < args->count; ++i) req.seeds.push_back(static_cast<uint64_t>(args->seed + i));

@@ -1,9 +1,11 @@
-// `shoestring train CONFIG [--set key=value]... [--max-steps N] [--output-dir DIR] [--resume RUN_DIR]`
+// `shoestring train CONFIG [--set key=value]... [--max-steps N] [--output-dir DIR] [--resume RUN_DIR]
+// [--device auto|cpu|cuda|cuda:N]`
 #include <filesystem>
 
 #include <CLI/CLI.hpp>
 
 #include "shoestring/cli/commands.h"
+#include "shoestring/core/device.h"
 #include "shoestring/core/error.h"
 #include "shoestring/plan/memory_plan.h"
 #include "shoestring/train/config.h"
@@ -19,6 +21,7 @@ void register_train(CLI::App& app) {
     int64_t max_steps = 0;
     std::string output_dir;
     std::string resume;
+    std::string device;
   };
   auto args = std::make_shared<Args>();
   CLI::App* cmd = app.add_subcommand("train", "train a model (or resume a run)");
@@ -29,7 +32,12 @@ void register_train(CLI::App& app) {
       ->check(CLI::Range(int64_t{1}, int64_t{1000000000000}));
   cmd->add_option("--output-dir", args->output_dir, "override output_dir (the run folder)");
   cmd->add_option("--resume", args->resume, "continue the run in RUN_DIR from its latest checkpoint");
+  cmd->add_option("--device", args->device,
+                  "where to train: auto (first CUDA device if any, else cpu), cpu, cuda, cuda:N (overrides the "
+                  "config's device; a resumed run may move)");
   cmd->callback([args] {
+    // Checked first, naming the flag: a device the machine lacks fails before any work.
+    if (!args->device.empty()) resolve_device(args->device, "--device");
     std::vector<std::string> sets = args->sets;
     if (args->max_steps > 0) sets.push_back(fmt::format("max_train_steps={}", args->max_steps));
     TrainRunOptions options;
@@ -55,6 +63,7 @@ void register_train(CLI::App& app) {
     if (fs::is_directory(config_path)) fail("config '{}' is a directory, expected a TOML file", config_path);
     TrainConfig config = load_config(config_path, sets);
     if (!args->output_dir.empty()) config.output_dir = args->output_dir;  // a path, used as given
+    if (!args->device.empty()) config.device = args->device;
     options.predict_memory = [](const TrainConfig& c, int64_t vocab_size) {
       try {
         return plan::plan_memory(c, vocab_size).to_json();

@@ -1,13 +1,20 @@
 #include "shoestring/core/stochastic_rounding.h"
 
 #include <cstring>
+#include <limits>
 
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/ops/empty.h>
 
 #include "shoestring/core/counter_rng.h"
 #include "shoestring/core/error.h"
 #include "shoestring/core/stochastic_rounding_bits.h"
+
+#if defined(SHOESTRING_WITH_CUDA_KERNELS)
+#include <c10/cuda/CUDAStream.h>
+
+#include "kernels/cuda/stochastic_rounding_cuda.h"
+#endif
 
 namespace shoestring {
 namespace {
@@ -59,43 +66,47 @@ uint32_t float_bits(float x) {
 
 }  // namespace
 
-void stochastic_round_into(const at::Tensor& src, at::Tensor& dst, RoundingKey key, int64_t element_offset) {
+namespace {
+
+// The checks every path shares (src / dst as stochastic_round_into documents).
+void check_round_into(const char* what, const at::Tensor& src, const at::Tensor& dst, int64_t element_offset) {
   if (!src.defined() || !dst.defined()) {
-    fail("stochastic_round_into: src and dst must be defined tensors");
+    fail("{}: src and dst must be defined tensors", what);
   }
-  if (!src.device().is_cpu() || !dst.device().is_cpu()) {
-    fail("stochastic_round_into: expected CPU tensors, got src on {} and dst on {}", src.device().str(),
+  if (src.device() != dst.device()) {
+    fail("{}: src and dst must be on one device, got src on {} and dst on {}", what, src.device().str(),
          dst.device().str());
   }
   if (src.scalar_type() != at::kFloat) {
-    fail("stochastic_round_into: src must be float32, got {}", c10::toString(src.scalar_type()));
+    fail("{}: src must be float32, got {}", what, c10::toString(src.scalar_type()));
   }
   if (dst.scalar_type() != at::kBFloat16 && dst.scalar_type() != at::kHalf) {
-    fail("stochastic_round_into: dst must be bfloat16 or float16, got {}", c10::toString(dst.scalar_type()));
+    fail("{}: dst must be bfloat16 or float16, got {}", what, c10::toString(dst.scalar_type()));
   }
-  if (!src.is_contiguous() || !dst.is_contiguous()) {
-    fail(
-        "stochastic_round_into: src and dst must be contiguous (src contiguous: {}, dst "
-        "contiguous: {})",
-        src.is_contiguous(), dst.is_contiguous());
+  if (src.layout() != at::kStrided || dst.layout() != at::kStrided || !src.is_contiguous() || !dst.is_contiguous()) {
+    fail("{}: src and dst must be contiguous (src contiguous: {}, dst contiguous: {})", what, src.is_contiguous(),
+         dst.is_contiguous());
   }
-  const int64_t n = src.numel();
-  if (dst.numel() != n) {
-    fail("stochastic_round_into: dst has {} elements, expected {} (the numel of src)", dst.numel(), n);
+  if (dst.numel() != src.numel()) {
+    fail("{}: dst has {} elements, expected {} (the numel of src)", what, dst.numel(), src.numel());
   }
   if (element_offset < 0) {
-    fail("stochastic_round_into: element_offset must be >= 0, got {}", element_offset);
+    fail("{}: element_offset must be >= 0, got {}", what, element_offset);
   }
-  if (n == 0) return;
+  if (src.numel() == 0) return;
+  // Same storage and intersecting byte ranges (device pointers compare as well as host ones).
+  const auto in_begin = reinterpret_cast<uintptr_t>(src.data_ptr());
+  const auto out_begin = reinterpret_cast<uintptr_t>(dst.data_ptr());
+  const auto n = static_cast<uintptr_t>(src.numel());
+  if (in_begin < out_begin + n * 2 && out_begin < in_begin + n * 4) {
+    fail("{}: dst memory overlaps src", what);
+  }
+}
 
+void round_into_cpu(const at::Tensor& src, at::Tensor& dst, RoundingKey key, int64_t element_offset) {
+  const int64_t n = src.numel();
   const auto* in = static_cast<const uint32_t*>(src.data_ptr());
   auto* out = static_cast<uint16_t*>(dst.data_ptr());
-  const auto in_begin = reinterpret_cast<uintptr_t>(in);
-  const auto out_begin = reinterpret_cast<uintptr_t>(out);
-  if (in_begin < out_begin + static_cast<uintptr_t>(n) * 2 && out_begin < in_begin + static_cast<uintptr_t>(n) * 4) {
-    fail("stochastic_round_into: dst memory overlaps src");
-  }
-
   const uint64_t k = counter_rng_key(key.seed, key.step, key.tensor_id);
   const uint64_t first = static_cast<uint64_t>(element_offset);
   const bool to_bf16 = dst.scalar_type() == at::kBFloat16;
@@ -107,6 +118,112 @@ void stochastic_round_into(const at::Tensor& src, at::Tensor& dst, RoundingKey k
       round_range_fp16(in + begin, out + begin, end - begin, k, index);
     }
   });
+}
+
+// ---- the ATen-op path --------------------------------------------------------
+// 64-bit words live in int64 tensors as their two's-complement patterns:
+// addition and multiplication wrap modulo 2^64 (the kernels libtorch uses for
+// int64 on CPU and CUDA), xor / and / or are bit-exact, and a logical right
+// shift is the arithmetic one with the sign-extended bits masked off.
+// 32-bit words are kept zero-extended in int64 (values in [0, 2^32)), so the
+// uint32 expressions of stochastic_rounding_bits.h hold without wraparound
+// (the one place where uint32 arithmetic could wrap, bits + random for NaN
+// patterns, is selected away, and a final & 0xFFFF keeps the low half).
+
+constexpr int64_t as_int64(uint64_t u) { return static_cast<int64_t>(u); }
+
+at::Tensor shr(const at::Tensor& x, int k) {
+  return x.__rshift__(k).bitwise_and_(as_int64(~uint64_t{0} >> k));  // logical shift
+}
+
+at::Tensor mix64_tensor(at::Tensor z) {
+  z = z.bitwise_xor(shr(z, 30)).mul_(as_int64(0xBF58476D1CE4E5B9ull));
+  z = z.bitwise_xor(shr(z, 27)).mul_(as_int64(0x94D049BB133111EBull));
+  return z.bitwise_xor_(shr(z, 31));
+}
+
+// uint16 results (int64 in [0, 65536)) as the 16-bit pattern of `dtype`.
+at::Tensor to_16bit(const at::Tensor& v, at::ScalarType dtype) {
+  const at::Tensor signed16 = v - v.__rshift__(15).bitwise_and_(1).mul_(65536);  // [-32768, 32767], exact in int16
+  return signed16.to(at::kShort).view(dtype);
+}
+
+at::Tensor sr_bf16_tensor(const at::Tensor& bits, const at::Tensor& random) {
+  const at::Tensor rounded = (bits + random.bitwise_and(0xFFFF)).__rshift__(16).bitwise_and_(0xFFFF);
+  const at::Tensor quiet_nan = bits.__rshift__(16).bitwise_or_(0x0040);
+  const at::Tensor is_nan = bits.bitwise_and(0x7FFFFFFF).gt(0x7F800000);
+  return at::where(is_nan, quiet_nan, rounded);
+}
+
+at::Tensor sr_fp16_tensor(const at::Tensor& bits, const at::Tensor& random) {
+  const at::Tensor sign = bits.__rshift__(16).bitwise_and_(0x8000);
+  const at::Tensor a = bits.bitwise_and(0x7FFFFFFF);
+  at::Tensor normal = (a + random.bitwise_and(0x1FFF)).__rshift__(13).sub_((127 - 15) << 10);
+  normal = at::minimum(normal, at::full({}, 0x7C00, normal.options()));
+  const at::Tensor is_subnormal = a.lt(0x38800000);
+  const at::Tensor scaled_bits =
+      at::where(is_subnormal.logical_and(a.ge(0x00800000)), a + (int64_t{45} << 23), at::zeros_like(a));
+  // floor(|x| * 2^45) < 2^31: the float's bits in int32, converted back with truncation.
+  const at::Tensor v = scaled_bits.to(at::kInt).view(at::kFloat).to(at::kInt).to(at::kLong);
+  const at::Tensor subnormal = (v + random.__rshift__(11)).__rshift__(21);
+  at::Tensor mag = at::where(is_subnormal, subnormal, normal);
+  mag = at::where(a.gt(0x7F800000), at::full({}, 0x7E00, mag.options()), mag);
+  return sign.bitwise_or_(mag);
+}
+
+constexpr int64_t kGenericChunk = int64_t{1} << 20;
+
+}  // namespace
+
+at::Tensor stochastic_rounding_random_bits_tensor(RoundingKey key, int64_t first_index, int64_t n,
+                                                  const c10::Device& device) {
+  if (first_index < 0 || n < 0 || first_index > std::numeric_limits<int64_t>::max() - n) {
+    fail("stochastic_rounding_random_bits_tensor: indices [{}, {} + {}) out of range", first_index, first_index, n);
+  }
+  const uint64_t k = counter_rng_key(key.seed, key.step, key.tensor_id);
+  // counter_random64: mix64(key + (index + 1) * gamma), all modulo 2^64.
+  at::Tensor z = at::arange(first_index + 1, first_index + n + 1, at::TensorOptions().dtype(at::kLong).device(device));
+  z.mul_(as_int64(kSplitMix64Gamma)).add_(as_int64(k));
+  return shr(mix64_tensor(std::move(z)), 32);
+}
+
+void stochastic_round_into_generic(const at::Tensor& src, at::Tensor& dst, RoundingKey key, int64_t element_offset) {
+  check_round_into("stochastic_round_into", src, dst, element_offset);
+  const int64_t n = src.numel();
+  const at::Tensor in = src.view({n});
+  at::Tensor out = dst.view({n});
+  const bool to_bf16 = dst.scalar_type() == at::kBFloat16;
+  for (int64_t begin = 0; begin < n; begin += kGenericChunk) {
+    const int64_t len = std::min(kGenericChunk, n - begin);
+    const at::Tensor bits = in.narrow(0, begin, len).view(at::kInt).to(at::kLong).bitwise_and_(int64_t{0xFFFFFFFF});
+    const at::Tensor random = stochastic_rounding_random_bits_tensor(key, element_offset + begin, len, src.device());
+    const at::Tensor result = to_bf16 ? sr_bf16_tensor(bits, random) : sr_fp16_tensor(bits, random);
+    out.narrow(0, begin, len).copy_(to_16bit(result, dst.scalar_type()));
+  }
+}
+
+void stochastic_round_into(const at::Tensor& src, at::Tensor& dst, RoundingKey key, int64_t element_offset) {
+  check_round_into("stochastic_round_into", src, dst, element_offset);
+  if (src.numel() == 0) return;
+  if (src.device().is_cpu()) {
+    round_into_cpu(src, dst, key, element_offset);
+    return;
+  }
+#if defined(SHOESTRING_WITH_CUDA_KERNELS)
+  if (src.device().is_cuda()) {
+    void* stream = c10::cuda::getCurrentCUDAStream(src.device().index()).stream();
+    const auto* in = static_cast<const float*>(src.data_ptr());
+    auto* out = static_cast<uint16_t*>(dst.data_ptr());
+    const int err = dst.scalar_type() == at::kBFloat16
+                        ? cuda::stochastic_round_bf16(in, out, src.numel(), key.seed, key.step, key.tensor_id,
+                                                      element_offset, stream)
+                        : cuda::stochastic_round_fp16(in, out, src.numel(), key.seed, key.step, key.tensor_id,
+                                                      element_offset, stream);
+    if (err != 0) fail("stochastic_round_into: CUDA kernel launch failed (cudaError {})", err);
+    return;
+  }
+#endif
+  stochastic_round_into_generic(src, dst, key, element_offset);
 }
 
 at::Tensor stochastic_round(const at::Tensor& src, at::ScalarType dtype, RoundingKey key) {

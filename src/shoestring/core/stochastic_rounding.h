@@ -28,22 +28,43 @@ struct RoundingKey {
   uint64_t tensor_id = 0;
 };
 
-/// dst <- SR(src). src: contiguous float32 CPU tensor; dst: contiguous
-/// bfloat16 or float16 CPU tensor with the same numel (shape may differ, e.g.
+/// dst <- SR(src). src: contiguous float32 tensor; dst: contiguous
+/// bfloat16 or float16 tensor on the same device with the same numel (shape may differ, e.g.
 /// flat chunks), not overlapping src. Element i of src uses random bits number
 /// (element_offset + i) of the key's stream, where element_offset (>= 0) is the
 /// global row-major index of src[0] within the logical tensor, so rounding a
 /// tensor in chunks gives the same bits as rounding it at once. Runs in
 /// at::parallel_for with a grain of 32768 elements; the result does not depend
 /// on the number of threads. (With libtorch's OpenMP backend, parallel_for is
-/// inline and only goes parallel if this file is compiled with -fopenmp.) Rules: see sr_bf16_from_fp32_bits and
-/// sr_fp16_from_fp32_bits.
-/// Throws shoestring::Error on wrong device, dtype, layout, numel, overlap or a
-/// negative element_offset.
+/// inline and only goes parallel if this file is compiled with -fopenmp.)
+/// Rules: see sr_bf16_from_fp32_bits and sr_fp16_from_fp32_bits. CPU
+/// tensors take that loop.
+/// Tensors on another device (CUDA) take the CUDA kernel of kernels/cuda/
+/// where the build links it (SHOESTRING_WITH_CUDA_KERNELS), else
+/// stochastic_round_into_generic: the same bits either way.
+/// Throws shoestring::Error on mismatched devices, wrong dtype, layout,
+/// numel, overlap or a negative element_offset.
 void stochastic_round_into(const at::Tensor& src, at::Tensor& dst, RoundingKey key, int64_t element_offset = 0);
 
+/// stochastic_round_into built from ATen integer ops only (int64 tensors:
+/// bitwise and/or/xor, shifts, multiplication and addition wrapping modulo
+/// 2^64), so it runs on any device libtorch supports and gives the same bits
+/// as the CPU loop, element for element. src and dst on one device, with the
+/// requirements of stochastic_round_into. Works through the tensor in chunks
+/// of 2^20 elements (temporaries: about 10 int64 words per chunk element).
+/// Used for non-CPU tensors without a custom kernel; tests call it on CPU
+/// tensors to compare with the fast loop. Throws as stochastic_round_into.
+void stochastic_round_into_generic(const at::Tensor& src, at::Tensor& dst, RoundingKey key, int64_t element_offset = 0);
+
+/// The counter-based random words of elements [first_index, first_index + n)
+/// of `key`'s stream (stochastic_rounding_random_bits), computed with ATen ops
+/// on `device`: int64 tensor [n] with values in [0, 2^32). first_index >= 0
+/// and first_index + n must fit in int64.
+at::Tensor stochastic_rounding_random_bits_tensor(RoundingKey key, int64_t first_index, int64_t n,
+                                                  const c10::Device& device);
+
 /// Returns SR(src) as a new tensor of dtype `dtype` (at::kBFloat16 or at::kHalf)
-/// with src's shape. src: float32 CPU tensor of any layout (element indices
+/// with src's shape, on src's device. src: float32 tensor of any layout (element indices
 /// are row-major logical indices). Throws shoestring::Error as
 /// stochastic_round_into, and for any other target dtype.
 at::Tensor stochastic_round(const at::Tensor& src, at::ScalarType dtype, RoundingKey key);

@@ -14,3 +14,8 @@
 // virtual that every allocator must implement (1.13: allocate() const, no
 // copy_data).
 #define SHOESTRING_ALLOCATOR_API_2_3 SHOESTRING_TORCH_AT_LEAST(2, 3)
+
+// Fused scaled-dot-product attention (at::scaled_dot_product_attention): from
+// 2.0, with the `scale` argument (our 1/sqrt(d) is folded into the query
+// projection, so we pass scale = 1) from 2.1. Before: nn/chunked_attention.h's paths.
+#define SHOESTRING_HAS_SDPA SHOESTRING_TORCH_AT_LEAST(2, 1)

@@ -7,6 +7,7 @@
 #include <torch/torch.h>
 
 #include "shoestring/core/error.h"
+#include "shoestring/core/torch_compat.h"
 #include "shoestring/core/units.h"
 
 namespace shoestring::nn {
@@ -148,6 +149,21 @@ at::Tensor attention_core(const at::Tensor& q, const at::Tensor& k, const at::Te
   check_inputs(q, k, v, key_mask);
   const int64_t block = attention_block_rows(q.size(0), q.size(1), q.size(2), k.size(2),
                                              static_cast<int64_t>(q.element_size()), attention_chunk_bytes());
+#if SHOESTRING_HAS_SDPA
+  // On GPUs, libtorch's fused kernels (flash / memory-efficient attention:
+  // no score matrix in memory, forward or backward). Masked keys get the
+  // dtype's lowest finite score, as in plain_attention (a fully masked row
+  // attends uniformly instead of giving NaN). Key/value heads are used by
+  // G stacked query heads each (the layout above), so no repeat is needed.
+  if (!q.device().is_cpu()) {
+    c10::optional<at::Tensor> mask;
+    if (key_mask.defined()) {
+      mask = at::zeros({key_mask.size(0), 1, 1, key_mask.size(1)}, q.options())
+                 .masked_fill_(masked_keys(key_mask), lowest_finite(q.scalar_type()));
+    }
+    return at::scaled_dot_product_attention(q, k, v, mask, /*dropout_p=*/0.0, /*is_causal=*/false, /*scale=*/1.0);
+  }
+#endif
   if (block == 0) return plain_attention(q, k, v, key_mask);
   return chunked_attention(q, k, v, key_mask, block);
 }

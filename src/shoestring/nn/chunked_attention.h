@@ -61,7 +61,10 @@ int64_t attention_block_rows(int64_t batch, int64_t kv_heads, int64_t rows, int6
                              int64_t chunk_bytes);
 
 /// plain_attention when the score matrix fits under attention_chunk_bytes(),
-/// chunked_attention with attention_block_rows() otherwise.
+/// chunked_attention with attention_block_rows() otherwise. On a non-CPU
+/// device with libtorch >= 2.1 (SHOESTRING_HAS_SDPA, core/torch_compat.h):
+/// at::scaled_dot_product_attention with scale 1 (the same formula, fused
+/// kernels; results equal to rounding).
 at::Tensor attention_core(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           const at::Tensor& key_mask = {});
 

@@ -99,7 +99,7 @@ void Adafactor::update(size_t index, const at::Tensor& grad_in, double lr, int64
   // full-size temporary. Same formulas; sums are accumulated in double, so
   // results match the op chain to rounding, not bit for bit.
   auto fusable = [](const at::Tensor& x) {
-    return x.device().is_cpu() && x.layout() == at::kStrided && x.is_contiguous() &&
+    return fast_cpu_path(x) && x.layout() == at::kStrided && x.is_contiguous() &&
            (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16);
   };
   if (factored && !first_moment && fusable(live) && fusable(grad_in)) {

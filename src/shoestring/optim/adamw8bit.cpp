@@ -154,6 +154,62 @@ void dispatch_grad(P* p, const at::Tensor& g, const Work& w, bool eight_bit) {
 
 int64_t num_blocks(int64_t numel, int64_t block_size) { return (numel + block_size - 1) / block_size; }
 
+/// The device-generic step (ATen ops only; any device): the per-element rule
+/// of adam_element over the whole tensor at once, with the same fp32
+/// operations in the same order (torch's add_(x, alpha) is the fused
+/// multiply-add m1 needs; v1 has two roundings as adam_element), then the
+/// parameter stored as write_param would (SR with the same key, or
+/// round-to-nearest), and m, v requantized block-wise
+/// (quantize_blockwise_generic). The same bits as the CPU paths.
+void adamw8bit_generic_step(at::Tensor& live, const at::Tensor& grad_in, std::map<std::string, at::Tensor>& st,
+                            bool eight_bit, int64_t block_size, const AdamStep& s, bool sr, RoundingKey key) {
+  torch::NoGradGuard no_grad;
+  const int64_t n = live.numel();
+  const at::Tensor g = grad_in.contiguous().view({n}).to(at::kFloat);
+  const at::Tensor p = live.contiguous().view({n}).to(at::kFloat);
+  at::Tensor m, v;
+  if (eight_bit) {
+    m = dequantize_blockwise_generic(st["exp_avg_q"], st["exp_avg_absmax"], signed_dynamic_map(), block_size).view({n});
+    v = dequantize_blockwise_generic(st["exp_avg_sq_q"], st["exp_avg_sq_absmax"], unsigned_dynamic_map(), block_size)
+            .view({n});
+  } else {
+    m = st["exp_avg"].view({n});
+    v = st["exp_avg_sq"].view({n});
+  }
+  const at::Tensor p1 = p * s.decay;
+  const at::Tensor m1 = (m * s.beta1).add_(g, s.one_minus_beta1);             // fma(g, 1 - b1, m b1)
+  const at::Tensor v1 = (v * s.beta2).add_((g * s.one_minus_beta2).mul_(g));  // v b2 + ((1 - b2) g) g
+  const at::Tensor denom = v1.sqrt().div_(s.sqrt_bias_correction2).add_(s.eps);
+  const at::Tensor p2 = p1 + (m1 * (-s.step_size)).div_(denom);
+  const at::Tensor ok =
+      g.isfinite().logical_and_(m1.isfinite()).logical_and_(v1.isfinite()).logical_and_(p2.isfinite());
+  const at::Tensor m_new = at::where(ok, m1, m);
+  const at::Tensor v_new = at::where(ok, v1, v);
+  // Parameter: elements that fail keep their stored bits.
+  at::Tensor stored;
+  if (live.scalar_type() == at::kFloat) {
+    stored = p2;
+  } else if (sr) {
+    stored = at::empty({n}, p2.options().dtype(live.scalar_type()));
+    stochastic_round_into(p2, stored, key);
+  } else {
+    stored = p2.to(live.scalar_type());
+  }
+  const at::Tensor flat_live = live.contiguous().view({n});
+  live.copy_(at::where(ok, stored, flat_live).view(live.sizes()));
+  if (eight_bit) {
+    BlockwiseQuantized qm = quantize_blockwise_generic(m_new, signed_dynamic_map(), block_size);
+    BlockwiseQuantized qv = quantize_blockwise_generic(v_new, unsigned_dynamic_map(), block_size);
+    st["exp_avg_q"].copy_(qm.codes.view(st["exp_avg_q"].sizes()));
+    st["exp_avg_absmax"].copy_(qm.absmax);
+    st["exp_avg_sq_q"].copy_(qv.codes.view(st["exp_avg_sq_q"].sizes()));
+    st["exp_avg_sq_absmax"].copy_(qv.absmax);
+  } else {
+    st["exp_avg"].view({n}).copy_(m_new);
+    st["exp_avg_sq"].view({n}).copy_(v_new);
+  }
+}
+
 }  // namespace
 
 AdamW8bit::AdamW8bit(std::vector<OptimParam> params, AdamW8bitOptions adam, OptimizerOptions options)
@@ -172,8 +228,8 @@ void AdamW8bit::check_state(size_t index) const {
     auto it = st.find(sname);
     if (it == st.end() || !it->second.defined()) fail("AdamW8bit: state tensor '{}.{}' is missing", name, sname);
     const at::Tensor& t = it->second;
-    if (t.scalar_type() != dtype || t.numel() != numel || !t.is_contiguous() || !t.device().is_cpu()) {
-      fail("AdamW8bit: state tensor '{}.{}' must be a contiguous CPU {} tensor of {} elements (got {} with {})", name,
+    if (t.scalar_type() != dtype || t.numel() != numel || !t.is_contiguous()) {
+      fail("AdamW8bit: state tensor '{}.{}' must be a contiguous {} tensor of {} elements (got {} with {})", name,
            sname, c10::toString(dtype), numel, c10::toString(t.scalar_type()), t.numel());
     }
   };
@@ -202,15 +258,13 @@ void AdamW8bit::load_state_tensors(const std::map<std::string, at::Tensor>& tens
 void AdamW8bit::update(size_t index, const at::Tensor& grad_in, double lr, int64_t step) {
   at::Tensor& live = params_[index].param;
   const std::string& name = params_[index].name;
-  if (!live.device().is_cpu())
-    fail("AdamW8bit: parameter '{}' is on {}; only CPU is implemented", name, live.device().str());
   const auto pdtype = live.scalar_type();
   if (pdtype != at::kFloat && pdtype != at::kBFloat16 && pdtype != at::kHalf) {
     fail("AdamW8bit: parameter '{}' has dtype {} (expected float32, bfloat16 or float16)", name, c10::toString(pdtype));
   }
-  if (grad_in.numel() != live.numel() || !grad_in.device().is_cpu()) {
-    fail("AdamW8bit: gradient of '{}' has {} elements on {}, expected {} on cpu", name, grad_in.numel(),
-         grad_in.device().str(), live.numel());
+  if (grad_in.numel() != live.numel() || grad_in.device() != live.device()) {
+    fail("AdamW8bit: gradient of '{}' has {} elements on {}, expected {} on {}", name, grad_in.numel(),
+         grad_in.device().str(), live.numel(), live.device().str());
   }
   const bool eight_bit = uses_8bit_state(index);
   const int64_t n = live.numel();
@@ -231,14 +285,21 @@ void AdamW8bit::update(size_t index, const at::Tensor& grad_in, double lr, int64
     }
   }
   check_state(index);
+  for (const auto& [sname, t] : state_[index]) {
+    if (t.defined() && t.device() != live.device()) {
+      fail("AdamW8bit: state tensor '{}.{}' is on {} but the parameter on {}", name, sname, t.device().str(),
+           live.device().str());
+    }
+  }
 
   const AdamWOptions& a = adam8_.adam;
   const double wd = params_[index].weight_decay;
   // Fast path (optim/fused_kernels.h): one pass, vectorized, bit-identical to
   // the per-element kernel below, which remains the path for fp16 and
   // non-contiguous tensors.
-  if (eight_bit && fused_adamw8bit_supported(live, grad_in, state(index, "exp_avg_q"), state(index, "exp_avg_absmax"),
-                                             state(index, "exp_avg_sq_q"), state(index, "exp_avg_sq_absmax"), bs)) {
+  if (eight_bit && fast_cpu_path(live) &&
+      fused_adamw8bit_supported(live, grad_in, state(index, "exp_avg_q"), state(index, "exp_avg_absmax"),
+                                state(index, "exp_avg_sq_q"), state(index, "exp_avg_sq_absmax"), bs)) {
     FusedAdamWScalars s;
     s.lr = lr;
     s.beta1 = a.beta1;
@@ -269,6 +330,10 @@ void AdamW8bit::update(size_t index, const at::Tensor& grad_in, double lr, int64
   w.sr = options_.stochastic_rounding && pdtype != at::kFloat;
   // Same stream as Optimizer::write_param.
   const RoundingKey rk = rounding_key(index, step);
+  if (!fast_cpu_path(live)) {
+    adamw8bit_generic_step(live, grad_in, state_[index], eight_bit, bs, w.s, w.sr, rk);
+    return;
+  }
   w.rng_key = counter_rng_key(rk.seed, rk.step, rk.tensor_id);
   if (eight_bit) {
     w.mq = state(index, "exp_avg_q").data_ptr<uint8_t>();

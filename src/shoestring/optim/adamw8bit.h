@@ -41,10 +41,12 @@ class AdamW8bit : public Optimizer {
   /// options.state_dtype is not used: state is 8-bit, or fp32 for small tensors.
   AdamW8bit(std::vector<OptimParam> params, AdamW8bitOptions adam, OptimizerOptions options);
 
-  /// One AdamW8bit step for parameter `index` (CPU; fp32, bf16 or fp16
-  /// parameter; grad of any of these dtypes with the parameter's numel).
-  /// Throws shoestring::Error for a non-CPU parameter, a gradient of another
-  /// size or dtype, or inconsistent state.
+  /// One AdamW8bit step for parameter `index` (fp32, bf16 or fp16
+  /// parameter; grad of any of these dtypes with the parameter's numel, on
+  /// its device). CPU tensors take the fused kernel (or the per-element loop
+  /// for fp16 and non-contiguous tensors); others a device-generic path of
+  /// ATen ops with the same bits. Throws shoestring::Error for a gradient of
+  /// another size, dtype or device, or inconsistent state.
   void update(size_t index, const at::Tensor& grad, double lr, int64_t step) override;
 
   /// Base behaviour, then checks every parameter's state: either none, the

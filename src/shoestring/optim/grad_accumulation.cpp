@@ -66,7 +66,7 @@ void GradientAccumulator::add(size_t index, const at::Tensor& grad_in, int64_t m
   const at::ScalarType dtype = buffer_dtype(index);
   ScopedMemoryCategory category(MemoryCategory::gradients);
   const RoundingKey key{seed_ ^ kAccumulationSalt, static_cast<uint64_t>(micro_step), static_cast<uint64_t>(index)};
-  const bool sr = mode_ == GradAccumulationMode::bf16_sr && grad.device().is_cpu();
+  const bool sr = mode_ == GradAccumulationMode::bf16_sr;
   if (!buf.defined()) {
     // First micro-batch: the buffer takes the gradient's value.
     if (grad.scalar_type() == dtype) {
@@ -91,11 +91,7 @@ void GradientAccumulator::add(size_t index, const at::Tensor& grad_in, int64_t m
       return;
     case GradAccumulationMode::bf16_sr: {
       at::Tensor sum = buf.to(torch::kFloat32).add_(grad);
-      if (sr) {
-        stochastic_round_into(sum, buf, key);
-      } else {
-        buf.copy_(sum);  // non-CPU devices: no SR kernel wired here yet
-      }
+      stochastic_round_into(sum, buf, key);  // any device (core/stochastic_rounding.h)
       return;
     }
   }

@@ -31,7 +31,7 @@ void Lion::update(size_t index, const at::Tensor& grad_in, double lr, int64_t st
   // Fast path: one pass over memory (optim/fused_kernels.h), bit-identical to
   // the op chain below, which remains the reference and the path for other
   // layouts and dtypes (fp16, non-contiguous, non-CPU).
-  if (fused_lion_supported(live, grad_in, m_stored)) {
+  if (fast_cpu_path(live) && fused_lion_supported(live, grad_in, m_stored)) {
     FusedLionScalars s;
     s.lr = lr;
     s.beta1 = lion_.beta1;

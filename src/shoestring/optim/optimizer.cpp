@@ -1,5 +1,6 @@
 #include "shoestring/optim/optimizer.h"
 
+#include <atomic>
 #include <sstream>
 
 #include <torch/cuda.h>
@@ -12,6 +13,16 @@
 #include "shoestring/optim/optimizer_args.h"
 
 namespace shoestring {
+
+namespace {
+std::atomic<bool> g_force_generic{false};
+}  // namespace
+
+void force_device_generic_optimizers(bool generic) { g_force_generic.store(generic, std::memory_order_relaxed); }
+
+bool fast_cpu_path(const at::Tensor& t) {
+  return t.device().is_cpu() && !g_force_generic.load(std::memory_order_relaxed);
+}
 
 Optimizer::Optimizer(std::vector<OptimParam> params, OptimizerOptions options)
     : params_(std::move(params)), options_(options), state_(params_.size()) {}
@@ -119,7 +130,10 @@ void Optimizer::load_state_tensors(const std::map<std::string, at::Tensor>& tens
       if (key.size() > pn.size() + 1 && key.compare(0, pn.size(), pn) == 0 && key[pn.size()] == '.') {
         std::string sname = key.substr(pn.size() + 1);
         if (sname.find('.') != std::string::npos) continue;  // belongs to a longer parameter name
-        state_[i][sname] = t.clone();
+        // On the parameter's device (a run resumed onto a GPU), or in host
+        // memory when state is offloaded (apply_update streams it).
+        const at::Device device = options_.offload_state ? at::Device(at::kCPU) : params_[i].param.device();
+        state_[i][sname] = t.to(device, t.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
         found = true;
       }
     }
@@ -159,7 +173,7 @@ void AdamW::update(size_t index, const at::Tensor& grad_in, double lr, int64_t s
   // Fast path: one pass over memory (optim/fused_kernels.h), same numbers as
   // the op chain below, which remains the reference and the path for other
   // layouts and dtypes (fp16, non-contiguous, non-CPU).
-  if (fused_adamw_supported(live, grad_in, m_stored, v_stored)) {
+  if (fast_cpu_path(live) && fused_adamw_supported(live, grad_in, m_stored, v_stored)) {
     FusedAdamWScalars s;
     s.lr = lr;
     s.beta1 = adam_.beta1;

@@ -156,6 +156,16 @@ class AdamW : public Optimizer {
 /// optimizer (listing valid names) or argument (listing valid arguments).
 AdamWOptions parse_adamw_args(const std::vector<std::string>& args);
 
+/// For tests: true makes every optimizer take its device-generic path (ATen
+/// ops only: what tensors on a GPU take) on CPU tensors too, instead of the
+/// fused CPU kernels, so the two can be compared on a machine without a GPU.
+/// Process-wide; false by default.
+void force_device_generic_optimizers(bool generic);
+
+/// True when the fused CPU kernels may run on `t`: a CPU tensor, and the
+/// generic path is not forced (force_device_generic_optimizers).
+bool fast_cpu_path(const at::Tensor& t);
+
 /// True for parameters that take no weight decay by default: biases and
 /// normalization weights (every tensor with fewer than 2 dimensions).
 bool default_no_decay(const std::string& name, const at::Tensor& param);

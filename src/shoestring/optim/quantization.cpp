@@ -160,13 +160,73 @@ void quantize_block(const float* x, int64_t n, const QuantizationMap& map, uint8
   for (int64_t i = 0; i < n; ++i) codes[i] = map.encode(x[i] * inv);
 }
 
+namespace {
+
+// The map's 256 values as a float32 tensor on `device`.
+at::Tensor map_values(const QuantizationMap& map, const c10::Device& device) {
+  const auto& v = map.values();
+  return at::tensor(c10::ArrayRef<float>(v.data(), v.size()), at::TensorOptions().dtype(at::kFloat)).to(device);
+}
+
+// absmax per block broadcast back to the elements: [n].
+at::Tensor per_element(const at::Tensor& absmax, int64_t n, int64_t block_size) {
+  return absmax.repeat_interleave(block_size).narrow(0, 0, n);
+}
+
+}  // namespace
+
+BlockwiseQuantized quantize_blockwise_generic(const at::Tensor& x_in, const QuantizationMap& map, int64_t block_size) {
+  if (block_size < 1) fail("quantize_blockwise: block_size must be >= 1, got {}", block_size);
+  const at::Tensor x = x_in.contiguous().view({-1});
+  const int64_t n = x.numel();
+  const int64_t blocks = (n + block_size - 1) / block_size;
+  BlockwiseQuantized out;
+  if (n == 0) {
+    out.codes = at::empty(x_in.sizes(), x.options().dtype(at::kByte));
+    out.absmax = at::empty({0}, x.options());
+    return out;
+  }
+  // [blocks, block_size], the short last block padded with zeros (|0| never raises a max).
+  const at::Tensor padded = at::constant_pad_nd(x, {0, blocks * block_size - n}, 0).view({blocks, block_size});
+  out.absmax = padded.abs().amax(1);  // [blocks]
+  const at::Tensor amax = per_element(out.absmax, n, block_size);
+  const at::Tensor inv = at::ones_like(amax).div_(amax);  // 1.0f / absmax, as quantize_block
+  const at::Tensor scaled = x * inv;                      // [n]
+  // encode_by_search: i = #values <= x, then the nearer of values[i-1], values[i] (ties: lower).
+  const at::Tensor values = map_values(map, x.device());
+  const at::Tensor i = at::searchsorted(values, scaled, /*out_int32=*/false, /*right=*/true);
+  const at::Tensor lo_index = (i - 1).clamp_(0, 255);
+  const at::Tensor hi_index = i.clamp(0, 255);
+  const at::Tensor xd = scaled.to(at::kDouble);
+  const at::Tensor lo = values.index_select(0, lo_index).to(at::kDouble);
+  const at::Tensor hi = values.index_select(0, hi_index).to(at::kDouble);
+  at::Tensor code = at::where((xd - lo).le(hi - xd), lo_index, hi_index);
+  code = at::where(i.eq(0), at::zeros_like(code), code);
+  code = at::where(i.eq(256), at::full_like(code, 255), code);
+  // NaN (an all-zero block's 0 * inf) and zero blocks: the code nearest 0.
+  code = at::where(amax.eq(0).logical_or(scaled.isnan()), at::full_like(code, map.zero_code()), code);
+  out.codes = code.to(at::kByte).view(x_in.sizes());
+  return out;
+}
+
+at::Tensor dequantize_blockwise_generic(const at::Tensor& codes_in, const at::Tensor& absmax_in,
+                                        const QuantizationMap& map, int64_t block_size) {
+  if (block_size < 1) fail("dequantize_blockwise: block_size must be >= 1, got {}", block_size);
+  const int64_t n = codes_in.numel();
+  const at::Tensor codes = codes_in.contiguous().view({-1});
+  const at::Tensor values = map_values(map, codes.device());
+  const at::Tensor decoded = values.index_select(0, codes.to(at::kLong));
+  return decoded.mul_(per_element(absmax_in.contiguous().view({-1}), n, block_size)).view(codes_in.sizes());
+}
+
 BlockwiseQuantized quantize_blockwise(const at::Tensor& x_in, const QuantizationMap& map, int64_t block_size) {
   if (block_size < 1) fail("quantize_blockwise: block_size must be >= 1, got {}", block_size);
-  if (!x_in.defined() || !x_in.device().is_cpu() || x_in.scalar_type() != at::kFloat) {
-    fail("quantize_blockwise: expected a float32 CPU tensor");
+  if (!x_in.defined() || x_in.scalar_type() != at::kFloat) {
+    fail("quantize_blockwise: expected a float32 tensor");
   }
+  if (!at::isfinite(x_in).all().item<bool>()) fail("quantize_blockwise: input holds non-finite values");
+  if (!x_in.device().is_cpu()) return quantize_blockwise_generic(x_in, map, block_size);
   const at::Tensor x = x_in.contiguous();
-  if (!at::isfinite(x).all().item<bool>()) fail("quantize_blockwise: input holds non-finite values");
   const int64_t n = x.numel();
   const int64_t blocks = (n + block_size - 1) / block_size;
   BlockwiseQuantized out;
@@ -187,14 +247,18 @@ BlockwiseQuantized quantize_blockwise(const at::Tensor& x_in, const Quantization
 at::Tensor dequantize_blockwise(const at::Tensor& codes_in, const at::Tensor& absmax_in, const QuantizationMap& map,
                                 int64_t block_size) {
   if (block_size < 1) fail("dequantize_blockwise: block_size must be >= 1, got {}", block_size);
-  if (!codes_in.defined() || !codes_in.device().is_cpu() || codes_in.scalar_type() != at::kByte) {
-    fail("dequantize_blockwise: codes must be a uint8 CPU tensor");
+  if (!codes_in.defined() || codes_in.scalar_type() != at::kByte) {
+    fail("dequantize_blockwise: codes must be a uint8 tensor");
   }
   const int64_t n = codes_in.numel();
   const int64_t blocks = (n + block_size - 1) / block_size;
   if (!absmax_in.defined() || absmax_in.scalar_type() != at::kFloat || absmax_in.numel() != blocks) {
     fail("dequantize_blockwise: absmax must be float32 with {} elements (one per block of {})", blocks, block_size);
   }
+  if (absmax_in.device() != codes_in.device()) {
+    fail("dequantize_blockwise: absmax is on {} but codes on {}", absmax_in.device().str(), codes_in.device().str());
+  }
+  if (!codes_in.device().is_cpu()) return dequantize_blockwise_generic(codes_in, absmax_in, map, block_size);
   const at::Tensor codes = codes_in.contiguous();
   const at::Tensor absmax = absmax_in.contiguous();
   at::Tensor out = at::empty(codes.sizes(), codes.options().dtype(at::kFloat));

@@ -134,17 +134,35 @@ struct BlockwiseQuantized {
   at::Tensor absmax;  ///< float32 [ceil(numel / block_size)]
 };
 
-/// Block-wise quantization of a float32 CPU tensor (any shape; blocks run over
-/// the row-major flattening, the last block may be short). Blocks are processed
-/// in parallel (at::parallel_for). Throws shoestring::Error if x is not a
-/// float32 CPU tensor, holds a non-finite value, or block_size < 1.
+/// Block-wise quantization of a float32 tensor (any shape; blocks run over
+/// the row-major flattening, the last block may be short). CPU tensors: blocks
+/// are processed in parallel (at::parallel_for); other devices take
+/// quantize_blockwise_generic (the same codes and absmax). Results are on x's
+/// device. Throws shoestring::Error if x is not float32, holds a non-finite
+/// value, or block_size < 1.
 BlockwiseQuantized quantize_blockwise(const at::Tensor& x, const QuantizationMap& map,
                                       int64_t block_size = kQuantizationBlockSize);
 
-/// Inverse of quantize_blockwise: float32 tensor with the shape of `codes`.
-/// Throws shoestring::Error if codes is not uint8, absmax not float32 with
-/// ceil(numel / block_size) elements, or block_size < 1.
+/// Inverse of quantize_blockwise: float32 tensor with the shape of `codes`,
+/// on its device (non-CPU tensors: dequantize_blockwise_generic). Throws
+/// shoestring::Error if codes is not uint8, absmax not float32 with
+/// ceil(numel / block_size) elements on codes' device, or block_size < 1.
 at::Tensor dequantize_blockwise(const at::Tensor& codes, const at::Tensor& absmax, const QuantizationMap& map,
                                 int64_t block_size = kQuantizationBlockSize);
+
+/// quantize_blockwise built from ATen ops (any device): per block absmax =
+/// max |x| (amax over a zero-padded [blocks, block_size] view), codes = the
+/// map value nearest to x * (1 / absmax) by a binary search of the map
+/// (searchsorted) and the same double-precision distance comparison as
+/// QuantizationMap::encode (ties to the lower code; an all-zero block gets
+/// zero_code()). The same bits as the CPU path. x must be finite (not
+/// checked here; quantize_blockwise checks).
+BlockwiseQuantized quantize_blockwise_generic(const at::Tensor& x, const QuantizationMap& map, int64_t block_size);
+
+/// dequantize_blockwise built from ATen ops (any device): map value of each
+/// code (a gather) times its block's absmax, in fp32. The same bits as the CPU
+/// path.
+at::Tensor dequantize_blockwise_generic(const at::Tensor& codes, const at::Tensor& absmax, const QuantizationMap& map,
+                                        int64_t block_size);
 
 }  // namespace shoestring

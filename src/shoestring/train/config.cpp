@@ -9,6 +9,7 @@
 #include <toml++/toml.h>
 
 #include "shoestring/core/cpu_features.h"
+#include "shoestring/core/device.h"
 #include "shoestring/core/error.h"
 #include "shoestring/io/atomic_file.h"
 #include "shoestring/models/architecture.h"
@@ -223,6 +224,12 @@ void validate(const TrainConfig& c, const std::string& source) {
   if (c.network_module.empty() && (!c.network_args.empty() || !c.network_weights.empty())) {
     fail("{}: network_args / network_weights need network_module = \"networks.lora\"", source);
   }
+  // The form only: whether the machine has the device is checked when a run starts (resolve_device).
+  try {
+    parse_device(c.device, "device");
+  } catch (const Error& e) {
+    fail("{}: {}", source, e.what());
+  }
 }
 
 void apply_overrides(TrainConfig& c, const std::vector<std::string>& overrides) {
@@ -336,7 +343,21 @@ std::string to_toml(const TrainConfig& c) {
   return ss.str();
 }
 
-precision::ComputeHardware compute_hardware(const TrainConfig&) { return precision::cpu_hardware(cpu_features()); }
+precision::ComputeHardware compute_hardware(const TrainConfig& c) {
+  // A CUDA device without bf16 (compute capability < 8.0) has had its bf16
+  // settings turned into fp16 by adapt_precision_to_device before the policy
+  // is built; what remains of bf16 there runs on the device's own units.
+  const CudaAvailability cuda = cuda_availability();
+  if (parse_device(c.device, "device").kind == DeviceSetting::Kind::cpu || !cuda.built_with_cuda ||
+      cuda.device_count == 0) {
+    return precision::cpu_hardware(cpu_features());
+  }
+  precision::ComputeHardware hw;
+  hw.name = "CUDA device";
+  hw.bf16_units = true;
+  hw.units = "CUDA";
+  return hw;
+}
 
 precision::Policy precision_policy(const TrainConfig& c) { return precision_policy(c, compute_hardware(c)); }
 

@@ -115,6 +115,9 @@ struct TrainConfig {
   double sample_cfg = 4.0;
   int64_t log_every_n_steps = 10;  ///< progress line cadence when not on a TTY
   int64_t num_threads = 0;         ///< 0: libtorch default
+  /// "auto" | "cpu" | "cuda" | "cuda:N" (core/device.h): where the model, its
+  /// gradients and optimizer state live; the dataset and caches stay in host memory.
+  std::string device = "auto";
 };
 
 /// Parses a TOML config file and applies `--set key=value` overrides (the
@@ -145,7 +148,9 @@ precision::Policy precision_policy(const TrainConfig& config, const precision::C
 /// As above, on the hardware the run computes on (compute_hardware(config)).
 precision::Policy precision_policy(const TrainConfig& config);
 /// The hardware a run of `config` computes on: this machine's CPU
-/// (core/cpu_features.h).
+/// (core/cpu_features.h) when its `device` is or resolves to the CPU; a CUDA
+/// device counts as having bf16 units (one without them had its bf16
+/// settings turned into fp16 by adapt_precision_to_device, train/device_precision.h).
 precision::ComputeHardware compute_hardware(const TrainConfig& config);
 
 /// The keys a run's checkpoint depends on (schema flag kResume*) whose value

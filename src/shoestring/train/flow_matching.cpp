@@ -37,7 +37,7 @@ at::Tensor sample_euler(const VelocityFn& velocity, const at::Tensor& noise, int
   for (int64_t i = 0; i < steps; ++i) {
     double t = 1.0 - static_cast<double>(i) / steps;
     double t_next = 1.0 - static_cast<double>(i + 1) / steps;
-    at::Tensor tt = torch::full({b}, t, torch::kFloat32);
+    at::Tensor tt = torch::full({b}, t, x.options());  // on the noise's device
     at::Tensor v = velocity(x, tt).to(torch::kFloat32);
     x.add_(v, t_next - t);
   }

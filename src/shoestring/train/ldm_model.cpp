@@ -67,7 +67,7 @@ struct TextTokenizer {
 class LdmTrainingModel final : public TrainingModel {
  public:
   LdmTrainingModel(const TrainConfig& config, const ImageCaptionDataset& dataset, const ModelSource& source)
-      : config_(config), dataset_(dataset), schedule_(DdpmSchedule::stable_diffusion()) {
+      : config_(config), dataset_(dataset), schedule_(DdpmSchedule::stable_diffusion()), device_(source.device) {
     const std::string& arch = config.architecture;
     storage_ = config.full_bf16 ? torch::kBFloat16 : config.full_fp16 ? torch::kHalf : torch::kFloat32;
     if (!source.pretrained.empty()) base_.emplace(WeightFiles::open(source.pretrained));
@@ -198,6 +198,7 @@ class LdmTrainingModel final : public TrainingModel {
   DdpmSchedule schedule_;
   bool sdxl_ = false;
   torch::Dtype storage_ = torch::kFloat32;
+  c10::Device device_{c10::kCPU};  // where the dataset is encoded (caches go to host memory)
   std::optional<WeightFiles> base_;
   std::shared_ptr<torch::nn::Module> root_;
   std::shared_ptr<models::LdmUNetImpl> unet_;
@@ -344,15 +345,15 @@ std::pair<at::Tensor, at::Tensor> LdmTrainingModel::encode_text(const std::vecto
   torch::NoGradGuard no_grad;
   const auto cache_dtype = storage_ == torch::kHalf ? torch::kFloat32 : storage_;
   if (!sdxl_) {
-    at::Tensor ids = tokenizer_.encode(captions, ClipPadding::kEndOfText);
+    at::Tensor ids = tokenizer_.encode(captions, ClipPadding::kEndOfText).to(device_);
     auto out = text_encoders_[0]->forward(ids, config_.clip_skip);
-    return {out.hidden_normed.to(cache_dtype), at::Tensor()};
+    return {out.hidden_normed.to(at::kCPU, cache_dtype), at::Tensor()};
   }
   // SDXL (sgm sd_xl_base.yaml): penultimate hidden states of both encoders,
   // concatenated; y = [bigG pooled, emb(orig h, w), emb(crop top, left),
   // emb(target h, w)], each size value by a sinusoidal embedding.
-  auto l = text_encoders_[0]->forward(tokenizer_.encode(captions, ClipPadding::kEndOfText), 2);
-  auto g = text_encoders_[1]->forward(tokenizer_.encode(captions, ClipPadding::kZero), 2);
+  auto l = text_encoders_[0]->forward(tokenizer_.encode(captions, ClipPadding::kEndOfText).to(device_), 2);
+  auto g = text_encoders_[1]->forward(tokenizer_.encode(captions, ClipPadding::kZero).to(device_), 2);
   at::Tensor context = torch::cat(std::vector<at::Tensor>{l.hidden, g.hidden}, -1);
   const int64_t adm = unet_options_.adm_in_channels();
   const int64_t per = (adm - g.pooled.size(1)) / 6;
@@ -360,14 +361,15 @@ std::pair<at::Tensor, at::Tensor> LdmTrainingModel::encode_text(const std::vecto
   const double r = static_cast<double>(config_.resolution);
   // The dataset is centre-cropped and resized to the training resolution:
   // original = target = (r, r), crop (0, 0) as kohya without bucketing.
-  at::Tensor sizes = torch::tensor({r, r, 0.0, 0.0, r, r}, torch::kFloat64).repeat({b});
+  at::Tensor sizes = torch::tensor({r, r, 0.0, 0.0, r, r}, torch::kFloat64).repeat({b}).to(device_);
   at::Tensor size_emb = nn::timestep_embedding(sizes, per).view({b, 6 * per});
   at::Tensor y = torch::cat(std::vector<at::Tensor>{g.pooled.to(torch::kFloat32), size_emb}, 1);
-  return {context.to(cache_dtype), y.to(cache_dtype)};
+  return {context.to(at::kCPU, cache_dtype), y.to(at::kCPU, cache_dtype)};
 }
 
 void LdmTrainingModel::encode_captions() {
   ScopedMemoryCategory category(MemoryCategory::other);
+  for (auto& te : text_encoders_) te->to(device_);
   std::vector<std::string> unique;
   std::map<std::string, int64_t> row;
   std::vector<int64_t> rows;
@@ -433,6 +435,7 @@ models::AutoencoderKL LdmTrainingModel::build_vae(bool for_decoding) {
 
 void LdmTrainingModel::encode_images() {
   models::AutoencoderKL vae = build_vae(false);
+  vae->to(device_);
   ScopedMemoryCategory category(MemoryCategory::other);
   torch::NoGradGuard no_grad;
   const int64_t n = dataset_.size();
@@ -445,7 +448,8 @@ void LdmTrainingModel::encode_images() {
     for (int64_t j = i; j < std::min(n, i + chunk); ++j) idx.push_back(j);
     // The distribution's mean, scaled: deterministic latents (OneTrainer and
     // kohya sample once instead; the difference is the VAE's tiny variance).
-    parts.push_back(vae->encode_latents(dataset_.batch_images(idx), /*sample=*/false).to(cache_dtype));
+    parts.push_back(
+        vae->encode_latents(dataset_.batch_images(idx).to(device_), /*sample=*/false).to(at::kCPU, cache_dtype));
   }
   latents_ = torch::cat(parts, 0);
 }
@@ -461,6 +465,9 @@ at::Tensor LdmTrainingModel::sample(const SampleRequest& request) {
   torch::NoGradGuard no_grad;
   models::AutoencoderKL vae = build_vae(true);
   const auto dtype = unet_->out_conv->weight.scalar_type();
+  // Noise from a CPU generator per seed (the same on every device), then moved.
+  const at::Device device = unet_->out_conv->weight.device();
+  vae->to(device);
   const int64_t h = config_.resolution / 8;
   std::vector<at::Tensor> images;
   for (const auto& prompt : request.prompts) {
@@ -469,22 +476,22 @@ at::Tensor LdmTrainingModel::sample(const SampleRequest& request) {
       fail("sample: prompt '{}' is not one of sample_prompts (encoded before training)", prompt);
     for (uint64_t seed : request.seeds) {
       auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-      at::Tensor x = torch::randn({1, 4, h, h}, gen, torch::kFloat32);
+      at::Tensor x = torch::randn({1, 4, h, h}, gen, torch::kFloat32).to(device);
       at::Tensor rows = torch::tensor({it->second, uncond}, torch::kInt64);
-      at::Tensor context = sample_context_.index_select(0, rows).to(dtype);
-      at::Tensor y = sample_y_.defined() ? sample_y_.index_select(0, rows).to(dtype) : at::Tensor();
+      at::Tensor context = sample_context_.index_select(0, rows).to(device, dtype);
+      at::Tensor y = sample_y_.defined() ? sample_y_.index_select(0, rows).to(device, dtype) : at::Tensor();
       const std::vector<int64_t> ts = schedule_.ddim_timesteps(request.steps);
       for (size_t k = 0; k < ts.size(); ++k) {
         const int64_t t = ts[k];
         const int64_t t_prev = k + 1 < ts.size() ? ts[k + 1] : -1;
         at::Tensor in = torch::cat({x, x}, 0);
-        at::Tensor out =
-            unet_->forward(in.to(dtype), torch::full({2}, static_cast<double>(t)), context, y).to(torch::kFloat32);
+        at::Tensor out = unet_->forward(in.to(dtype), torch::full({2}, static_cast<double>(t), x.options()), context, y)
+                             .to(torch::kFloat32);
         if (config_.v_parameterization) out = schedule_.eps_from_v(in, out, t);
         at::Tensor eps = out[1] + request.cfg * (out[0] - out[1]);
         x = schedule_.ddim_step(x, eps.unsqueeze(0), t, t_prev);
       }
-      images.push_back(vae->decode_latents(x).to(torch::kFloat32));
+      images.push_back(vae->decode_latents(x).to(at::kCPU, torch::kFloat32));
     }
   }
   if (was_training) root_->train();

@@ -8,6 +8,7 @@
 #include <torch/torch.h>
 
 #include "shoestring/core/cpu_features.h"
+#include "shoestring/core/device.h"
 #include "shoestring/core/error.h"
 #include "shoestring/core/memory_ledger.h"
 #include "shoestring/core/threads.h"
@@ -19,6 +20,7 @@
 #include "shoestring/optim/factory.h"
 #include "shoestring/precision/compute_choice.h"
 #include "shoestring/precision/policy.h"
+#include "shoestring/train/device_precision.h"
 #include "shoestring/train/sampling.h"
 
 namespace shoestring {
@@ -313,6 +315,9 @@ std::unique_ptr<GradientPath> make_run_gradient_path(const Run& run, const std::
 void log_setup(const Run& run) {
   const TrainConfig& c = run.config;
   spdlog::info("{}", describe(cpu_features()));
+  spdlog::info("device: {}{}", describe_device(run.device),
+               run.device.is_cpu() ? "" : "; dataset and caches in host memory, sent a batch at a time");
+  if (!run.device_note.empty()) spdlog::info("{}", run.device_note);
   spdlog::info(
       "model: {:.2f}M trainable parameters, weights {}, {}, {} threads; optimizer {}{}", run.trainable_parameters / 1e6,
       c.full_bf16 || c.full_fp16 ? fmt::format("{} ({})", c.full_bf16 ? "bf16" : "fp16",
@@ -367,6 +372,9 @@ std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions&
   auto owned = std::make_unique<Run>();
   Run& run = *owned;
   run.config = config;
+  // The device first: a request the machine cannot meet fails before any work.
+  run.device = resolve_device(config.device, "device");
+  run.device_note = adapt_precision_to_device(run.config, run.device);
   run.run_dir = options.resume_dir.value_or(expand_path(config.output_dir));
   prepare_run_dir(run, options);
   const TrainConfig& c = run.config;
@@ -393,6 +401,7 @@ std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions&
     if (!c.pretrained_model_name_or_path.empty()) source.pretrained = expand_path(c.pretrained_model_name_or_path);
     source.resume_dir = run.resume_from;
     source.quiet = options.quiet;
+    source.device = run.device;
     if (!c.network_module.empty() && !c.network_weights.empty()) {
       // network_weights must fit the network before the dataset is encoded.
       source.check_module = [&c](torch::nn::Module& module, const std::vector<nn::LoraComponent>& components) {
@@ -402,6 +411,12 @@ std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions&
     run.model = make_training_model(c, run.dataset, source);
   }
   const auto [wants_master, fp16_training] = apply_precision(run, options);
+  if (!run.device.is_cpu()) {
+    // Weights move in their storage dtypes; LoRA adapters, gradients,
+    // optimizer state, EMA and masters are then created beside them.
+    ScopedMemoryCategory category(MemoryCategory::weights);
+    run.model->module().to(run.device);
+  }
   nn::set_attention_chunk_bytes(c.attention_chunk_mib * (int64_t{1} << 20));
   run.model->module().train();
   if (!c.network_module.empty()) attach_lora(run, options);

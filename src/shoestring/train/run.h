@@ -71,6 +71,10 @@ struct Run {
   /// What the blocks compute in, for the log: "fp32", "bf16", "fp32 (bf16 asked; <reason>)", "fp32 / bf16".
   std::string compute_summary;
   std::string compute_note;  ///< "; bf16 compute runs as fp32: <reason>" for the log, "" without substitution
+  /// Where the module tree, gradients, optimizer state, EMA and masters live
+  /// (config `device`, resolved); the dataset and caches stay in host memory.
+  c10::Device device{c10::kCPU};
+  std::string device_note;  ///< why the compute dtype was changed for the device ("" when it was not)
 
   /// A LoRA run whose frozen base comes back from the pretrained file: its
   /// checkpoints and final output hold the adapters only (as kohya's).

@@ -17,6 +17,8 @@ at::Tensor generate_images(TinyUNetModel& model, const WordTokenizer& tokenizer,
   model->eval();
   const int64_t r = model->options().resolution;
   const int64_t c = model->options().unet.in_channels();
+  // Noise is drawn on the CPU (the same images whatever the device), then moved.
+  const at::Device device = module_device(*model);
 
   std::vector<std::string> captions;
   std::vector<at::Tensor> noises;
@@ -34,12 +36,12 @@ at::Tensor generate_images(TinyUNetModel& model, const WordTokenizer& tokenizer,
   for (int64_t start = 0; start < n; start += chunk) {
     int64_t end = std::min(n, start + chunk);
     std::vector<std::string> caps(captions.begin() + start, captions.begin() + end);
-    at::Tensor noise = torch::cat(std::vector<at::Tensor>(noises.begin() + start, noises.begin() + end));
-    at::Tensor cond = tokenizer.encode_batch(caps);
+    at::Tensor noise = torch::cat(std::vector<at::Tensor>(noises.begin() + start, noises.begin() + end)).to(device);
+    at::Tensor cond = tokenizer.encode_batch(caps).to(device);
     at::Tensor tokens = cond;
     if (guided) {
       std::vector<std::string> empty(caps.size(), "");
-      tokens = torch::cat({cond, tokenizer.encode_batch(empty)});
+      tokens = torch::cat({cond, tokenizer.encode_batch(empty).to(device)});
     }
     const double cfg = request.cfg;
     VelocityFn velocity = [&](const at::Tensor& x, const at::Tensor& t) {
@@ -51,7 +53,13 @@ at::Tensor generate_images(TinyUNetModel& model, const WordTokenizer& tokenizer,
     outputs.push_back(sample_euler(velocity, noise, request.steps));
   }
   if (was_training) model->train();
-  return samples_to_uint8(torch::cat(outputs), request);
+  return samples_to_uint8(torch::cat(outputs).cpu(), request);
+}
+
+at::Device module_device(const torch::nn::Module& module) {
+  for (const auto& p : module.parameters()) return p.device();
+  for (const auto& b : module.buffers()) return b.device();
+  return at::Device(at::kCPU);
 }
 
 at::Tensor samples_to_uint8(const at::Tensor& images, const SampleRequest& request) {

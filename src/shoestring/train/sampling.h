@@ -28,7 +28,14 @@ struct SampleRequest {
 /// under no-grad; does not touch libtorch's global RNG (noise comes from a
 /// generator per seed). Throws shoestring::Error for an empty request, or
 /// when the model produced a non-finite value (see samples_to_uint8).
+/// Runs on the model's device (module_device); noise is drawn on the CPU and
+/// moved, so a seed gives the same starting noise on every device; the
+/// result is on the CPU.
 at::Tensor generate_images(TinyUNetModel& model, const WordTokenizer& tokenizer, const SampleRequest& request);
+
+/// The device of a module's first parameter (else its first buffer; the CPU
+/// for a module with neither).
+at::Device module_device(const torch::nn::Module& module);
 
 /// Sampled images, floating [P*S, 3, R, R] in about [-1, 1] (row-major by
 /// prompt as generate_images), to uint8 [P*S, 3, R, R]: (clamp(x, -1, 1) + 1)

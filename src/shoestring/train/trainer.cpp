@@ -23,6 +23,21 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+/// The batch on the run's device: prepared in host memory (the dataset and
+/// caches live there; noise and timesteps come from the CPU generator), then
+/// sent over, through pinned memory and without blocking on CUDA (the copies
+/// queue on the stream ahead of the forward that reads them).
+TrainBatch to_device(TrainBatch batch, const at::Device& device) {
+  if (device.is_cpu()) return batch;
+  auto send = [&](at::Tensor& t) {
+    if (!t.defined()) return;
+    t = (device.is_cuda() ? t.pin_memory() : t).to(device, /*non_blocking=*/device.is_cuda());
+  };
+  for (auto& t : batch.inputs) send(t);
+  send(batch.target);
+  return batch;
+}
+
 /// Forward, loss and backward of one micro-batch; returns the loss.
 double forward_backward(Run& run, const TrainBatch& batch) {
   at::Tensor loss;
@@ -106,7 +121,7 @@ StepRecord train_step(Run& run, int64_t step, bool quiet) {
     TrainBatch batch;
     {
       ScopedMemoryCategory category(MemoryCategory::activations);
-      batch = run.model->prepare(run.sampler->next());  // caption dropout, noise, timesteps
+      batch = to_device(run.model->prepare(run.sampler->next()), run.device);  // caption dropout, noise, timesteps
     }
     const at::Tensor rng = cpu_rng_state();  // a repeated pass replays the same dropout
     gradients.begin_micro_batch(micro);

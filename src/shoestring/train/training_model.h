@@ -45,6 +45,10 @@ struct TrainBatch {
 
 /// Where the weights of a new run come from.
 struct ModelSource {
+  /// Where the family runs its one-off work (the LDM families encode the
+  /// dataset there; the caches it produces are kept in host memory). The
+  /// trained module tree is built in host memory and moved by the run.
+  c10::Device device{c10::kCPU};
   /// Base weights (pretrained_model_name_or_path, expanded); "" = random init.
   std::string pretrained;
   /// A checkpoint folder being resumed ("" = fresh run); its model.safetensors
