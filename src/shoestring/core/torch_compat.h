@@ -14,3 +14,7 @@
 // virtual that every allocator must implement (1.13: allocate() const, no
 // copy_data).
 #define SHOESTRING_ALLOCATOR_API_2_3 SHOESTRING_TORCH_AT_LEAST(2, 3)
+
+// CUDA caching allocator: attachAllocatorTraceTracker (a callback on every
+// allocation and free) exists from 2.1 (core/memory_ledger_cuda.cpp).
+#define SHOESTRING_HAS_CUDA_TRACE_TRACKER SHOESTRING_TORCH_AT_LEAST(2, 1)
