@@ -7,7 +7,8 @@
 #   found. kernels/cuda/*.cu are compiled into shoestring_cuda_kernels and
 #   linked into shoestring_core; host files named *_cuda.cpp (code that uses
 #   c10/cuda headers, e.g. core/memory_ledger_cuda.cpp) join their folder's
-#   library; SHOESTRING_WITH_CUDA=1 is defined for every target; tests/cuda
+#   library; SHOESTRING_WITH_CUDA=1 and SHOESTRING_WITH_CUDA_KERNELS=1 are
+#   defined for every target; tests/cuda
 #   builds the test_cuda suite (its tests skip when no GPU is present).
 # * Compile-only check (libtorch without CUDA, nvcc and CUDA's headers
 #   present, as on CI): the kernels are still compiled into
@@ -56,7 +57,8 @@ if(NOT SHOESTRING_CUDA STREQUAL "OFF" AND SHOESTRING_CUDA_KERNELS)
       CUDA_STANDARD 17 CUDA_STANDARD_REQUIRED ON POSITION_INDEPENDENT_CODE ON)
     if(SHOESTRING_TORCH_HAS_CUDA)
       set(SHOESTRING_WITH_CUDA ON)
-      target_compile_definitions(shoestring_flags INTERFACE SHOESTRING_WITH_CUDA=1)
+      # SHOESTRING_WITH_CUDA_KERNELS: kernels/cuda is linked (always so in the CUDA build).
+      target_compile_definitions(shoestring_flags INTERFACE SHOESTRING_WITH_CUDA=1 SHOESTRING_WITH_CUDA_KERNELS=1)
       message(STATUS "shoestring: CUDA build (${CMAKE_CUDA_COMPILER}, archs ${CMAKE_CUDA_ARCHITECTURES})")
     else()
       set(SHOESTRING_CUDA_CHECK ON)
