@@ -61,9 +61,14 @@ if(NOT SHOESTRING_CUDA STREQUAL "OFF" AND SHOESTRING_CUDA_KERNELS)
       target_compile_definitions(shoestring_flags INTERFACE SHOESTRING_WITH_CUDA=1 SHOESTRING_WITH_CUDA_KERNELS=1)
       message(STATUS "shoestring: CUDA build (${CMAKE_CUDA_COMPILER}, archs ${CMAKE_CUDA_ARCHITECTURES})")
     else()
-      set(SHOESTRING_CUDA_CHECK ON)
-      message(STATUS "shoestring: libtorch without CUDA; CUDA sources compile-checked only "
-                     "(${CMAKE_CUDA_COMPILER}, archs ${CMAKE_CUDA_ARCHITECTURES})")
+      find_file(SHOESTRING_C10_CUDA_HEADER c10/cuda/CUDACachingAllocator.h PATHS ${TORCH_INCLUDE_DIRS} NO_DEFAULT_PATH)
+      if(SHOESTRING_C10_CUDA_HEADER)
+        set(SHOESTRING_CUDA_CHECK ON)
+        message(STATUS "shoestring: libtorch without CUDA; CUDA sources compile-checked only "
+                       "(${CMAKE_CUDA_COMPILER}, archs ${CMAKE_CUDA_ARCHITECTURES})")
+      else()
+        message(STATUS "shoestring: libtorch without CUDA and without c10/cuda headers; only kernels/cuda is compiled")
+      endif()
     endif()
   elseif(SHOESTRING_TORCH_HAS_CUDA)
     message(FATAL_ERROR "shoestring: libtorch has CUDA but nvcc was not found: set CUDACXX to nvcc's path, "

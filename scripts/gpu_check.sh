@@ -32,6 +32,8 @@
 #   CUDACXX                  nvcc (default: PATH, then /usr/local/cuda/bin/nvcc)
 #   SHOESTRING_JOBS          build jobs (default: all cores)
 #   SHOESTRING_GPU_CHECK_BUDGET  seconds for the whole run (default 570)
+#   SHOESTRING_GPU_CHECK_TARGETS  build targets instead of "shoestring model_step"
+#                            (+ test_cuda), e.g. for a quick --dry-run
 # Exit status: 0 when every check passed (skips allowed), 1 otherwise, 2 for
 # a missing prerequisite (no GPU, no PyTorch, no nvcc, no --pack folder).
 set -euo pipefail
@@ -131,7 +133,9 @@ check() {
   local gen=() log="$build/gpu_check_build.log"
   command -v ninja >/dev/null && gen=(-G Ninja)
   mkdir -p "$build"
-  local t0 targets=(shoestring model_step)
+  local t0 targets
+  # shellcheck disable=SC2206  # a word list is intended
+  targets=(${SHOESTRING_GPU_CHECK_TARGETS:-shoestring model_step})
   t0=$(date +%s)
   [ "$dry" = 0 ] && targets+=(test_cuda)
   if cmake -S "$root" -B "$build" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" \
