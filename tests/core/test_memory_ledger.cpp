@@ -50,6 +50,25 @@ TEST_F(MemoryLedgerTest, CategoryNamesAndDefault) {
   EXPECT_EQ(current_memory_category(), Cat::other);
 }
 
+// The observer (the CUDA ledger's delta path) runs before each change, while
+// the category being left is still current; an invalid category changes
+// nothing and notifies nobody.
+std::vector<Cat> g_observed;
+void record_category() { g_observed.push_back(current_memory_category()); }
+
+TEST_F(MemoryLedgerTest, CategoryObserverSeesTheCategoryBeingLeft) {
+  g_observed.clear();
+  set_memory_category_observer(&record_category);
+  {
+    ScopedMemoryCategory a(Cat::weights);
+    { ScopedMemoryCategory b(Cat::gradients); }
+    EXPECT_THROW(ScopedMemoryCategory(static_cast<Cat>(17)), Error);
+  }
+  set_memory_category_observer(nullptr);
+  { ScopedMemoryCategory c(Cat::activations); }
+  EXPECT_EQ(g_observed, (std::vector<Cat>{Cat::other, Cat::weights, Cat::gradients, Cat::weights}));
+}
+
 TEST_F(MemoryLedgerTest, AllocationChargesExactlyItsBytesAndFreeKeepsPeak) {
   const int64_t w0 = ledger().current_bytes(Cat::weights);
   const int64_t total0 = ledger().current_total();

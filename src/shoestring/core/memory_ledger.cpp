@@ -256,9 +256,24 @@ nlohmann::json MemoryLedger::to_json() const {
 
 MemoryCategory current_memory_category() { return static_cast<MemoryCategory>(category_now()); }
 
-ScopedMemoryCategory::ScopedMemoryCategory(MemoryCategory category)
-    : previous_(static_cast<MemoryCategory>(g_category.exchange(checked_index(category)))) {}
+namespace {
+std::atomic<MemoryCategoryObserver> g_category_observer{nullptr};
 
-ScopedMemoryCategory::~ScopedMemoryCategory() { g_category.store(static_cast<int>(previous_)); }
+int notify_and_check(MemoryCategory category) {
+  const int c = checked_index(category);
+  if (MemoryCategoryObserver observer = g_category_observer.load()) observer();
+  return c;
+}
+}  // namespace
+
+void set_memory_category_observer(MemoryCategoryObserver observer) { g_category_observer.store(observer); }
+
+ScopedMemoryCategory::ScopedMemoryCategory(MemoryCategory category)
+    : previous_(static_cast<MemoryCategory>(g_category.exchange(notify_and_check(category)))) {}
+
+ScopedMemoryCategory::~ScopedMemoryCategory() {
+  if (MemoryCategoryObserver observer = g_category_observer.load()) observer();
+  g_category.store(static_cast<int>(previous_));
+}
 
 }  // namespace shoestring

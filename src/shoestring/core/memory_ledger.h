@@ -111,6 +111,14 @@ class MemoryLedger {
 /// The category charged for allocations made now (process-wide).
 MemoryCategory current_memory_category();
 
+/// Called on every change of the process-wide category (ScopedMemoryCategory
+/// construction and destruction), just before the change, so
+/// current_memory_category() still returns the category being left. One
+/// observer per process; nullptr removes it. Used by the CUDA ledger where it
+/// attributes allocated-bytes deltas per scope (core/memory_ledger_cuda.h).
+using MemoryCategoryObserver = void (*)();
+void set_memory_category_observer(MemoryCategoryObserver observer);
+
 /// Sets the category charged for allocations made while it lives, for the
 /// whole process (not thread-local, so libtorch's intra-op worker threads
 /// charge the same category as the thread that launched the op); the

@@ -19,3 +19,7 @@
 // 2.0, with the `scale` argument (our 1/sqrt(d) is folded into the query
 // projection, so we pass scale = 1) from 2.1. Before: nn/chunked_attention.h's paths.
 #define SHOESTRING_HAS_SDPA SHOESTRING_TORCH_AT_LEAST(2, 1)
+
+// CUDA caching allocator: attachAllocatorTraceTracker (a callback on every
+// allocation and free) exists from 2.1 (core/memory_ledger_cuda.cpp).
+#define SHOESTRING_HAS_CUDA_TRACE_TRACKER SHOESTRING_TORCH_AT_LEAST(2, 1)

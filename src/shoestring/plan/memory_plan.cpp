@@ -219,6 +219,7 @@ nlohmann::json MemoryPlan::to_json() const {
   j["ema_bytes"] = ema_bytes;
   j["activations_kept_bytes"] = activation_bytes;
   j["checkpointing_saving_bytes"] = checkpointing_saving_bytes;
+  j["device_fixed_bytes"] = device_fixed_bytes;
   j["notes"] = notes;
   return j;
 }
@@ -285,6 +286,8 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size) {
     }
   }
   for (const auto& [shape, dtype] : trained) p.parameters += nn::numel_of(shape);
+  p.resident_tensors =
+      static_cast<int64_t>(r.resolution.params.size() + (lora ? trained.size() : 0) + 3 * trained.size());
   if (lora) p.weights_bytes += p.parameters * lora_elem;
   // The dominant storage of the trained weights (their gradients' dtype).
   const int64_t weight_elem = lora ? lora_elem : (p.parameters > 0 && grad_bytes_storage < 3 * p.parameters) ? 2 : 4;

@@ -48,6 +48,13 @@ struct MemoryPlan {
   int64_t activation_bytes = 0;            ///< kept by forward for backward (plus the batch), per micro-batch
   int64_t checkpointing_saving_bytes = 0;  ///< activations gradient checkpointing removes (0 when off)
   std::vector<std::string> notes;          ///< what the plan approximates or does not model for this config
+  /// Tensors resident at the peak: every weight, and a gradient and up to two
+  /// optimizer-state tensors per trained tensor (the CUDA allocator's
+  /// rounding applies per tensor; plan/device_costs.h).
+  int64_t resident_tensors = 0;
+  /// Device costs beyond the tensors (plan/device_costs.h, CUDA only),
+  /// already included in the peaks; 0 on the CPU.
+  int64_t device_fixed_bytes = 0;
 
   /// {"predicted_peak_bytes", "first_step_peak_bytes", "<category>_bytes" for
   /// weights, gradients, optimizer_state, activations, temporaries (at the
