@@ -53,7 +53,9 @@ TEST(Fp8, DecodeEveryPatternMatchesTheFormula) {
       EXPECT_TRUE(same_value(fp8_decode(static_cast<uint8_t>(b), s.format), want));
       EXPECT_TRUE(same_value(table[b], want));
       // The sign bit is a sign, including for zero.
-      if (!std::isnan(want)) EXPECT_EQ(std::signbit(table[b]), (b & 0x80) != 0);
+      if (!std::isnan(want)) {
+        EXPECT_EQ(std::signbit(table[b]), (b & 0x80) != 0);
+      }
     }
   }
 }

@@ -2,8 +2,13 @@
 // published fp8 values over the scale, Linear / Conv2d computing from bytes
 // match the same layers holding the decoded values in fp32 (forward and input
 // gradient), autograd keeps only the bytes, and LoRA trains on an fp8 base.
+#include <unistd.h>
+
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 #include <limits>
+#include <tuple>
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
@@ -12,6 +17,9 @@
 #include "shoestring/core/error.h"
 #include "shoestring/core/memory_ledger.h"
 #include "shoestring/core/torch_compat.h"
+#include "shoestring/io/safetensors.h"
+#include "shoestring/nn/attention.h"
+#include "shoestring/nn/block_precision.h"
 #include "shoestring/nn/fp8_storage.h"
 #include "shoestring/nn/layers.h"
 #include "shoestring/nn/lora.h"
@@ -251,4 +259,56 @@ TEST(Fp8Storage, SlotsAndInventory) {
   EXPECT_EQ(inv.begin()->second.scale, 2.0);
   EXPECT_EQ(sn::value_dtype(net.conv->weight), at::kFloat);
   EXPECT_EQ(sn::value_dtype(net.lin->weight), at::kFloat);
+}
+
+TEST(Fp8Storage, SafetensorsF8TensorsCarryTheSameBits) {
+  // Bytes from encode_fp8 saved as F8_E4M3 / F8_E5M2 (native float8 on
+  // libtorch >= 2.1, uint8 with the dtype named on 1.13) come back as the
+  // same bytes, and the header names the F8 dtype, as PyTorch writes it.
+  const std::string path = (std::filesystem::temp_directory_path() /
+                            fmt::format("shoestring_fp8_{}.safetensors", static_cast<long>(::getpid())))
+                               .string();
+  const at::Tensor values = torch::tensor({1.0f, -0.5f, 448.0f, 0.001953125f, 3.0f});
+  const at::Tensor e4 = sn::encode_fp8(values, {Fp8Format::e4m3fn, 1.0});
+  const at::Tensor e5 = sn::encode_fp8(values, {Fp8Format::e5m2, 1.0});
+  save_safetensors(path, {{"e4", e4, StDtype::F8_E4M3}, {"e5", e5, StDtype::F8_E5M2}});
+  std::ifstream in(path, std::ios::binary);
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_NE(text.find("\"F8_E4M3\""), std::string::npos);
+  EXPECT_NE(text.find("\"F8_E5M2\""), std::string::npos);
+  const auto file = SafetensorsFile::open(path);
+  for (const auto& [name, want, format] :
+       {std::tuple{"e4", e4, Fp8Format::e4m3fn}, std::tuple{"e5", e5, Fp8Format::e5m2}}) {
+    const at::Tensor got = file.get(name);
+    EXPECT_TRUE(sn::is_fp8_storage_dtype(got.scalar_type())) << name;
+    EXPECT_TRUE(torch::equal(got.view(at::kByte), want.view(at::kByte))) << name;
+    EXPECT_TRUE(torch::equal(sn::dequantize_fp8(got, {format, 1.0}, at::kFloat),
+                             sn::dequantize_fp8(want, {format, 1.0}, at::kFloat)))
+        << name;
+  }
+  // The e4m3fn bytes of these values are the published patterns.
+  EXPECT_TRUE(
+      torch::equal(e4.view(at::kByte), torch::tensor({0x38, 0xB0, 0x7E, 0x01, 0x44}, torch::kInt).to(at::kByte)));
+  std::filesystem::remove(path);
+}
+
+TEST(Fp8Storage, AttentionFoldsItsScaleIntoAnFp8Query) {
+  // Attention uses to_q's weight directly (the 1/sqrt(d) scale folded in); on
+  // an fp8 to_q it gives what it gives on the decoded weights.
+  torch::manual_seed(5);
+  auto options = sn::AttentionOptions(16, 2, 8);
+  sn::Attention fp8(options), ref(options);
+  {
+    torch::NoGradGuard no_grad;
+    for (const char* name : {"to_q", "to_k", "to_v", "to_out"}) {
+      auto src = fp8->named_modules()[name];
+      auto dst = ref->named_modules()[name];
+      for (const auto& p : src->named_parameters()) dst->named_parameters()[p.key()].copy_(p.value());
+    }
+    auto* q = fp8->named_modules()["to_q"]->as<sn::LinearImpl>();
+    ref->named_modules()["to_q"]->as<sn::LinearImpl>()->weight.copy_(
+        pack(q->weight, q->weight_fp8, {Fp8Format::e4m3fn, 32.0}));
+  }
+  at::Tensor x = torch::randn({2, 5, 16});
+  EXPECT_TRUE(torch::allclose(fp8(x), ref(x), 1e-5, 1e-5));
 }

@@ -152,12 +152,15 @@ bool can_store_fp8(const torch::nn::Module& owner, const std::string& name) {
 
 std::map<std::string, Fp8Storage> fp8_parameters(const torch::nn::Module& root) {
   std::map<std::string, Fp8Storage> out;
-  for (const auto& item : root.named_modules("", /*include_self=*/true)) {
+  auto add = [&out](const std::string& path, const torch::nn::Module& m) {
     const std::optional<Fp8Storage>* slot = nullptr;
-    if (const auto* l = dynamic_cast<const LinearImpl*>(item.value().get())) slot = &l->weight_fp8;
-    if (const auto* c = dynamic_cast<const Conv2dImpl*>(item.value().get())) slot = &c->weight_fp8;
-    if (slot && *slot) out.emplace(item.key().empty() ? "weight" : item.key() + ".weight", **slot);
-  }
+    if (const auto* l = dynamic_cast<const LinearImpl*>(&m)) slot = &l->weight_fp8;
+    if (const auto* c = dynamic_cast<const Conv2dImpl*>(&m)) slot = &c->weight_fp8;
+    if (slot && *slot) out.emplace(path.empty() ? "weight" : path + ".weight", **slot);
+  };
+  // The root by reference (it need not be held by a shared_ptr), then its submodules.
+  add("", root);
+  for (const auto& item : root.named_modules("", /*include_self=*/false)) add(item.key(), *item.value());
   return out;
 }
 

@@ -179,10 +179,6 @@ Settings Policy::resolve(const std::string& path) const {
 
 int64_t storage_bytes(const ParamRow& p) { return p.fp8_packed ? 1 : container_bytes(p.settings.storage); }
 
-at::ScalarType storage_dtype(const ParamRow& p) {
-  return p.fp8_packed ? fp8_packed_dtype(p.settings.storage) : container_dtype(p.settings.storage);
-}
-
 Resolution resolve(const torch::nn::Module& model, const Policy& policy,
                    const std::vector<const nn::BlockTable*>& tables) {
   Resolution res;

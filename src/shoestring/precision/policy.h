@@ -138,10 +138,6 @@ struct ParamRow {
 /// container_bytes(p.settings.storage).
 int64_t storage_bytes(const ParamRow& p);
 
-/// The dtype `p` is stored in: fp8_packed_dtype when fp8_packed, else
-/// container_dtype(p.settings.storage).
-at::ScalarType storage_dtype(const ParamRow& p);
-
 /// The policy resolved against a concrete module tree.
 struct Resolution {
   std::vector<ModuleRow> modules;  ///< every module, in named_modules() order (root first)
