@@ -150,6 +150,13 @@ TEST(Fp8Storage, Conv2dMatchesTheDecodedWeightsForwardAndBackward) {
     yr.backward(g);
     ASSERT_EQ(x.grad().sizes(), x.sizes());
     EXPECT_TRUE(torch::allclose(x.grad(), xr.grad(), 1e-5, 1e-5));
+    // In a bf16 block (the CPU has no bf16 transposed convolution: fp32 inside).
+    sn::ComputeDtypeGuard bf16(at::kBFloat16);
+    at::Tensor xb = x.detach().to(at::kBFloat16).requires_grad_(true);
+    at::Tensor yb = conv(xb);
+    yb.backward(g.to(at::kBFloat16));
+    EXPECT_EQ(xb.grad().scalar_type(), at::kBFloat16);
+    EXPECT_TRUE(torch::allclose(xb.grad().to(at::kFloat), xr.grad(), 5e-2, 5e-2));
   }
 }
 

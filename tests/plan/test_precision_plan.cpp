@@ -122,6 +122,21 @@ TEST(PrecisionPlan, Fp8BaseIsPlannedAtOneBytePerLinearAndConvWeight) {
   // (weights_bytes also holds the bf16 LoRA adapters, the same in both plans.)
   EXPECT_GE(a.weights_bytes, 2 * nn::parameter_count(*unet));
   EXPECT_EQ(b.weights_bytes, a.weights_bytes - packed);
+  // The ledger's weights category over a real step, for the record (printed, not asserted).
+  for (const TrainConfig* cfg : {&bf16, &fp8}) {
+    TrainConfig run = *cfg;
+    run.train_batch_size = 2;
+    run.num_threads = 1;
+    run.sample_prompts = {"x"};
+    const plan::Measurement m = plan::measure_training(run, 1);
+    if (m.steps.empty()) continue;
+    std::printf(
+        "[plan] sd15 tiny LoRA, %s base: ledger weights %lld bytes (peak of the step %lld) = %.3f bytes/UNet "
+        "parameter\n",
+        cfg == &fp8 ? "fp8" : "bf16", static_cast<long long>(m.steps[0].at_peak[0]),
+        static_cast<long long>(m.steps[0].peak_per_category[0]),
+        static_cast<double>(m.steps[0].at_peak[0]) / nn::parameter_count(*unet));
+  }
   std::printf("[plan] sd15 tiny UNet: bf16 base %.3f bytes/parameter, fp8 base %.3f\n",
               static_cast<double>(a.weights_bytes) / nn::parameter_count(*unet),
               static_cast<double>(b.weights_bytes) / nn::parameter_count(*unet));

@@ -65,7 +65,11 @@ struct Fp8Conv2dFunction : public torch::autograd::Function<Fp8Conv2dFunction> {
                       groups);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const at::Tensor& g = grads[0];
+    // libtorch's CPU transposed convolution has no bf16 / fp16 kernel
+    // (slow_conv_transpose2d): compute the input gradient in fp32 there.
+    const bool widen =
+        grads[0].device().is_cpu() && grads[0].scalar_type() != at::kFloat && grads[0].scalar_type() != at::kDouble;
+    const at::Tensor g = widen ? grads[0].to(at::kFloat) : grads[0];
     const at::Tensor bits = ctx->saved_data["bits"].toTensor();
     const at::Tensor w = dequantize_fp8(bits, storage_of(ctx), g.scalar_type());
     const int64_t stride = ctx->saved_data["stride"].toInt(), padding = ctx->saved_data["padding"].toInt();
@@ -76,6 +80,7 @@ struct Fp8Conv2dFunction : public torch::autograd::Function<Fp8Conv2dFunction> {
     const int64_t pad_w = ctx->saved_data["in_w"].toInt() - ((g.size(3) - 1) * stride - 2 * padding + k_w);
     at::Tensor gx = at::conv_transpose2d(g, w, {}, {stride, stride}, {padding, padding}, {pad_h, pad_w},
                                          ctx->saved_data["groups"].toInt(), {1, 1});
+    if (widen) gx = gx.to(grads[0].scalar_type());
     return {gx, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
