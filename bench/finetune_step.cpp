@@ -5,8 +5,14 @@
 // the VAE and text encoders are freed, the UNet trains for a few steps, a
 // sample is drawn and the final single file is written.
 //
-//   build/bench/finetune_step [--arch sd15] [--resolution 512] [--steps 2] [--lora]
+//   build/bench/finetune_step [--arch sd15] [--resolution 512] [--steps 2] [--lora] [--fp8-base]
 //                             [--set key=value]... [--keep DIR] [--threads 0]
+//
+// --fp8-base (with --lora: kohya's fp8_base) stores the frozen UNet in
+// fp8_e4m3 (one byte per weight of every Linear / Conv2d, nn/fp8_storage.h)
+// through a precision rule; the bench then prints the last step's weights
+// category (ledger) per base parameter: about 1 byte, against about 2 for the
+// bf16 base (the same command without --fp8-base).
 //
 // No released checkpoint ships with the repository, so the bench first writes
 // one with random weights (bf16; the numbers do not depend on the values) and
@@ -30,6 +36,7 @@
 #include "shoestring/models/architecture.h"
 #include "shoestring/models/clip_text.h"
 #include "shoestring/models/vae.h"
+#include "shoestring/nn/layers.h"
 #include "shoestring/plan/memory_plan.h"
 #include "shoestring/train/checkpoint_io.h"
 #include "shoestring/train/config.h"
@@ -63,24 +70,50 @@ void write_random_checkpoint(const std::string& arch, const std::string& path) {
   save_safetensors(path, all, {{"note", "random weights written by bench/finetune_step"}});
 }
 
+/// The CPU model and the instruction-set features the numbers depend on,
+/// from /proc/cpuinfo (a local helper: core/cpu_features.h is not on main yet).
+std::string cpu_description() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line, model = "unknown CPU", flags;
+  while (std::getline(in, line)) {
+    auto value = [&line] {
+      const size_t colon = line.find(':');
+      return colon == std::string::npos ? std::string() : line.substr(colon + 1 + (colon + 1 < line.size()));
+    };
+    if (line.rfind("model name", 0) == 0 && model == "unknown CPU") model = value();
+    if (line.rfind("flags", 0) == 0 && flags.empty()) flags = " " + value() + " ";
+  }
+  std::string out = model + " |";
+  for (const char* f : {"avx2", "avx512f", "avx512_bf16", "amx_bf16"}) {
+    out += fmt::format(" {}{}", flags.find(std::string(" ") + f + " ") != std::string::npos ? "+" : "-", f);
+  }
+  return out;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"Fine-tune a real-width LDM architecture end to end (random single-file checkpoint)"};
   std::string arch = "sd15", keep;
   int64_t resolution = 0, steps = 2, threads = 0;
-  bool lora = false;
+  bool lora = false, fp8_base = false;
   std::vector<std::string> sets;
   app.add_option("--arch", arch, "sd15, sdxl or ssd1b")->check(CLI::IsMember({"sd15", "sdxl", "ssd1b"}));
   app.add_option("--resolution", resolution, "pixels (default 512 for sd15, 1024 otherwise)");
   app.add_option("--steps", steps, "optimizer steps")->check(CLI::Range(1, 1000));
   app.add_flag("--lora", lora, "train a rank-16 LoRA instead of every UNet weight");
+  app.add_flag("--fp8-base", fp8_base, "store the frozen UNet in fp8_e4m3 (with --lora: kohya's fp8_base)");
   app.add_option("--set", sets, "config override key=value (repeatable)");
   app.add_option("--keep", keep, "folder for the checkpoint and the run (kept); default: a temp folder, removed");
   app.add_option("--threads", threads, "intra-op threads (0 = every allowed CPU)");
   CLI11_PARSE(app, argc, argv);
   shoestring::bench::print_machine();
   if (resolution == 0) resolution = arch == "sd15" ? 512 : 1024;
+  if (fp8_base && !lora) {
+    std::fprintf(stderr, "error: --fp8-base needs --lora (fp8 weights are frozen)\n");
+    return 1;
+  }
+  fmt::print("cpu: {}\n", cpu_description());
   const fs::path dir =
       keep.empty() ? fs::temp_directory_path() / fmt::format("shoestring_finetune_{}", ::getpid()) : fs::path(keep);
   try {
@@ -110,10 +143,12 @@ int main(int argc, char** argv) {
         "sample_seeds = 1\n"
         "sample_steps = 2\n"
         "{}"
-        "[model]\narchitecture = \"{}\"\n",
+        "[model]\narchitecture = \"{}\"\n"
+        "{}",
         ckpt, SHOESTRING_BENCH_SOURCE_DIR "/tests/data", SHOESTRING_BENCH_SOURCE_DIR "/tests/data",
         (dir / "run").string(), resolution, steps, lora ? "AdamW8bit" : "Adafactor", lora ? "false" : "true", threads,
-        lora ? "network_module = \"networks.lora\"\nnetwork_dim = 16\nnetwork_alpha = 8\n" : "", arch);
+        lora ? "network_module = \"networks.lora\"\nnetwork_dim = 16\nnetwork_alpha = 8\n" : "", arch,
+        fp8_base ? "[[precision.rule]]\nmatch = \"*\"\nstorage = \"fp8_e4m3\"\ntrainable = false\n" : "");
     TrainConfig config = parse_config(text, "finetune_step.toml", sets);
     TrainRunOptions options;
     options.predict_memory = [](const TrainConfig& c, int64_t vocab) {
@@ -127,19 +162,30 @@ int main(int argc, char** argv) {
     TrainSummary s = train(config, options);
     // The last step's own time (the summary's average includes sampling and saving).
     double last_seconds = 0;
+    int64_t step_weights = 0;
     {
       std::ifstream in(s.run_dir + "/metrics.jsonl");
       std::string line, last;
       while (std::getline(in, line)) {
         if (!line.empty()) last = line;
       }
-      last_seconds = nlohmann::json::parse(last).at("seconds").get<double>();
+      const nlohmann::json record = nlohmann::json::parse(last);
+      last_seconds = record.at("seconds").get<double>();
+      step_weights = record.value("peak_weights_bytes", int64_t{0});
     }
     fmt::print("{} @ {} px{}: {:.2f} s for step {} ({:.2f} s/step with sampling and saving); run peak {}\n", arch,
                resolution, lora ? " (LoRA)" : "", last_seconds, s.last_step, s.seconds_per_step,
                format_bytes(s.peak_memory["total"].get<int64_t>()));
     for (const auto& [k, v] : s.peak_memory.items()) {
       if (k != "total") fmt::print("  {:16s} {}\n", k, format_bytes(v.get<int64_t>()));
+    }
+    {
+      // The base (UNet) parameters, counted on the meta device.
+      const int64_t base = nn::parameter_count(*models::build_architecture(arch, nn::LayerInit{torch::kMeta}));
+      fmt::print(
+          "weights category at the last step: {} for {} UNet parameters = {:.3f} bytes per base parameter ({})\n",
+          format_bytes(step_weights), base, static_cast<double>(step_weights) / static_cast<double>(base),
+          fp8_base ? "fp8_e4m3 base" : "bf16 base");
     }
     fmt::print("final single file: {} ({})\n", s.run_dir + "/model.safetensors",
                format_bytes(static_cast<int64_t>(fs::file_size(s.run_dir + "/model.safetensors"))));

@@ -10,6 +10,8 @@
 #include <cstdio>
 
 #include "shoestring/core/units.h"
+#include "shoestring/models/architecture.h"
+#include "shoestring/nn/layers.h"
 #include "shoestring/plan/measure.h"
 #include "shoestring/plan/memory_plan.h"
 #include "shoestring/train/config.h"
@@ -93,6 +95,51 @@ TEST(PrecisionPlan, MixedStorageDtypesWithin10Percent) {
     c.precision_rules.push_back(r);
   }
   EXPECT_LE(std::abs(measured_error("bf16 with fp32 mid block and encoder", c)), 0.10);
+}
+
+TEST(PrecisionPlan, Fp8BaseIsPlannedAtOneBytePerLinearAndConvWeight) {
+  // Against a count of the model's own layers: every Linear / Conv2d weight
+  // element saves exactly one byte against the bf16 base; nothing else changes.
+  const std::string toml = fmt::format(
+      "train_data_dir = \"{}/twemoji\"\nresolution = 128\nfull_bf16 = true\nnetwork_module = \"networks.lora\"\n"
+      "network_dim = 8\noptimizer_type = \"AdamW\"\n[model]\narchitecture = \"sd15\"\ntiny = true\n",
+      SHOESTRING_TEST_DATA);
+  TrainConfig bf16 = parse_config(toml, "lora_bf16.toml", {});
+  TrainConfig fp8 = bf16;
+  precision::RuleSpec r = rule("*");
+  r.storage = "fp8_e4m3";
+  r.trainable = false;
+  fp8.precision_rules.push_back(r);
+  const int64_t vocab = 49408;
+  const plan::MemoryPlan a = plan::plan_memory(bf16, vocab), b = plan::plan_memory(fp8, vocab);
+  auto unet = models::build_architecture("sd15", nn::LayerInit{torch::kMeta}, /*tiny=*/true);
+  int64_t packed = 0;
+  for (const auto& m : unet->modules()) {
+    if (auto* l = dynamic_cast<nn::LinearImpl*>(m.get())) packed += l->weight.numel();
+    if (auto* c = dynamic_cast<nn::Conv2dImpl*>(m.get())) packed += c->weight.numel();
+  }
+  ASSERT_GT(packed, 0);
+  // (weights_bytes also holds the bf16 LoRA adapters, the same in both plans.)
+  EXPECT_GE(a.weights_bytes, 2 * nn::parameter_count(*unet));
+  EXPECT_EQ(b.weights_bytes, a.weights_bytes - packed);
+  // The ledger's weights category over a real step, for the record (printed, not asserted).
+  for (const TrainConfig* cfg : {&bf16, &fp8}) {
+    TrainConfig run = *cfg;
+    run.train_batch_size = 2;
+    run.num_threads = 1;
+    run.sample_prompts = {"x"};
+    const plan::Measurement m = plan::measure_training(run, 1);
+    if (m.steps.empty()) continue;
+    std::printf(
+        "[plan] sd15 tiny LoRA, %s base: ledger weights %lld bytes (peak of the step %lld) = %.3f bytes/UNet "
+        "parameter\n",
+        cfg == &fp8 ? "fp8" : "bf16", static_cast<long long>(m.steps[0].at_peak[0]),
+        static_cast<long long>(m.steps[0].peak_per_category[0]),
+        static_cast<double>(m.steps[0].at_peak[0]) / nn::parameter_count(*unet));
+  }
+  std::printf("[plan] sd15 tiny UNet: bf16 base %.3f bytes/parameter, fp8 base %.3f\n",
+              static_cast<double>(a.weights_bytes) / nn::parameter_count(*unet),
+              static_cast<double>(b.weights_bytes) / nn::parameter_count(*unet));
 }
 
 TEST(PrecisionPlan, LoraWithFp8BaseWithin10Percent) {

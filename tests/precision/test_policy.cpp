@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include "shoestring/core/error.h"
+#include "shoestring/core/memory_ledger.h"
 #include "shoestring/nn/block_precision.h"
 #include "shoestring/nn/layers.h"
 #include "shoestring/precision/policy.h"
@@ -214,12 +215,20 @@ TEST(Policy, ApplyCastsStorageFreezesAndConfiguresBlocks) {
   EXPECT_EQ(tree->named_parameters()["down.0.conv.weight"].scalar_type(), at::kHalf);
   EXPECT_TRUE(tree->named_parameters()["down.0.conv.weight"].requires_grad());
   EXPECT_FALSE(tree->named_parameters()["down.1.conv.weight"].requires_grad());
-  // fp8 weights live in a bf16 container holding exact fp8 values times a power of two.
+  // A Linear's fp8 weight is one byte per element (the fp8 bit patterns of
+  // weight * scale) plus the scale in the layer; its bias keeps its fp8 values
+  // in a bf16 container.
   const at::Tensor hw = tree->head->weight;
-  EXPECT_EQ(hw.scalar_type(), at::kBFloat16);
+  EXPECT_EQ(hw.element_size(), 1);
+  EXPECT_EQ(hw.scalar_type(), fp8_packed_dtype(Dtype::fp8_e4m3));
   EXPECT_FALSE(hw.requires_grad());
+  ASSERT_TRUE(tree->head->weight_fp8.has_value());
   auto q = quantize_fp8(head_before, Dtype::fp8_e4m3);
-  EXPECT_TRUE(torch::equal(hw.to(at::kFloat), q.dequantized));
+  EXPECT_EQ(tree->head->weight_fp8->scale, q.scale);
+  EXPECT_EQ(tree->head->weight_fp8->format, Fp8Format::e4m3fn);
+  EXPECT_TRUE(torch::equal(nn::dequantize_fp8(hw, *tree->head->weight_fp8, at::kFloat), q.dequantized));
+  EXPECT_TRUE(torch::equal(q.dequantized, round_to_fp8(head_before * q.scale, Dtype::fp8_e4m3) / q.scale));
+  EXPECT_EQ(tree->head->bias.scalar_type(), at::kBFloat16);
 
   const nn::BlockPrecision* b0 = tree->table->find(tree->down[0].get());
   const nn::BlockPrecision* b1 = tree->table->find(tree->down[1].get());
@@ -246,6 +255,9 @@ TEST(Policy, ApplyCastsStorageFreezesAndConfiguresBlocks) {
   EXPECT_TRUE(d0->block);
   EXPECT_EQ(root->parameters, 2 * d0_params + 4 * 2 + 2);
   EXPECT_EQ(root->trainable_parameters, d0_params);
+  // Stored bytes: fp16 everywhere but the head: weight 1 byte each (packed), bias 2 (bf16 container).
+  EXPECT_EQ(root->weight_bytes, 2 * (2 * d0_params) + 4 * 2 * 1 + 2 * 2);
+  for (const auto& prow : res.params) EXPECT_EQ(prow.fp8_packed, prow.path == "head.weight") << prow.path;
 
   const std::string text = format_explain(res, p);
   EXPECT_NE(text.find("down.1 [block]"), std::string::npos) << text;
@@ -266,4 +278,29 @@ TEST(Policy, MasterBytesCountOnlyLowPrecisionTrainable) {
     return n;
   }() : 0;
   EXPECT_EQ(res.modules[0].master_bytes, 4 * (total - 10));  // head (8 + 2) is frozen
+}
+
+TEST(Policy, Fp8WeightsTakeOneBytePerElementInTheLedger) {
+  // The weights category after apply: 1 byte per Linear / Conv2d weight
+  // element, 2 per fp8 value kept in a bf16 container (biases, norms).
+  auto& ledger = MemoryLedger::global();
+  ledger.install();
+  const int64_t outside = ledger.current_bytes(MemoryCategory::weights);
+  ScopedMemoryCategory category(MemoryCategory::weights);
+  {
+    Tree tree;
+    const int64_t fp32_bytes = 4 * nn::parameter_count(*tree);
+    ASSERT_EQ(ledger.current_bytes(MemoryCategory::weights) - outside, fp32_bytes);
+    auto all = spec("*");
+    all.storage = "fp8_e5m2";
+    all.trainable = false;
+    auto res = resolve(*tree, Policy::from_specs({all}), {tree->table.get()});
+    apply(*tree, res, {tree->table.get()});
+    const int64_t conv_w = 4 * 4 * 9, head_w = 4 * 2;
+    const int64_t packed = 2 * conv_w + head_w;
+    const int64_t container = nn::parameter_count(*tree) - packed;  // conv biases, norms, head bias
+    EXPECT_EQ(ledger.current_bytes(MemoryCategory::weights) - outside, packed * 1 + container * 2);
+    EXPECT_EQ(res.modules[0].weight_bytes, packed * 1 + container * 2);
+  }
+  EXPECT_EQ(ledger.current_bytes(MemoryCategory::weights), outside);
 }

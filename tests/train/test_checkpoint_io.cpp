@@ -9,6 +9,7 @@
 
 #include "shoestring/core/error.h"
 #include "shoestring/io/safetensors.h"
+#include "shoestring/nn/layers.h"
 #include "shoestring/train/checkpoint_io.h"
 #include "train_testing.h"
 
@@ -109,4 +110,47 @@ TEST(TrainingState, OlderFilesLoadAndBrokenOnesAreNamed) {
   write(wrong_type);
   EXPECT_NE(error_of().find("wrong type"), std::string::npos) << error_of();
   fs::remove_all(dir);
+}
+
+TEST(ModuleFiles, Fp8WeightsAreSavedAsTheirValuesAndLoadBackToTheSameBytes) {
+  // A model with a Linear stored as fp8 bytes: the file holds its values in
+  // BF16 (never U8 bytes, never scaled F8 without the scale), and loading that
+  // file into the same fp8 layer gives back the same bytes.
+  const std::string dir = shoestring::testing::fresh_temp_dir("ckpt_io", "fp8");
+  fs::create_directories(dir);
+  struct Net : torch::nn::Module {
+    Net() { lin = register_module("lin", nn::Linear(6, 3)); }
+    nn::Linear lin{nullptr};
+  };
+  torch::manual_seed(4);
+  auto pack = [](Net& n) {
+    torch::NoGradGuard no_grad;
+    const nn::Fp8Storage s{Fp8Format::e4m3fn, 8.0};
+    n.lin->weight.requires_grad_(false);
+    n.lin->weight.set_data(nn::encode_fp8(n.lin->weight, s));
+    n.lin->weight_fp8 = s;
+  };
+  Net a, b;
+  pack(a);
+  pack(b);
+  ASSERT_FALSE(torch::equal(a.lin->weight.view(at::kByte), b.lin->weight.view(at::kByte)));
+  const std::string path = dir + "/model.safetensors";
+  save_module(path, a, {});
+  const auto file = SafetensorsFile::open(path);
+  ASSERT_NE(file.find("lin.weight"), nullptr);
+  EXPECT_EQ(file.find("lin.weight")->dtype, StDtype::BF16);
+  EXPECT_TRUE(torch::equal(file.get("lin.weight").to(at::kFloat),
+                           nn::dequantize_fp8(a.lin->weight, *a.lin->weight_fp8, at::kFloat)));
+  load_module(b, load_safetensors(path), path);
+  EXPECT_TRUE(torch::equal(a.lin->weight.view(at::kByte), b.lin->weight.view(at::kByte)));
+  EXPECT_TRUE(torch::equal(a.lin->bias, b.lin->bias));
+  // Raw bytes are refused, naming the tensor.
+  auto raw = load_safetensors(path);
+  raw["lin.weight"] = torch::zeros({3, 6}, at::kByte);
+  try {
+    load_module(b, raw, "raw.safetensors");
+    ADD_FAILURE() << "bytes loaded into an fp8 weight";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("lin.weight"), std::string::npos) << e.what();
+  }
 }

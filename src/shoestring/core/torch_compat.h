@@ -1,6 +1,7 @@
 // The one place where differences between libtorch versions are guarded.
 // Supported: libtorch >= 1.13 (Debian 12 ships 1.13.1), CPU or CUDA.
 #pragma once
+#include <c10/core/ScalarType.h>
 #include <torch/version.h>
 
 #define SHOESTRING_TORCH_AT_LEAST(major, minor) \
@@ -9,6 +10,20 @@
 // Native float8 dtypes (at::kFloat8_e4m3fn, at::kFloat8_e5m2) exist from 2.1.
 // Before that, F8 tensors are carried as raw bytes (uint8).
 #define SHOESTRING_HAS_FLOAT8 SHOESTRING_TORCH_AT_LEAST(2, 1)
+
+namespace shoestring::compat {
+/// The one-byte dtype fp8 values of format e4m3fn (`e4m3` true) or e5m2 are
+/// held in: at::kFloat8_e4m3fn / at::kFloat8_e5m2 with SHOESTRING_HAS_FLOAT8,
+/// else at::kByte carrying the same bit patterns (core/fp8.h).
+inline c10::ScalarType fp8_storage_dtype(bool e4m3) {
+#if SHOESTRING_HAS_FLOAT8
+  return e4m3 ? c10::ScalarType::Float8_e4m3fn : c10::ScalarType::Float8_e5m2;
+#else
+  (void)e4m3;
+  return c10::ScalarType::Byte;
+#endif
+}
+}  // namespace shoestring::compat
 
 // c10::Allocator: from 2.3, allocate() is non-const and copy_data() is a pure
 // virtual that every allocator must implement (1.13: allocate() const, no

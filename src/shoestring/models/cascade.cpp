@@ -437,7 +437,7 @@ torch::Tensor StageCImpl::forward(const torch::Tensor& x, const torch::Tensor& r
                          {x, clip_text, clip_text_pooled, clip_img})[0];
   }
   std::optional<nn::ComputeDtypeGuard> guard;
-  if (!nn::current_compute_dtype()) guard.emplace(clip_txt_mapper->weight.scalar_type());
+  if (!nn::current_compute_dtype()) guard.emplace(nn::value_dtype(clip_txt_mapper->weight));
   return forward_impl(x, r, clip_text, clip_text_pooled, clip_img, t_cond_values);
 }
 
@@ -457,7 +457,7 @@ torch::Tensor StageCImpl::forward_impl(const torch::Tensor& x_in, const torch::T
     fail("StageC: {} t_cond values given for {} conditions", t_cond_values.size(), o.t_conds().size());
 
   // Inside a precision scope the model computes in the scope's dtype.
-  const auto dtype = nn::current_compute_dtype().value_or(clip_txt_mapper->weight.scalar_type());
+  const auto dtype = nn::current_compute_dtype().value_or(nn::value_dtype(clip_txt_mapper->weight));
   std::vector<torch::Tensor> embeds{r_embedding(r)};
   for (size_t i = 0; i < o.t_conds().size(); ++i) {
     torch::Tensor v = i < t_cond_values.size() && t_cond_values[i].defined() ? t_cond_values[i] : torch::zeros_like(r);

@@ -237,7 +237,7 @@ torch::Tensor MMDiTImpl::forward(const torch::Tensor& x, const torch::Tensor& t,
                          {x, context, y})[0];
   }
   std::optional<nn::ComputeDtypeGuard> guard;
-  if (!nn::current_compute_dtype()) guard.emplace(context_embedder->weight.scalar_type());
+  if (!nn::current_compute_dtype()) guard.emplace(nn::value_dtype(context_embedder->weight));
   return forward_impl(x, t, context, y);
 }
 
@@ -256,7 +256,7 @@ torch::Tensor MMDiTImpl::forward_impl(const torch::Tensor& x_in, const torch::Te
     fail("MMDiT: expected y [{}, {}], got {}", B, o.adm_in_channels(), format_shape(y.sizes()));
 
   // Inside a precision scope the model computes in the scope's dtype.
-  const auto dtype = nn::current_compute_dtype().value_or(context_embedder->weight.scalar_type());
+  const auto dtype = nn::current_compute_dtype().value_or(nn::value_dtype(context_embedder->weight));
   torch::Tensor x = x_embedder->forward(x_in).flatten(2).transpose(1, 2) + cropped_pos_embed(h, w).to(dtype);
   torch::Tensor tf = timestep_features(t * 1000.0, o.frequency_embedding_size()).to(dtype);
   torch::Tensor c = t_embedder_2->forward(torch::silu(t_embedder_0->forward(tf)));

@@ -153,7 +153,7 @@ torch::Tensor TinyUNetImpl::forward(const torch::Tensor& x, const torch::Tensor&
   const int64_t levels = static_cast<int64_t>(o.channel_mult().size());
   const int64_t factor = int64_t{1} << (levels - 1);
   // Inside a precision scope the model computes in the scope's dtype.
-  const auto dtype = nn::current_compute_dtype().value_or(conv_in->weight.scalar_type());
+  const auto dtype = nn::current_compute_dtype().value_or(nn::value_dtype(conv_in->weight));
   if (!x.defined() || x.dim() != 4 || x.size(1) != o.in_channels()) {
     fail("TinyUNet: x must be [B, {}, H, W]", o.in_channels());
   }

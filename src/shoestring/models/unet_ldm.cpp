@@ -260,7 +260,7 @@ torch::Tensor LdmUNetImpl::forward(const torch::Tensor& x, const torch::Tensor& 
                          {x, context, y})[0];
   }
   std::optional<nn::ComputeDtypeGuard> guard;
-  if (!nn::current_compute_dtype()) guard.emplace(out_conv->weight.scalar_type());
+  if (!nn::current_compute_dtype()) guard.emplace(nn::value_dtype(out_conv->weight));
   return forward_impl(x, timesteps, context, y);
 }
 
@@ -270,7 +270,7 @@ torch::Tensor LdmUNetImpl::forward_impl(const torch::Tensor& x, const torch::Ten
   const int64_t levels = static_cast<int64_t>(o.channel_mult().size());
   const int64_t factor = int64_t{1} << (levels - 1);
   // Inside a precision scope the UNet computes in the scope's dtype.
-  const auto dtype = nn::current_compute_dtype().value_or(out_conv->weight.scalar_type());
+  const auto dtype = nn::current_compute_dtype().value_or(nn::value_dtype(out_conv->weight));
   if (!x.defined() || x.dim() != 4 || x.size(1) != o.in_channels() || x.size(2) % factor != 0 ||
       x.size(3) % factor != 0) {
     fail("LdmUNet: x must be [B, {}, H, W] with H, W divisible by {}, got {}", o.in_channels(), factor,

@@ -59,7 +59,15 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
   // The 1/sqrt(d) scale is folded into the query weight, the smallest tensor
   // it can be applied to (gradients flow through the product as usual).
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
-  torch::Tensor q = torch::linear(x, to_compute_dtype(to_q->weight) * scale);  // precision: nn/block_precision.h
+  torch::Tensor q;
+  if (to_q->weight_fp8) {
+    // fp8 bytes (nn/fp8_storage.h): the scale goes into the decode, W / s * scale = W / (s / scale).
+    Fp8Storage folded = *to_q->weight_fp8;
+    folded.scale /= scale;
+    q = fp8_linear(to_compute_dtype(x), to_q->weight, folded);
+  } else {
+    q = torch::linear(x, to_compute_dtype(to_q->weight) * scale);  // precision: nn/block_precision.h
+  }
   if (to_q->adapter) q = q + to_q->adapter(x) * scale;  // LoRA (nn/lora.h): to_q's forward is bypassed here
   q = q.view({B, Lq, Hkv, G, d}).permute({0, 2, 3, 1, 4}).reshape({B, Hkv, G * Lq, d});
   torch::Tensor k = to_k->forward(kv_in).view({B, Lk, Hkv, d}).transpose(1, 2);

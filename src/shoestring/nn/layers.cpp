@@ -53,7 +53,13 @@ LinearImpl::LinearImpl(int64_t in, int64_t out, bool with_bias, const LayerInit&
 torch::Tensor LinearImpl::forward(const torch::Tensor& x) {
   if (x.dim() < 1 || x.size(-1) != in_features)
     fail("Linear: expected input [..., {}], got {}", in_features, format_shape(x.sizes()));
-  torch::Tensor y = torch::linear(to_compute_dtype(x), to_compute_dtype(weight), to_compute_dtype(bias));
+  torch::Tensor y;
+  if (weight_fp8) {
+    y = fp8_linear(to_compute_dtype(x), weight, *weight_fp8);
+    if (bias.defined()) y = y + to_compute_dtype(bias);
+  } else {
+    y = torch::linear(to_compute_dtype(x), to_compute_dtype(weight), to_compute_dtype(bias));
+  }
   return adapter ? y + adapter(x) : y;
 }
 
@@ -75,8 +81,14 @@ Conv2dImpl::Conv2dImpl(int64_t in, int64_t out, int64_t k, int64_t s, int64_t p,
 torch::Tensor Conv2dImpl::forward(const torch::Tensor& x) {
   if (x.dim() != 4 || x.size(1) != in_channels)
     fail("Conv2d: expected input [B, {}, H, W], got {}", in_channels, format_shape(x.sizes()));
-  torch::Tensor y = torch::conv2d(to_compute_dtype(x), to_compute_dtype(weight), to_compute_dtype(bias),
-                                  {stride, stride}, {padding, padding}, {1, 1}, groups);
+  torch::Tensor y;
+  if (weight_fp8) {
+    y = fp8_conv2d(to_compute_dtype(x), weight, *weight_fp8, stride, padding, groups);
+    if (bias.defined()) y = y + to_compute_dtype(bias).view({1, -1, 1, 1});
+  } else {
+    y = torch::conv2d(to_compute_dtype(x), to_compute_dtype(weight), to_compute_dtype(bias), {stride, stride},
+                      {padding, padding}, {1, 1}, groups);
+  }
   return adapter ? y + adapter(x) : y;
 }
 

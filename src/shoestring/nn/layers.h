@@ -10,11 +10,14 @@
 #pragma once
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <vector>
 
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 #include <torch/types.h>
+
+#include "shoestring/nn/fp8_storage.h"
 
 namespace shoestring::nn {
 
@@ -55,10 +58,14 @@ class LinearImpl : public torch::nn::Module {
   /// Inside a block with a compute dtype (nn/block_precision.h: current_compute_dtype())
   /// x, weight and bias are first cast to it, so weights may be stored in any dtype;
   /// the same holds for Conv2d, and Embedding returns that dtype.
+  /// With weight_fp8 set, `weight` holds fp8 bytes and is decoded right
+  /// before the matmul (nn/fp8_storage.h: fp8_linear).
   torch::Tensor forward(const torch::Tensor& x);
   int64_t in_features, out_features;
   torch::Tensor weight, bias;
   LayerAdapter adapter;  ///< see LayerAdapter; empty by default
+  /// Set when `weight` is stored as fp8 bytes (by precision::apply).
+  std::optional<Fp8Storage> weight_fp8;
 };
 TORCH_MODULE(Linear);
 
@@ -69,11 +76,15 @@ class Conv2dImpl : public torch::nn::Module {
  public:
   Conv2dImpl(int64_t in_channels, int64_t out_channels, int64_t kernel_size, int64_t stride = 1, int64_t padding = 0,
              bool bias = true, const LayerInit& init = {}, int64_t groups = 1);
-  /// x: [B, in_channels, H, W] -> [B, out_channels, H', W'].
+  /// x: [B, in_channels, H, W] -> [B, out_channels, H', W']. With weight_fp8
+  /// set, `weight` holds fp8 bytes decoded right before the convolution
+  /// (nn/fp8_storage.h: fp8_conv2d).
   torch::Tensor forward(const torch::Tensor& x);
   int64_t in_channels, out_channels, kernel_size, stride, padding, groups;
   torch::Tensor weight, bias;
   LayerAdapter adapter;  ///< see LayerAdapter; empty by default
+  /// Set when `weight` is stored as fp8 bytes (by precision::apply).
+  std::optional<Fp8Storage> weight_fp8;
 };
 TORCH_MODULE(Conv2d);
 

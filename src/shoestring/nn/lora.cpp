@@ -544,6 +544,12 @@ int64_t LoraNetworkImpl::merge() {
   torch::NoGradGuard no_grad;
   int64_t n = 0;
   for (const auto& m : modules_) {
+    const LoraLayerRef& layer = m->layer();
+    if ((layer.linear && layer.linear->weight_fp8) || (layer.conv && layer.conv->weight_fp8))
+      fail("LoRA merge: layer '{}' stores its weight as fp8 bytes (a frozen fp8 base); merge into a bf16 / fp32 model",
+           layer.path);
+  }
+  for (const auto& m : modules_) {
     torch::Tensor w = m->layer().weight();
     w.copy_((w.to(torch::kFloat32) + m->delta_weight().to(w.device())).to(w.scalar_type()));
     m->detach();

@@ -31,7 +31,7 @@ TimestepEmbeddingImpl::TimestepEmbeddingImpl(int64_t in_dim, int64_t time_dim, K
 
 torch::Tensor TimestepEmbeddingImpl::forward(const torch::Tensor& x) {
   return linear_2->forward(
-      torch::silu(linear_1->forward(x.to(current_compute_dtype().value_or(linear_1->weight.scalar_type())))));
+      torch::silu(linear_1->forward(x.to(current_compute_dtype().value_or(value_dtype(linear_1->weight))))));
 }
 
 }  // namespace shoestring::nn

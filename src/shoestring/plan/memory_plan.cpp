@@ -123,7 +123,7 @@ ResolvedModel resolve_model_uncached(const models::Architecture& arch, const Tra
     for (Own* o : {&own[owner], &all}) {
       o->numel += p.numel;
       o->trainable += p.settings.trainable ? p.numel : 0;
-      o->bytes += p.numel * precision::container_bytes(p.settings.storage);
+      o->bytes += p.numel * precision::storage_bytes(p);
     }
   }
   const bool lora = !c.network_module.empty();
@@ -256,7 +256,7 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size) {
   bool fp16_training = false;
   for (const auto& q : r.resolution.params) {
     const precision::Settings& s = q.settings;
-    p.weights_bytes += q.numel * precision::container_bytes(s.storage);
+    p.weights_bytes += q.numel * precision::storage_bytes(q);
     if (!s.trainable) {
       frozen_parameters += q.numel;
       continue;

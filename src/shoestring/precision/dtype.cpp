@@ -7,37 +7,10 @@
 #include <torch/torch.h>
 
 #include "shoestring/core/error.h"
+#include "shoestring/core/torch_compat.h"
+#include "shoestring/nn/fp8_storage.h"
 
 namespace shoestring::precision {
-namespace {
-
-struct Fp8Format {
-  int mantissa_bits;
-  int min_exponent;  // exponent of the smallest normal (1 - bias)
-  double max;
-  bool saturate;  // e4m3fn has no inf: saturate at max
-};
-
-Fp8Format fp8_format(Dtype d) {
-  if (d == Dtype::fp8_e4m3) return {3, -6, 448.0, true};
-  if (d == Dtype::fp8_e5m2) return {2, -14, 57344.0, false};
-  fail("fp8 format expected, got {}", to_string(d));
-}
-
-float round_fp8_scalar(float x, const Fp8Format& f) {
-  if (std::isnan(x)) return x;
-  const double a = std::fabs(static_cast<double>(x));
-  if (a == 0.0) return x;
-  if (std::isinf(a)) return f.saturate ? std::copysign(static_cast<float>(f.max), x) : x;
-  int e = std::ilogb(a);  // a = m * 2^e with 1 <= m < 2
-  if (e < f.min_exponent) e = f.min_exponent;
-  const double ulp = std::ldexp(1.0, e - f.mantissa_bits);
-  double q = std::nearbyint(a / ulp) * ulp;  // round half to even (default rounding mode)
-  if (q > f.max) q = f.saturate ? f.max : std::numeric_limits<double>::infinity();
-  return static_cast<float>(std::copysign(q, static_cast<double>(x)));
-}
-
-}  // namespace
 
 const char* to_string(Dtype d) {
   switch (d) {
@@ -92,6 +65,14 @@ at::ScalarType container_dtype(Dtype d) {
 
 int64_t container_bytes(Dtype d) { return d == Dtype::fp32 ? 4 : 2; }
 
+Fp8Format fp8_format(Dtype d) {
+  if (d == Dtype::fp8_e4m3) return Fp8Format::e4m3fn;
+  if (d == Dtype::fp8_e5m2) return Fp8Format::e5m2;
+  fail("fp8 format expected, got {}", to_string(d));
+}
+
+at::ScalarType fp8_packed_dtype(Dtype d) { return compat::fp8_storage_dtype(fp8_format(d) == Fp8Format::e4m3fn); }
+
 at::Tensor round_to_fp8(const at::Tensor& x, Dtype d) {
   const Fp8Format f = fp8_format(d);
   at::Tensor src = x.detach().to(at::kFloat).contiguous().cpu();
@@ -99,7 +80,7 @@ at::Tensor round_to_fp8(const at::Tensor& x, Dtype d) {
   const float* in = src.data_ptr<float>();
   float* o = out.data_ptr<float>();
   const int64_t n = src.numel();
-  for (int64_t i = 0; i < n; ++i) o[i] = round_fp8_scalar(in[i], f);
+  for (int64_t i = 0; i < n; ++i) o[i] = fp8_decode(fp8_encode(in[i], f), f);
   return out;
 }
 
@@ -108,9 +89,13 @@ Fp8Quantized quantize_fp8(const at::Tensor& x, Dtype d) {
   at::Tensor src = x.detach().to(at::kFloat).contiguous().cpu();
   const double amax = src.numel() ? src.abs().max().item<double>() : 0.0;
   Fp8Quantized q;
-  if (amax > 0 && std::isfinite(amax)) q.scale = std::ldexp(1.0, static_cast<int>(std::floor(std::log2(f.max / amax))));
-  q.dequantized = round_to_fp8(src * q.scale, d) / q.scale;
+  if (amax > 0 && std::isfinite(amax))
+    q.scale = std::ldexp(1.0, static_cast<int>(std::floor(std::log2(max_finite(d) / amax))));
+  const nn::Fp8Storage storage{f, q.scale};
+  at::Tensor bits = nn::encode_fp8(src, storage);
+  q.dequantized = nn::dequantize_fp8(bits, storage, at::kFloat);
   q.flushed = (src.ne(0) & q.dequantized.eq(0)).sum().item<int64_t>();
+  q.bits = bits.to(x.device());
   return q;
 }
 

@@ -8,6 +8,7 @@
 
 #include "shoestring/core/error.h"
 #include "shoestring/core/units.h"
+#include "shoestring/nn/fp8_storage.h"
 
 namespace shoestring::precision {
 namespace {
@@ -181,6 +182,8 @@ Settings Policy::resolve(const std::string& path) const {
   return s;
 }
 
+int64_t storage_bytes(const ParamRow& p) { return p.fp8_packed ? 1 : container_bytes(p.settings.storage); }
+
 Resolution resolve(const torch::nn::Module& model, const Policy& policy,
                    const std::vector<const nn::BlockTable*>& tables) {
   Resolution res;
@@ -199,6 +202,8 @@ Resolution resolve(const torch::nn::Module& model, const Policy& policy,
     res.modules.push_back(row);
   }
   const auto& rules = policy.rules();
+  std::map<std::string, const torch::nn::Module*> module_at;
+  for (const auto& item : model.named_modules("", /*include_self=*/true)) module_at[item.key()] = item.value().get();
   for (const auto& item : model.named_parameters(/*recurse=*/true)) {
     ParamRow p;
     p.path = item.key();
@@ -213,6 +218,12 @@ Resolution resolve(const torch::nn::Module& model, const Policy& policy,
           rule_label(s.storage_rule, rules), to_string(s.storage), p.path,
           s.trainable_rule ? "set by " + rule_label(s.trainable_rule, rules) : std::string("the default"));
     }
+    if (is_fp8(s.storage)) {
+      const size_t dot = p.path.rfind('.');
+      const std::string owner = dot == std::string::npos ? "" : p.path.substr(0, dot);
+      auto m = module_at.find(owner);
+      p.fp8_packed = m != module_at.end() && nn::can_store_fp8(*m->second, p.path.substr(dot + 1));
+    }
     const bool master = s.master_fp32 && s.trainable && s.storage != Dtype::fp32;
     // Charge the parameter to its module and every ancestor.
     for (const auto& pre : prefixes(p.path)) {
@@ -221,7 +232,7 @@ Resolution resolve(const torch::nn::Module& model, const Policy& policy,
       ModuleRow& m = res.modules[it->second];
       m.parameters += p.numel;
       if (s.trainable) m.trainable_parameters += p.numel;
-      m.weight_bytes += p.numel * container_bytes(s.storage);
+      m.weight_bytes += p.numel * storage_bytes(p);
       if (master) m.master_bytes += p.numel * 4;
     }
     res.params.push_back(std::move(p));
@@ -313,22 +324,49 @@ int64_t apply(torch::nn::Module& model, const Resolution& resolution, const std:
   for (const auto& p : resolution.params) by_path[p.path] = &p;
   int64_t changed = 0;
   c10::Device device(c10::kCPU);
+  // Packed fp8 parameters: (owner module, parameter name) by path.
+  std::map<std::string, std::pair<torch::nn::Module*, std::string>> owner_of;
+  for (const auto& item : model.named_modules("", /*include_self=*/true)) {
+    for (const auto& p : item.value()->named_parameters(/*recurse=*/false)) {
+      owner_of[item.key().empty() ? p.key() : item.key() + "." + p.key()] = {item.value().get(), p.key()};
+    }
+  }
   for (auto& item : model.named_parameters(/*recurse=*/true)) {
     auto it = by_path.find(item.key());
     if (it == by_path.end())
       fail("precision::apply: parameter '{}' is not in the resolution (model changed?)", item.key());
-    const Settings& s = it->second->settings;
+    const ParamRow& row = *it->second;
+    const Settings& s = row.settings;
     at::Tensor p = item.value();
     device = p.device();
     const at::ScalarType target = container_dtype(s.storage);
     if (is_fp8(s.storage)) {
+      auto& [owner, name] = owner_of.at(item.key());
+      std::optional<nn::Fp8Storage>* slot = nn::fp8_slot(*owner, name);
+      if (row.fp8_packed != (slot != nullptr))
+        fail("precision::apply: parameter '{}' changed layer type since the resolution", item.key());
+      if (slot && slot->has_value()) {
+        // Already packed (policy applied twice): the bytes stay as they are.
+        p.requires_grad_(false);
+        continue;
+      }
       Fp8Quantized q = quantize_fp8(p, s.storage);
       if (q.flushed > 0) {
         spdlog::warn("precision: {} of {} nonzero values of '{}' flush to zero in {} (per-tensor scale {})", q.flushed,
                      p.ne(0).sum().item<int64_t>(), item.key(), to_string(s.storage), q.scale);
       }
-      p.set_data(q.dequantized.to(target).to(p.device()));
+      p.requires_grad_(false);  // a one-byte tensor cannot require grad
+      if (slot) {
+        const nn::Fp8Storage storage{fp8_format(s.storage), q.scale};
+        at::Tensor bits = q.bits.to(p.device());
+        q = {};  // free the fp32 copies before the bytes replace the weight
+        p.set_data(bits);
+        *slot = storage;
+      } else {
+        p.set_data(q.dequantized.to(target).to(p.device()));
+      }
       ++changed;
+      continue;
     } else if (p.scalar_type() != target) {
       p.set_data(p.data().to(target));
       ++changed;

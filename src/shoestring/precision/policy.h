@@ -138,7 +138,7 @@ struct ModuleRow {
   bool checkpointable = false;  ///< a block that may be checkpointed (false for whole-model scopes)
   int64_t parameters = 0;       ///< parameters in this module's subtree
   int64_t trainable_parameters = 0;
-  int64_t weight_bytes = 0;  ///< subtree parameters in their storage containers (see container_bytes)
+  int64_t weight_bytes = 0;  ///< subtree parameters as stored (see storage_bytes)
   int64_t master_bytes = 0;  ///< fp32 master copies in the subtree (4 bytes each)
 };
 
@@ -148,7 +148,15 @@ struct ParamRow {
   Settings settings;
   int64_t numel = 0;
   std::vector<int64_t> shape;
+  /// fp8 storage packed as one byte per element: the weight of an nn::Linear
+  /// or nn::Conv2d (nn::can_store_fp8). Other fp8 parameters keep fp8 values
+  /// in a bf16 container (container_dtype).
+  bool fp8_packed = false;
 };
+
+/// Bytes per element `p` is stored in: 1 when fp8_packed, else
+/// container_bytes(p.settings.storage).
+int64_t storage_bytes(const ParamRow& p);
 
 /// The policy resolved against a concrete module tree.
 struct Resolution {
@@ -182,8 +190,10 @@ std::string format_explain(const Resolution& resolution, const Policy& policy);
 nn::BlockPrecision block_precision(const Settings& s, const c10::Device& device);
 
 /// Applies a resolution to `model`: casts each parameter to its storage
-/// container (fp8: quantized with a per-tensor power-of-two scale, see
-/// quantize_fp8), sets requires_grad from `trainable`, and configures every
+/// dtype (fp8: quantized with a per-tensor power-of-two scale, see
+/// quantize_fp8; a packed parameter (ParamRow::fp8_packed) then holds the fp8
+/// bytes and its layer's nn::Fp8Storage slot the scale, others the fp8 values
+/// in a bf16 container), sets requires_grad from `trainable`, and configures every
 /// declared block in `tables` with its compute dtype and checkpoint flag.
 /// Returns the number of parameters whose dtype changed. fp8 quantization
 /// that flushes nonzero weights to zero is logged as a warning.

@@ -9,13 +9,19 @@
 #include "shoestring/io/atomic_file.h"
 #include "shoestring/io/safetensors.h"
 #include "shoestring/io/weight_files.h"
+#include "shoestring/nn/fp8_storage.h"
 
 namespace shoestring {
 namespace fs = std::filesystem;
 
 std::vector<std::pair<std::string, at::Tensor>> module_tensors(const torch::nn::Module& module) {
   std::vector<std::pair<std::string, at::Tensor>> out;
-  for (const auto& item : module.named_parameters(true)) out.emplace_back(item.key(), item.value());
+  const std::map<std::string, nn::Fp8Storage> fp8 = nn::fp8_parameters(module);
+  for (const auto& item : module.named_parameters(true)) {
+    auto it = fp8.find(item.key());
+    out.emplace_back(item.key(),
+                     it == fp8.end() ? item.value() : nn::dequantize_fp8(item.value(), it->second, at::kBFloat16));
+  }
   for (const auto& item : module.named_buffers(true)) out.emplace_back(item.key(), item.value());
   return out;
 }
@@ -30,7 +36,10 @@ void save_module(const std::string& path, const torch::nn::Module& module,
 void load_module(torch::nn::Module& module, const std::map<std::string, at::Tensor>& tensors,
                  const std::string& source) {
   torch::NoGradGuard no_grad;
-  auto targets = module_tensors(module);
+  std::vector<std::pair<std::string, at::Tensor>> targets;
+  for (const auto& item : module.named_parameters(true)) targets.emplace_back(item.key(), item.value());
+  for (const auto& item : module.named_buffers(true)) targets.emplace_back(item.key(), item.value());
+  const std::map<std::string, nn::Fp8Storage> fp8 = nn::fp8_parameters(module);
   std::map<std::string, std::vector<int64_t>> expected, found;
   for (const auto& [name, t] : targets) expected[name] = t.sizes().vec();
   for (const auto& [name, t] : tensors) found[name] = t.sizes().vec();
@@ -41,7 +50,15 @@ void load_module(torch::nn::Module& module, const std::map<std::string, at::Tens
   for (auto& [name, t] : targets) {
     const at::Tensor& source_tensor = tensors.at(name);
     if (parameters.count(name)) require_finite(source_tensor, source, name);  // a damaged checkpoint
-    t.copy_(source_tensor);
+    auto packed = fp8.find(name);
+    if (packed == fp8.end()) {
+      t.copy_(source_tensor);
+    } else if (!source_tensor.is_floating_point() || nn::is_fp8_storage_dtype(source_tensor.scalar_type())) {
+      fail("{}: tensor \"{}\" is {}; the model stores it as fp8 and loads it from its values (fp32 / bf16 / fp16)",
+           source, name, c10::toString(source_tensor.scalar_type()));
+    } else {
+      t.copy_(nn::encode_fp8(source_tensor, packed->second));
+    }
   }
 }
 

@@ -25,16 +25,22 @@
 
 namespace shoestring {
 
-/// Named parameters and buffers of a module, in registration order.
+/// Named parameters and buffers of a module, in registration order. A
+/// parameter stored as fp8 bytes (nn/fp8_storage.h) is given as its values in
+/// bf16 (exact: fp8 value / power-of-two scale), a new tensor, so that no
+/// file ever holds scaled fp8 bytes without their scale, or bytes labelled U8.
 std::vector<std::pair<std::string, at::Tensor>> module_tensors(const torch::nn::Module& module);
 
-/// Writes every parameter and buffer of `module` (in its storage dtype) to a
+/// Writes every parameter and buffer of `module` (in its storage dtype; fp8
+/// bytes as bf16 values, see module_tensors) to a
 /// .safetensors file with string metadata. Throws shoestring::Error on I/O failure.
 void save_module(const std::string& path, const torch::nn::Module& module,
                  const std::map<std::string, std::string>& metadata);
 
 /// Copies tensors from `tensors` into the module's parameters and buffers by
-/// name, converting dtype to the module's. Throws shoestring::Error listing
+/// name, converting dtype to the module's (a parameter stored as fp8 bytes is
+/// encoded with its own scale: values saved by save_module give back the
+/// same bytes). Throws shoestring::Error listing
 /// missing keys, unexpected keys and shape mismatches, or naming a parameter
 /// that holds NaN / inf (`source` names the file).
 void load_module(torch::nn::Module& module, const std::map<std::string, at::Tensor>& tensors,

@@ -141,7 +141,7 @@ class LdmTrainingModel final : public TrainingModel {
   }
 
   at::Tensor forward(const TrainBatch& b) override {
-    const auto dtype = unet_->out_conv->weight.scalar_type();
+    const auto dtype = nn::value_dtype(unet_->out_conv->weight);
     const at::Tensor& y = b.inputs[3];
     return unet_->forward(b.inputs[0].to(dtype), b.inputs[1], b.inputs[2].to(dtype), y.defined() ? y.to(dtype) : y);
   }
@@ -464,7 +464,7 @@ at::Tensor LdmTrainingModel::sample(const SampleRequest& request) {
   root_->eval();
   torch::NoGradGuard no_grad;
   models::AutoencoderKL vae = build_vae(true);
-  const auto dtype = unet_->out_conv->weight.scalar_type();
+  const auto dtype = nn::value_dtype(unet_->out_conv->weight);
   // Noise from a CPU generator per seed (the same on every device), then moved.
   const at::Device device = unet_->out_conv->weight.device();
   vae->to(device);
