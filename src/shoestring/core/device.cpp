@@ -6,7 +6,7 @@
 #include "shoestring/core/error.h"
 
 #if defined(SHOESTRING_WITH_CUDA)
-#include <ATen/cuda/CUDAContext.h>
+#include "shoestring/core/cuda_host.h"
 #endif
 
 namespace shoestring {
@@ -82,8 +82,8 @@ bool cuda_capability_has_bf16(int major, int minor) { return major >= 8; }
 std::optional<std::pair<int, int>> cuda_compute_capability(const c10::Device& device) {
 #if defined(SHOESTRING_WITH_CUDA)
   if (device.is_cuda()) {
-    const cudaDeviceProp* p = at::cuda::getDeviceProperties(device.has_index() ? device.index() : 0);
-    return std::make_pair(p->major, p->minor);
+    const cuda_host::DeviceProperties p = cuda_host::device_properties(device.has_index() ? device.index() : 0);
+    return std::make_pair(p.major, p.minor);
   }
 #endif
   return std::nullopt;
@@ -92,9 +92,9 @@ std::optional<std::pair<int, int>> cuda_compute_capability(const c10::Device& de
 std::string describe_device(const c10::Device& device) {
 #if defined(SHOESTRING_WITH_CUDA)
   if (device.is_cuda()) {
-    const cudaDeviceProp* p = at::cuda::getDeviceProperties(device.has_index() ? device.index() : 0);
-    return fmt::format("{} ({}, compute {}.{}, {:.1f} GiB)", device.str(), p->name, p->major, p->minor,
-                       static_cast<double>(p->totalGlobalMem) / (1024.0 * 1024.0 * 1024.0));
+    const cuda_host::DeviceProperties p = cuda_host::device_properties(device.has_index() ? device.index() : 0);
+    return fmt::format("{} ({}, compute {}.{}, {:.1f} GiB)", device.str(), p.name, p.major, p.minor,
+                       static_cast<double>(p.total_bytes) / (1024.0 * 1024.0 * 1024.0));
   }
 #endif
   return device.str();

@@ -251,6 +251,11 @@ Sym MemoryTracer::mm_input(const Sym& x) {
 void MemoryTracer::weight_cast(TraceOp& o, const std::vector<int64_t>& shape, bool input_needs_grad) {
   if (!p_.autocast) return;
   const int64_t bytes = numel_of(shape) * p_.compute_elem;
+  if (p_.fp8_weights) {  // decoded in the op, again in its backward; never saved
+    o.forward_transient += bytes;
+    if (input_needs_grad || p_.frozen) o.backward_transient += bytes;
+    return;
+  }
   const int w = sim.tensor(bytes);
   TraceOp c;
   c.name = "autocast weight";

@@ -49,6 +49,10 @@ struct TracePrecision {
   /// gradient; matmul inputs of another dtype are cast too.
   bool autocast = false;
   int param_elem = 4;    ///< bytes per weight element (2: bf16 / fp16 / fp8 storage)
+  /// Frozen weights stored as fp8 bytes (nn/fp8_storage.h): each matmul
+  /// decodes its weight into a scratch copy that lives only while the op (or
+  /// its backward) runs; nothing decoded is saved for backward.
+  bool fp8_weights = false;
   int compute_elem = 4;  ///< bytes per activation element of matmul-like ops
   /// Base weights frozen under LoRA adapters: no parameter gradients, and
   /// each layer's input counted as saved (its adapter saves it; errs high

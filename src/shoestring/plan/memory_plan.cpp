@@ -4,6 +4,7 @@
 #include <map>
 #include <mutex>
 
+#include "shoestring/core/device.h"
 #include "shoestring/core/error.h"
 #include "shoestring/models/architecture.h"
 #include "shoestring/models/denoiser.h"
@@ -11,6 +12,7 @@
 #include "shoestring/nn/lora.h"
 #include "shoestring/nn/memory_trace.h"
 #include "shoestring/optim/factory.h"
+#include "shoestring/plan/device_costs.h"
 #include "shoestring/precision/policy.h"
 #include "shoestring/train/tiny_unet_model.h"
 #include "shoestring/train/training_model.h"
@@ -134,6 +136,8 @@ ResolvedModel resolve_model_uncached(const models::Architecture& arch, const Tra
     t.emulate_fp16 = s.compute == precision::Dtype::fp16;
     t.param_elem = o.numel > 0 ? (o.bytes < 3 * o.numel ? 2 : 4) : elem_of(s.storage);
     t.autocast = t.param_elem != t.compute_elem;
+    // Mostly one byte per parameter: fp8 storage (Linear / Conv2d weights as bytes).
+    t.fp8_weights = o.numel > 0 && 2 * o.bytes < 3 * o.numel;
     t.frozen = lora;  // LoRA: adapters on the frozen base (their gradients are added by plan_memory)
     t.trainable = o.numel > 0 ? static_cast<double>(o.trainable) / static_cast<double>(o.numel) : (s.trainable ? 1 : 0);
     t.checkpoint = checkpoint;
@@ -433,6 +437,12 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size) {
         std::max(peak_a - device_state,
                  persistent[kW] + persistent[kS] + persistent[kG] + tr.at_peak[kA] / 8);  // rough tail of backward
     p.first_step_peak_bytes = std::min(p.first_step_peak_bytes, peak_a);
+  }
+  // A run on CUDA (named, or "auto" on a machine with a CUDA device) pays
+  // the caching allocator's rounding and the cuBLAS workspaces too.
+  const CudaAvailability cuda = cuda_availability();
+  if (c.device.rfind("cuda", 0) == 0 || (c.device == "auto" && cuda.built_with_cuda && cuda.device_count > 0)) {
+    add_cuda_fixed_costs(p);
   }
   return p;
 }

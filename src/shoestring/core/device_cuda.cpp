@@ -1,0 +1,18 @@
+// CUDA build only (see core/cuda_host.h).
+#include <ATen/cuda/CUDAContext.h>
+
+#include "shoestring/core/cuda_host.h"
+
+namespace shoestring::cuda_host {
+
+DeviceProperties device_properties(int index) {
+  const cudaDeviceProp* p = at::cuda::getDeviceProperties(index);
+  DeviceProperties d;
+  d.name = p->name;
+  d.major = p->major;
+  d.minor = p->minor;
+  d.total_bytes = static_cast<int64_t>(p->totalGlobalMem);
+  return d;
+}
+
+}  // namespace shoestring::cuda_host
