@@ -154,8 +154,7 @@ install_in_root() {
 # Dependencies: scripts/setup.sh's list, less what only fuzzing, fetching data
 # and regenerating reference vectors need (clang, npm, python3-torch).
 COMMON_PKGS=(
-  build-essential cmake ninja-build ccache pkg-config
-  libgloo-dev libopenblas0-pthread
+  build-essential cmake ninja-build ccache pkg-config libopenblas0-pthread
   libtomlplusplus-dev libcli11-dev nlohmann-json3-dev libstb-dev
   libfmt-dev libspdlog-dev libgtest-dev libgmock-dev libbenchmark-dev
 )
@@ -175,7 +174,7 @@ torch_pkg=""
 gcc_ver=""
 if [ "$cuda_link" != only ]; then
   enter_root "$cpu_root" main,contrib
-  if ! install_in_root "${COMMON_PKGS[@]}" libtorch-dev; then
+  if ! install_in_root "${COMMON_PKGS[@]}" libtorch-dev libgloo-dev; then
     tail -n 30 "$apt_log" >&2
     echo "check_libtorch2: installing the dependencies in $R failed (log: $apt_log)" >&2
     exit 1
@@ -224,12 +223,13 @@ cuda_result="not tried (SHOESTRING_CUDA_LINK=1 tries it)"
 if [ "$cuda_link" != 0 ]; then
   enter_root "$cuda_root" main,contrib,non-free
   # nvidia-cuda-toolkit (nvcc): Caffe2's CMake config needs it to find CUDA.
-  if ! install_in_root "${COMMON_PKGS[@]}" libtorch-cuda-dev nvidia-cuda-toolkit; then
+  # libgloo-cuda-dev: libgloo-dev's library conflicts with the CUDA one.
+  if ! install_in_root "${COMMON_PKGS[@]}" libtorch-cuda-dev libgloo-cuda-dev nvidia-cuda-toolkit; then
     # nvidia-cudnn (contrib) is an installer that downloads cuDNN from NVIDIA
     # when it is configured; where that host cannot be reached it fails, and
     # the packages that depend on it stay unpacked but unconfigured. Their
     # files are all there, which is enough to compile and link.
-    grep -E "^(E:|dpkg: error|curl: |/usr/sbin/update-nvidia-cudnn)" "$apt_log" | sort -u | sed 's/^/  apt: /'
+    grep -oE "^(E:|dpkg: error).*|curl: \([0-9]+\).*|/usr/sbin/update-nvidia-cudnn.*" "$apt_log" | sort -u | sed 's/^/  apt: /'
   fi
   state="$(in_root dpkg-query -W -f='${db:Status-Abbrev}' libtorch-cuda-dev 2>/dev/null || true)"
   if [ "${state:1:1}" != i ] && [ "${state:1:1}" != U ]; then
