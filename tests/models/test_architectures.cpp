@@ -443,7 +443,8 @@ TEST(Architectures, DetectsUNetAndVaeOfASingleFileAndReportsDifferences) {
 
 TEST(Architectures, DetectsTinyWidthAndNothingInUnrelatedFiles) {
   std::vector<models::TensorShape> tiny;
-  for (const auto& t : models::architecture_tensors("sd15", true))
+  const std::string sd15 = "sd15";  // an lvalue: see test_registry.cpp on -Wdangling-reference
+  for (const auto& t : models::architecture_tensors(sd15, true))
     tiny.push_back({"model.diffusion_model." + t.name, t.shape});
   auto found = models::detect_architectures(tiny);
   ASSERT_EQ(found.size(), 1u);

@@ -115,18 +115,21 @@ TEST(Registry, NamesFamiliesAndIdentifiers) {
   EXPECT_EQ(models::join_names({"a", "b", "c"}), "a, b, c");
   EXPECT_EQ(models::find_architecture(models::kTinyUNet).family, Family::tiny_unet);
 
-  const auto& sd15 = models::find_architecture("sd15");
+  // Names as std::string lvalues: GCC 14 takes a reference returned for a temporary argument
+  // for a dangling one (-Wdangling-reference), though the registry outlives the call.
+  const std::string sd15_name = "sd15";
+  const auto& sd15 = models::find_architecture(sd15_name);
   EXPECT_EQ(sd15.kohya_base_model_version, "sd_v1");
   EXPECT_EQ(sd15.modelspec_architecture, "stable-diffusion-v1");
   EXPECT_EQ(sd15.modelspec_lora_architecture, "stable-diffusion-v1/lora");
-  for (const char* xl : {"sdxl", "ssd1b"}) {
+  for (const std::string xl : {"sdxl", "ssd1b"}) {
     const auto& a = models::find_architecture(xl);
     EXPECT_EQ(a.kohya_base_model_version, "sdxl_base_v1-0") << xl;
     EXPECT_EQ(a.modelspec_lora_architecture, "stable-diffusion-xl-v1-base/lora") << xl;
   }
   EXPECT_EQ(models::find_architecture("sdxl").modelspec_architecture, "stable-diffusion-xl-v1-base");
   EXPECT_EQ(models::find_architecture("ssd1b").modelspec_architecture, "segmind-ssd-1b");
-  for (const char* other : {"sd35m", "cascade-c", "cascade-c-lite", "tiny-unet"}) {
+  for (const std::string other : {"sd35m", "cascade-c", "cascade-c-lite", "tiny-unet"}) {
     const auto& a = models::find_architecture(other);
     EXPECT_EQ(a.kohya_base_model_version, "") << other;
     EXPECT_EQ(a.modelspec_architecture, "") << other;

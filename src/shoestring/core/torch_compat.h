@@ -38,3 +38,40 @@ inline c10::ScalarType fp8_storage_dtype(bool e4m3) {
 // CUDA caching allocator: attachAllocatorTraceTracker (a callback on every
 // allocation and free) exists from 2.1 (core/memory_ledger_cuda.cpp).
 #define SHOESTRING_HAS_CUDA_TRACE_TRACKER SHOESTRING_TORCH_AT_LEAST(2, 1)
+
+#include <utility>
+
+namespace shoestring {
+
+/// Calls torch::autograd::Function<F>::apply(args...): the same arguments,
+/// result and errors. Every custom autograd function is applied through here.
+///
+/// Why: with GCC 14 and libtorch 2.x at -O2/-O3, Function::apply's
+/// `is_variable_input_.reserve(n)` (a std::vector<bool>) trips false
+/// -Warray-bounds and -Wstringop-overflow reports inside libstdc++'s word-wise
+/// copy of the (empty) old bit storage, which -Werror turns into errors. The
+/// header is a system header, but GCC's middle end reports inlined code anyway,
+/// and a pragma around the include would be lost in the precompiled header
+/// (GCC does not keep diagnostic pragmas there). GCC does check pragmas along
+/// the inlining stack, so: `flatten` inlines apply (and what it calls,
+/// including F::forward) into this function, whose body lies in the region
+/// below, which silences those two warnings for that inlined code only; any
+/// other code keeps them. libtorch 1.13 with GCC 12 does not warn here.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Warray-bounds"
+#pragma GCC diagnostic ignored "-Wstringop-overflow"
+#define SHOESTRING_FLATTEN __attribute__((flatten))
+#else
+#define SHOESTRING_FLATTEN
+#endif
+template <class F, class... Args>
+SHOESTRING_FLATTEN inline auto apply_autograd_function(Args&&... args) {
+  return F::apply(std::forward<Args>(args)...);
+}
+#undef SHOESTRING_FLATTEN
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+
+}  // namespace shoestring

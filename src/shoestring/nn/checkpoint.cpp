@@ -4,6 +4,7 @@
 #include <torch/torch.h>
 
 #include "shoestring/core/error.h"
+#include "shoestring/core/torch_compat.h"
 
 namespace shoestring::nn {
 namespace {
@@ -109,7 +110,7 @@ std::vector<at::Tensor> checkpoint(const SegmentFn& fn, const std::vector<at::Te
     // segment, and parameters inside it would silently get no gradient.
     all.push_back(torch::empty({0}, torch::TensorOptions().requires_grad(true)));
   }
-  return CheckpointFunction::apply(holder, at::TensorList(all));
+  return apply_autograd_function<CheckpointFunction>(holder, at::TensorList(all));
 }
 
 at::Tensor checkpoint(const std::function<at::Tensor(const at::Tensor&)>& fn, const at::Tensor& input) {

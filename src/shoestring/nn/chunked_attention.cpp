@@ -127,7 +127,7 @@ at::Tensor chunked_attention(const at::Tensor& q, const at::Tensor& k, const at:
   check_inputs(q, k, v, key_mask);
   if (block_rows < 1) fail("chunked_attention: block_rows must be >= 1 (got {})", block_rows);
   const at::Tensor mask = key_mask.defined() ? key_mask : torch::empty({0}, torch::kBool);
-  return ChunkedAttentionFn::apply(q, k, v, mask, block_rows);
+  return apply_autograd_function<ChunkedAttentionFn>(q, k, v, mask, block_rows);
 }
 
 void set_attention_chunk_bytes(int64_t bytes) {

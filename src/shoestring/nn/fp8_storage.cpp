@@ -134,13 +134,14 @@ at::Tensor encode_fp8(const at::Tensor& values, const Fp8Storage& s) {
 }
 
 at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& bits, const Fp8Storage& s) {
-  return Fp8LinearFunction::apply(x, bits, s.scale, static_cast<int64_t>(s.format == Fp8Format::e4m3fn ? 0 : 1));
+  return apply_autograd_function<Fp8LinearFunction>(x, bits, s.scale,
+                                                    static_cast<int64_t>(s.format == Fp8Format::e4m3fn ? 0 : 1));
 }
 
 at::Tensor fp8_conv2d(const at::Tensor& x, const at::Tensor& bits, const Fp8Storage& s, int64_t stride, int64_t padding,
                       int64_t groups) {
-  return Fp8Conv2dFunction::apply(x, bits, s.scale, static_cast<int64_t>(s.format == Fp8Format::e4m3fn ? 0 : 1), stride,
-                                  padding, groups);
+  return apply_autograd_function<Fp8Conv2dFunction>(
+      x, bits, s.scale, static_cast<int64_t>(s.format == Fp8Format::e4m3fn ? 0 : 1), stride, padding, groups);
 }
 
 std::optional<Fp8Storage>* fp8_slot(torch::nn::Module& owner, const std::string& name) {

@@ -47,8 +47,9 @@ int MemorySimulator::alias(int base, int64_t bytes) {
 }
 
 int MemorySimulator::op(TraceOp op) {
-  for (int id : op.inputs) tensors_.at(id);
-  for (int id : op.outputs) tensors_.at(id);
+  // Bounds checks (std::out_of_range for an unknown id); at() is [[nodiscard]] in GCC 14's libstdc++.
+  for (int id : op.inputs) static_cast<void>(tensors_.at(id));
+  for (int id : op.outputs) static_cast<void>(tensors_.at(id));
   ops_.push_back(std::move(op));
   return static_cast<int>(ops_.size()) - 1;
 }
