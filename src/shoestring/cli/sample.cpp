@@ -8,12 +8,14 @@
 #include <torch/torch.h>
 
 #include "shoestring/cli/commands.h"
+#include "shoestring/core/cpu_features.h"
 #include "shoestring/core/device.h"
 #include "shoestring/core/error.h"
 #include "shoestring/core/threads.h"
 #include "shoestring/data/tokenizer.h"
 #include "shoestring/io/safetensors.h"
 #include "shoestring/models/architecture.h"
+#include "shoestring/precision/compute_choice.h"
 #include "shoestring/train/checkpoint_io.h"
 #include "shoestring/train/sampling.h"
 #include "shoestring/train/tiny_unet_model.h"
@@ -99,10 +101,15 @@ void register_sample(CLI::App& app) {
     TinyUNetModel model(options);
     std::map<std::string, at::Tensor> tensors;
     for (const auto& info : file.tensors()) tensors[info.name] = file.get(info.name);
-    // Keep the checkpoint's storage dtype (bf16 runs sample in bf16).
-    if (!tensors.empty() && tensors.begin()->second.scalar_type() == torch::kBFloat16) {
-      model->to(torch::kBFloat16);
-    }
+    // A bf16 checkpoint samples in bf16 where bf16 math is fast, and in fp32
+    // on a CPU without bf16 units (the bf16 values are exact in fp32): the
+    // choice precision.bf16_compute = "auto" makes in training, so this grid
+    // is computed as the run's own grids were.
+    const bool bf16_file = !tensors.empty() && tensors.begin()->second.scalar_type() == torch::kBFloat16;
+    const bool slow_bf16 = device.is_cpu() && precision::choose_bf16_compute(precision::Bf16Compute::automatic,
+                                                                             precision::cpu_hardware(cpu_features()))
+                                                  .has_value();
+    if (bf16_file && !slow_bf16) model->to(torch::kBFloat16);
     // Refuses NaN / inf weights by name (sampling from them gives a blank grid).
     load_module(*model, tensors, file.path());
     model->to(device);

@@ -1,5 +1,7 @@
 #include "shoestring/train/ema.h"
 
+#include <algorithm>
+
 #include <torch/torch.h>
 
 #include "shoestring/core/error.h"
@@ -14,11 +16,18 @@ EMA::EMA(const std::vector<std::pair<std::string, at::Tensor>>& params, double d
   for (const auto& [name, p] : params_) shadow_.push_back(p.detach().to(torch::kFloat32).clone());
 }
 
-void EMA::update() {
+double EMA::decay_at(int64_t step) const {
+  if (step < 1) fail("EMA step must be >= 1 (got {})", step);
+  const double k = static_cast<double>(step - 1);
+  return step == 1 ? 0.0 : std::min(decay_, (1 + k) / (10 + k));
+}
+
+void EMA::update(int64_t step) {
+  const double d = decay_at(step);
   torch::NoGradGuard no_grad;
   for (size_t i = 0; i < params_.size(); ++i) {
     const at::Tensor& p = params_[i].second;
-    shadow_[i].mul_(decay_).add_(p.scalar_type() == torch::kFloat32 ? p : p.to(torch::kFloat32), 1.0 - decay_);
+    shadow_[i].mul_(d).add_(p.scalar_type() == torch::kFloat32 ? p : p.to(torch::kFloat32), 1.0 - d);
   }
 }
 

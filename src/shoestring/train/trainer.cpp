@@ -139,7 +139,7 @@ StepRecord train_step(Run& run, int64_t step, bool quiet) {
   const GradientStepResult result = gradients.end_step(lr, std::isfinite(loss));
   if (result.stepped && run.ema) {
     ScopedMemoryCategory category(MemoryCategory::temporaries);
-    run.ema->update();
+    run.ema->update(gradients.optimizer().step_count());  // 1-based, across resumes
   }
   count_nonfinite(run, step, loss, result, overflowed, quiet);
 
