@@ -39,6 +39,31 @@ werror="${SHOESTRING_WERROR:-ON}"
 cuda_link="${SHOESTRING_CUDA_LINK:-0}"
 start=$(date +%s)
 
+# Arguments are checked before anything is downloaded, mounted or built.
+for arg in "$@"; do
+  case "$arg" in
+    -h | --help)
+      sed -n '3,/^$/p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+      exit 0
+      ;;
+    -*)
+      echo "check_libtorch2: unknown option '$arg' (arguments are build targets, e.g. test_core; --help)" >&2
+      exit 2
+      ;;
+  esac
+  if ! [[ "$arg" =~ ^[A-Za-z0-9_]+$ ]]; then
+    echo "check_libtorch2: '$arg' is not a build target name (letters, digits, _)" >&2
+    exit 2
+  fi
+done
+case "$cuda_link" in
+  0 | 1 | only) ;;
+  *)
+    echo "check_libtorch2: SHOESTRING_CUDA_LINK='$cuda_link': expected 0, 1 or only" >&2
+    exit 2
+    ;;
+esac
+
 SUDO=""
 if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 log() { echo "check_libtorch2: $*"; }

@@ -184,6 +184,12 @@ TEST(Cli, DeviceRequestsTheMachineCannotMeetFailFirst) {
   EXPECT_NE(bad_form.output.find("\"cuda:N\""), std::string::npos) << bad_form.output;
   EXPECT_FALSE(fs::exists(out));
 
+  // An empty value is a bad value too, not "use the config's".
+  Result empty = run("train " + cfg + " --device '' --output-dir " + out);
+  EXPECT_EQ(empty.code, 1) << empty.output;
+  EXPECT_NE(empty.output.find("--device = \"\""), std::string::npos) << empty.output;
+  EXPECT_FALSE(fs::exists(out));
+
   Result key_form = run("train " + cfg + " --set device=tpu --output-dir " + out);
   EXPECT_EQ(key_form.code, 1);
   EXPECT_NE(key_form.output.find("device = \"tpu\""), std::string::npos) << key_form.output;

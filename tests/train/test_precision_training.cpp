@@ -210,6 +210,11 @@ TEST(PrecisionTraining, Bf16ComputeFollowsTheHardwareUnlessTheConfigInsists) {
   EXPECT_EQ(block_compute(c, slow), at::kBFloat16);
   c.bf16_compute = "fp32";
   EXPECT_EQ(block_compute(c, fast), at::kFloat);
+  // A config that names cuda is planned for the GPU's units, not this CPU's.
+  c.device = "cuda";
+  EXPECT_TRUE(compute_hardware(c).bf16_units);
+  c.device = "cpu";
+  EXPECT_EQ(compute_hardware(c).bf16_units, cpu_features().fast_bf16());
   try {
     tiny_config("/tmp/unused", "precision.bf16_compute = \"fast\"\n");
     ADD_FAILURE() << "no error";

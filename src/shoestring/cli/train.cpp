@@ -32,12 +32,13 @@ void register_train(CLI::App& app) {
       ->check(CLI::Range(int64_t{1}, int64_t{1000000000000}));
   cmd->add_option("--output-dir", args->output_dir, "override output_dir (the run folder)");
   cmd->add_option("--resume", args->resume, "continue the run in RUN_DIR from its latest checkpoint");
-  cmd->add_option("--device", args->device,
-                  "where to train: auto (first CUDA device if any, else cpu), cpu, cuda, cuda:N (overrides the "
-                  "config's device; a resumed run may move)");
-  cmd->callback([args] {
+  CLI::Option* device_flag =
+      cmd->add_option("--device", args->device,
+                      "where to train: auto (first CUDA device if any, else cpu), cpu, cuda, cuda:N (overrides the "
+                      "config's device; a resumed run may move)");
+  cmd->callback([args, device_flag] {
     // Checked first, naming the flag: a device the machine lacks fails before any work.
-    if (!args->device.empty()) resolve_device(args->device, "--device");
+    if (device_flag->count() > 0) resolve_device(args->device, "--device");  // "" too: an error
     std::vector<std::string> sets = args->sets;
     if (args->max_steps > 0) sets.push_back(fmt::format("max_train_steps={}", args->max_steps));
     TrainRunOptions options;
@@ -63,7 +64,7 @@ void register_train(CLI::App& app) {
     if (fs::is_directory(config_path)) fail("config '{}' is a directory, expected a TOML file", config_path);
     TrainConfig config = load_config(config_path, sets);
     if (!args->output_dir.empty()) config.output_dir = args->output_dir;  // a path, used as given
-    if (!args->device.empty()) config.device = args->device;
+    if (device_flag->count() > 0) config.device = args->device;
     options.predict_memory = [](const TrainConfig& c, int64_t vocab_size) {
       try {
         return plan::plan_memory(c, vocab_size).to_json();

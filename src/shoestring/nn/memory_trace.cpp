@@ -281,7 +281,9 @@ Sym MemoryTracer::conv(const Sym& x_in, int64_t cout, int64_t k, int64_t stride,
   o.name = fmt::format("conv{}x{} {}->{} @{}x{}", k, k, cin, cout, Ho, Wo);
   o.inputs = {x.id};
   o.outputs = {y.id};
-  if (weight_grad() || p_.frozen) o.saved = {x.id};  // for the weight's gradient
+  // For the weight's gradient; a frozen fp8 conv saves only its bytes (no
+  // conv LoRA is modelled on an fp8 base).
+  if (weight_grad() || (p_.frozen && !p_.fp8_weights)) o.saved = {x.id};
   if (x.rg) o.grad_inputs = {x.id};
   o.param_grads = {param_grad_bytes(w), param_grad_bytes(b)};
   weight_cast(o, w, x.rg);

@@ -347,9 +347,12 @@ precision::ComputeHardware compute_hardware(const TrainConfig& c) {
   // A CUDA device without bf16 (compute capability < 8.0) has had its bf16
   // settings turned into fp16 by adapt_precision_to_device before the policy
   // is built; what remains of bf16 there runs on the device's own units.
+  // A config that names cuda computes there, even when this process has no
+  // CUDA (`plan` for a GPU run, made on a CPU machine).
+  const DeviceSetting::Kind kind = parse_device(c.device, "device").kind;
   const CudaAvailability cuda = cuda_availability();
-  if (parse_device(c.device, "device").kind == DeviceSetting::Kind::cpu || !cuda.built_with_cuda ||
-      cuda.device_count == 0) {
+  if (kind == DeviceSetting::Kind::cpu ||
+      (kind == DeviceSetting::Kind::automatic && (!cuda.built_with_cuda || cuda.device_count == 0))) {
     return precision::cpu_hardware(cpu_features());
   }
   precision::ComputeHardware hw;
