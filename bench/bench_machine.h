@@ -8,20 +8,32 @@
 #include <nlohmann/json.hpp>
 
 #include "shoestring/core/cpu_features.h"
+#include "shoestring/core/threads.h"
 
 namespace shoestring::bench {
 
-/// Prints "CPU: <model> | features: ... | bf16 units: yes|no" on stdout, or
-/// with `json` one JSON object {"cpu", "cpu_features", "bf16_units"} as the
-/// first line of the JSON-lines output.
+/// The CPU runtime `shoestring` itself runs with (core/threads.h): passive
+/// OpenMP wait unless OMP_WAIT_POLICY is set (re-executes the bench once) and
+/// the allocator settings. First thing in every bench's main().
+inline void prepare_process(char** argv) {
+  prefer_passive_omp_wait(argv);
+  configure_allocator();
+}
+
+/// Prints "CPU: <model> | features: ... | bf16 units: yes|no | OpenMP wait
+/// <policy>" on stdout, or with `json` one JSON object {"cpu",
+/// "cpu_features", "bf16_units", "omp_wait_policy"} as the first line of the
+/// JSON-lines output.
 inline void print_machine(bool json = false) {
   const CpuFeatures& cpu = cpu_features();
   if (json) {
-    fmt::print("{}\n",
-               nlohmann::json{{"cpu", cpu.model}, {"cpu_features", cpu.feature_list()}, {"bf16_units", cpu.fast_bf16()}}
-                   .dump());
+    fmt::print("{}\n", nlohmann::json{{"cpu", cpu.model},
+                                      {"cpu_features", cpu.feature_list()},
+                                      {"bf16_units", cpu.fast_bf16()},
+                                      {"omp_wait_policy", omp_wait_policy()}}
+                           .dump());
   } else {
-    fmt::print("{}\n", describe(cpu));
+    fmt::print("{} | OpenMP wait {}\n", describe(cpu), omp_wait_policy());
   }
   std::fflush(stdout);
 }

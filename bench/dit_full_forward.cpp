@@ -13,9 +13,9 @@
 
 #include <torch/torch.h>
 
+#include "bench_machine.h"
 #include "shoestring/models/cascade.h"
 #include "shoestring/models/mmdit.h"
-#include "bench_machine.h"
 
 using namespace shoestring;
 
@@ -35,6 +35,7 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  shoestring::bench::prepare_process(argv);
   if (argc < 2) {
     std::fprintf(stderr, "usage: %s <cascade-c | cascade-c-lite | sd35m> [latent side] [--backward]\n", argv[0]);
     return 2;

@@ -30,6 +30,7 @@
 #include <spdlog/spdlog.h>
 #include <torch/torch.h>
 
+#include "bench_machine.h"
 #include "shoestring/core/error.h"
 #include "shoestring/core/units.h"
 #include "shoestring/io/safetensors.h"
@@ -41,7 +42,6 @@
 #include "shoestring/train/checkpoint_io.h"
 #include "shoestring/train/config.h"
 #include "shoestring/train/trainer.h"
-#include "bench_machine.h"
 
 using namespace shoestring;
 namespace fs = std::filesystem;
@@ -93,6 +93,7 @@ std::string cpu_description() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  shoestring::bench::prepare_process(argv);
   CLI::App app{"Fine-tune a real-width LDM architecture end to end (random single-file checkpoint)"};
   std::string arch = "sd15", keep;
   int64_t resolution = 0, steps = 2, threads = 0;

@@ -30,16 +30,17 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "bench_machine.h"
 #include "shoestring/core/memory_ledger.h"
 #include "shoestring/core/threads.h"
 #include "shoestring/core/units.h"
 #include "shoestring/plan/measure.h"
 #include "shoestring/plan/memory_plan.h"
-#include "bench_machine.h"
 
 using namespace shoestring;
 
 int main(int argc, char** argv) {
+  shoestring::bench::prepare_process(argv);
   CLI::App app{"One training step of a real architecture: time, measured and predicted memory by category"};
   plan::ModelStepOptions o;
   int64_t threads = 0;

@@ -70,8 +70,8 @@
 #define SHOESTRING_BENCH_HAS_ADAFACTOR 1
 #endif
 #if __has_include("shoestring/optim/lion.h")
-#include "shoestring/optim/lion.h"
 #include "bench_machine.h"
+#include "shoestring/optim/lion.h"
 #define SHOESTRING_BENCH_HAS_LION 1
 #endif
 
@@ -475,6 +475,7 @@ nlohmann::json run_config(const Config& c, const std::vector<ParamSpec>& specs, 
 }  // namespace
 
 int main(int argc, char** argv) {
+  shoestring::bench::prepare_process(argv);
   CLI::App app{"optimizer memory and step-throughput benchmark"};
   double target = 100e6;
   int steps = 3;

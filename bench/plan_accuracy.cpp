@@ -13,11 +13,11 @@
 
 #include <CLI/CLI.hpp>
 
+#include "bench_machine.h"
 #include "shoestring/core/error.h"
 #include "shoestring/core/units.h"
 #include "shoestring/plan/measure.h"
 #include "shoestring/train/config.h"
-#include "bench_machine.h"
 
 namespace fs = std::filesystem;
 using namespace shoestring;
@@ -27,6 +27,7 @@ double mib(int64_t b) { return static_cast<double>(b) / (1 << 20); }
 }  // namespace
 
 int main(int argc, char** argv) {
+  shoestring::bench::prepare_process(argv);
   CLI::App app{"memory planner accuracy"};
   std::string config = std::string(SHOESTRING_BENCH_SOURCE_DIR) + "/examples/emoji.toml";
   std::string data;

@@ -15,10 +15,10 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include "bench_machine.h"
 #include "shoestring/core/error.h"
 #include "shoestring/train/config.h"
 #include "shoestring/train/trainer.h"
-#include "bench_machine.h"
 
 namespace fs = std::filesystem;
 
@@ -30,6 +30,7 @@ struct Setup {
 }  // namespace
 
 int main(int argc, char** argv) {
+  shoestring::bench::prepare_process(argv);
   CLI::App app{"precision convergence benchmark"};
   int64_t steps = 300;
   std::vector<std::string> extra;

@@ -23,8 +23,8 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "shoestring/io/safetensors.h"
 #include "bench_machine.h"
+#include "shoestring/io/safetensors.h"
 
 using namespace shoestring;
 
@@ -48,6 +48,7 @@ uint64_t write_many_tensors(const std::string& path, int64_t n) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  shoestring::bench::prepare_process(argv);
   CLI::App app{"Time to open safetensors files whose headers list many (zero-size) tensors"};
   std::vector<int64_t> counts = {10000, 40000, 100000};
   int repeats = 3;
@@ -78,11 +79,10 @@ int main(int argc, char** argv) {
       }
       std::filesystem::remove(path);
       if (json) {
-        fmt::print("{}\n", nlohmann::json{{"tensors", n},
-                                          {"header_bytes", header_bytes},
-                                          {"open_ms", best},
-                                          {"repeats", repeats}}
-                               .dump());
+        fmt::print(
+            "{}\n",
+            nlohmann::json{{"tensors", n}, {"header_bytes", header_bytes}, {"open_ms", best}, {"repeats", repeats}}
+                .dump());
       } else {
         fmt::print("{:>8} tensors, header {:>10} bytes: open {:>10.1f} ms (fastest of {})\n", n, header_bytes, best,
                    repeats);

@@ -12,15 +12,16 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include "bench_machine.h"
 #include "shoestring/core/error.h"
 #include "shoestring/core/units.h"
 #include "shoestring/train/config.h"
 #include "shoestring/train/trainer.h"
-#include "bench_machine.h"
 
 namespace fs = std::filesystem;
 
 int main(int argc, char** argv) {
+  shoestring::bench::prepare_process(argv);
   CLI::App app{"training-step benchmark"};
   std::string config = std::string(SHOESTRING_BENCH_SOURCE_DIR) + "/examples/emoji.toml";
   int64_t steps = 30;

@@ -5,8 +5,12 @@
 #include "shoestring/cli/commands.h"
 #include "shoestring/core/error.h"
 #include "shoestring/core/text.h"
+#include "shoestring/core/threads.h"
 
 int main(int argc, char** argv) {
+  // CPU runtime first: libgomp reads its wait policy when loaded (re-exec).
+  shoestring::prefer_passive_omp_wait(argv);
+  shoestring::configure_allocator();
   CLI::App app{"shoestring: train diffusion image models on small-memory hardware"};
   app.require_subcommand(1);
   app.set_version_flag("--version", "shoestring 0.1.0");

@@ -1,8 +1,14 @@
 #include "shoestring/core/threads.h"
 
 #include <sched.h>
+#include <unistd.h>
 
+#include <cstdlib>
 #include <thread>
+
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 
 #include <ATen/Parallel.h>
 
@@ -19,6 +25,28 @@ int configure_threads(int64_t requested) {
   }
   at::set_num_threads(n);
   return n;
+}
+
+void prefer_passive_omp_wait(char** argv) {
+  if (std::getenv("OMP_WAIT_POLICY") != nullptr) return;
+  if (setenv("OMP_WAIT_POLICY", "PASSIVE", 0) != 0) return;
+  execv("/proc/self/exe", argv);
+  // execv returned: it failed. Carry on with libgomp's default; the variable
+  // now set only affects children, which is what the user would get anyway.
+}
+
+const char* omp_wait_policy() {
+  const char* v = std::getenv("OMP_WAIT_POLICY");
+  return v != nullptr ? v : "default (spinning)";
+}
+
+void configure_allocator() {
+#if defined(__GLIBC__)
+  constexpr int kMiB = 1 << 20;
+  mallopt(M_MMAP_THRESHOLD, 32 * kMiB);
+  mallopt(M_TRIM_THRESHOLD, 1024 * kMiB);
+  mallopt(M_TOP_PAD, 64 * kMiB);
+#endif
 }
 
 }  // namespace shoestring

@@ -231,8 +231,9 @@ std::pair<std::map<std::string, bool>, bool> apply_precision(Run& run, const Tra
     run.compute_note = fmt::format("; {} compute runs as {}: {}", precision::to_string(sub.from),
                                    precision::to_string(sub.to), sub.reason);
   }
-  if (std::any_of(resolution.modules.begin(), resolution.modules.end(),
-                  [](const precision::ModuleRow& m) { return m.block && m.settings.compute == precision::Dtype::bf16; })) {
+  if (std::any_of(resolution.modules.begin(), resolution.modules.end(), [](const precision::ModuleRow& m) {
+        return m.block && m.settings.compute == precision::Dtype::bf16;
+      })) {
     const precision::Bf16Compute mode = precision::parse_bf16_compute(c.bf16_compute);
     if (mode == precision::Bf16Compute::bf16 && !hardware.bf16_units) {
       spdlog::warn("{}", precision::bf16_compute_warning(mode, hardware, measure_bf16_matmul_slowdown()));
@@ -318,13 +319,14 @@ void log_setup(const Run& run) {
   spdlog::info("device: {}{}", describe_device(run.device),
                run.device.is_cpu() ? "" : "; dataset and caches in host memory, sent a batch at a time");
   if (!run.device_note.empty()) spdlog::info("{}", run.device_note);
-  spdlog::info(
-      "model: {:.2f}M trainable parameters, weights {}, {}, {} threads; optimizer {}{}", run.trainable_parameters / 1e6,
-      c.full_bf16 || c.full_fp16 ? fmt::format("{} ({})", c.full_bf16 ? "bf16" : "fp16",
-                                               c.stochastic_rounding ? "stochastic rounding" : "round-to-nearest")
-                                 : std::string("fp32"),
-      "compute " + run.compute_summary, run.threads,
-      c.optimizer_type, c.fused_backward_pass ? " (fused backward)" : "");
+  spdlog::info("model: {:.2f}M trainable parameters, weights {}, {}, {} threads (OpenMP wait {}); optimizer {}{}",
+               run.trainable_parameters / 1e6,
+               c.full_bf16 || c.full_fp16
+                   ? fmt::format("{} ({})", c.full_bf16 ? "bf16" : "fp16",
+                                 c.stochastic_rounding ? "stochastic rounding" : "round-to-nearest")
+                   : std::string("fp32"),
+               "compute " + run.compute_summary, run.threads, omp_wait_policy(), c.optimizer_type,
+               c.fused_backward_pass ? " (fused backward)" : "");
   const precision::LossScaler* scaler = run.gradients->loss_scaler();
   spdlog::info("precision: {} rule(s) (docs/precision.md){}{}{}", run.precision_rules,
                scaler ? fmt::format(", fp16 with dynamic loss scaling (init {})", scaler->scale()) : std::string(),
