@@ -134,6 +134,28 @@ TEST(TinyUNet, ContextMaskHidesPaddedTokens) {
   EXPECT_FALSE(torch::allclose(out, net->forward(in.x, in.t, ctx2, torch::Tensor()), 1e-3, 1e-4));
 }
 
+// pooled_context adds text_embed(masked mean of the context) to the timestep
+// embedding. For one image that is the same as a model without the option
+// whose time_embed.linear_2 bias is shifted by W * mean + b: the reference.
+TEST(TinyUNet, PooledContextAddsProjectedMaskedMeanToTimeEmbedding) {
+  TinyUNet pooled(small_options().pooled_context(true));
+  TinyUNet plain(small_options());
+  perturb_parameters(*pooled, 5);
+  {
+    torch::NoGradGuard no_grad;
+    auto src = pooled->named_parameters();
+    for (auto& p : plain->named_parameters()) p.value().copy_(src[p.key()]);
+    EXPECT_EQ(src.size(), plain->named_parameters().size() + 2);  // text_embed.weight, .bias
+  }
+  auto in = make_inputs(pooled->options(), 1, 8);
+  torch::NoGradGuard no_grad;
+  const torch::Tensor mean = in.ctx.slice(1, 0, 3).mean(1);  // the 3 real tokens: [1, 12]
+  const torch::Tensor shift = (mean.matmul(pooled->text_embed->weight.t()) + pooled->text_embed->bias).squeeze(0);
+  plain->time_embed->linear_2->bias.add_(shift);
+  const torch::Tensor got = pooled->forward(in.x, in.t, in.ctx, in.mask);
+  EXPECT_TRUE(torch::allclose(got, plain->forward(in.x, in.t, in.ctx, in.mask), 1e-5, 1e-6));
+}
+
 namespace {
 struct UNetGrads {
   torch::Tensor out, x_grad, ctx_grad;

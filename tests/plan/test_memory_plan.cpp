@@ -56,6 +56,19 @@ TEST(MemoryPlan, StateBytesFollowTheOptimizer) {
   EXPECT_LT(off.predicted_peak_bytes, a8.predicted_peak_bytes);
 }
 
+// bf16 weights computing in bf16 keep 2-byte activations, computing in fp32
+// 4-byte ones; the planner's resolution cache must not serve one for the other.
+TEST(MemoryPlan, Bf16ComputeChoiceChangesActivationsThroughTheCache) {
+  TrainConfig c = emoji_config({"train_batch_size=4", "full_bf16=true"});
+  c.bf16_compute = "bf16";
+  const int64_t bf16 = plan::plan_memory(c, 300).activation_bytes;
+  c.bf16_compute = "fp32";
+  const int64_t fp32 = plan::plan_memory(c, 300).activation_bytes;
+  EXPECT_GT(fp32, bf16 * 3 / 2) << "bf16 " << bf16 << " fp32 " << fp32;
+  c.bf16_compute = "bf16";
+  EXPECT_EQ(plan::plan_memory(c, 300).activation_bytes, bf16);
+}
+
 TEST(MemoryPlan, CheckpointingAndChunkingLowerActivations) {
   TrainConfig c = emoji_config({"train_batch_size=8"});
   const auto plain = plan::plan_memory(c, 300);

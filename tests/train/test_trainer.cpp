@@ -268,6 +268,25 @@ TEST(Checkpoint, SaveLoadIsBitExact) {
   }
 }
 
+// model_config in checkpoint metadata: every field round-trips; files written
+// before model.pooled_context existed (no such field) rebuild without it.
+TEST(Checkpoint, ModelConfigRoundTripsAndOldFilesLackPooledContext) {
+  auto cfg = tiny_config("unused");
+  for (bool pooled : {false, true}) {
+    cfg.pooled_context = pooled;
+    const TinyUNetModelOptions o = TinyUNetModelOptions::from_config(cfg, 20);
+    EXPECT_EQ(o.unet.pooled_context(), pooled);
+    const nlohmann::json j = o.to_json();
+    EXPECT_EQ(TinyUNetModelOptions::from_json(j).to_json(), j);
+    nlohmann::json old = j;
+    old["unet"].erase("pooled_context");
+    EXPECT_FALSE(TinyUNetModelOptions::from_json(old).unet.pooled_context());
+    nlohmann::json bad = j;
+    bad["unet"]["pooled_context"] = "yes";
+    EXPECT_THROW(TinyUNetModelOptions::from_json(bad), Error);
+  }
+}
+
 TEST(Sampling, OutputShapeAndRange) {
   auto cfg = tiny_config("unused");
   auto tok = WordTokenizer::build({"red heart", "grinning face"}, cfg.max_caption_length);

@@ -65,6 +65,9 @@ TinyUNetImpl::TinyUNetImpl(const TinyUNetOptions& options) : options_(options) {
   const int64_t temb_dim = 4 * base;  // as LDM: time_embed_dim = 4 * model_channels
   time_embed =
       register_module("time_embed", nn::TimestepEmbedding(base, temb_dim, nn::KeyLayout::kShoestring, o.init()));
+  if (o.pooled_context()) {
+    text_embed = register_module("text_embed", nn::Linear(o.context_dim(), temb_dim, true, o.init()));
+  }
   conv_in = register_module("conv_in", conv3x3(o, o.in_channels(), base));
 
   // Down path; record the channels of every tensor pushed as a skip.
@@ -178,7 +181,18 @@ torch::Tensor TinyUNetImpl::forward(const torch::Tensor& x, const torch::Tensor&
     fail("TinyUNet: context_mask must be bool [{}, {}]", B, context.size(1));
   }
 
-  const torch::Tensor temb = time_embed->forward(nn::timestep_embedding(t * 1000.0, o.base_channels()));
+  torch::Tensor temb = time_embed->forward(nn::timestep_embedding(t * 1000.0, o.base_channels()));
+  if (o.pooled_context()) {
+    // Mean over the real tokens ([B, L, C] -> [B, C]); all tokens without a mask.
+    torch::Tensor pooled;
+    if (context_mask.defined()) {
+      const torch::Tensor w = context_mask.to(context.scalar_type()).unsqueeze(-1);  // [B, L, 1]
+      pooled = (context * w).sum(1) / w.sum(1).clamp_min(1.0);
+    } else {
+      pooled = context.mean(1);
+    }
+    temb = temb + text_embed->forward(pooled);
+  }
 
   std::vector<torch::Tensor> skips;
   torch::Tensor h = conv_in->forward(o.channels_last() ? x.contiguous(torch::MemoryFormat::ChannelsLast) : x);

@@ -8,7 +8,7 @@
 // final conv zero-initialised.
 //
 // Parameter paths (named_parameters()):
-//   time_embed.linear_{1,2}.*, conv_in.*,
+//   time_embed.linear_{1,2}.*, [text_embed.* with pooled_context], conv_in.*,
 //   down.<level>.res.<i>.*, down.<level>.attn.<i>.*, down.<level>.downsample.*,
 //   mid.res1.*, mid.attn.*, mid.res2.*,
 //   up.<level>.res.<i>.*, up.<level>.attn.<i>.*, up.<level>.upsample.*,
@@ -51,6 +51,13 @@ struct TinyUNetOptions {
   TORCH_ARG(int64_t, num_kv_heads) = 0;
   /// Width of the caption encoder's hidden states (cross-attention context).
   TORCH_ARG(int64_t, context_dim) = 256;
+  /// Also condition every ResBlock on the caption: the mean of the context's
+  /// real tokens, projected by `text_embed` (Linear context_dim -> 4 *
+  /// base_channels), is added to the timestep embedding, as GLIDE (Nichol et
+  /// al. 2022) feeds its text encoder's final token in place of ADM's class
+  /// embedding and SDXL adds its pooled text embedding to the time embedding.
+  /// Cross-attention stays; this path is learned in far fewer steps.
+  TORCH_ARG(bool, pooled_context) = false;
   /// Upper bound on GroupNorm groups.
   TORCH_ARG(int64_t, groups) = 32;
   TORCH_ARG(double, dropout) = 0.0;
@@ -113,6 +120,7 @@ class TinyUNetImpl : public torch::nn::Module, public Denoiser {
   const TinyUNetOptions& options() const { return options_; }
 
   nn::TimestepEmbedding time_embed{nullptr};
+  nn::Linear text_embed{nullptr};  ///< only with options().pooled_context()
   nn::Conv2d conv_in{nullptr}, conv_out{nullptr};
   torch::nn::ModuleList down{nullptr}, up{nullptr};
   TinyUNetMid mid{nullptr};

@@ -68,6 +68,14 @@ Sym tiny_unet(nn::MemoryTracer& t, const TinyUNetImpl& unet, const Sym& x_in, co
   Sym temb = t.linear(temb_in, temb_dim, true);
   temb = t.unary(temb, "silu");
   temb = t.linear(temb, temb_dim, true);
+  if (u.pooled_context()) {
+    // Masked mean of the context ([B, L, C] -> [B, C]; the products are
+    // transient, the mean saves nothing but shapes), projected and added.
+    const bool trains = p.trainable > 0 && !p.frozen;
+    Sym pooled = t.make({B, context.shape[2]}, p.compute_elem, trains);
+    t.op("pooled context", {context}, {pooled});
+    temb = t.add(temb, t.linear(pooled, temb_dim, true), "pooled context add");
+  }
 
   // run_res / run_attn: each ResBlock and each SpatialTransformer is a block.
   const bool legacy_ckpt = p.checkpoint;

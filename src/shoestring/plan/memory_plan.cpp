@@ -171,6 +171,10 @@ std::shared_ptr<const ResolvedModel> resolve_model(const models::Architecture& a
                        rule.checkpoint ? (*rule.checkpoint ? "t" : "f") : "-",
                        rule.master_fp32 ? (*rule.master_fp32 ? "t" : "f") : "-");
   }
+  // bf16_compute and the device decide whether bf16 compute runs as fp32.
+  if (const auto& sub = policy.compute_substitution()) {
+    key += fmt::format("|sub:{}>{}", precision::to_string(sub->from), precision::to_string(sub->to));
+  }
   static std::mutex mutex;
   static std::map<std::string, std::shared_ptr<const ResolvedModel>> cache;
   {

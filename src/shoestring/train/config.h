@@ -47,6 +47,9 @@ struct TrainConfig {
   int64_t norm_groups = 32;  ///< GroupNorm groups (must divide every level's channels)
   int64_t text_dim = 256;    ///< caption encoder width = UNet context_dim
   int64_t text_layers = 2;
+  /// Emoji model: the caption's pooled embedding also joins the timestep
+  /// embedding (models::TinyUNetOptions::pooled_context).
+  bool pooled_context = true;
   double dropout = 0.0;
 
   // ---- objective ----
@@ -79,10 +82,10 @@ struct TrainConfig {
   // ---- precision policy (docs/precision.md) ----
   /// [[precision.rule]] entries, in file order (after the shorthands above).
   std::vector<precision::RuleSpec> precision_rules;
-  double overflow_threshold = 0.5;            ///< precision.overflow_threshold: fraction of 65504
-  bool auto_upcast = false;                   ///< precision.auto_upcast: overflowing fp16 blocks -> fp32
-  std::string bf16_compute = "auto";          ///< precision.bf16_compute: auto | bf16 | fp32 (precision/compute_choice.h)
-  double loss_scale_init = 65536.0;           ///< precision.loss_scale_init (GradScaler init_scale)
+  double overflow_threshold = 0.5;    ///< precision.overflow_threshold: fraction of 65504
+  bool auto_upcast = false;           ///< precision.auto_upcast: overflowing fp16 blocks -> fp32
+  std::string bf16_compute = "auto";  ///< precision.bf16_compute: auto | bf16 | fp32 (precision/compute_choice.h)
+  double loss_scale_init = 65536.0;   ///< precision.loss_scale_init (GradScaler init_scale)
   int64_t loss_scale_growth_interval = 2000;  ///< precision.loss_scale_growth_interval
   std::string save_precision = "auto";        ///< auto (storage dtype) | fp32 | float | fp16 | bf16
   bool save_precision_force = false;          ///< save even when the range guard finds damage

@@ -46,6 +46,9 @@ const std::vector<Field>& schema() {
           kResumeValue | kEmojiModelOnly),
       Field{"model.text_layers", &TrainConfig::text_layers, "caption encoder transformer layers", 0, 48}.with(
           kResumeValue | kEmojiModelOnly),
+      Field{"model.pooled_context", &TrainConfig::pooled_context,
+            "add the caption's mean embedding to the timestep embedding (GLIDE / SDXL style)"}
+          .with(kResumeValue | kEmojiModelOnly),
       {"model.dropout", &TrainConfig::dropout, "dropout in ResBlocks", 0, 0.99},
       Field{"timestep_sampling",
             &TrainConfig::timestep_sampling,

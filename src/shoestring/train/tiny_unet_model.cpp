@@ -33,6 +33,7 @@ TinyUNetModelOptions TinyUNetModelOptions::from_config(const TrainConfig& c, int
   o.unet.context_dim(c.text_dim);
   o.unet.groups(c.norm_groups);
   o.unet.dropout(c.dropout);
+  o.unet.pooled_context(c.pooled_context);
   o.text.vocab_size(vocab_size);
   o.text.max_length(c.max_caption_length);
   o.text.dim(c.text_dim);
@@ -56,7 +57,8 @@ nlohmann::json TinyUNetModelOptions::to_json() const {
         {"num_heads", unet.num_heads()},
         {"context_dim", unet.context_dim()},
         {"groups", unet.groups()},
-        {"dropout", unet.dropout()}}},
+        {"dropout", unet.dropout()},
+        {"pooled_context", unet.pooled_context()}}},
       {"text",
        {{"vocab_size", text.vocab_size()},
         {"max_length", text.max_length()},
@@ -100,6 +102,8 @@ TinyUNetModelOptions TinyUNetModelOptions::from_json(const nlohmann::json& j) {
       .context_dim(field<I>(u, "unet", "context_dim"))
       .groups(field<I>(u, "unet", "groups"))
       .dropout(field<double>(u, "unet", "dropout"));
+  // Checkpoints written before pooled_context existed have no such field.
+  o.unet.pooled_context(u.contains("pooled_context") ? field<bool>(u, "unet", "pooled_context") : false);
   o.text.vocab_size(field<I>(t, "text", "vocab_size"))
       .max_length(field<I>(t, "text", "max_length"))
       .dim(field<I>(t, "text", "dim"))
