@@ -1,0 +1,6 @@
+# ctest time bounds for the multi-process test_dist tests (CMakeLists.txt adds this file
+# after the discovered tests); ctest ignores names it does not know.
+set_tests_properties("Collectives.TwoProcessesFileStore" "Collectives.ThreeProcessesFileStore"
+  "Collectives.TwoProcessesTcpStoreOnRankZero" "Collectives.ThreeProcessesTorchrunAgentStore"
+  "Collectives.DeadPeerFailsTheNextCollectiveNamingIt" "Collectives.DeadPeerOfThree"
+  "Collectives.StuckPeerTimesOut" "Collectives.RendezvousTimesOutNamingTheStore" PROPERTIES TIMEOUT 120)
