@@ -4,3 +4,5 @@ set_tests_properties("Collectives.TwoProcessesFileStore" "Collectives.ThreeProce
   "Collectives.TwoProcessesTcpStoreOnRankZero" "Collectives.ThreeProcessesTorchrunAgentStore"
   "Collectives.DeadPeerFailsTheNextCollectiveNamingIt" "Collectives.DeadPeerOfThree"
   "Collectives.StuckPeerTimesOut" "Collectives.RendezvousTimesOutNamingTheStore" PROPERTIES TIMEOUT 120)
+set_tests_properties("DataParallelTraining.TwoRanksMatchOneProcessWithDoubleBatch"
+  "DataParallelTraining.ADeadRankStopsTheOtherNamingTheCollective" PROPERTIES TIMEOUT 300)

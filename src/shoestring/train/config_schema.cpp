@@ -202,6 +202,14 @@ const std::vector<Field>& schema() {
        "where the step runs: \"auto\" (the first CUDA device when libtorch has CUDA and one is visible, else the "
        "CPU), \"cpu\", \"cuda\" or \"cuda:N\"; the dataset and caches stay in host memory (`--device` on the "
        "command line)"},
+      {"zero_stage", &TrainConfig::zero_stage,
+       "with several processes (torchrun, `shoestring launch`): 0 = data parallel (gradients averaged over the "
+       "ranks); ZeRO stages 1-3 are not implemented yet",
+       0, 3},
+      {"ddp_timeout", &TrainConfig::ddp_timeout,
+       "seconds a rank waits for the others in the rendezvous and in each collective before it stops with an "
+       "error (Gloo's own default is 30 minutes)",
+       1, 86400},
   };
   return fields;
 }
