@@ -6,3 +6,5 @@ set_tests_properties("Collectives.TwoProcessesFileStore" "Collectives.ThreeProce
   "Collectives.StuckPeerTimesOut" "Collectives.RendezvousTimesOutNamingTheStore" PROPERTIES TIMEOUT 120)
 set_tests_properties("DataParallelTraining.TwoRanksMatchOneProcessWithDoubleBatch"
   "DataParallelTraining.ADeadRankStopsTheOtherNamingTheCollective" PROPERTIES TIMEOUT 300)
+set_tests_properties("Launch.TwoRanksTrainOneRun" "Launch.AFailingRankFailsTheLaunchNamingIt"
+  "Launch.AKilledRankStopsTheRunAndLeavesNoProcess" PROPERTIES TIMEOUT 180)
