@@ -87,7 +87,8 @@ Trajectory load_trajectory(const std::string& path) {
 
 DIST_SCENARIO(ddp_train) {
   const TrainConfig c = ddp_config(worker_dir() + "/run", std::stoll(worker_env("SHOESTRING_TEST_BATCH")));
-  const int64_t die = std::stoll(worker_env("SHOESTRING_TEST_DIE_AT") + "0") / 10;
+  const std::string die_at = worker_env("SHOESTRING_TEST_DIE_AT");  // rank 1 exits after this step
+  const int64_t die = die_at.empty() ? 0 : std::stoll(die_at);
   try {
     const Trajectory t = train_and_record(c, worker_rank() == 1 ? die : 0);
     save_trajectory(t, worker_dir() + "/rank" + std::to_string(worker_rank()) + ".pt");
