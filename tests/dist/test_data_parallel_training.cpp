@@ -86,7 +86,8 @@ Trajectory load_trajectory(const std::string& path) {
 }
 
 DIST_SCENARIO(ddp_train) {
-  const TrainConfig c = ddp_config(worker_dir() + "/run", std::stoll(worker_env("SHOESTRING_TEST_BATCH")));
+  TrainConfig c = ddp_config(worker_dir() + "/run", std::stoll(worker_env("SHOESTRING_TEST_BATCH")));
+  c.fused_backward_pass = worker_env("SHOESTRING_TEST_FUSED") == "1";
   const std::string die_at = worker_env("SHOESTRING_TEST_DIE_AT");  // rank 1 exits after this step
   const int64_t die = die_at.empty() ? 0 : std::stoll(die_at);
   try {
@@ -152,6 +153,40 @@ TEST(DataParallelTraining, TwoRanksMatchOneProcessWithDoubleBatch) {
   std::getline(metrics, line);
   const auto rec = nlohmann::json::parse(line);
   EXPECT_NEAR(rec["images_per_second"].get<double>() * rec["seconds"].get<double>(), 4.0, 1e-9);
+}
+
+TEST(DataParallelTraining, ThreeRanksMatchOneProcessWithTripleBatch) {
+  const std::string dir = fresh_dist_dir("ddp3");
+  const int port = shoestring::testing::free_tcp_port();
+  ASSERT_EQ(run_workers("ddp_train", 3, dir, [&](int r) { return rank_env(r, 3, port, 1); }),
+            (std::vector<int>{0, 0, 0}));
+  const Trajectory r0 = load_trajectory(dir + "/rank0.pt");
+  const Trajectory r2 = load_trajectory(dir + "/rank2.pt");
+  const Trajectory one = train_and_record(ddp_config(dir + "/single", 3));
+  ASSERT_EQ(r0.weights.size(), one.weights.size());
+  for (size_t i = 0; i < r0.weights.size(); ++i) {
+    EXPECT_TRUE(r0.weights[i].equal(r2.weights[i])) << "parameter " << i << " differs between ranks";
+    EXPECT_TRUE(r0.weights[i].allclose(one.weights[i], 1e-4, 1e-5))
+        << "parameter " << i << ": max |diff| " << (r0.weights[i] - one.weights[i]).abs().max().item<double>();
+  }
+  for (int64_t s = 0; s < kSteps; ++s) EXPECT_NEAR(r0.losses[s], one.losses[s], 1e-5 * std::abs(one.losses[s]));
+}
+
+TEST(DataParallelTraining, UnsupportedGradientPathIsRefusedOnEveryRank) {
+  const std::string dir = fresh_dist_dir("ddpfused");
+  const int port = shoestring::testing::free_tcp_port();
+  EXPECT_EQ(run_workers("ddp_train", 2, dir,
+                        [&](int r) {
+                          auto env = rank_env(r, 2, port, 2);
+                          env["SHOESTRING_TEST_FUSED"] = "1";
+                          return env;
+                        }),
+            (std::vector<int>{4, 4}));
+  for (int r : {0, 1}) {
+    EXPECT_THAT(
+        read_text(dir + "/error" + std::to_string(r) + ".txt"),
+        AllOf(HasSubstr("WORLD_SIZE = 2"), HasSubstr("'fused backward' gradient path"), HasSubstr("not support yet")));
+  }
 }
 
 TEST(DataParallelTraining, ADeadRankStopsTheOtherNamingTheCollective) {

@@ -5,6 +5,8 @@ set_tests_properties("Collectives.TwoProcessesFileStore" "Collectives.ThreeProce
   "Collectives.DeadPeerFailsTheNextCollectiveNamingIt" "Collectives.DeadPeerOfThree"
   "Collectives.StuckPeerTimesOut" "Collectives.RendezvousTimesOutNamingTheStore" PROPERTIES TIMEOUT 120)
 set_tests_properties("DataParallelTraining.TwoRanksMatchOneProcessWithDoubleBatch"
-  "DataParallelTraining.ADeadRankStopsTheOtherNamingTheCollective" PROPERTIES TIMEOUT 300)
+  "DataParallelTraining.ADeadRankStopsTheOtherNamingTheCollective"
+  "DataParallelTraining.ThreeRanksMatchOneProcessWithTripleBatch"
+  "DataParallelTraining.UnsupportedGradientPathIsRefusedOnEveryRank" PROPERTIES TIMEOUT 300)
 set_tests_properties("Launch.TwoRanksTrainOneRun" "Launch.AFailingRankFailsTheLaunchNamingIt"
   "Launch.AKilledRankStopsTheRunAndLeavesNoProcess" PROPERTIES TIMEOUT 180)
