@@ -137,8 +137,9 @@ void count_nonfinite(Run& run, int64_t step, double loss, const GradientStepResu
 }
 
 /// One optimizer step: gradient_accumulation_steps micro-batches (batch,
-/// forward, loss, backward), the fp16 overflow guard, then the gradient path
-/// sums, clips and applies the update; EMA follows the weights.
+/// forward, loss, backward), the fp16 overflow guard, with several ranks the
+/// all-reduce of the gradients, then the gradient path sums, clips and
+/// applies the update; EMA follows the weights.
 StepRecord train_step(Run& run, int64_t step, bool quiet) {
   const TrainConfig& c = run.config;
   const auto t0 = Clock::now();
@@ -152,7 +153,7 @@ StepRecord train_step(Run& run, int64_t step, bool quiet) {
     TrainBatch batch;
     {
       ScopedMemoryCategory category(MemoryCategory::activations);
-      // caption dropout, noise, timesteps
+      // caption dropout, noise, timesteps; with several ranks, this rank's rows of the global batch
       batch = to_device(this_ranks_rows(run, run.model->prepare(run.sampler->next())), run.device);
     }
     const at::Tensor rng = cpu_rng_state();  // a repeated pass replays the same dropout
@@ -165,7 +166,7 @@ StepRecord train_step(Run& run, int64_t step, bool quiet) {
     gradients.end_micro_batch(micro);
     ++run.counters.micro_steps;
   }
-  all_reduce_gradients(run);
+  all_reduce_gradients(run);  // several ranks: each now holds the global batch's mean gradient
   const double loss = mean_over_ranks(run, loss_sum / static_cast<double>(c.gradient_accumulation_steps));
 
   const std::vector<std::string> overflowed = check_fp16_overflow(run, step);
