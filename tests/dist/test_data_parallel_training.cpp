@@ -88,6 +88,8 @@ Trajectory load_trajectory(const std::string& path) {
 DIST_SCENARIO(ddp_train) {
   TrainConfig c = ddp_config(worker_dir() + "/run", std::stoll(worker_env("SHOESTRING_TEST_BATCH")));
   c.fused_backward_pass = worker_env("SHOESTRING_TEST_FUSED") == "1";
+  if (!worker_env("SHOESTRING_TEST_ACCUM").empty())
+    c.gradient_accumulation_steps = std::stoll(worker_env("SHOESTRING_TEST_ACCUM"));
   const std::string die_at = worker_env("SHOESTRING_TEST_DIE_AT");  // rank 1 exits after this step
   const int64_t die = die_at.empty() ? 0 : std::stoll(die_at);
   try {
@@ -166,6 +168,30 @@ TEST(DataParallelTraining, ThreeRanksMatchOneProcessWithTripleBatch) {
   ASSERT_EQ(r0.weights.size(), one.weights.size());
   for (size_t i = 0; i < r0.weights.size(); ++i) {
     EXPECT_TRUE(r0.weights[i].equal(r2.weights[i])) << "parameter " << i << " differs between ranks";
+    EXPECT_TRUE(r0.weights[i].allclose(one.weights[i], 1e-4, 1e-5))
+        << "parameter " << i << ": max |diff| " << (r0.weights[i] - one.weights[i]).abs().max().item<double>();
+  }
+  for (int64_t s = 0; s < kSteps; ++s) EXPECT_NEAR(r0.losses[s], one.losses[s], 1e-5 * std::abs(one.losses[s]));
+}
+
+TEST(DataParallelTraining, GradientAccumulationMatchesOneProcess) {
+  // 2 ranks x batch 2 x 2 micro-batches (one all-reduce per step, after the
+  // last micro-batch) against one process with batch 4 x 2 micro-batches.
+  const std::string dir = fresh_dist_dir("ddpaccum");
+  const int port = shoestring::testing::free_tcp_port();
+  ASSERT_EQ(run_workers("ddp_train", 2, dir,
+                        [&](int r) {
+                          auto env = rank_env(r, 2, port, 2);
+                          env["SHOESTRING_TEST_ACCUM"] = "2";
+                          return env;
+                        }),
+            (std::vector<int>{0, 0}));
+  const Trajectory r0 = load_trajectory(dir + "/rank0.pt");
+  TrainConfig single = ddp_config(dir + "/single", 4);
+  single.gradient_accumulation_steps = 2;
+  const Trajectory one = train_and_record(single);
+  ASSERT_EQ(r0.weights.size(), one.weights.size());
+  for (size_t i = 0; i < r0.weights.size(); ++i) {
     EXPECT_TRUE(r0.weights[i].allclose(one.weights[i], 1e-4, 1e-5))
         << "parameter " << i << ": max |diff| " << (r0.weights[i] - one.weights[i]).abs().max().item<double>();
   }

@@ -7,6 +7,7 @@ set_tests_properties("Collectives.TwoProcessesFileStore" "Collectives.ThreeProce
 set_tests_properties("DataParallelTraining.TwoRanksMatchOneProcessWithDoubleBatch"
   "DataParallelTraining.ADeadRankStopsTheOtherNamingTheCollective"
   "DataParallelTraining.ThreeRanksMatchOneProcessWithTripleBatch"
+  "DataParallelTraining.GradientAccumulationMatchesOneProcess"
   "DataParallelTraining.UnsupportedGradientPathIsRefusedOnEveryRank" PROPERTIES TIMEOUT 300)
 set_tests_properties("Launch.TwoRanksTrainOneRun" "Launch.AFailingRankFailsTheLaunchNamingIt"
   "Launch.AKilledRankStopsTheRunAndLeavesNoProcess" PROPERTIES TIMEOUT 180)
