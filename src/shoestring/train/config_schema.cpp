@@ -209,8 +209,8 @@ const std::vector<Field>& schema() {
        0, 3},
       {"ddp_timeout", &TrainConfig::ddp_timeout,
        "seconds a rank waits for the others in the rendezvous and in each collective before it stops with an "
-       "error (Gloo's own default is 30 minutes); in seconds, as Hugging Face Trainer's ddp_timeout (kohya's "
-       "--ddp_timeout counts minutes)",
+       "error (Gloo's own default is 30 minutes; seconds as in Hugging Face Trainer, kohya's --ddp_timeout "
+       "counts minutes)",
        1, 86400},
   };
   return fields;

@@ -96,9 +96,9 @@ struct Run {
 /// Sets up (or resumes, with options.resume_dir) the run `config` describes,
 /// as one rank of a data-parallel run when the launch environment says so
 /// (dist/launch_env.h: joins the process group first, within ddp_timeout;
-/// every rank then reads the whole global batch's share of the data, rank
-/// 0's trainable weights are copied to the others, and only rank 0 touches
-/// the run folder),
+/// every rank then prepares each whole global batch and trains on its own
+/// rows, rank 0's trainable weights are copied to the others, and only rank 0
+/// touches the run folder),
 /// writes config.toml and starts or truncates metrics.jsonl; see the file
 /// comment for the order. Locks the run folder (a second process training
 /// there is refused), removes the temporaries that interrupted saves left in
