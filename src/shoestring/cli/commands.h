@@ -18,6 +18,9 @@ void register_inspect(CLI::App& app);
 /// `shoestring plan CONFIG [--set k=v]... [--budget 8GiB] [--vocab-size N] [--json] [--explain]`
 void register_plan(CLI::App& app);
 
+/// `shoestring launch --nproc N [--master-port P] -- COMMAND...` (N local ranks of one data-parallel run)
+void register_launch(CLI::App& app);
+
 /// `shoestring convert IN --to ldm|diffusers [--dtype keep|fp32|bf16|fp16] [--component unet|vae] [--arch NAME]
 /// [--force] OUT`
 void register_convert(CLI::App& app);

@@ -1,4 +1,4 @@
-// The `shoestring` command line: train, sample, inspect, plan.
+// The `shoestring` command line: train, sample, inspect, plan, convert, launch.
 #include <CLI/CLI.hpp>
 #include <spdlog/spdlog.h>
 
@@ -19,6 +19,7 @@ int main(int argc, char** argv) {
   shoestring::cli::register_inspect(app);
   shoestring::cli::register_plan(app);
   shoestring::cli::register_convert(app);
+  shoestring::cli::register_launch(app);
   spdlog::set_pattern("[%H:%M:%S] %^%l%$ %v");
   try {
     app.parse(argc, argv);

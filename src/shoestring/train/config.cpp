@@ -216,6 +216,12 @@ void validate(const TrainConfig& c, const std::string& source) {
     fail("{}: {}", source, e.what());
   }
   if (c.sample_prompts.empty()) fail("{}: sample_prompts must hold at least one prompt", source);
+  if (c.zero_stage != 0) {
+    fail(
+        "{}: zero_stage = {} is not implemented yet (ZeRO stages 1-3 are planned); use zero_stage = 0 (data "
+        "parallel: every rank holds the whole model and its optimizer state)",
+        source, c.zero_stage);
+  }
   try {
     nn::apply_network_args({}, c.network_args);
   } catch (const Error& e) {

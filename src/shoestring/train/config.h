@@ -121,6 +121,9 @@ struct TrainConfig {
   /// "auto" | "cpu" | "cuda" | "cuda:N" (core/device.h): where the model, its
   /// gradients and optimizer state live; the dataset and caches stay in host memory.
   std::string device = "auto";
+  // ---- several processes (train/run.h; the launch is in dist/launch_env.h) ----
+  int64_t zero_stage = 0;    ///< 0 = data parallel; 1-3 (ZeRO) not implemented yet
+  double ddp_timeout = 120;  ///< seconds a rank waits for the others (rendezvous, each collective)
 };
 
 /// Parses a TOML config file and applies `--set key=value` overrides (the

@@ -200,11 +200,21 @@ const std::vector<Field>& schema() {
        1000},
       {"sample_cfg", &TrainConfig::sample_cfg, "classifier-free guidance scale", 0, 100},
       {"log_every_n_steps", &TrainConfig::log_every_n_steps, "progress line cadence (no TTY)", 1, 1e9},
-      {"num_threads", &TrainConfig::num_threads, "intra-op threads (0 = every CPU this process may use)", 0, 1024},
+      {"num_threads", &TrainConfig::num_threads,
+       "intra-op threads (0 = every CPU this process may use, divided among the ranks on this machine)", 0, 1024},
       {"device", &TrainConfig::device,
        "where the step runs: \"auto\" (the first CUDA device when libtorch has CUDA and one is visible, else the "
        "CPU), \"cpu\", \"cuda\" or \"cuda:N\"; the dataset and caches stay in host memory (`--device` on the "
        "command line)"},
+      {"zero_stage", &TrainConfig::zero_stage,
+       "with several processes (torchrun, `shoestring launch`): 0 = data parallel (gradients averaged over the "
+       "ranks); ZeRO stages 1-3 are not implemented yet",
+       0, 3},
+      {"ddp_timeout", &TrainConfig::ddp_timeout,
+       "seconds a rank waits for the others in the rendezvous and in each collective before it stops with an "
+       "error (Gloo's own default is 30 minutes; seconds as in Hugging Face Trainer, kohya's --ddp_timeout "
+       "counts minutes)",
+       1, 86400},
   };
   return fields;
 }

@@ -48,7 +48,8 @@ RunReport::RunReport(const Run& run, const TrainRunOptions& options)
       options_(options),
       tty_(!options.quiet && ::isatty(::fileno(stderr))),
       start_step_(run.counters.step),
-      metrics_(open_metrics(run.run_dir)),
+      metrics_(run.writes_files() ? open_metrics(run.run_dir)
+                                  : std::unique_ptr<std::FILE, int (*)(std::FILE*)>(nullptr, &std::fclose)),
       smoothed_(std::nan("")),
       start_(Clock::now()) {}
 
@@ -73,8 +74,10 @@ void RunReport::step(const StepRecord& r) {
   }
   run_peak_total_ = std::max(run_peak_total_, ledger.peak_total());
   const std::string line = rec.dump() + "\n";
-  std::fwrite(line.data(), 1, line.size(), metrics_.get());
-  std::fflush(metrics_.get());
+  if (metrics_) {  // rank 0 of a data-parallel run, or the single process
+    std::fwrite(line.data(), 1, line.size(), metrics_.get());
+    std::fflush(metrics_.get());
+  }
   if (options_.on_step) options_.on_step(rec);
 
   if (first) first_loss_ = r.loss;

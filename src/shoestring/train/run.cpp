@@ -13,6 +13,7 @@
 #include "shoestring/core/memory_ledger.h"
 #include "shoestring/core/threads.h"
 #include "shoestring/core/units.h"
+#include "shoestring/dist/launch_env.h"
 #include "shoestring/io/atomic_file.h"
 #include "shoestring/io/safetensors.h"
 #include "shoestring/models/architecture.h"
@@ -368,6 +369,53 @@ void save_lora(const Run& run, const std::string& path, int64_t step, bool final
   run.network->save(path, meta, dtype);
 }
 
+/// Joins the process group when the launch environment (torchrun, `shoestring
+/// launch`; dist/launch_env.h) makes this process one rank of several;
+/// ranks other than 0 then log errors only. Returns the environment.
+dist::LaunchEnvironment join_process_group(Run& run) {
+  const dist::LaunchEnvironment env = dist::launch_environment();
+  if (!env.distributed()) return env;
+  if (!run.device.is_cpu()) {
+    fail(
+        "WORLD_SIZE = {}: several processes train on the CPU only for now (Gloo; NCCL is not wired in), but device "
+        "resolves to {}; set device = \"cpu\"",
+        env.world_size, run.device.str());
+  }
+  if (env.rank != 0) spdlog::set_level(spdlog::level::err);
+  const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(run.config.ddp_timeout * 1000));
+  run.group = dist::ProcessGroup::connect(env, timeout);
+  spdlog::info("data parallel (zero_stage = 0): {} processes, {}; ddp_timeout = {} s", env.world_size,
+               dist::describe(env), run.config.ddp_timeout);
+  return env;
+}
+
+/// A rank other than 0 reads the run folder rank 0 prepares (and writes):
+/// the checkpoint it resumes from.
+void follow_run_dir(Run& run, const TrainRunOptions& options) {
+  if (!options.resume_dir) return;
+  if (fs::exists(fs::path(run.run_dir) / "checkpoints" / "latest.json"))
+    run.resume_from = latest_checkpoint_dir(run.run_dir);
+  run.config.output_dir = run.run_dir;
+}
+
+/// What data parallel does not cover yet, refused before the first step.
+void check_data_parallel(const Run& run) {
+  const TrainConfig& c = run.config;
+  if (run.gradients->name() != "autograd") {
+    fail(
+        "WORLD_SIZE = {}: data parallel averages the gradients autograd leaves in .grad, but this config uses the "
+        "'{}' gradient path (fp16 loss scaling, fp32 master weights, full_bf16 with gradient accumulation, or "
+        "fused_backward_pass), which several processes do not support yet",
+        run.world_size(), run.gradients->name());
+  }
+  if (c.max_train_minutes > 0) {
+    fail(
+        "WORLD_SIZE = {}: max_train_minutes is not supported with several processes yet (each rank would size "
+        "max_train_steps from its own timing); set max_train_steps instead",
+        run.world_size());
+  }
+}
+
 }  // namespace
 
 std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions& options) {
@@ -378,12 +426,20 @@ std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions&
   run.device = resolve_device(config.device, "device");
   run.device_note = adapt_precision_to_device(run.config, run.device);
   run.run_dir = options.resume_dir.value_or(expand_path(config.output_dir));
-  prepare_run_dir(run, options);
+  const dist::LaunchEnvironment launch = join_process_group(run);
+  if (run.writes_files()) {
+    prepare_run_dir(run, options);
+  } else {
+    follow_run_dir(run, options);
+  }
   const TrainConfig& c = run.config;
 
   check_training_config(c);
   MemoryLedger::global().install();
-  run.threads = configure_threads(c.num_threads);
+  // Processes on one machine share its CPUs (unless num_threads says otherwise).
+  run.threads = c.num_threads > 0 || launch.local_world_size == 1
+                    ? configure_threads(c.num_threads)
+                    : configure_threads(std::max(1, configure_threads(0) / launch.local_world_size));
   torch::manual_seed(static_cast<uint64_t>(c.seed));
 
   // ---- data ----
@@ -394,7 +450,10 @@ std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions&
                  data_dir, run.dataset.skipped().size(), run.dataset.caption_stats().missing,
                  run.dataset.caption_stats().empty);
   }
-  run.sampler = std::make_unique<BatchSampler>(run.dataset.size(), c.train_batch_size, static_cast<uint64_t>(c.seed));
+  // Every rank draws the same global batches (world x train_batch_size) and
+  // trains on its own rows of each (train_step).
+  run.sampler = std::make_unique<BatchSampler>(run.dataset.size(), c.train_batch_size * run.world_size(),
+                                               static_cast<uint64_t>(c.seed));
 
   // ---- model (base weights of a fine-tune / LoRA run: kohya's pretrained_model_name_or_path) ----
   {
@@ -427,6 +486,14 @@ std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions&
     if (item.value().requires_grad()) run.trainable.emplace_back(item.key(), item.value());
   }
   for (const auto& [n, p] : run.trainable) run.trainable_parameters += p.numel();
+  if (run.group) {
+    // Every rank starts from rank 0's weights (a resumed run's are then
+    // restored from the same checkpoint on every rank).
+    std::vector<at::Tensor> shared;
+    for (const auto& [n, p] : run.trainable) shared.push_back(p);
+    for (const auto& b : run.model->module().buffers(true)) shared.push_back(b);
+    dist::broadcast_tensors(*run.group, shared);
+  }
 
   // ---- gradients and optimizer ----
   // Gradients are charged to the ledger's "gradients" category the moment
@@ -437,6 +504,10 @@ std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions&
     if (p.grad().defined()) MemoryLedger::global().recharge(p.grad(), MemoryCategory::gradients);
   });
   run.gradients = make_run_gradient_path(run, wants_master, fp16_training);
+  if (run.group) {
+    check_data_parallel(run);
+    run.gradient_averager = std::make_unique<dist::GradientAverager>(*run.group, params);
+  }
   if (c.ema_decay > 0) run.ema = std::make_unique<EMA>(run.trainable, c.ema_decay);
   if (options.predict_memory) run.predicted_memory = options.predict_memory(c, run.model->plan_vocab_size());
 
@@ -449,15 +520,15 @@ std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions&
   // The run folder always records the config that is running (a resume may
   // have raised max_train_steps), first: a run killed from here on can be
   // resumed (`--resume` reads this file).
-  write_bytes_atomic((fs::path(run.run_dir) / "config.toml").string(), to_toml(c));
+  if (run.writes_files()) write_bytes_atomic((fs::path(run.run_dir) / "config.toml").string(), to_toml(c));
   if (!run.resume_from.empty()) {
-    truncate_metrics(metrics_path, run.counters.step);
+    if (run.writes_files()) truncate_metrics(metrics_path, run.counters.step);
     if (!options.quiet) spdlog::info("resumed from {} at step {}", run.resume_from, run.counters.step);
     if (c.max_train_minutes > 0 && !options.quiet) {
       spdlog::info("max_train_minutes sizes a run's first invocation only: this one goes on to max_train_steps {}",
                    c.max_train_steps);
     }
-  } else {
+  } else if (run.writes_files()) {
     write_bytes_atomic(metrics_path, "");
   }
   if (!options.quiet) log_setup(run);

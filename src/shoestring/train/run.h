@@ -21,6 +21,8 @@
 #include <nlohmann/json.hpp>
 
 #include "shoestring/data/dataset.h"
+#include "shoestring/dist/data_parallel.h"
+#include "shoestring/dist/process_group.h"
 #include "shoestring/io/atomic_file.h"
 #include "shoestring/nn/lora.h"
 #include "shoestring/optim/grad_hooks.h"
@@ -75,6 +77,16 @@ struct Run {
   /// (config `device`, resolved); the dataset and caches stay in host memory.
   c10::Device device{c10::kCPU};
   std::string device_note;  ///< why the compute dtype was changed for the device ("" when it was not)
+  /// The other processes of a data-parallel run (zero_stage = 0; launched by
+  /// torchrun or `shoestring launch`, dist/launch_env.h); null for a single
+  /// process. Rank 0 alone writes the run folder.
+  std::unique_ptr<dist::ProcessGroup> group;
+  std::unique_ptr<dist::GradientAverager> gradient_averager;  ///< with `group`: averages the step's gradients
+
+  int rank() const { return group ? group->rank() : 0; }
+  int world_size() const { return group ? group->size() : 1; }
+  /// This process writes the run folder, checkpoints, samples and logs (rank 0).
+  bool writes_files() const { return rank() == 0; }
 
   /// A LoRA run whose frozen base comes back from the pretrained file: its
   /// checkpoints and final output hold the adapters only (as kohya's).
@@ -82,6 +94,11 @@ struct Run {
 };
 
 /// Sets up (or resumes, with options.resume_dir) the run `config` describes,
+/// as one rank of a data-parallel run when the launch environment says so
+/// (dist/launch_env.h: joins the process group first, within ddp_timeout;
+/// every rank then prepares each whole global batch and trains on its own
+/// rows, rank 0's trainable weights are copied to the others, and only rank 0
+/// touches the run folder),
 /// writes config.toml and starts or truncates metrics.jsonl; see the file
 /// comment for the order. Locks the run folder (a second process training
 /// there is refused), removes the temporaries that interrupted saves left in

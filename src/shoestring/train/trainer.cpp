@@ -4,8 +4,10 @@
 // report (train/report.h).
 #include "shoestring/train/trainer.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <functional>
 
 #include <spdlog/spdlog.h>
 #include <torch/torch.h>
@@ -36,6 +38,35 @@ TrainBatch to_device(TrainBatch batch, const at::Device& device) {
   for (auto& t : batch.inputs) send(t);
   send(batch.target);
   return batch;
+}
+
+/// This rank's rows of a global batch. Data parallel: every rank prepares
+/// the whole global batch (the same images, caption dropout, noise and
+/// timesteps one process with batch world x train_batch_size would draw) and
+/// trains on rows [rank x b, (rank + 1) x b) of it; one process trains on all.
+TrainBatch this_ranks_rows(const Run& run, TrainBatch global) {
+  if (run.world_size() == 1) return global;
+  const int64_t rows = run.config.train_batch_size * run.world_size();
+  auto take = [&](at::Tensor& t, const std::string& what) {
+    if (t.defined() && t.dim() > 0 && t.size(0) == rows) t = dist::rank_rows(t, run.rank(), run.world_size(), what);
+  };
+  for (size_t i = 0; i < global.inputs.size(); ++i) take(global.inputs[i], fmt::format("model input {}", i));
+  take(global.target, "target");
+  return global;
+}
+
+/// Data parallel: replaces every rank's gradients by their mean over the
+/// ranks (bucketed fp32 all-reduce, dist/data_parallel.h), so that every
+/// rank clips and steps with the gradient of the whole global batch.
+void all_reduce_gradients(Run& run) {
+  if (!run.gradient_averager) return;
+  ScopedMemoryCategory category(MemoryCategory::temporaries);  // the buckets
+  run.gradient_averager->all_reduce_gradients();
+}
+
+/// The mean over ranks of each rank's mean loss: the global batch's loss.
+double mean_over_ranks(Run& run, double loss) {
+  return run.group ? run.group->all_reduce_sum(loss) / run.world_size() : loss;
 }
 
 /// Forward, loss and backward of one micro-batch; returns the loss.
@@ -106,8 +137,9 @@ void count_nonfinite(Run& run, int64_t step, double loss, const GradientStepResu
 }
 
 /// One optimizer step: gradient_accumulation_steps micro-batches (batch,
-/// forward, loss, backward), the fp16 overflow guard, then the gradient path
-/// sums, clips and applies the update; EMA follows the weights.
+/// forward, loss, backward), the fp16 overflow guard, with several ranks the
+/// all-reduce of the gradients, then the gradient path sums, clips and
+/// applies the update; EMA follows the weights.
 StepRecord train_step(Run& run, int64_t step, bool quiet) {
   const TrainConfig& c = run.config;
   const auto t0 = Clock::now();
@@ -121,7 +153,8 @@ StepRecord train_step(Run& run, int64_t step, bool quiet) {
     TrainBatch batch;
     {
       ScopedMemoryCategory category(MemoryCategory::activations);
-      batch = to_device(run.model->prepare(run.sampler->next()), run.device);  // caption dropout, noise, timesteps
+      // caption dropout, noise, timesteps; with several ranks, this rank's rows of the global batch
+      batch = to_device(this_ranks_rows(run, run.model->prepare(run.sampler->next())), run.device);
     }
     const at::Tensor rng = cpu_rng_state();  // a repeated pass replays the same dropout
     gradients.begin_micro_batch(micro);
@@ -133,7 +166,8 @@ StepRecord train_step(Run& run, int64_t step, bool quiet) {
     gradients.end_micro_batch(micro);
     ++run.counters.micro_steps;
   }
-  const double loss = loss_sum / static_cast<double>(c.gradient_accumulation_steps);
+  all_reduce_gradients(run);  // several ranks: each now holds the global batch's mean gradient
+  const double loss = mean_over_ranks(run, loss_sum / static_cast<double>(c.gradient_accumulation_steps));
 
   const std::vector<std::string> overflowed = check_fp16_overflow(run, step);
   const GradientStepResult result = gradients.end_step(lr, std::isfinite(loss));
@@ -149,7 +183,7 @@ StepRecord train_step(Run& run, int64_t step, bool quiet) {
   record.lr = lr;
   record.grad_norm = result.grad_norm;
   record.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-  record.images = c.train_batch_size * c.gradient_accumulation_steps;
+  record.images = c.train_batch_size * c.gradient_accumulation_steps * run.world_size();
   record.skipped = !result.finite;
   run.counters.images_seen += record.images;
   run.counters.elapsed_seconds += record.seconds;
@@ -171,6 +205,29 @@ void sample(Run& run, RunReport& report, int64_t step) {
 
 bool every(int64_t n, int64_t step) { return n > 0 && step % n == 0; }
 
+/// Runs `write` (checkpoint, samples, final files of `step`) on rank 0
+/// only; the other ranks wait for it, longer than ddp_timeout (a large
+/// checkpoint on a slow disk), and stop with rank 0's error when it failed.
+/// One process just runs it.
+void on_rank_zero(Run& run, int64_t step, const std::function<void()>& write) {
+  if (!run.group) return write();
+  const std::string key = fmt::format("written/step-{}", step);
+  if (run.writes_files()) {
+    try {
+      write();
+    } catch (const std::exception& e) {
+      run.group->signal(key, e.what());
+      throw;
+    }
+    run.group->signal(key, "ok");
+    return;
+  }
+  const auto timeout = std::max<std::chrono::milliseconds>(run.group->timeout(), std::chrono::minutes(30));
+  const std::string answer =
+      run.group->wait_for_signal(key, fmt::format("its checkpoint / samples of step {}", step), timeout);
+  if (answer != "ok") fail("rank 0 failed writing step {}: {}", step, answer);
+}
+
 double seconds_now() { return std::chrono::duration<double>(Clock::now().time_since_epoch()).count(); }
 
 }  // namespace
@@ -179,7 +236,9 @@ TrainSummary train(const TrainConfig& config, const TrainRunOptions& options) {
   const double started = seconds_now();
   std::unique_ptr<Run> run = setup_run(config, options);
   const TrainConfig& c = run->config;
-  RunReport report(*run, options);
+  TrainRunOptions rank_options = options;
+  rank_options.quiet = options.quiet || !run->writes_files();  // other ranks log errors only
+  RunReport report(*run, rank_options);
   int64_t step = run->counters.step;
   TimeBudget budget(c, step, started);
   while (step < c.max_train_steps) {
@@ -191,15 +250,20 @@ TrainSummary train(const TrainConfig& config, const TrainRunOptions& options) {
       set_max_train_steps(*run, *sized, budget.explanation());  // max_train_minutes
     }
     const bool last = step == c.max_train_steps;
-    std::string checkpoint;
-    if (every(c.save_every_n_steps, step) || last) checkpoint = write_checkpoint(*run, step);
-    if (every(c.sample_every_n_steps, step) || last) sample(*run, report, step);
-    if (last) save_final_files(*run, step);  // EMA weights when EMA is on
-    // latest.json moves last: a checkpoint counts once everything of its
-    // step is written, and a run is complete when latest.json names its last
-    // step. Killed before, a run resumes from its previous checkpoint (or
-    // starts over) and writes it all again, the same bytes.
-    if (!checkpoint.empty()) commit_checkpoint(*run, checkpoint, step);
+    const bool saves = every(c.save_every_n_steps, step) || last;
+    const bool samples = every(c.sample_every_n_steps, step) || last;
+    if (!saves && !samples) continue;
+    on_rank_zero(*run, step, [&] {
+      std::string checkpoint;
+      if (saves) checkpoint = write_checkpoint(*run, step);
+      if (samples) sample(*run, report, step);
+      if (last) save_final_files(*run, step);  // EMA weights when EMA is on
+      // latest.json moves last: a checkpoint counts once everything of its
+      // step is written, and a run is complete when latest.json names its
+      // last step. Killed before, a run resumes from its previous checkpoint
+      // (or starts over) and writes it all again, the same bytes.
+      if (!checkpoint.empty()) commit_checkpoint(*run, checkpoint, step);
+    });
   }
   return report.finish(step);
 }

@@ -1,0 +1,300 @@
+// ProcessGroup over c10d::ProcessGroupGloo (libtorch 1.13; the class is
+// behind USE_C10D_GLOO, which libtorch's CMake target defines). Only this
+// file sees c10d and gloo headers.
+#include "shoestring/dist/process_group.h"
+
+#include <cstdlib>
+#include <exception>
+#include <functional>
+#include <sstream>
+
+#include <spdlog/spdlog.h>
+#include <torch/csrc/distributed/c10d/FileStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include "shoestring/core/error.h"
+#include "shoestring/core/units.h"
+
+namespace shoestring::dist {
+
+namespace {
+
+std::string seconds_text(std::chrono::milliseconds t) { return fmt::format("{:g} s", t.count() / 1000.0); }
+
+/// The Gloo devices for a group whose store is at `master_addr`.
+std::vector<std::shared_ptr<::gloo::transport::Device>> gloo_devices(const std::string& master_addr) {
+  std::vector<std::shared_ptr<::gloo::transport::Device>> devices;
+  if (const char* names = std::getenv("GLOO_SOCKET_IFNAME"); names && *names) {
+    std::stringstream list(names);
+    std::string name;
+    while (std::getline(list, name, ',')) {
+      if (!name.empty()) devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(name));
+    }
+  }
+  if (!devices.empty()) return devices;
+  const bool loopback = master_addr == "localhost" || master_addr.rfind("127.", 0) == 0 || master_addr == "::1";
+  devices.push_back(loopback ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
+                             : c10d::ProcessGroupGloo::createDefaultDevice());
+  return devices;
+}
+
+}  // namespace
+
+struct ProcessGroup::Impl {
+  c10::intrusive_ptr<c10d::Store> store;
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> group;
+};
+
+struct PendingCollective::State {
+  std::string what;  ///< "all_reduce_sum on rank 1 of 2"
+  std::string hint;  ///< what the timeout is
+  c10::intrusive_ptr<c10d::Work> work;
+  std::function<void()> finish;  ///< copies results back after the wait
+  bool done = false;
+};
+
+PendingCollective::PendingCollective() = default;
+PendingCollective::PendingCollective(std::unique_ptr<State> state) : state_(std::move(state)) {}
+PendingCollective::PendingCollective(PendingCollective&&) noexcept = default;
+PendingCollective& PendingCollective::operator=(PendingCollective&&) noexcept = default;
+PendingCollective::~PendingCollective() {
+  if (!state_ || state_->done) return;
+  try {
+    wait();
+  } catch (const std::exception& e) {
+    spdlog::error("{}", e.what());
+  }
+}
+
+void PendingCollective::wait() {
+  if (!state_ || state_->done) return;
+  state_->done = true;
+  try {
+    state_->work->wait();
+  } catch (const std::exception& e) {
+    fail("{} failed: {}; {}", state_->what, e.what(), state_->hint);
+  }
+  if (state_->finish) state_->finish();
+}
+
+namespace {
+
+/// Issues a collective (`issue` returns its Work) and returns it in flight;
+/// an error raised by the call itself becomes shoestring::Error like one
+/// raised at wait(). `finish` runs after a successful wait.
+PendingCollective start(std::string what, std::string hint,
+                        const std::function<c10::intrusive_ptr<c10d::Work>()>& issue,
+                        std::function<void()> finish = {}) {
+  auto state = std::make_unique<PendingCollective::State>();
+  try {
+    state->work = issue();
+  } catch (const std::exception& e) {
+    fail("{} failed: {}; {}", what, e.what(), hint);
+  }
+  state->what = std::move(what);
+  state->hint = std::move(hint);
+  state->finish = std::move(finish);
+  return PendingCollective(std::move(state));
+}
+
+bool gloo_sums(at::ScalarType t) {
+  return t == at::kFloat || t == at::kDouble || t == at::kInt || t == at::kLong || t == at::kByte || t == at::kChar;
+}
+
+}  // namespace
+
+ProcessGroup::ProcessGroup(std::unique_ptr<Impl> impl, int rank, int size, std::chrono::milliseconds timeout)
+    : impl_(std::move(impl)), rank_(rank), size_(size), timeout_(timeout) {}
+
+ProcessGroup::~ProcessGroup() = default;
+
+namespace {
+
+c10::intrusive_ptr<c10d::ProcessGroupGloo> make_gloo(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                                                     std::chrono::milliseconds timeout,
+                                                     const std::string& master_addr) {
+  auto options = c10d::ProcessGroupGloo::Options::create(timeout);
+  options->devices = gloo_devices(master_addr);
+  options->threads = 2 * static_cast<int>(options->devices.size());  // as torch.distributed
+  return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
+}
+
+}  // namespace
+
+std::unique_ptr<ProcessGroup> ProcessGroup::connect(const LaunchEnvironment& env, std::chrono::milliseconds timeout) {
+  if (env.world_size < 1 || env.rank < 0 || env.rank >= env.world_size)
+    fail("ProcessGroup::connect: rank {} of world size {} is not a valid rank", env.rank, env.world_size);
+  auto impl = std::make_unique<Impl>();
+  const std::string where = fmt::format("rank {} of {}", env.rank, env.world_size);
+  try {
+    c10d::TCPStoreOptions so;
+    so.port = static_cast<std::uint16_t>(env.master_port);
+    so.isServer = !env.use_agent_store && env.rank == 0;
+    so.numWorkers = env.use_agent_store ? c10::optional<std::size_t>() : c10::optional<std::size_t>(env.world_size);
+    so.waitWorkers = !env.use_agent_store;
+    so.timeout = timeout;
+    c10::intrusive_ptr<c10d::Store> store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
+    if (env.use_agent_store) {
+      store = c10::make_intrusive<c10d::PrefixStore>(fmt::format("/worker/attempt_{}", env.restart_count), store);
+    }
+    impl->store = store;
+    impl->group = make_gloo(store, env.rank, env.world_size, timeout, env.master_addr);
+  } catch (const std::exception& e) {
+    fail(
+        "cannot join the process group as {} through the store at {}:{} ({}): {}; every rank must start within "
+        "ddp_timeout = {} (is MASTER_PORT free and the same on every rank?)",
+        where, env.master_addr, env.master_port, env.use_agent_store ? "torchrun's agent store" : "hosted by rank 0",
+        e.what(), seconds_text(timeout));
+  }
+  return std::unique_ptr<ProcessGroup>(new ProcessGroup(std::move(impl), env.rank, env.world_size, timeout));
+}
+
+std::unique_ptr<ProcessGroup> ProcessGroup::connect_file(const std::string& path, int rank, int size,
+                                                         std::chrono::milliseconds timeout) {
+  if (size < 1 || rank < 0 || rank >= size)
+    fail("ProcessGroup::connect_file: rank {} of world size {} is not a valid rank", rank, size);
+  auto impl = std::make_unique<Impl>();
+  try {
+    auto store = c10::make_intrusive<c10d::FileStore>(path, size);
+    store->setTimeout(timeout);
+    impl->store = store;
+    impl->group = make_gloo(store, rank, size, timeout, "127.0.0.1");
+  } catch (const std::exception& e) {
+    fail("cannot join the process group as rank {} of {} through the file store '{}': {}", rank, size, path, e.what());
+  }
+  return std::unique_ptr<ProcessGroup>(new ProcessGroup(std::move(impl), rank, size, timeout));
+}
+
+std::string ProcessGroup::where() const { return fmt::format("rank {} of {}", rank_, size_); }
+
+namespace {
+std::string hint_for(std::chrono::milliseconds timeout) {
+  return fmt::format(
+      "another rank exited, stopped, or issued different collectives (they wait at most ddp_timeout = {})",
+      seconds_text(timeout));
+}
+}  // namespace
+
+PendingCollective ProcessGroup::all_reduce_sum_async(const at::Tensor& tensor) {
+  const std::string what = "all_reduce_sum on " + where();
+  if (!tensor.is_contiguous() || !gloo_sums(tensor.scalar_type()))
+    fail("{}: all_reduce_sum_async needs a contiguous fp32 / fp64 / integer tensor, got {} {}", what,
+         c10::toString(tensor.scalar_type()), format_shape(tensor.sizes()));
+  return start(what, hint_for(timeout_), [&] {
+    std::vector<at::Tensor> v{tensor};
+    return impl_->group->allreduce(v);
+  });
+}
+
+void ProcessGroup::all_reduce_sum(at::Tensor& tensor) {
+  if (tensor.is_contiguous() && gloo_sums(tensor.scalar_type())) {
+    all_reduce_sum_async(tensor).wait();
+    return;
+  }
+  const bool low = tensor.scalar_type() == at::kBFloat16 || tensor.scalar_type() == at::kHalf;
+  at::Tensor work = low ? tensor.to(at::kFloat).contiguous() : tensor.contiguous().clone();
+  if (!gloo_sums(work.scalar_type()))
+    fail("all_reduce_sum on {}: dtype {} cannot be summed (expected a floating or integer tensor)", where(),
+         c10::toString(tensor.scalar_type()));
+  all_reduce_sum_async(work).wait();
+  tensor.copy_(work);
+}
+
+double ProcessGroup::all_reduce_sum(double value) {
+  at::Tensor t = at::full({1}, value, at::TensorOptions().dtype(at::kDouble));
+  all_reduce_sum(t);
+  return t.item<double>();
+}
+
+void ProcessGroup::broadcast(at::Tensor& tensor, int root) {
+  const std::string what = fmt::format("broadcast from rank {} on {}", root, where());
+  if (root < 0 || root >= size_) fail("{}: root {} is not a rank of the group", what, root);
+  at::Tensor work = tensor.is_contiguous() ? tensor : tensor.contiguous();
+  // bf16 moves as its bits (Gloo copies without arithmetic); bool as bytes.
+  at::Tensor wire = work;
+  if (work.scalar_type() == at::kBFloat16) wire = work.view(at::kHalf);
+  if (work.scalar_type() == at::kBool || work.scalar_type() == at::kShort) wire = work.view(at::kByte);
+  start(what, hint_for(timeout_), [&] {
+    std::vector<at::Tensor> v{wire};
+    c10d::BroadcastOptions o;
+    o.rootRank = root;
+    return impl_->group->broadcast(v, o);
+  }).wait();
+  if (!work.is_same(tensor)) tensor.copy_(work);
+}
+
+at::Tensor ProcessGroup::reduce_scatter_sum(const at::Tensor& input) {
+  const std::string what = "reduce_scatter_sum on " + where();
+  if (input.dim() != 1 || input.numel() % size_ != 0)
+    fail("{}: expected a 1-D tensor whose numel is a multiple of the world size {} (pad it), got shape {}", what, size_,
+         format_shape(input.sizes()));
+  if (!at::isFloatingType(input.scalar_type()))
+    fail("{}: expected a floating-point tensor, got {}", what, c10::toString(input.scalar_type()));
+  // Gloo's reduce may use every rank's buffer as scratch: work on an fp32 copy.
+  at::Tensor work = input.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true).contiguous();
+  const int64_t n = input.numel() / size_;
+  std::vector<PendingCollective> pending;
+  for (int root = 0; root < size_; ++root) {
+    at::Tensor chunk = work.narrow(0, root * n, n);
+    pending.push_back(start(what, hint_for(timeout_), [&] {
+      std::vector<at::Tensor> v{chunk};
+      c10d::ReduceOptions o;
+      o.rootRank = root;
+      return impl_->group->reduce(v, o);
+    }));
+  }
+  for (auto& p : pending) p.wait();
+  return work.narrow(0, rank_ * n, n).clone();
+}
+
+at::Tensor ProcessGroup::all_gather(const at::Tensor& input) {
+  const std::string what = "all_gather on " + where();
+  if (input.dim() != 1) fail("{}: expected a 1-D tensor, got shape {}", what, format_shape(input.sizes()));
+  const int64_t n = input.numel();
+  at::Tensor out = at::empty({n * size_}, input.options());
+  out.narrow(0, rank_ * n, n).copy_(input);
+  at::Tensor wire = out;
+  if (out.scalar_type() == at::kBFloat16) wire = out.view(at::kHalf);
+  if (out.scalar_type() == at::kBool || out.scalar_type() == at::kShort) wire = out.view(at::kByte);
+  std::vector<PendingCollective> pending;
+  for (int root = 0; root < size_; ++root) {
+    at::Tensor chunk = wire.narrow(0, root * n, n);
+    pending.push_back(start(what, hint_for(timeout_), [&] {
+      std::vector<at::Tensor> v{chunk};
+      c10d::BroadcastOptions o;
+      o.rootRank = root;
+      return impl_->group->broadcast(v, o);
+    }));
+  }
+  for (auto& p : pending) p.wait();
+  return out;
+}
+
+void ProcessGroup::barrier() {
+  start("barrier on " + where(), hint_for(timeout_), [&] { return impl_->group->barrier(); }).wait();
+}
+
+void ProcessGroup::signal(const std::string& key, const std::string& message) {
+  try {
+    impl_->store->set("shoestring/signal/" + key, std::vector<uint8_t>(message.begin(), message.end()));
+  } catch (const std::exception& e) {
+    fail("signal '{}' from {} failed: {}", key, where(), e.what());
+  }
+}
+
+std::string ProcessGroup::wait_for_signal(const std::string& key, const std::string& what,
+                                          std::chrono::milliseconds timeout) {
+  const std::string full = "shoestring/signal/" + key;
+  try {
+    impl_->store->wait({full}, timeout);
+    const std::vector<uint8_t> bytes = impl_->store->get(full);
+    return std::string(bytes.begin(), bytes.end());
+  } catch (const std::exception& e) {
+    fail("{} waited for rank 0 ({}) and gave up: {} (rank 0 exited, or took longer than {})", where(), what, e.what(),
+         seconds_text(timeout));
+  }
+}
+
+}  // namespace shoestring::dist

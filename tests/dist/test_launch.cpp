@@ -1,0 +1,131 @@
+// `shoestring launch`: N local ranks of a training run, output prefixed by
+// rank, and a failing or killed rank makes the launcher stop the others
+// and fail naming the rank, leaving no process behind.
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "../train/train_testing.h"
+#include "dist_testing.h"
+#include "shoestring/train/config.h"
+
+extern char** environ;
+
+namespace shoestring {
+namespace {
+
+using namespace std::chrono_literals;
+using shoestring::testing::fresh_dist_dir;
+using shoestring::testing::read_text;
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+
+/// The launcher, started with its output in a file.
+struct Launcher {
+  pid_t pid = -1;
+  std::string output_path;
+
+  Launcher(const std::vector<std::string>& args, const std::string& output) : output_path(output) {
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_addopen(&fa, STDOUT_FILENO, output.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    posix_spawn_file_actions_adddup2(&fa, STDOUT_FILENO, STDERR_FILENO);
+    std::vector<std::string> all = {SHOESTRING_BINARY};
+    all.insert(all.end(), args.begin(), args.end());
+    std::vector<char*> argv;
+    for (auto& a : all) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    posix_spawn(&pid, SHOESTRING_BINARY, &fa, nullptr, argv.data(), environ);
+    posix_spawn_file_actions_destroy(&fa);
+  }
+
+  /// Its exit status (128 + signal), killing it after `deadline`.
+  int wait(std::chrono::seconds deadline = 120s) {
+    const auto until = std::chrono::steady_clock::now() + deadline;
+    int s = 0;
+    while (::waitpid(pid, &s, WNOHANG) != pid) {
+      if (std::chrono::steady_clock::now() > until) {
+        ::kill(pid, SIGKILL);
+        ::waitpid(pid, &s, 0);
+        break;
+      }
+      std::this_thread::sleep_for(20ms);
+    }
+    return WIFEXITED(s) ? WEXITSTATUS(s) : 128 + WTERMSIG(s);
+  }
+
+  /// The ranks: the launcher's child processes, in start order.
+  std::vector<pid_t> children() const {
+    std::ifstream in(fmt::format("/proc/{}/task/{}/children", pid, pid));
+    std::vector<pid_t> out;
+    pid_t p;
+    while (in >> p) out.push_back(p);
+    return out;
+  }
+
+  std::string output() const { return read_text(output_path); }
+};
+
+std::string write_config(const std::string& dir, int64_t steps, int64_t batch) {
+  TrainConfig c = shoestring::testing::tiny_emoji_config(dir + "/run");
+  c.max_train_steps = steps;
+  c.train_batch_size = batch;
+  c.num_threads = 0;  // divided between the ranks
+  const std::string path = dir + "/run.toml";
+  std::ofstream(path) << to_toml(c);
+  return path;
+}
+
+bool gone(pid_t p) { return ::kill(p, 0) != 0 && errno == ESRCH; }
+
+TEST(Launch, TwoRanksTrainOneRun) {
+  const std::string dir = fresh_dist_dir("launch2");
+  const std::string config = write_config(dir, 3, 2);
+  Launcher l({"launch", "--nproc", "2", "--", "train", config}, dir + "/out.txt");
+  EXPECT_EQ(l.wait(), 0) << l.output();
+  const std::string out = l.output();
+  EXPECT_THAT(out, AllOf(HasSubstr("[rank 0] "), HasSubstr("data parallel (zero_stage = 0): 2 processes"),
+                         HasSubstr("1 threads")));  // 2 CPUs shared by 2 ranks (ctest machine: 2 cores)
+  EXPECT_EQ(shoestring::testing::losses_of(dir + "/run/metrics.jsonl").size(), 3u);
+  EXPECT_TRUE(std::filesystem::exists(dir + "/run/model.safetensors"));
+}
+
+TEST(Launch, AFailingRankFailsTheLaunchNamingIt) {
+  const std::string dir = fresh_dist_dir("launchfail");
+  Launcher l({"launch", "--nproc", "2", "--", "train", dir + "/missing.toml"}, dir + "/out.txt");
+  EXPECT_EQ(l.wait(), 1);
+  EXPECT_THAT(l.output(), AllOf(HasSubstr("[rank 1] error: config file"), HasSubstr("error: launch: rank"),
+                                HasSubstr("of 2 exited with status 1")));
+}
+
+TEST(Launch, AKilledRankStopsTheRunAndLeavesNoProcess) {
+  const std::string dir = fresh_dist_dir("launchkill");
+  const std::string config = write_config(dir, 100000, 2);  // far more steps than the test waits for
+  Launcher l({"launch", "--nproc", "2", "--", "train", config}, dir + "/out.txt");
+  // Wait for the first step (rank 0 writes metrics.jsonl), then kill rank 1.
+  const auto until = std::chrono::steady_clock::now() + 90s;
+  while (read_text(dir + "/run/metrics.jsonl").empty() && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(20ms);
+  const std::vector<pid_t> ranks = l.children();
+  ASSERT_EQ(ranks.size(), 2u) << l.output();
+  ::kill(ranks[1], SIGKILL);
+  EXPECT_EQ(l.wait(), 1);
+  // (Rank 0 usually fails its next collective first, naming it; if it is
+  // slower than the launcher's grace period it is stopped instead.)
+  EXPECT_THAT(l.output(), HasSubstr("error: launch: rank 1 of 2 was killed by signal 9")) << l.output();
+  for (pid_t p : ranks) EXPECT_TRUE(gone(p)) << "rank process " << p << " is still there";
+}
+
+}  // namespace
+}  // namespace shoestring

@@ -1,0 +1,13 @@
+# ctest time bounds for the multi-process test_dist tests (CMakeLists.txt adds this file
+# after the discovered tests); ctest ignores names it does not know.
+set_tests_properties("Collectives.TwoProcessesFileStore" "Collectives.ThreeProcessesFileStore"
+  "Collectives.TwoProcessesTcpStoreOnRankZero" "Collectives.ThreeProcessesTorchrunAgentStore"
+  "Collectives.DeadPeerFailsTheNextCollectiveNamingIt" "Collectives.DeadPeerOfThree"
+  "Collectives.StuckPeerTimesOut" "Collectives.RendezvousTimesOutNamingTheStore" PROPERTIES TIMEOUT 120)
+set_tests_properties("DataParallelTraining.TwoRanksMatchOneProcessWithDoubleBatch"
+  "DataParallelTraining.ADeadRankStopsTheOtherNamingTheCollective"
+  "DataParallelTraining.ThreeRanksMatchOneProcessWithTripleBatch"
+  "DataParallelTraining.GradientAccumulationMatchesOneProcess"
+  "DataParallelTraining.UnsupportedGradientPathIsRefusedOnEveryRank" PROPERTIES TIMEOUT 300)
+set_tests_properties("Launch.TwoRanksTrainOneRun" "Launch.AFailingRankFailsTheLaunchNamingIt"
+  "Launch.AKilledRankStopsTheRunAndLeavesNoProcess" PROPERTIES TIMEOUT 180)
