@@ -36,7 +36,7 @@ TrainConfig ddp_config(const std::string& out, int64_t batch) {
   c.train_batch_size = batch;
   c.max_train_steps = kSteps;
   c.save_every_n_steps = 2;
-  c.ddp_timeout = 60;
+  c.ddp_timeout = 1;  // minute
   return c;
 }
 
@@ -168,7 +168,10 @@ TEST(DataParallelTraining, ThreeRanksMatchOneProcessWithTripleBatch) {
   ASSERT_EQ(r0.weights.size(), one.weights.size());
   for (size_t i = 0; i < r0.weights.size(); ++i) {
     EXPECT_TRUE(r0.weights[i].equal(r2.weights[i])) << "parameter " << i << " differs between ranks";
-    EXPECT_TRUE(r0.weights[i].allclose(one.weights[i], 1e-4, 1e-5))
+    // 3 ranks sum in another order than one batch of 3; AdamW's normalised
+    // update turns last-bit differences of near-zero gradients into weight
+    // differences up to ~2e-5 after 4 steps (x0 prediction's 1/t scale).
+    EXPECT_TRUE(r0.weights[i].allclose(one.weights[i], 1e-4, 5e-5))
         << "parameter " << i << ": max |diff| " << (r0.weights[i] - one.weights[i]).abs().max().item<double>();
   }
   for (int64_t s = 0; s < kSteps; ++s) EXPECT_NEAR(r0.losses[s], one.losses[s], 1e-5 * std::abs(one.losses[s]));

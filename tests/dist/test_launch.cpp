@@ -30,6 +30,7 @@ using shoestring::testing::fresh_dist_dir;
 using shoestring::testing::read_text;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 /// The launcher, started with its output in a file.
 struct Launcher {
@@ -107,6 +108,17 @@ TEST(Launch, AFailingRankFailsTheLaunchNamingIt) {
   EXPECT_EQ(l.wait(), 1);
   EXPECT_THAT(l.output(), AllOf(HasSubstr("[rank 1] error: config file"), HasSubstr("error: launch: rank"),
                                 HasSubstr("of 2 exited with status 1")));
+}
+
+// Only `train` runs as ranks: `sample` under launch would write one file from
+// every rank at once.
+TEST(Launch, RefusesCommandsOtherThanTrain) {
+  const std::string dir = fresh_dist_dir("launchsample");
+  Launcher l({"launch", "--nproc", "2", "--", "sample", dir + "/model.safetensors", "--prompt", "x", "--out",
+              dir + "/grid.png"},
+             dir + "/out.txt");
+  EXPECT_EQ(l.wait(), 1);
+  EXPECT_THAT(l.output(), AllOf(HasSubstr("must be `train`"), HasSubstr("`sample`"), Not(HasSubstr("[rank"))));
 }
 
 TEST(Launch, AKilledRankStopsTheRunAndLeavesNoProcess) {

@@ -224,12 +224,19 @@ void register_launch(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand(
       "launch", "run N local processes of a command as the ranks of one data-parallel run (like torchrun)");
   cmd->add_option("--nproc", args->nproc, "number of processes (ranks)")->required()->check(CLI::Range(1, 1024));
-  cmd->add_option("--master-port", args->port, "TCP port of rank 0's store on 127.0.0.1 (default: a free one)")
+  cmd->add_option(
+         "--master-port", args->port,
+         "TCP port of rank 0's store, reached at 127.0.0.1 (default: a free one; the store listens on every interface)")
       ->check(CLI::Range(1, 65535));
   cmd->add_option("command", args->command, "the shoestring command each rank runs, after --: -- train run.toml")
       ->required();
   cmd->callback([args] {
-    if (args->command.front() == "launch") fail("launch: the command cannot be `launch` itself");
+    // Only training has ranks: any other command would run N times over the
+    // same output (sample writing one file from every rank at once).
+    if (args->command.front() != "train") {
+      fail("launch: the command must be `train` (got `{}`): only training runs as ranks; run other commands once",
+           args->command.front());
+    }
     const int port = args->port > 0 ? args->port : free_port();
     struct sigaction sa {};
     sa.sa_handler = on_signal;
