@@ -10,7 +10,7 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 out="${SHOESTRING_RUN_DIR:-$root/runs/emoji-$(date +%Y%m%d-%H%M%S)}"
 "$root/build/shoestring" train "$root/examples/emoji.toml" --output-dir "$out" "$@"
 "$root/build/shoestring" sample "$out/model.safetensors" \
-  --prompt "grinning face" --prompt "red heart" --prompt "sun" --prompt "green apple" \
+  --prompt "grinning face" --prompt "blue heart" --prompt "green heart" --prompt "pile of poo" \
   --count 6 --out "$out/final_samples.png"
 echo "run folder: $out"
 echo "sample grids: $out/samples/ and $out/final_samples.png"

@@ -1,5 +1,6 @@
 // Tests for the in-memory datasets (Twemoji and kohya folder layouts) and the
 // deterministic batch sampler.
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -107,6 +108,33 @@ TEST(TwemojiDataset, LoadsFixtureWithCaptionsFromEmojiJson) {
   for (int64_t i : {0, 5, 10}) {
     EXPECT_TRUE(ds.images()[i].equal(shoestring::load_image(ds.paths()[i], 32))) << i;
   }
+}
+
+// twemoji_categories keeps the entries whose emoji.json category is listed
+// (case-insensitive), skin-tone variations with their entry; the reference is
+// the fixture's emoji.json read by the test itself (expected_twemoji).
+TEST(TwemojiDataset, CategoriesKeepOnlyTheirEntries) {
+  const auto all = expected_twemoji(kTwemoji);
+  const auto ds = ImageCaptionDataset::load_twemoji(kTwemoji, 16, {"smileys & emotion", "People & Body"});
+  std::vector<std::string> want;
+  for (const auto& [file, caption] : all) {
+    if (caption.find(", smileys & emotion") != std::string::npos ||
+        caption.find(", people & body") != std::string::npos) {
+      want.push_back(file);
+    }
+  }
+  ASSERT_EQ(want.size(), 9u);  // 3 smileys + 1 person with 5 skin tones
+  ASSERT_EQ(ds.size(), static_cast<int64_t>(want.size()));
+  for (size_t i = 0; i < want.size(); ++i) EXPECT_EQ(filename(ds.paths()[i]), want[i]);
+  // A category the file does not have is an error listing the ones it has.
+  EXPECT_THAT([] { ImageCaptionDataset::load_twemoji(kTwemoji, 16, {"Smileys"}); },
+              ::testing::ThrowsMessage<shoestring::Error>(
+                  ::testing::AllOf(::testing::HasSubstr("twemoji_categories"), ::testing::HasSubstr("\"Smileys\""),
+                                   ::testing::HasSubstr("Smileys & Emotion"), ::testing::HasSubstr("emoji.json"))));
+  // Through load(): the kohya folder layout has no categories.
+  EXPECT_THAT([] { ImageCaptionDataset::load(std::string(SHOESTRING_TEST_DATA) + "/folder", 16, {"Flags"}); },
+              ::testing::ThrowsMessage<shoestring::Error>(::testing::HasSubstr("Twemoji layout")));
+  EXPECT_EQ(ImageCaptionDataset::load(kTwemoji, 16, {"Flags"}).size(), 1);
 }
 
 TEST(TwemojiDataset, HonoursHasImgTwitterAndSkipsMissingFiles) {

@@ -28,8 +28,9 @@ TEST(CudaFixedCosts, RoundingPerTensorAndTheBlasWorkspace) {
 }
 
 TEST(CudaFixedCosts, AddedToTheEmojiPlanOnlyWhenAsked) {
-  const TrainConfig c = load_config(std::string(SHOESTRING_SOURCE_DIR) + "/examples/emoji.toml",
-                                    {std::string("train_data_dir=\"") + SHOESTRING_TEST_DATA + "/twemoji\""});
+  const TrainConfig c =
+      load_config(std::string(SHOESTRING_SOURCE_DIR) + "/examples/emoji.toml",
+                  {std::string("train_data_dir=\"") + SHOESTRING_TEST_DATA + "/twemoji\"", "twemoji_categories=[]"});
   const plan::MemoryPlan cpu = plan::plan_memory(c, 300);
   EXPECT_EQ(cpu.device_fixed_bytes, 0);
   // Every parameter tensor trains: the weight, its gradient and up to two

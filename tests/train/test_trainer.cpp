@@ -269,22 +269,56 @@ TEST(Checkpoint, SaveLoadIsBitExact) {
 }
 
 // model_config in checkpoint metadata: every field round-trips; files written
-// before model.pooled_context existed (no such field) rebuild without it.
-TEST(Checkpoint, ModelConfigRoundTripsAndOldFilesLackPooledContext) {
+// before model.pooled_context and model.prediction existed (no such fields)
+// rebuild as they were trained: no pooled context, velocity prediction.
+TEST(Checkpoint, ModelConfigRoundTripsAndOldFilesKeepTheirModel) {
   auto cfg = tiny_config("unused");
-  for (bool pooled : {false, true}) {
-    cfg.pooled_context = pooled;
+  for (bool on : {false, true}) {
+    cfg.pooled_context = on;
+    cfg.prediction = on ? "x0" : "velocity";
     const TinyUNetModelOptions o = TinyUNetModelOptions::from_config(cfg, 20);
-    EXPECT_EQ(o.unet.pooled_context(), pooled);
+    EXPECT_EQ(o.unet.pooled_context(), on);
+    EXPECT_EQ(o.predict_x0, on);
     const nlohmann::json j = o.to_json();
     EXPECT_EQ(TinyUNetModelOptions::from_json(j).to_json(), j);
     nlohmann::json old = j;
     old["unet"].erase("pooled_context");
+    old.erase("prediction");
     EXPECT_FALSE(TinyUNetModelOptions::from_json(old).unet.pooled_context());
+    EXPECT_FALSE(TinyUNetModelOptions::from_json(old).predict_x0);
     nlohmann::json bad = j;
     bad["unet"]["pooled_context"] = "yes";
     EXPECT_THROW(TinyUNetModelOptions::from_json(bad), Error);
+    bad = j;
+    bad["prediction"] = "eps";
+    EXPECT_THROW(TinyUNetModelOptions::from_json(bad), Error);
   }
+}
+
+// x0 prediction: the model returns the velocity of the rectified flow
+// x_t = (1 - t) x0 + t eps, whose x0 is the UNet's output: v = (x_t - x0) / t,
+// with t clamped at 0.05. For an exact x0 that is eps - x0, the target.
+TEST(TinyUNetModel, X0PredictionReturnsTheVelocityOfTheDenoisedImage) {
+  auto cfg = tiny_config("unused");
+  cfg.prediction = "x0";
+  torch::manual_seed(3);
+  TinyUNetModel model(TinyUNetModelOptions::from_config(cfg, 20));
+  {
+    torch::NoGradGuard g;
+    for (auto& p : model->parameters()) p.add_(torch::randn_like(p) * 0.05);  // conv_out is zero-initialised
+  }
+  const int64_t R = cfg.resolution;
+  const at::Tensor x_t = torch::randn({3, 3, R, R});
+  const at::Tensor t = torch::tensor({0.01f, 0.5f, 1.0f});
+  const at::Tensor tokens = torch::tensor({2, 5, 6, 2, 7, 0, 2, 0, 0}, torch::kInt64).view({3, 3});
+  torch::NoGradGuard g;
+  const at::Tensor x0 = model->denoise(x_t, t, tokens);
+  const at::Tensor expected = (x_t - x0) / torch::tensor({0.05f, 0.5f, 1.0f}).view({3, 1, 1, 1});
+  EXPECT_TRUE(torch::allclose(model->forward(x_t, t, tokens), expected, 1e-5, 1e-6));
+  // The identity behind it: with x0 exact, (x_t - x0) / t = eps - x0.
+  const at::Tensor clean = torch::rand({1, 3, R, R}), eps = torch::randn({1, 3, R, R});
+  const at::Tensor xt = 0.7 * clean + 0.3 * eps;
+  EXPECT_TRUE(torch::allclose(model->velocity(xt, torch::tensor({0.3f}), clean), eps - clean, 1e-4, 1e-5));
 }
 
 TEST(Sampling, OutputShapeAndRange) {

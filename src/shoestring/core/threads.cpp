@@ -28,8 +28,9 @@ int configure_threads(int64_t requested) {
 }
 
 void prefer_passive_omp_wait(char** argv) {
-  if (std::getenv("OMP_WAIT_POLICY") != nullptr) return;
-  if (setenv("OMP_WAIT_POLICY", "PASSIVE", 0) != 0) return;
+  const char* set = std::getenv("OMP_WAIT_POLICY");
+  if (set != nullptr && *set != '\0') return;
+  if (setenv("OMP_WAIT_POLICY", "PASSIVE", 1) != 0) return;
   execv("/proc/self/exe", argv);
   // execv returned: it failed. Carry on with libgomp's default; the variable
   // now set only affects children, which is what the user would get anyway.
@@ -37,7 +38,7 @@ void prefer_passive_omp_wait(char** argv) {
 
 const char* omp_wait_policy() {
   const char* v = std::getenv("OMP_WAIT_POLICY");
-  return v != nullptr ? v : "default (spinning)";
+  return v != nullptr && *v != '\0' ? v : "default (spinning)";
 }
 
 void configure_allocator() {

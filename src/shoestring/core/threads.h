@@ -25,7 +25,7 @@ int configure_threads(int64_t requested);
 /// main(): libgomp reads OMP_WAIT_POLICY once, when it is loaded, so when the
 /// variable is unset this sets it to PASSIVE and re-executes the running
 /// binary (/proc/self/exe) with the same `argv`. A value the user set, any
-/// value, is kept. Returns normally (without re-executing) when the variable
+/// non-empty value, is kept (libgomp ignores values it does not know). Returns normally (without re-executing) when the variable
 /// was already set or when the re-execution fails; never throws.
 /// Why: with 2 cores, libgomp's spinning workers compete with OpenBLAS's own
 /// threads and with every other process (see the measurement above).

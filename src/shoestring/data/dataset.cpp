@@ -1,6 +1,7 @@
 // In-memory image/caption datasets and the batch sampler. See dataset.h.
 #include "shoestring/data/dataset.h"
 
+#include <algorithm>
 #include <filesystem>
 #include <random>
 #include <set>
@@ -157,7 +158,8 @@ void warn_captions(const std::string& source, const std::vector<std::string>& pa
 
 }  // namespace
 
-ImageCaptionDataset ImageCaptionDataset::load_twemoji(const std::string& root, int resolution) {
+ImageCaptionDataset ImageCaptionDataset::load_twemoji(const std::string& root, int resolution,
+                                                      const std::vector<std::string>& categories) {
   const std::string json_path = (fs::path(root) / "emoji.json").string();
   nlohmann::json entries;
   try {
@@ -169,6 +171,8 @@ ImageCaptionDataset ImageCaptionDataset::load_twemoji(const std::string& root, i
   const fs::path img_dir = fs::path(root) / "img" / "twitter" / "64";
   using vt = nlohmann::json::value_t;
 
+  std::set<std::string> wanted, seen_categories;
+  for (const std::string& c : categories) wanted.insert(lowercase(c));
   std::vector<Candidate> candidates;
   for (size_t i = 0; i < entries.size(); ++i) {
     const nlohmann::json& e = entries[i];
@@ -176,6 +180,8 @@ ImageCaptionDataset ImageCaptionDataset::load_twemoji(const std::string& root, i
     if (!require(e, "has_img_twitter", vt::boolean, json_path, i).get<bool>()) continue;
     const std::string image = require(e, "image", vt::string, json_path, i).get<std::string>();
     const std::string category = require(e, "category", vt::string, json_path, i).get<std::string>();
+    seen_categories.insert(category);
+    if (!wanted.empty() && wanted.count(lowercase(category)) == 0) continue;
     const nlohmann::json& short_names = require(e, "short_names", vt::array, json_path, i);
     // A few entries of emoji-data have a null name; fall back to the short name.
     const auto name_it = e.find("name");
@@ -220,6 +226,14 @@ ImageCaptionDataset ImageCaptionDataset::load_twemoji(const std::string& root, i
         fail("{}: entry {}: skin_variations.{}.image must be a string", json_path, i, key);
       }
       add(var_image->get<std::string>(), caption_for(skin_tones_text(key)));
+    }
+  }
+  for (const std::string& c : categories) {
+    const bool known = std::any_of(seen_categories.begin(), seen_categories.end(),
+                                   [&](const std::string& s) { return lowercase(s) == lowercase(c); });
+    if (!known) {
+      fail("{}: twemoji_categories: no emoji of category \"{}\"; the file's categories are \"{}\"", json_path, c,
+           fmt::join(seen_categories, "\", \""));
     }
   }
   return decode_all(std::move(candidates), resolution, root);
@@ -283,7 +297,8 @@ ImageCaptionDataset ImageCaptionDataset::load_folder(const std::string& dir, int
   return ds;
 }
 
-ImageCaptionDataset ImageCaptionDataset::load(const std::string& path, int resolution) {
+ImageCaptionDataset ImageCaptionDataset::load(const std::string& path, int resolution,
+                                              const std::vector<std::string>& twemoji_categories) {
   std::error_code ec;
   const fs::path p(path);
   if (!fs::exists(p, ec)) {
@@ -294,7 +309,7 @@ ImageCaptionDataset ImageCaptionDataset::load(const std::string& path, int resol
         path);
   }
   if (fs::is_regular_file(p, ec) && p.filename() == "emoji.json") {
-    return load_twemoji(p.parent_path().string(), resolution);
+    return load_twemoji(p.parent_path().string(), resolution, twemoji_categories);
   }
   if (!fs::is_directory(p, ec)) {
     fail(
@@ -302,7 +317,13 @@ ImageCaptionDataset ImageCaptionDataset::load(const std::string& path, int resol
         ".txt captions)",
         path);
   }
-  if (fs::is_regular_file(p / "emoji.json", ec)) return load_twemoji(path, resolution);
+  if (fs::is_regular_file(p / "emoji.json", ec)) return load_twemoji(path, resolution, twemoji_categories);
+  if (!twemoji_categories.empty()) {
+    fail(
+        "dataset folder {}: twemoji_categories applies to the Twemoji layout (a folder with emoji.json) only; "
+        "this folder has none",
+        path);
+  }
   return load_folder(path, resolution);
 }
 

@@ -45,9 +45,13 @@ class ImageCaptionDataset {
   /// the lowercased category, joined by ", ". E.g. "grinning face, grinning,
   /// smileys & emotion"; "waving hand sign, medium skin tone, wave, people & body".
   /// Images listed but missing or corrupt are skipped (see skipped()).
+  /// `categories` (case-insensitive, e.g. "Smileys & Emotion"), when not
+  /// empty, keeps only the entries of those emoji-data categories.
   /// Throws shoestring::Error naming the file and entry/key when emoji.json is
-  /// unreadable or malformed, or when no image loads.
-  static ImageCaptionDataset load_twemoji(const std::string& root, int resolution);
+  /// unreadable or malformed, when a category of `categories` names none of
+  /// the file's (listing those), or when no image loads.
+  static ImageCaptionDataset load_twemoji(const std::string& root, int resolution,
+                                          const std::vector<std::string>& categories = {});
 
   /// kohya-ss layout: a folder searched recursively (names starting with '.'
   /// ignored, paths sorted) for images (.png .jpg .jpeg .bmp .gif .tga, any
@@ -75,8 +79,10 @@ class ImageCaptionDataset {
   /// Picks the layout: `path`/emoji.json present (or `path` is an emoji.json
   /// file) -> load_twemoji, else a folder -> load_folder. Throws
   /// shoestring::Error if `path` does not exist, with a message saying how to
-  /// fetch the emoji dataset (scripts/fetch_twemoji.sh).
-  static ImageCaptionDataset load(const std::string& path, int resolution);
+  /// fetch the emoji dataset (scripts/fetch_twemoji.sh), or if
+  /// `twemoji_categories` is not empty and `path` is not the Twemoji layout.
+  static ImageCaptionDataset load(const std::string& path, int resolution,
+                                  const std::vector<std::string>& twemoji_categories = {});
 
   /// Number of images N.
   int64_t size() const { return static_cast<int64_t>(captions_.size()); }

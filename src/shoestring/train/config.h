@@ -27,6 +27,8 @@ namespace shoestring {
 struct TrainConfig {
   // ---- data ----
   std::string train_data_dir = "${SHOESTRING_CACHE}/emoji-datasource-twitter-16.0.0";
+  /// Twemoji layout: keep only these emoji-data categories (empty: all).
+  std::vector<std::string> twemoji_categories;
   int64_t resolution = 32;            ///< pixels, square
   double caption_dropout_rate = 0.1;  ///< probability of an empty caption (for CFG)
   int64_t max_caption_length = 16;    ///< tokens incl. <bos>
@@ -50,6 +52,8 @@ struct TrainConfig {
   /// Emoji model: the caption's pooled embedding also joins the timestep
   /// embedding (models::TinyUNetOptions::pooled_context).
   bool pooled_context = true;
+  /// Emoji model: "velocity" or "x0" (TinyUNetModelOptions::predict_x0).
+  std::string prediction = "x0";
   double dropout = 0.0;
 
   // ---- objective ----
@@ -112,7 +116,7 @@ struct TrainConfig {
   std::string output_dir = "runs/emoji";
   int64_t save_every_n_steps = 0;    ///< 0: only at the end
   int64_t sample_every_n_steps = 0;  ///< 0: only at the end
-  std::vector<std::string> sample_prompts = {"grinning face", "red heart", "thumbs up", "fire"};
+  std::vector<std::string> sample_prompts = {"grinning face", "blue heart", "pile of poo", "ghost"};
   int64_t sample_seeds = 4;  ///< columns of the sample grid
   int64_t sample_steps = 30;
   double sample_cfg = 4.0;
@@ -122,8 +126,8 @@ struct TrainConfig {
   /// gradients and optimizer state live; the dataset and caches stay in host memory.
   std::string device = "auto";
   // ---- several processes (train/run.h; the launch is in dist/launch_env.h) ----
-  int64_t zero_stage = 0;    ///< 0 = data parallel; 1-3 (ZeRO) not implemented yet
-  double ddp_timeout = 120;  ///< seconds a rank waits for the others (rendezvous, each collective)
+  int64_t zero_stage = 0;  ///< 0 = data parallel; 1-3 (ZeRO) not implemented yet
+  double ddp_timeout = 2;  ///< minutes a rank waits for the others (rendezvous, each collective), as kohya
 };
 
 /// Parses a TOML config file and applies `--set key=value` overrides (the

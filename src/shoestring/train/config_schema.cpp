@@ -17,6 +17,10 @@ const std::vector<Field>& schema() {
       Field{"train_data_dir", &TrainConfig::train_data_dir,
             "dataset folder: Twemoji package (emoji.json) or kohya layout (image + .txt)"}
           .with(kResumePath),
+      Field{"twemoji_categories", &TrainConfig::twemoji_categories,
+            "Twemoji layout: train only on these emoji-data categories, matched ignoring case, e.g. [\"Smileys & "
+            "Emotion\"] (empty: all)"}
+          .with(kResumeValue),
       Field{"resolution", &TrainConfig::resolution, "training resolution in pixels (square)", 8, 1024}.with(
           kResumeValue),
       {"caption_dropout_rate", &TrainConfig::caption_dropout_rate,
@@ -50,6 +54,15 @@ const std::vector<Field>& schema() {
             "add the caption's mean embedding to the timestep embedding (GLIDE / SDXL style)"}
           .with(kResumeValue | kEmojiModelOnly),
       {"model.dropout", &TrainConfig::dropout, "dropout in ResBlocks", 0, 0.99},
+      Field{"model.prediction",
+            &TrainConfig::prediction,
+            "what the emoji UNet outputs: the flow-matching velocity, or the clean image x0 from which the "
+            "velocity (x_t - x0) / max(t, 0.05) is derived (JiT, Li & He 2025); the loss is on the velocity either "
+            "way",
+            -kInf,
+            kInf,
+            {"velocity", "x0"}}
+          .with(kResumeValue | kEmojiModelOnly),
       Field{"timestep_sampling",
             &TrainConfig::timestep_sampling,
             "flow-matching time distribution (SD3: logit_normal)",
@@ -211,10 +224,9 @@ const std::vector<Field>& schema() {
        "ranks); ZeRO stages 1-3 are not implemented yet",
        0, 3},
       {"ddp_timeout", &TrainConfig::ddp_timeout,
-       "seconds a rank waits for the others in the rendezvous and in each collective before it stops with an "
-       "error (Gloo's own default is 30 minutes; seconds as in Hugging Face Trainer, kohya's --ddp_timeout "
-       "counts minutes)",
-       1, 86400},
+       "minutes (as kohya's --ddp_timeout; fractions allowed) a rank waits for the others in the rendezvous and "
+       "in each collective before it stops with an error; Gloo's own default is 30 minutes",
+       0.1, 1440},
   };
   return fields;
 }

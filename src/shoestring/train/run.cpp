@@ -382,9 +382,9 @@ dist::LaunchEnvironment join_process_group(Run& run) {
         env.world_size, run.device.str());
   }
   if (env.rank != 0) spdlog::set_level(spdlog::level::err);
-  const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(run.config.ddp_timeout * 1000));
+  const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(run.config.ddp_timeout * 60'000));
   run.group = dist::ProcessGroup::connect(env, timeout);
-  spdlog::info("data parallel (zero_stage = 0): {} processes, {}; ddp_timeout = {} s", env.world_size,
+  spdlog::info("data parallel (zero_stage = 0): {} processes, {}; ddp_timeout = {} min", env.world_size,
                dist::describe(env), run.config.ddp_timeout);
   return env;
 }
@@ -444,7 +444,7 @@ std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions&
 
   // ---- data ----
   const std::string data_dir = expand_path(c.train_data_dir);
-  run.dataset = ImageCaptionDataset::load(data_dir, static_cast<int>(c.resolution));
+  run.dataset = ImageCaptionDataset::load(data_dir, static_cast<int>(c.resolution), c.twemoji_categories);
   if (!options.quiet) {
     spdlog::info("dataset: {} images from {} ({} skipped; captions: {} missing, {} empty)", run.dataset.size(),
                  data_dir, run.dataset.skipped().size(), run.dataset.caption_stats().missing,

@@ -40,6 +40,7 @@ TinyUNetModelOptions TinyUNetModelOptions::from_config(const TrainConfig& c, int
   o.text.layers(c.text_layers);
   o.text.heads(c.num_heads);
   o.resolution = c.resolution;
+  o.predict_x0 = c.prediction == "x0";
   return o;
 }
 
@@ -47,6 +48,7 @@ nlohmann::json TinyUNetModelOptions::to_json() const {
   return {
       {"architecture", models::kTinyUNet},
       {"resolution", resolution},
+      {"prediction", predict_x0 ? "x0" : "velocity"},
       {"unet",
        {{"in_channels", unet.in_channels()},
         {"out_channels", unet.out_channels()},
@@ -88,6 +90,15 @@ TinyUNetModelOptions TinyUNetModelOptions::from_json(const nlohmann::json& j) {
   if (!j.is_object()) fail("model_config: expected a JSON object");
   TinyUNetModelOptions o;
   o.resolution = field<int64_t>(j, "", "resolution");
+  if (o.resolution < 8 || o.resolution > 1024)
+    fail("model_config: field 'resolution' must be in [8, 1024], got {}", o.resolution);
+  // Checkpoints written before "prediction" existed predict the velocity.
+  if (j.contains("prediction")) {
+    const auto p = field<std::string>(j, "", "prediction");
+    if (p != "x0" && p != "velocity")
+      fail("model_config: field 'prediction' must be \"x0\" or \"velocity\", got \"{}\"", p);
+    o.predict_x0 = p == "x0";
+  }
   const nlohmann::json& u = j.contains("unet") ? j.at("unet") : nlohmann::json();
   const nlohmann::json& t = j.contains("text") ? j.at("text") : nlohmann::json();
   using I = int64_t;
@@ -102,6 +113,9 @@ TinyUNetModelOptions TinyUNetModelOptions::from_json(const nlohmann::json& j) {
       .context_dim(field<I>(u, "unet", "context_dim"))
       .groups(field<I>(u, "unet", "groups"))
       .dropout(field<double>(u, "unet", "dropout"));
+  if (!(o.unet.dropout() >= 0 && o.unet.dropout() < 1)) {
+    fail("model_config: field 'unet.dropout' must be in [0, 1), got {}", o.unet.dropout());
+  }
   // Checkpoints written before pooled_context existed have no such field.
   o.unet.pooled_context(u.contains("pooled_context") ? field<bool>(u, "unet", "pooled_context") : false);
   o.text.vocab_size(field<I>(t, "text", "vocab_size"))
@@ -123,6 +137,18 @@ TinyUNetModelImpl::TinyUNetModelImpl(const TinyUNetModelOptions& options) : opti
 }
 
 at::Tensor TinyUNetModelImpl::forward(const at::Tensor& x_t, const at::Tensor& t, const at::Tensor& tokens) {
+  return velocity(x_t, t, denoise(x_t, t, tokens));
+}
+
+at::Tensor TinyUNetModelImpl::velocity(const at::Tensor& x_t, const at::Tensor& t, const at::Tensor& out) const {
+  if (!options_.predict_x0) return out;
+  // Elementwise on [B, 3, H, W] in fp32, back in the UNet's output dtype; the
+  // planner's trace leaves these image-sized tensors out (kilobytes per image).
+  const at::Tensor tt = t.to(torch::kFloat32).clamp_min(TinyUNetModelOptions::kMinX0Time).view({-1, 1, 1, 1});
+  return ((x_t.to(torch::kFloat32) - out.to(torch::kFloat32)) / tt).to(out.scalar_type());
+}
+
+at::Tensor TinyUNetModelImpl::denoise(const at::Tensor& x_t, const at::Tensor& t, const at::Tensor& tokens) {
   if (!scopes_->configured()) {
     auto text = text_encoder->forward(tokens);
     auto dtype = text.hidden.scalar_type();

@@ -1,5 +1,6 @@
 // The emoji example's text-to-image model: a caption encoder trained jointly
-// with a small text-conditioned UNet that predicts the flow-matching velocity.
+// with a small text-conditioned UNet; forward() returns the flow-matching
+// velocity, predicted directly or derived from a predicted clean image (x0).
 // Parameter names are "unet.*" and "text_encoder.*".
 #pragma once
 #include <string>
@@ -20,6 +21,14 @@ struct TinyUNetModelOptions {
   models::TinyUNetOptions unet;
   models::CaptionEncoderOptions text{1};
   int64_t resolution = 32;  ///< pixels the model was trained at
+  /// The UNet outputs the clean image x0_hat and forward() returns the
+  /// velocity (x_t - x0_hat) / max(t, kMinX0Time) (x-prediction with a
+  /// velocity loss, Li & He 2025, "Back to Basics: Let Denoising Generative
+  /// Models Denoise"). At high noise the velocity is then almost x_t by
+  /// construction; a UNet predicting it directly must learn that identity
+  /// and, early in training, lets the noise through into the samples.
+  bool predict_x0 = false;
+  static constexpr double kMinX0Time = 0.05;
 
   static TinyUNetModelOptions from_config(const TrainConfig& config, int64_t vocab_size);
   nlohmann::json to_json() const;
@@ -40,6 +49,13 @@ class TinyUNetModelImpl : public torch::nn::Module {
  public:
   explicit TinyUNetModelImpl(const TinyUNetModelOptions& options);
   at::Tensor forward(const at::Tensor& x_t, const at::Tensor& t, const at::Tensor& tokens);
+  /// The UNet's own output for the same inputs: the velocity, or x0_hat with
+  /// options().predict_x0.
+  at::Tensor denoise(const at::Tensor& x_t, const at::Tensor& t, const at::Tensor& tokens);
+  /// The velocity from the UNet's output `out` [B, 3, H, W]: `out` itself, or
+  /// (x_t - out) / max(t, kMinX0Time) with predict_x0 (computed in fp32,
+  /// returned in out's dtype). t: [B] in [0, 1].
+  at::Tensor velocity(const at::Tensor& x_t, const at::Tensor& t, const at::Tensor& out) const;
   const TinyUNetModelOptions& options() const { return options_; }
   /// Every block table of the model: the two scopes, then the UNet's and the
   /// encoder's blocks (for precision::resolve / apply / OverflowMonitor).
