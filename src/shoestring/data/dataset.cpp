@@ -228,10 +228,10 @@ ImageCaptionDataset ImageCaptionDataset::load_twemoji(const std::string& root, i
       add(var_image->get<std::string>(), caption_for(skin_tones_text(key)));
     }
   }
+  std::set<std::string> seen_lowercase;
+  for (const std::string& c : seen_categories) seen_lowercase.insert(lowercase(c));
   for (const std::string& c : categories) {
-    const bool known = std::any_of(seen_categories.begin(), seen_categories.end(),
-                                   [&](const std::string& s) { return lowercase(s) == lowercase(c); });
-    if (!known) {
+    if (seen_lowercase.count(lowercase(c)) == 0) {
       fail("{}: twemoji_categories: no emoji of category \"{}\"; the file's categories are \"{}\"", json_path, c,
            fmt::join(seen_categories, "\", \""));
     }

@@ -175,6 +175,20 @@ std::string hint_for(std::chrono::milliseconds timeout) {
       "another rank exited, stopped, or issued different collectives (they wait at most ddp_timeout = {})",
       seconds_text(timeout));
 }
+
+/// Issues one rooted collective per rank r on chunk r (`n` elements) of the
+/// flat tensor `flat`, all in flight together, and waits for them: the
+/// reduce-scatter (per-chunk reduce) and all-gather (per-rank broadcast) that
+/// Debian 1.13 Gloo lacks. `op(v, root)` issues the collective on v = {chunk}.
+void for_each_root_chunk(const std::string& what, const std::string& hint, const at::Tensor& flat, int64_t n, int size,
+                         const std::function<c10::intrusive_ptr<c10d::Work>(std::vector<at::Tensor>&, int)>& op) {
+  std::vector<PendingCollective> pending;
+  for (int root = 0; root < size; ++root) {
+    std::vector<at::Tensor> v{flat.narrow(0, root * n, n)};
+    pending.push_back(start(what, hint, [&] { return op(v, root); }));
+  }
+  for (auto& p : pending) p.wait();
+}
 }  // namespace
 
 PendingCollective ProcessGroup::all_reduce_sum_async(const at::Tensor& tensor) {
@@ -235,17 +249,11 @@ at::Tensor ProcessGroup::reduce_scatter_sum(const at::Tensor& input) {
   // Gloo's reduce may use every rank's buffer as scratch: work on an fp32 copy.
   at::Tensor work = input.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true).contiguous();
   const int64_t n = input.numel() / size_;
-  std::vector<PendingCollective> pending;
-  for (int root = 0; root < size_; ++root) {
-    at::Tensor chunk = work.narrow(0, root * n, n);
-    pending.push_back(start(what, hint_for(timeout_), [&] {
-      std::vector<at::Tensor> v{chunk};
-      c10d::ReduceOptions o;
-      o.rootRank = root;
-      return impl_->group->reduce(v, o);
-    }));
-  }
-  for (auto& p : pending) p.wait();
+  for_each_root_chunk(what, hint_for(timeout_), work, n, size_, [&](std::vector<at::Tensor>& v, int root) {
+    c10d::ReduceOptions o;
+    o.rootRank = root;
+    return impl_->group->reduce(v, o);
+  });
   return work.narrow(0, rank_ * n, n).clone();
 }
 
@@ -258,17 +266,11 @@ at::Tensor ProcessGroup::all_gather(const at::Tensor& input) {
   at::Tensor wire = out;
   if (out.scalar_type() == at::kBFloat16) wire = out.view(at::kHalf);
   if (out.scalar_type() == at::kBool || out.scalar_type() == at::kShort) wire = out.view(at::kByte);
-  std::vector<PendingCollective> pending;
-  for (int root = 0; root < size_; ++root) {
-    at::Tensor chunk = wire.narrow(0, root * n, n);
-    pending.push_back(start(what, hint_for(timeout_), [&] {
-      std::vector<at::Tensor> v{chunk};
-      c10d::BroadcastOptions o;
-      o.rootRank = root;
-      return impl_->group->broadcast(v, o);
-    }));
-  }
-  for (auto& p : pending) p.wait();
+  for_each_root_chunk(what, hint_for(timeout_), wire, n, size_, [&](std::vector<at::Tensor>& v, int root) {
+    c10d::BroadcastOptions o;
+    o.rootRank = root;
+    return impl_->group->broadcast(v, o);
+  });
   return out;
 }
 
