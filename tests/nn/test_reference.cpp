@@ -28,6 +28,15 @@ TEST(NnReference, ResBlockMatchesPyTorch) {
   expect_close(block->forward(ref.at("input.x"), ref.at("input.temb")), ref.at("output"));
 }
 
+TEST(NnReference, ScaleShiftResBlockMatchesGuidedDiffusionFormula) {
+  auto ref = load_reference("resblock_scale_shift");
+  nn::ResBlock block(nn::ResBlockOptions(8, 16, 12).groups(4).scale_shift(true));
+  ASSERT_EQ(block->time_emb_proj->weight.size(0), 32);  // [scale, shift]
+  load_params(*block, ref);
+  torch::NoGradGuard no_grad;
+  expect_close(block->forward(ref.at("input.x"), ref.at("input.temb")), ref.at("output"));
+}
+
 TEST(NnReference, GroupedQueryAttentionWithMaskMatchesPyTorch) {
   auto ref = load_reference("attention_gqa");
   nn::Attention attn(nn::AttentionOptions(16, 4, 4).context_dim(12).num_kv_heads(2));

@@ -32,11 +32,13 @@ double rel_error(int64_t predicted, int64_t measured) {
 
 TEST(MemoryPlan, ParameterCountMatchesTheBuiltModel) {
   for (const char* base : {"model.base_channels=32", "model.base_channels=64"}) {
-    TrainConfig c = emoji_config({base});
-    TinyUNetModel model(TinyUNetModelOptions::from_config(c, 300));
-    int64_t n = 0;
-    for (const auto& p : model->parameters()) n += p.numel();
-    EXPECT_EQ(plan::plan_memory(c, 300).parameters, n) << base;
+    for (const char* ss : {"model.scale_shift_norm=false", "model.scale_shift_norm=true"}) {
+      TrainConfig c = emoji_config({base, ss});
+      TinyUNetModel model(TinyUNetModelOptions::from_config(c, 300));
+      int64_t n = 0;
+      for (const auto& p : model->parameters()) n += p.numel();
+      EXPECT_EQ(plan::plan_memory(c, 300).parameters, n) << base << " " << ss;
+    }
   }
 }
 
@@ -101,11 +103,12 @@ TEST(MemoryPlan, PredictsMeasuredPeakWithin10Percent) {
     grid.push_back({opt, 8, 16, false, true, {}});
     grid.push_back({opt, 2, 32, true, true, {}});
   }
-  // Beyond the emoji defaults: fp32 weights, offloaded state, chunked attention.
+  // Beyond the emoji defaults: fp32 weights, offloaded state, chunked attention, additive time embedding.
   grid.push_back({"AdamW", 4, 32, false, false, {"full_bf16=false"}});
   grid.push_back({"AdamW", 2, 32, true, true, {"full_bf16=false"}});
   grid.push_back({"AdamW", 4, 32, false, false, {"offload_optimizer_state=true"}});
   grid.push_back({"AdamW8bit", 4, 32, false, false, {"attention_chunk_mib=1"}});
+  grid.push_back({"AdamW", 4, 32, false, false, {"model.scale_shift_norm=false"}});
   for (const Case& k : grid) {
     std::vector<std::string> sets = {"model.base_channels=32", "num_threads=1"};
     sets.insert(sets.end(), k.sets.begin(), k.sets.end());

@@ -269,22 +269,27 @@ TEST(Checkpoint, SaveLoadIsBitExact) {
 }
 
 // model_config in checkpoint metadata: every field round-trips; files written
-// before model.pooled_context and model.prediction existed (no such fields)
-// rebuild as they were trained: no pooled context, velocity prediction.
+// before model.pooled_context, model.scale_shift_norm and model.prediction
+// existed (no such fields) rebuild as they were trained: no pooled context,
+// additive time embedding, velocity prediction.
 TEST(Checkpoint, ModelConfigRoundTripsAndOldFilesKeepTheirModel) {
   auto cfg = tiny_config("unused");
   for (bool on : {false, true}) {
     cfg.pooled_context = on;
+    cfg.scale_shift_norm = on;
     cfg.prediction = on ? "x0" : "velocity";
     const TinyUNetModelOptions o = TinyUNetModelOptions::from_config(cfg, 20);
     EXPECT_EQ(o.unet.pooled_context(), on);
+    EXPECT_EQ(o.unet.scale_shift_norm(), on);
     EXPECT_EQ(o.predict_x0, on);
     const nlohmann::json j = o.to_json();
     EXPECT_EQ(TinyUNetModelOptions::from_json(j).to_json(), j);
     nlohmann::json old = j;
     old["unet"].erase("pooled_context");
+    old["unet"].erase("scale_shift_norm");
     old.erase("prediction");
     EXPECT_FALSE(TinyUNetModelOptions::from_json(old).unet.pooled_context());
+    EXPECT_FALSE(TinyUNetModelOptions::from_json(old).unet.scale_shift_norm());
     EXPECT_FALSE(TinyUNetModelOptions::from_json(old).predict_x0);
     nlohmann::json bad = j;
     bad["unet"]["pooled_context"] = "yes";

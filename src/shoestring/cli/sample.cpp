@@ -8,33 +8,15 @@
 #include <torch/torch.h>
 
 #include "shoestring/cli/commands.h"
-#include "shoestring/core/cpu_features.h"
 #include "shoestring/core/device.h"
 #include "shoestring/core/error.h"
 #include "shoestring/core/threads.h"
-#include "shoestring/data/tokenizer.h"
-#include "shoestring/io/safetensors.h"
-#include "shoestring/models/architecture.h"
-#include "shoestring/precision/compute_choice.h"
-#include "shoestring/train/checkpoint_io.h"
 #include "shoestring/train/sampling.h"
 #include "shoestring/train/tiny_unet_model.h"
 
 namespace shoestring::cli {
 
 namespace {
-nlohmann::json metadata_json(const SafetensorsFile& file, const std::string& key) {
-  auto it = file.metadata().find(key);
-  if (it == file.metadata().end()) {
-    fail("{}: not a shoestring model checkpoint (metadata '{}' is missing)", file.path(), key);
-  }
-  try {
-    return nlohmann::json::parse(it->second);
-  } catch (const nlohmann::json::exception& e) {
-    fail("{}: metadata '{}' is not valid JSON: {}", file.path(), key, e.what());
-  }
-}
-
 /// CLI11 check for a floating option: NaN and inf are refused (NaN passes
 /// CLI::Range, as every comparison with it is false).
 CLI::Validator finite_number() {
@@ -87,38 +69,13 @@ void register_sample(CLI::App& app) {
     if (fs::is_directory(out)) fail("--out '{}' is a directory, expected a .png file path", args->out);
     if (out.extension() != ".png") fail("--out '{}': the output is a PNG; use a .png file name", args->out);
     configure_threads(0);
-    auto file = SafetensorsFile::open(args->checkpoint);
-    auto arch = file.metadata().find("architecture");
-    if (arch != file.metadata().end() && arch->second != models::kTinyUNet) {
-      fail(
-          "{}: a {} checkpoint; `shoestring sample` draws from the emoji example's tiny-unet only — for {} the "
-          "trainer writes sample grids during training (sample_prompts, sample_every_n_steps), and the file loads "
-          "in ComfyUI / A1111 as it is",
-          file.path(), arch->second, arch->second);
-    }
-    auto options = TinyUNetModelOptions::from_json(metadata_json(file, "model_config"));
-    auto tokenizer = WordTokenizer::from_json(metadata_json(file, "tokenizer"));
-    TinyUNetModel model(options);
-    std::map<std::string, at::Tensor> tensors;
-    for (const auto& info : file.tensors()) tensors[info.name] = file.get(info.name);
-    // A bf16 checkpoint samples in bf16 where bf16 math is fast, and in fp32
-    // on a CPU without bf16 units (the bf16 values are exact in fp32): the
-    // choice precision.bf16_compute = "auto" makes in training, so this grid
-    // is computed as the run's own grids were.
-    const bool bf16_file = !tensors.empty() && tensors.begin()->second.scalar_type() == torch::kBFloat16;
-    const bool slow_bf16 = device.is_cpu() && precision::choose_bf16_compute(precision::Bf16Compute::automatic,
-                                                                             precision::cpu_hardware(cpu_features()))
-                                                  .has_value();
-    if (bf16_file && !slow_bf16) model->to(torch::kBFloat16);
-    // Refuses NaN / inf weights by name (sampling from them gives a blank grid).
-    load_module(*model, tensors, file.path());
-    model->to(device);
+    TinyUNetCheckpoint loaded = load_tiny_unet_checkpoint(args->checkpoint, device);
     SampleRequest req;
     req.prompts = args->prompts;
     for (int64_t i = 0; i < args->count; ++i) req.seeds.push_back(static_cast<uint64_t>(args->seed + i));
     req.steps = args->steps;
     req.cfg = args->cfg;
-    at::Tensor images = generate_images(model, tokenizer, req);
+    at::Tensor images = generate_images(loaded.model, loaded.tokenizer, req);
     save_sample_grid(args->out, images, req);
     spdlog::info("wrote {} ({} prompts x {} seeds)", args->out, req.prompts.size(), req.seeds.size());
   });

@@ -21,7 +21,11 @@ nn::TransformerOptions transformer_options(const TinyUNetOptions& o, int64_t cha
 }
 
 nn::ResBlock make_res(const TinyUNetOptions& o, int64_t in, int64_t out, int64_t temb_dim) {
-  return nn::ResBlock(nn::ResBlockOptions(in, out, temb_dim).groups(o.groups()).dropout(o.dropout()).init(o.init()));
+  return nn::ResBlock(nn::ResBlockOptions(in, out, temb_dim)
+                          .groups(o.groups())
+                          .dropout(o.dropout())
+                          .scale_shift(o.scale_shift_norm())
+                          .init(o.init()));
 }
 
 nn::Conv2d conv3x3(const TinyUNetOptions& o, int64_t in, int64_t out, int64_t stride = 1) {

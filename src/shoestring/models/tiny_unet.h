@@ -58,6 +58,10 @@ struct TinyUNetOptions {
   /// embedding and SDXL adds its pooled text embedding to the time embedding.
   /// Cross-attention stays; this path is learned in far fewer steps.
   TORCH_ARG(bool, pooled_context) = false;
+  /// ResBlocks condition by scale and shift of their second GroupNorm
+  /// (nn::ResBlockOptions::scale_shift, ADM's use_scale_shift_norm) instead
+  /// of adding the embedding; time_emb_proj is then 2x wider.
+  TORCH_ARG(bool, scale_shift_norm) = false;
   /// Upper bound on GroupNorm groups.
   TORCH_ARG(int64_t, groups) = 32;
   TORCH_ARG(double, dropout) = 0.0;

@@ -80,8 +80,9 @@ Sym tiny_unet(nn::MemoryTracer& t, const TinyUNetImpl& unet, const Sym& x_in, co
   // run_res / run_attn: each ResBlock and each SpatialTransformer is a block.
   const bool legacy_ckpt = p.checkpoint;
   auto res = [&](const torch::nn::Module* m, const Sym& x, int64_t out) {
-    return t.block1(m, {x, temb}, legacy_ckpt,
-                    [&](const std::vector<Sym>& in) { return t.res_block(in[0], out, in[1], groups); });
+    return t.block1(m, {x, temb}, legacy_ckpt, [&](const std::vector<Sym>& in) {
+      return t.res_block(in[0], out, in[1], groups, u.scale_shift_norm());
+    });
   };
   auto attn = [&](const torch::nn::Module* m, const Sym& x) {
     const int64_t C = x.shape[1];

@@ -48,7 +48,7 @@ struct TracePrecision {
   /// fp16 weights with fp32 compute), which the ops save for the input's
   /// gradient; matmul inputs of another dtype are cast too.
   bool autocast = false;
-  int param_elem = 4;    ///< bytes per weight element (2: bf16 / fp16 / fp8 storage)
+  int param_elem = 4;  ///< bytes per weight element (2: bf16 / fp16 / fp8 storage)
   /// Frozen weights stored as fp8 bytes (nn/fp8_storage.h): each matmul
   /// decodes its weight into a scratch copy that lives only while the op (or
   /// its backward) runs; nothing decoded is saved for backward.
@@ -185,8 +185,9 @@ class MemoryTracer {
 
   // ---- blocks (memory_trace_layers.cpp) ----
   /// nn::ResBlock: GroupNorm, SiLU, 3x3 conv, + Linear(SiLU(temb)), GroupNorm,
-  /// SiLU, 3x3 conv, + (1x1 conv) shortcut. `max_groups` as ResBlockOptions::groups.
-  Sym res_block(const Sym& x, int64_t out, const Sym& temb, int64_t max_groups);
+  /// SiLU, 3x3 conv, + (1x1 conv) shortcut. `max_groups` as ResBlockOptions::groups;
+  /// `scale_shift` as ResBlockOptions::scale_shift (norm2(h) * (1 + scale) + shift).
+  Sym res_block(const Sym& x, int64_t out, const Sym& temb, int64_t max_groups, bool scale_shift = false);
   Sym feed_forward_gelu(const Sym& x, int64_t mult);
   Sym feed_forward_geglu(const Sym& x, int64_t mult = 4);
   /// softmax(q k^T) v on heads: q4 [B, Hkv, R, d] (R = query rows of all

@@ -8,15 +8,24 @@
 
 namespace shoestring::nn {
 
-Sym MemoryTracer::res_block(const Sym& x, int64_t out, const Sym& temb, int64_t max_groups) {
+Sym MemoryTracer::res_block(const Sym& x, int64_t out, const Sym& temb, int64_t max_groups, bool scale_shift) {
   const int64_t cin = x.shape[1];
   Sym h = group_norm(x, cin, norm_groups(cin, max_groups));
   h = unary(h, "silu");
   h = conv(h, out, 3, 1);
   Sym te = unary(temb, "silu");
-  te = linear(te, out, true);
-  h = add(h, te, "add temb");
-  h = group_norm(h, out, norm_groups(out, max_groups));
+  if (scale_shift) {
+    te = linear(te, 2 * out, true);
+    const std::vector<int64_t> half = {te.shape[0], out};
+    const std::vector<Sym> parts = split(te, {half, half});
+    h = group_norm(h, out, norm_groups(out, max_groups));
+    h = mul(h, scalar_op(parts[0], "1 + scale"));
+    h = add_bcast(h, parts[1], "shift");
+  } else {
+    te = linear(te, out, true);
+    h = add(h, te, "add temb");
+    h = group_norm(h, out, norm_groups(out, max_groups));
+  }
   h = unary(h, "silu");
   h = conv(h, out, 3, 1);
   Sym sc = cin != out ? conv(x, out, 1, 1) : x;

@@ -39,7 +39,9 @@ ResBlockImpl::ResBlockImpl(const ResBlockOptions& options) : options_(options) {
   const int64_t in = o.in_channels(), out = o.out_channels();
   norm1 = register_at(*this, n.norm1, GroupNorm(norm_groups(in, o.groups()), in, o.eps(), true, init));
   conv1 = register_at(*this, n.conv1, Conv2d(in, out, 3, 1, 1, true, init));
-  if (o.temb_dim() > 0) time_emb_proj = register_at(*this, n.temb, Linear(o.temb_dim(), out, true, init));
+  if (o.temb_dim() > 0) {
+    time_emb_proj = register_at(*this, n.temb, Linear(o.temb_dim(), o.scale_shift() ? 2 * out : out, true, init));
+  }
   norm2 = register_at(*this, n.norm2, GroupNorm(norm_groups(out, o.groups()), out, o.eps(), true, init));
   dropout = register_at(*this, n.dropout, torch::nn::Dropout(o.dropout()));
   conv2 = register_at(*this, n.conv2, Conv2d(out, out, 3, 1, 1, true, init));
@@ -62,7 +64,13 @@ torch::Tensor ResBlockImpl::forward(const torch::Tensor& x, const torch::Tensor&
     if (!temb.defined() || temb.dim() != 2 || temb.size(0) != x.size(0) || temb.size(1) != o.temb_dim()) {
       fail("ResBlock: temb must be [{}, {}]", x.size(0), o.temb_dim());
     }
-    h = h + time_emb_proj->forward(torch::silu(temb)).unsqueeze(-1).unsqueeze(-1);
+    const torch::Tensor emb = time_emb_proj->forward(torch::silu(temb)).unsqueeze(-1).unsqueeze(-1);
+    if (o.scale_shift()) {
+      const auto scale_shift = emb.chunk(2, 1);
+      h = norm2->forward(h) * (1 + scale_shift[0]) + scale_shift[1];
+      return (conv_shortcut ? conv_shortcut->forward(x) : x) + conv2->forward(dropout->forward(torch::silu(h)));
+    }
+    h = h + emb;
   }
   h = conv2->forward(dropout->forward(torch::silu(norm2->forward(h))));
   return (conv_shortcut ? conv_shortcut->forward(x) : x) + h;

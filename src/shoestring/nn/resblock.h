@@ -37,6 +37,11 @@ struct ResBlockOptions {
   TORCH_ARG(double, eps) = 1e-5;
   /// Zero-initialise conv2 so the block starts as the identity (LDM's `zero_module`).
   TORCH_ARG(bool, zero_init_out) = true;
+  /// Condition by scale and shift of norm2 instead of adding to conv1's
+  /// output ("adaptive group normalization", ADM's use_scale_shift_norm,
+  /// Dhariwal & Nichol 2021): time_emb_proj gives [scale, shift] (2 x
+  /// out_channels) and h = norm2(h) * (1 + scale) + shift.
+  TORCH_ARG(bool, scale_shift) = false;
   /// Key names (see KeyLayout): kShoestring norm1, conv1, time_emb_proj, norm2,
   /// conv2, conv_shortcut; kLdm in_layers.0, in_layers.2, emb_layers.1,
   /// out_layers.0, out_layers.3, skip_connection; kLdmAutoencoder norm1, conv1,

@@ -31,7 +31,11 @@ struct TrainConfig {
   std::vector<std::string> twemoji_categories;
   int64_t resolution = 32;            ///< pixels, square
   double caption_dropout_rate = 0.1;  ///< probability of an empty caption (for CFG)
-  int64_t max_caption_length = 16;    ///< tokens incl. <bos>
+  // kohya's tag options (data/caption_processing.h); tiny-unet only.
+  bool shuffle_caption = false;           ///< shuffle the tags after the first keep_tokens
+  int64_t keep_tokens = 0;                ///< leading tags never shuffled or dropped
+  double caption_tag_dropout_rate = 0.0;  ///< probability of dropping each other tag
+  int64_t max_caption_length = 16;        ///< tokens incl. <bos>
 
   // ---- model ----
   /// A registered denoiser architecture (models/architecture.h,
@@ -52,6 +56,8 @@ struct TrainConfig {
   /// Emoji model: the caption's pooled embedding also joins the timestep
   /// embedding (models::TinyUNetOptions::pooled_context).
   bool pooled_context = true;
+  /// ResBlocks condition by GroupNorm scale and shift (models::TinyUNetOptions::scale_shift_norm).
+  bool scale_shift_norm = true;
   /// Emoji model: "velocity" or "x0" (TinyUNetModelOptions::predict_x0).
   std::string prediction = "x0";
   double dropout = 0.0;

@@ -25,6 +25,17 @@ const std::vector<Field>& schema() {
           kResumeValue),
       {"caption_dropout_rate", &TrainConfig::caption_dropout_rate,
        "probability of training on an empty caption (classifier-free guidance)", 0, 1},
+      {"shuffle_caption", &TrainConfig::shuffle_caption,
+       "shuffle a caption's comma-separated tags, after the first keep_tokens, each time it is drawn (kohya's "
+       "option; emoji model only: the released models cache text-encoder outputs)"},
+      {"keep_tokens", &TrainConfig::keep_tokens,
+       "leading comma-separated tags that shuffle_caption and caption_tag_dropout_rate leave in place (kohya's "
+       "count of tags)",
+       0, 1000},
+      {"caption_tag_dropout_rate", &TrainConfig::caption_tag_dropout_rate,
+       "probability of dropping each tag after the first keep_tokens each time a caption is drawn (kohya's option; "
+       "emoji model only)",
+       0, 1},
       Field{"max_caption_length", &TrainConfig::max_caption_length, "caption tokens incl. <bos>", 2, 512}.with(
           kResumeValue),
       Field{"model.architecture", &TrainConfig::architecture,
@@ -52,6 +63,10 @@ const std::vector<Field>& schema() {
           kResumeValue | kEmojiModelOnly),
       Field{"model.pooled_context", &TrainConfig::pooled_context,
             "add the caption's mean embedding to the timestep embedding (GLIDE / SDXL style)"}
+          .with(kResumeValue | kEmojiModelOnly),
+      Field{"model.scale_shift_norm", &TrainConfig::scale_shift_norm,
+            "ResBlocks take the time and caption embedding as scale and shift of their second GroupNorm (ADM's "
+            "adaptive group normalization) instead of adding it"}
           .with(kResumeValue | kEmojiModelOnly),
       {"model.dropout", &TrainConfig::dropout, "dropout in ResBlocks", 0, 0.99},
       Field{"model.prediction",

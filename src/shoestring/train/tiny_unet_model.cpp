@@ -8,12 +8,15 @@
 
 #include <torch/torch.h>
 
+#include "shoestring/core/cpu_features.h"
 #include "shoestring/core/error.h"
 #include "shoestring/core/memory_ledger.h"
+#include "shoestring/data/caption_processing.h"
 #include "shoestring/data/dataset.h"
 #include "shoestring/data/tokenizer.h"
 #include "shoestring/io/safetensors.h"
 #include "shoestring/models/architecture.h"
+#include "shoestring/precision/compute_choice.h"
 #include "shoestring/precision/save_guard.h"
 #include "shoestring/train/checkpoint_io.h"
 #include "shoestring/train/config.h"
@@ -34,6 +37,7 @@ TinyUNetModelOptions TinyUNetModelOptions::from_config(const TrainConfig& c, int
   o.unet.groups(c.norm_groups);
   o.unet.dropout(c.dropout);
   o.unet.pooled_context(c.pooled_context);
+  o.unet.scale_shift_norm(c.scale_shift_norm);
   o.text.vocab_size(vocab_size);
   o.text.max_length(c.max_caption_length);
   o.text.dim(c.text_dim);
@@ -60,7 +64,8 @@ nlohmann::json TinyUNetModelOptions::to_json() const {
         {"context_dim", unet.context_dim()},
         {"groups", unet.groups()},
         {"dropout", unet.dropout()},
-        {"pooled_context", unet.pooled_context()}}},
+        {"pooled_context", unet.pooled_context()},
+        {"scale_shift_norm", unet.scale_shift_norm()}}},
       {"text",
        {{"vocab_size", text.vocab_size()},
         {"max_length", text.max_length()},
@@ -118,6 +123,7 @@ TinyUNetModelOptions TinyUNetModelOptions::from_json(const nlohmann::json& j) {
   }
   // Checkpoints written before pooled_context existed have no such field.
   o.unet.pooled_context(u.contains("pooled_context") ? field<bool>(u, "unet", "pooled_context") : false);
+  o.unet.scale_shift_norm(u.contains("scale_shift_norm") ? field<bool>(u, "unet", "scale_shift_norm") : false);
   o.text.vocab_size(field<I>(t, "text", "vocab_size"))
       .max_length(field<I>(t, "text", "max_length"))
       .dim(field<I>(t, "text", "dim"))
@@ -212,12 +218,12 @@ class TinyUNetTrainingModel final : public TrainingModel {
 
   TrainBatch prepare(const std::vector<int64_t>& idx) override {
     at::Tensor x0 = dataset_.batch_images(idx);
-    std::vector<std::string> captions = dataset_.batch_captions(idx);
-    at::Tensor drop = torch::rand({static_cast<int64_t>(captions.size())});
-    for (size_t i = 0; i < captions.size(); ++i) {
-      if (drop[static_cast<int64_t>(i)].item<double>() < config_.caption_dropout_rate) captions[i].clear();
-    }
-    at::Tensor tokens = tokenizer_.encode_batch(captions);
+    CaptionProcessing processing;
+    processing.dropout_rate = config_.caption_dropout_rate;
+    processing.shuffle = config_.shuffle_caption;
+    processing.keep_tokens = config_.keep_tokens;
+    processing.tag_dropout_rate = config_.caption_tag_dropout_rate;
+    at::Tensor tokens = tokenizer_.encode_batch(process_captions(dataset_.batch_captions(idx), processing));
     at::Tensor eps = torch::randn_like(x0);
     at::Tensor t = sample_flow_times(x0.size(0), config_.timestep_sampling, config_.logit_mean, config_.logit_std);
     return {{flow_interpolate(x0, eps, t), t, tokens}, flow_target(x0, eps)};
@@ -261,6 +267,46 @@ std::unique_ptr<TrainingModel> make_tiny_unet_training_model(const TrainConfig& 
                                                              const ImageCaptionDataset& dataset,
                                                              const ModelSource& source) {
   return std::make_unique<TinyUNetTrainingModel>(config, dataset, source);
+}
+
+namespace {
+nlohmann::json metadata_json(const SafetensorsFile& file, const std::string& key) {
+  auto it = file.metadata().find(key);
+  if (it == file.metadata().end()) {
+    fail("{}: not a shoestring model checkpoint (metadata '{}' is missing)", file.path(), key);
+  }
+  try {
+    return nlohmann::json::parse(it->second);
+  } catch (const nlohmann::json::exception& e) {
+    fail("{}: metadata '{}' is not valid JSON: {}", file.path(), key, e.what());
+  }
+}
+}  // namespace
+
+TinyUNetCheckpoint load_tiny_unet_checkpoint(const std::string& path, at::Device device) {
+  auto file = SafetensorsFile::open(path);
+  auto arch = file.metadata().find("architecture");
+  if (arch != file.metadata().end() && arch->second != models::kTinyUNet) {
+    fail(
+        "{}: a {} checkpoint; `shoestring sample` draws from the emoji example's tiny-unet only — for {} the "
+        "trainer writes sample grids during training (sample_prompts, sample_every_n_steps), and the file loads "
+        "in ComfyUI / A1111 as it is",
+        file.path(), arch->second, arch->second);
+  }
+  TinyUNetCheckpoint out;
+  out.tokenizer = WordTokenizer::from_json(metadata_json(file, "tokenizer"));
+  out.model = TinyUNetModel(TinyUNetModelOptions::from_json(metadata_json(file, "model_config")));
+  std::map<std::string, at::Tensor> tensors;
+  for (const auto& info : file.tensors()) tensors[info.name] = file.get(info.name);
+  const bool bf16_file = !tensors.empty() && tensors.begin()->second.scalar_type() == torch::kBFloat16;
+  const bool slow_bf16 = device.is_cpu() && precision::choose_bf16_compute(precision::Bf16Compute::automatic,
+                                                                           precision::cpu_hardware(cpu_features()))
+                                                .has_value();
+  if (bf16_file && !slow_bf16) out.model->to(torch::kBFloat16);
+  // Refuses NaN / inf weights by name (sampling from them gives a blank grid).
+  load_module(*out.model, tensors, file.path());
+  out.model->to(device);
+  return out;
 }
 
 }  // namespace shoestring

@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 #include <torch/nn/module.h>
 
+#include "shoestring/data/tokenizer.h"
 #include "shoestring/models/caption_encoder.h"
 #include "shoestring/models/tiny_unet.h"
 
@@ -70,5 +71,23 @@ class TinyUNetModelImpl : public torch::nn::Module {
   std::shared_ptr<nn::BlockTable> scopes_ = std::make_shared<nn::BlockTable>();
 };
 TORCH_MODULE(TinyUNetModel);
+
+/// A trained emoji-example model read back from its final file or a
+/// checkpoint: the model (eval-ready, on the requested device) and the
+/// tokenizer it was trained with.
+struct TinyUNetCheckpoint {
+  TinyUNetModel model{nullptr};
+  WordTokenizer tokenizer = WordTokenizer::build({}, 2);
+};
+
+/// Loads a tiny-unet .safetensors written by `shoestring train` (metadata
+/// "model_config" and "tokenizer"). A bf16 file computes in bf16 where bf16
+/// math is fast and in fp32 on a CPU without bf16 units (the values are exact
+/// in fp32), the choice precision.bf16_compute = "auto" makes in training.
+/// Throws shoestring::Error naming the file when it is not a tiny-unet
+/// checkpoint (another architecture: says how that one is sampled), when the
+/// metadata is missing or not JSON, or when a tensor is missing, misshapen or
+/// not finite.
+TinyUNetCheckpoint load_tiny_unet_checkpoint(const std::string& path, at::Device device);
 
 }  // namespace shoestring

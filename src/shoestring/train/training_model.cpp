@@ -29,6 +29,12 @@ void warn_ignored_keys(const TrainConfig& c) {
 
 void check_training_config(const TrainConfig& config) {
   const models::Architecture& a = models::find_architecture(config.architecture);
+  if (a.family != models::Family::tiny_unet && (config.shuffle_caption || config.caption_tag_dropout_rate > 0)) {
+    fail(
+        "{}: model.architecture = \"{}\" encodes each caption once and caches the text-encoder output, so it "
+        "cannot change captions per step; remove it (kohya refuses it with cached text-encoder outputs too)",
+        config.shuffle_caption ? "shuffle_caption" : "caption_tag_dropout_rate", config.architecture);
+  }
   if (a.family == models::Family::tiny_unet) {
     if (config.tiny) fail("model.tiny applies to released architectures; tiny-unet is sized by model.base_channels");
   } else if (!a.trainable_from_config) {
