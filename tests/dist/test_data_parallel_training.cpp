@@ -2,13 +2,12 @@
 // the emoji example's tiny UNet to the same losses and weights as one
 // process with batch 2b; rank 0 alone writes the run folder; a rank that
 // dies mid-run stops the other with an error naming the collective.
-#include <torch/serialize.h>
-
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include "../train/train_testing.h"
 #include "dist_testing.h"
+#include "dist_training_testing.h"
 #include "shoestring/core/error.h"
 #include "shoestring/io/safetensors.h"
 #include "shoestring/train/config.h"
@@ -27,78 +26,14 @@ using shoestring::testing::write_text;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
 
-constexpr int64_t kSteps = 4;
-
-/// The tiny emoji run with `batch` images per rank; clipping off (the norm
-/// is the same on every rank either way, but tests compare the update).
-TrainConfig ddp_config(const std::string& out, int64_t batch) {
-  TrainConfig c = shoestring::testing::tiny_emoji_config(out);
-  c.train_batch_size = batch;
-  c.max_train_steps = kSteps;
-  c.save_every_n_steps = 2;
-  c.ddp_timeout = 1;  // minute
-  return c;
-}
-
-/// What a run leaves for the comparison: losses per step, final trainable weights.
-struct Trajectory {
-  std::vector<double> losses;
-  std::vector<at::Tensor> weights;
-  double activation_peak = 0;  ///< the first step's peak activation bytes (proportional to the rows trained)
-};
-
-Trajectory train_and_record(const TrainConfig& c, int64_t die_at_step = 0) {
-  Trajectory t;
-  torch::nn::Module* model = nullptr;
-  TrainRunOptions o = shoestring::testing::quiet();
-  o.on_model_ready = [&](torch::nn::Module& m) { model = &m; };
-  o.on_step = [&](const nlohmann::json& rec) {
-    t.losses.push_back(rec["loss"].get<double>());
-    const int64_t step = rec["step"].get<int64_t>();
-    if (step == 1) t.activation_peak = rec["peak_activations_bytes"].get<double>();
-    if (step == die_at_step) ::_exit(3);
-    if (step == c.max_train_steps) {
-      for (const auto& p : model->parameters()) t.weights.push_back(p.detach().clone());
-    }
-  };
-  train(c, o);
-  return t;
-}
-
-/// A rank's trajectory against one process's: every weight within
-/// allclose(rtol 1e-4, `atol`) (fp32 summation order differs), every loss
-/// within a relative 1e-5.
-void expect_matches_one_process(const Trajectory& rank, const Trajectory& one, double atol) {
-  ASSERT_EQ(rank.weights.size(), one.weights.size());
-  for (size_t i = 0; i < rank.weights.size(); ++i) {
-    EXPECT_TRUE(rank.weights[i].allclose(one.weights[i], 1e-4, atol))
-        << "parameter " << i << ": max |diff| " << (rank.weights[i] - one.weights[i]).abs().max().item<double>();
-  }
-  ASSERT_EQ(rank.losses.size(), one.losses.size());
-  for (size_t s = 0; s < one.losses.size(); ++s) {
-    EXPECT_NEAR(rank.losses[s], one.losses[s], 1e-5 * std::abs(one.losses[s])) << "step " << s + 1;
-  }
-}
-
-void save_trajectory(const Trajectory& t, const std::string& path) {
-  std::vector<at::Tensor> all = t.weights;
-  all.push_back(at::tensor(t.losses, at::TensorOptions().dtype(at::kDouble)));
-  all.push_back(at::tensor({t.activation_peak}, at::TensorOptions().dtype(at::kDouble)));
-  torch::save(all, path);
-}
-
-Trajectory load_trajectory(const std::string& path) {
-  std::vector<at::Tensor> all;
-  torch::load(all, path);
-  Trajectory t;
-  t.activation_peak = all.back().item<double>();
-  all.pop_back();
-  at::Tensor losses = all.back();
-  all.pop_back();
-  t.weights = all;
-  for (int64_t i = 0; i < losses.numel(); ++i) t.losses.push_back(losses[i].item<double>());
-  return t;
-}
+using shoestring::testing::ddp_config;
+using shoestring::testing::expect_matches_one_process;
+using shoestring::testing::load_trajectory;
+using shoestring::testing::rank_env;
+using shoestring::testing::save_trajectory;
+using shoestring::testing::train_and_record;
+using shoestring::testing::Trajectory;
+constexpr int64_t kSteps = shoestring::testing::kDistSteps;
 
 DIST_SCENARIO(ddp_train) {
   TrainConfig c = ddp_config(worker_dir() + "/run", std::stoll(worker_env("SHOESTRING_TEST_BATCH")));
@@ -114,15 +49,6 @@ DIST_SCENARIO(ddp_train) {
     write_text(worker_dir() + "/error" + std::to_string(worker_rank()) + ".txt", e.what());
     ::_exit(4);
   }
-}
-
-std::map<std::string, std::string> rank_env(int rank, int world, int port, int64_t batch, int64_t die_at = 0) {
-  return {{"RANK", std::to_string(rank)},
-          {"WORLD_SIZE", std::to_string(world)},
-          {"MASTER_ADDR", "127.0.0.1"},
-          {"MASTER_PORT", std::to_string(port)},
-          {"SHOESTRING_TEST_BATCH", std::to_string(batch)},
-          {"SHOESTRING_TEST_DIE_AT", die_at ? std::to_string(die_at) : ""}};
 }
 
 TEST(DataParallelTraining, TwoRanksMatchOneProcessWithDoubleBatch) {
@@ -231,18 +157,6 @@ TEST(DataParallelTraining, ADeadRankStopsTheOtherNamingTheCollective) {
             (std::vector<int>{4, 3}));
   EXPECT_THAT(read_text(dir + "/error0.txt"),
               AllOf(HasSubstr("on rank 0 of 2 failed"), HasSubstr("another rank exited")));
-}
-
-TEST(DataParallelTraining, ZeroStagesAboveZeroAreNotImplementedYet) {
-  EXPECT_THAT([] { parse_config("zero_stage = 2\n", "run.toml"); },
-              ::testing::ThrowsMessage<Error>(
-                  AllOf(HasSubstr("run.toml"), HasSubstr("zero_stage = 2 is not implemented yet"))));
-  EXPECT_THAT([] { parse_config("zero_stage = 4\n", "run.toml"); }, ::testing::Throws<Error>());
-  EXPECT_THAT([] { parse_config("ddp_timeout = 0\n", "run.toml"); },
-              ::testing::ThrowsMessage<Error>(HasSubstr("ddp_timeout")));
-  const TrainConfig c = parse_config("ddp_timeout = 30\n", "run.toml");
-  EXPECT_EQ(c.ddp_timeout, 30);
-  EXPECT_EQ(c.zero_stage, 0);
 }
 
 }  // namespace

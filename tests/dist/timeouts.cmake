@@ -11,3 +11,9 @@ set_tests_properties("DataParallelTraining.TwoRanksMatchOneProcessWithDoubleBatc
   "DataParallelTraining.UnsupportedGradientPathIsRefusedOnEveryRank" PROPERTIES TIMEOUT 300)
 set_tests_properties("Launch.TwoRanksTrainOneRun" "Launch.AFailingRankFailsTheLaunchNamingIt"
   "Launch.AKilledRankStopsTheRunAndLeavesNoProcess" PROPERTIES TIMEOUT 180)
+set_tests_properties("ZeroCollectives.TwoProcesses" "ZeroCollectives.ThreeProcesses" PROPERTIES TIMEOUT 120)
+set_tests_properties("ZeroTwoRanks.AdamW" "ZeroTwoRanks.AdamW8bit" "ZeroTwoRanks.Adafactor"
+  "ZeroTwoRanks.Bf16StochasticRounding"
+  "ZeroTraining.ThreeRanksMatchOneProcessWithTripleBatch"
+  "ZeroTraining.Stage1CheckpointIsOneProcessesAndResumesAtAnotherWorldSize"
+  "ZeroTraining.ConfigsItCannotRunAreRefusedNamingTheKey" PROPERTIES TIMEOUT 480)

@@ -202,6 +202,20 @@ PendingCollective ProcessGroup::all_reduce_sum_async(const at::Tensor& tensor) {
   });
 }
 
+PendingCollective ProcessGroup::reduce_sum_async(const at::Tensor& tensor, int root) {
+  const std::string what = fmt::format("reduce_sum to rank {} on {}", root, where());
+  if (root < 0 || root >= size_) fail("{}: root {} is not a rank of the group", what, root);
+  if (!tensor.is_contiguous() || !gloo_sums(tensor.scalar_type()))
+    fail("{}: reduce_sum_async needs a contiguous fp32 / fp64 / integer tensor, got {} {}", what,
+         c10::toString(tensor.scalar_type()), format_shape(tensor.sizes()));
+  return start(what, hint_for(timeout_), [&] {
+    std::vector<at::Tensor> v{tensor};
+    c10d::ReduceOptions o;
+    o.rootRank = root;
+    return impl_->group->reduce(v, o);
+  });
+}
+
 void ProcessGroup::all_reduce_sum(at::Tensor& tensor) {
   if (tensor.is_contiguous() && gloo_sums(tensor.scalar_type())) {
     all_reduce_sum_async(tensor).wait();

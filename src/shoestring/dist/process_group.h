@@ -90,6 +90,14 @@ class ProcessGroup {
   /// The sum over ranks of a double (e.g. a loss).
   double all_reduce_sum(double value);
 
+  /// Sums a contiguous fp32 / fp64 / integer `tensor` over all ranks into
+  /// rank `root`'s `tensor`, in flight (Gloo's reduce). On the other ranks
+  /// the tensor is scratch afterwards (Gloo may leave partial sums in it).
+  /// Every tensor must stay alive and untouched until wait(). Throws
+  /// shoestring::Error for another dtype or layout, a root outside the
+  /// group, and as all_reduce_sum.
+  PendingCollective reduce_sum_async(const at::Tensor& tensor, int root);
+
   /// Copies rank `root`'s `tensor` into every rank's `tensor` (same shape and
   /// dtype on every rank), bit for bit, any dtype (bf16 and bool move as
   /// their bits). Throws shoestring::Error as all_reduce_sum.

@@ -20,22 +20,27 @@ namespace {
 
 using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
 
-/// sqrt(sum of squares) over the defined tensors, in fp32 (double sum).
-double global_norm(const std::vector<at::Tensor>& grads) {
+/// sqrt(sum of squares) over the defined tensors, in fp32 (double sum);
+/// `sum_parts` (GradientPathOptions::sum_squared_norm) adds the other
+/// processes' sums of squares when set.
+double global_norm(const std::vector<at::Tensor>& grads, const std::function<double(double)>& sum_parts) {
   torch::NoGradGuard no_grad;
   double sq = 0;
   for (const auto& g : grads) {
     if (g.defined()) sq += g.to(torch::kFloat32).pow(2).sum().item<double>();
   }
-  return std::sqrt(sq);
+  return std::sqrt(sum_parts ? sum_parts(sq) : sq);
 }
 
 /// The paths whose optimizer runs after the last micro-batch on complete
 /// gradients: they differ only in where those gradients are.
 class StepAfterBackwardPath : public GradientPath {
  public:
-  StepAfterBackwardPath(int64_t accumulation_steps, double max_grad_norm, std::unique_ptr<Optimizer> optimizer)
-      : GradientPath(accumulation_steps), max_grad_norm_(max_grad_norm), optimizer_(std::move(optimizer)) {}
+  StepAfterBackwardPath(const GradientPathOptions& o, std::unique_ptr<Optimizer> optimizer)
+      : GradientPath(o.accumulation_steps),
+        max_grad_norm_(o.max_grad_norm),
+        sum_squared_norm_(o.sum_squared_norm),
+        optimizer_(std::move(optimizer)) {}
 
   Optimizer& optimizer() override { return *optimizer_; }
 
@@ -43,7 +48,7 @@ class StepAfterBackwardPath : public GradientPath {
     bool found_inf = false;
     const std::vector<at::Tensor> grads = gradients(found_inf);
     GradientStepResult r;
-    r.grad_norm = global_norm(grads);
+    r.grad_norm = global_norm(grads, sum_squared_norm_);
     r.finite = loss_finite && std::isfinite(r.grad_norm) && !found_inf;
     if (r.finite) {
       // Global-norm clipping as torch.nn.utils.clip_grad_norm_ (eps 1e-6).
@@ -70,6 +75,7 @@ class StepAfterBackwardPath : public GradientPath {
   virtual void release(bool skipped) = 0;
 
   double max_grad_norm_;
+  std::function<double(double)> sum_squared_norm_;
   std::unique_ptr<Optimizer> optimizer_;
 };
 
@@ -77,7 +83,7 @@ class StepAfterBackwardPath : public GradientPath {
 class AutogradPath final : public StepAfterBackwardPath {
  public:
   AutogradPath(const NamedTensors& trainable, const GradientPathOptions& o, std::unique_ptr<Optimizer> opt)
-      : StepAfterBackwardPath(o.accumulation_steps, o.max_grad_norm, std::move(opt)) {
+      : StepAfterBackwardPath(o, std::move(opt)) {
     for (const auto& [n, p] : trainable) params_.push_back(p);
   }
   std::string name() const override { return "autograd"; }
@@ -100,7 +106,7 @@ class AutogradPath final : public StepAfterBackwardPath {
 class AccumulatorPath final : public StepAfterBackwardPath {
  public:
   AccumulatorPath(const NamedTensors& trainable, const GradientPathOptions& o, std::unique_ptr<Optimizer> opt)
-      : StepAfterBackwardPath(o.accumulation_steps, o.max_grad_norm, std::move(opt)) {
+      : StepAfterBackwardPath(o, std::move(opt)) {
     for (const auto& [n, p] : trainable) params_.push_back(p);
     accumulator_ = std::make_unique<GradientAccumulator>(params_, o.accumulation_mode, o.seed);
   }
@@ -141,9 +147,7 @@ class MasterWeightsPath final : public StepAfterBackwardPath {
  public:
   MasterWeightsPath(std::unique_ptr<precision::MasterWeights> masters, const GradientPathOptions& o,
                     std::unique_ptr<Optimizer> opt)
-      : StepAfterBackwardPath(o.accumulation_steps, o.max_grad_norm, std::move(opt)),
-        masters_(std::move(masters)),
-        scaler_(o.loss_scaling) {}
+      : StepAfterBackwardPath(o, std::move(opt)), masters_(std::move(masters)), scaler_(o.loss_scaling) {}
   std::string name() const override { return "master weights"; }
 
   const precision::LossScaler* loss_scaler() const override { return scaler_.enabled() ? &scaler_ : nullptr; }

@@ -77,6 +77,14 @@ struct GradientPathOptions {
   GradAccumulationMode accumulation_mode = GradAccumulationMode::fp32;
   uint64_t seed = 0;                                             ///< stochastic-rounding seed of accumulation buffers
   precision::LossScalerOptions loss_scaling{/*enabled=*/false};  ///< enabled: fp16 dynamic loss scaling
+  /// Set when this process holds only part of the step's gradients (ZeRO
+  /// stage 2, dist/zero.h: each rank the gradients of the tensors it owns):
+  /// end_step passes the squared L2 norm of the gradients held here through
+  /// it and takes the square root of the answer, the sum over every part, as
+  /// the global norm, so that clipping and the skip of non-finite steps agree
+  /// on every process. Called once per end_step. Unset: the gradients here
+  /// are the whole step's. Paths that step after backward only (not fused).
+  std::function<double(double)> sum_squared_norm;
 };
 
 /// The interface the training step talks to (see the file comment for the

@@ -31,6 +31,7 @@ void Optimizer::step(double lr, double grad_scale) {
   torch::NoGradGuard no_grad;
   ++step_count_;
   for (size_t i = 0; i < params_.size(); ++i) {
+    if (!updates(i)) continue;
     const at::Tensor& g = params_[i].param.grad();
     if (!g.defined()) continue;
     if (grad_scale != 1.0) {
@@ -38,6 +39,15 @@ void Optimizer::step(double lr, double grad_scale) {
     } else {
       apply_update(i, g, lr, step_count_);
     }
+  }
+}
+
+void Optimizer::set_update_subset(std::vector<bool> updated) {
+  if (updated.size() != params_.size())
+    fail("Optimizer::set_update_subset: {} entries for {} parameters", updated.size(), params_.size());
+  updated_ = std::move(updated);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!updated_[i]) state_[i].clear();
   }
 }
 
@@ -130,11 +140,12 @@ void Optimizer::load_state_tensors(const std::map<std::string, at::Tensor>& tens
       if (key.size() > pn.size() + 1 && key.compare(0, pn.size(), pn) == 0 && key[pn.size()] == '.') {
         std::string sname = key.substr(pn.size() + 1);
         if (sname.find('.') != std::string::npos) continue;  // belongs to a longer parameter name
+        found = true;
+        if (!updates(i)) continue;  // another rank's tensor (set_update_subset)
         // On the parameter's device (a run resumed onto a GPU), or in host
         // memory when state is offloaded (apply_update streams it).
         const at::Device device = options_.offload_state ? at::Device(at::kCPU) : params_[i].param.device();
         state_[i][sname] = t.to(device, t.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
-        found = true;
       }
     }
     if (!found) fail("optimizer state: tensor '{}' matches no trainable parameter", key);

@@ -92,6 +92,20 @@ class Optimizer {
   /// the tensor when one is missing or has the wrong shape or dtype.
   virtual void load_state_tensors(const std::map<std::string, at::Tensor>& tensors);
 
+  /// Restricts the optimizer to the parameters with `updated[i]` set
+  /// (`updated` has one entry per parameter, in params() order); the others
+  /// keep their values and never hold state: step() skips them (their
+  /// gradients are not read), state_tensors() has none of them, and
+  /// load_state_tensors() checks their tensors' names but keeps none of them.
+  /// Stochastic-rounding keys stay those of the full list, so the updated
+  /// parameters get the same bits as without a subset. ZeRO stages 1 and 2
+  /// (dist/zero.h) give each rank the tensors it owns. Default: all. Drops
+  /// the state already held by parameters left out. Throws shoestring::Error
+  /// when `updated` does not have params().size() entries.
+  void set_update_subset(std::vector<bool> updated);
+  /// True when parameter `index` is updated (see set_update_subset).
+  bool updates(size_t index) const { return updated_.empty() || updated_[index]; }
+
   int64_t step_count() const { return step_count_; }
   void set_step_count(int64_t s) { step_count_ = s; }
   const std::vector<OptimParam>& params() const { return params_; }
@@ -124,6 +138,9 @@ class Optimizer {
   OptimizerOptions options_;
   int64_t step_count_ = 0;
   std::vector<std::map<std::string, at::Tensor>> state_;
+
+ private:
+  std::vector<bool> updated_;  ///< empty: every parameter (set_update_subset)
 };
 
 /// AdamW with decoupled weight decay (Loshchilov & Hutter 2019,

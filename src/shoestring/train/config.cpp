@@ -216,10 +216,10 @@ void validate(const TrainConfig& c, const std::string& source) {
     fail("{}: {}", source, e.what());
   }
   if (c.sample_prompts.empty()) fail("{}: sample_prompts must hold at least one prompt", source);
-  if (c.zero_stage != 0) {
+  if (c.zero_stage > 2) {
     fail(
-        "{}: zero_stage = {} is not implemented yet (ZeRO stages 1-3 are planned); use zero_stage = 0 (data "
-        "parallel: every rank holds the whole model and its optimizer state)",
+        "{}: zero_stage = {} is not implemented yet (stage 3, sharded parameters, is planned); use zero_stage = 2 "
+        "(optimizer state and gradients sharded over the ranks), 1 (optimizer state sharded) or 0 (data parallel)",
         source, c.zero_stage);
   }
   try {

@@ -132,7 +132,7 @@ struct TrainConfig {
   /// gradients and optimizer state live; the dataset and caches stay in host memory.
   std::string device = "auto";
   // ---- several processes (train/run.h; the launch is in dist/launch_env.h) ----
-  int64_t zero_stage = 0;  ///< 0 = data parallel; 1-3 (ZeRO) not implemented yet
+  int64_t zero_stage = 0;  ///< 0 = data parallel; 1, 2 = ZeRO (dist/zero.h); 3 not implemented yet
   double ddp_timeout = 2;  ///< minutes a rank waits for the others (rendezvous, each collective), as kohya
 };
 

@@ -236,7 +236,9 @@ const std::vector<Field>& schema() {
        "command line)"},
       {"zero_stage", &TrainConfig::zero_stage,
        "with several processes (torchrun, `shoestring launch`): 0 = data parallel (gradients averaged over the "
-       "ranks); ZeRO stages 1-3 are not implemented yet",
+       "ranks); 1 = ZeRO stage 1 (each rank updates, and keeps optimizer state for, its share of the trainable "
+       "tensors, whole tensors balanced by element count); 2 = stage 1 and each gradient reduced to its owner only; "
+       "3 (sharded weights) is not implemented yet; one process ignores it",
        0, 3},
       {"ddp_timeout", &TrainConfig::ddp_timeout,
        "minutes (as kohya's --ddp_timeout; fractions allowed) a rank waits for the others in the rendezvous and "

@@ -301,6 +301,11 @@ std::unique_ptr<GradientPath> make_run_gradient_path(const Run& run, const std::
   go.loss_scaling.enabled = fp16_training;
   go.loss_scaling.init_scale = c.loss_scale_init;
   go.loss_scaling.growth_interval = c.loss_scale_growth_interval;
+  if (run.zero && run.zero->stage() >= 2) {
+    // Each rank holds its own tensors' gradients: the global norm sums every rank's part.
+    dist::ZeroSharding* zero = run.zero.get();
+    go.sum_squared_norm = [zero](double squared) { return zero->sum_over_ranks(squared); };
+  }
   std::vector<bool> use_master;
   for (const auto& [n, p] : run.trainable) {
     auto it = wants_master.find(n);
@@ -384,8 +389,8 @@ dist::LaunchEnvironment join_process_group(Run& run) {
   if (env.rank != 0) spdlog::set_level(spdlog::level::err);
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(run.config.ddp_timeout * 60'000));
   run.group = dist::ProcessGroup::connect(env, timeout);
-  spdlog::info("data parallel (zero_stage = 0): {} processes, {}; ddp_timeout = {} min", env.world_size,
-               dist::describe(env), run.config.ddp_timeout);
+  spdlog::info("data parallel (zero_stage = {}): {} processes, {}; ddp_timeout = {} min", run.config.zero_stage,
+               env.world_size, dist::describe(env), run.config.ddp_timeout);
   return env;
 }
 
@@ -401,18 +406,19 @@ void follow_run_dir(Run& run, const TrainRunOptions& options) {
 /// What data parallel does not cover yet, refused before the first step.
 void check_data_parallel(const Run& run) {
   const TrainConfig& c = run.config;
+  const std::string stage = c.zero_stage > 0 ? fmt::format(", zero_stage = {}", c.zero_stage) : std::string();
   if (run.gradients->name() != "autograd") {
     fail(
-        "WORLD_SIZE = {}: data parallel averages the gradients autograd leaves in .grad, but this config uses the "
+        "WORLD_SIZE = {}{}: data parallel averages the gradients autograd leaves in .grad, but this config uses the "
         "'{}' gradient path (fp16 loss scaling, fp32 master weights, full_bf16 with gradient accumulation, or "
         "fused_backward_pass), which several processes do not support yet",
-        run.world_size(), run.gradients->name());
+        run.world_size(), stage, run.gradients->name());
   }
   if (c.max_train_minutes > 0) {
     fail(
-        "WORLD_SIZE = {}: max_train_minutes is not supported with several processes yet (each rank would size "
+        "WORLD_SIZE = {}{}: max_train_minutes is not supported with several processes yet (each rank would size "
         "max_train_steps from its own timing); set max_train_steps instead",
-        run.world_size());
+        run.world_size(), stage);
   }
 }
 
@@ -503,10 +509,17 @@ std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions&
   run.ledger_hooks.install(params, [](size_t, at::Tensor& p) {
     if (p.grad().defined()) MemoryLedger::global().recharge(p.grad(), MemoryCategory::gradients);
   });
+  // ZeRO: each rank's optimizer updates, and keeps state for, the tensors it owns.
+  if (run.group && c.zero_stage > 0)
+    run.zero = std::make_unique<dist::ZeroSharding>(*run.group, run.trainable, c.zero_stage);
   run.gradients = make_run_gradient_path(run, wants_master, fp16_training);
   if (run.group) {
     check_data_parallel(run);
-    run.gradient_averager = std::make_unique<dist::GradientAverager>(*run.group, params);
+    if (run.zero) {
+      run.gradients->optimizer().set_update_subset(run.zero->owned());
+    } else {
+      run.gradient_averager = std::make_unique<dist::GradientAverager>(*run.group, params);
+    }
   }
   if (c.ema_decay > 0) run.ema = std::make_unique<EMA>(run.trainable, c.ema_decay);
   if (options.predict_memory) run.predicted_memory = options.predict_memory(c, run.model->plan_vocab_size());
@@ -541,7 +554,13 @@ void set_max_train_steps(Run& run, int64_t steps, const std::string& why) {
   spdlog::info("{}", why);
 }
 
-std::string write_checkpoint(Run& run, int64_t step) {
+std::vector<std::pair<std::string, at::Tensor>> checkpoint_optimizer_state(Run& run) {
+  const auto local = run.gradients->optimizer().state_tensors();
+  return run.zero ? run.zero->gather_to_rank_zero(local) : local;
+}
+
+std::string write_checkpoint(Run& run, int64_t step,
+                             const std::vector<std::pair<std::string, at::Tensor>>& optimizer_state) {
   fs::path dir = fs::path(run.run_dir) / "checkpoints" / step_name(step);
   // A failed save (full disk, ...) leaves no empty checkpoint folder; files
   // are written atomically, so nothing partial either.
@@ -564,7 +583,7 @@ std::string write_checkpoint(Run& run, int64_t step) {
   if (path_state.previous_grad_norm) counters.fused_previous_grad_norm = path_state.previous_grad_norm;
   TrainingState state;
   state.counters = counters;
-  state.optimizer = run.gradients->optimizer().state_tensors();
+  state.optimizer = optimizer_state;
   if (run.ema) state.ema = run.ema->tensors();
   state.master = path_state.masters;
   state.rng_cpu = cpu_rng_state();

@@ -23,6 +23,7 @@
 #include "shoestring/data/dataset.h"
 #include "shoestring/dist/data_parallel.h"
 #include "shoestring/dist/process_group.h"
+#include "shoestring/dist/zero.h"
 #include "shoestring/io/atomic_file.h"
 #include "shoestring/nn/lora.h"
 #include "shoestring/optim/grad_hooks.h"
@@ -77,11 +78,16 @@ struct Run {
   /// (config `device`, resolved); the dataset and caches stay in host memory.
   c10::Device device{c10::kCPU};
   std::string device_note;  ///< why the compute dtype was changed for the device ("" when it was not)
-  /// The other processes of a data-parallel run (zero_stage = 0; launched by
-  /// torchrun or `shoestring launch`, dist/launch_env.h); null for a single
-  /// process. Rank 0 alone writes the run folder.
+  /// The other processes of a data-parallel run (launched by torchrun or
+  /// `shoestring launch`, dist/launch_env.h); null for a single process.
+  /// Rank 0 alone writes the run folder.
   std::unique_ptr<dist::ProcessGroup> group;
-  std::unique_ptr<dist::GradientAverager> gradient_averager;  ///< with `group`: averages the step's gradients
+  /// With `group` at zero_stage = 0: averages the step's gradients on every rank.
+  std::unique_ptr<dist::GradientAverager> gradient_averager;
+  /// With `group` at zero_stage = 1 or 2 (dist/zero.h): which rank owns each
+  /// trainable tensor (its optimizer updates and keeps state for those
+  /// only), the reduction of the gradients, the broadcast of the updated weights.
+  std::unique_ptr<dist::ZeroSharding> zero;
 
   int rank() const { return group ? group->rank() : 0; }
   int world_size() const { return group ? group->size() : 1; }
@@ -114,11 +120,20 @@ std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions&
 /// on I/O failure.
 void set_max_train_steps(Run& run, int64_t steps, const std::string& why);
 
+/// The optimizer state a checkpoint of `run` holds ("<param name>.<state
+/// name>" tensors): this process's optimizer's; with ZeRO (several ranks,
+/// zero_stage 1 or 2) every rank's shard, gathered on rank 0 (the others get
+/// an empty list), so that the checkpoint is the single-process one and
+/// resumes at any world size. Collective with ZeRO: every rank calls it at
+/// the same point. Throws what ZeroSharding::gather_to_rank_zero throws.
+std::vector<std::pair<std::string, at::Tensor>> checkpoint_optimizer_state(Run& run);
+
 /// Writes checkpoints/step-NNNNNN/ (weights or LoRA adapters, and the
-/// training state) and returns the folder; latest.json does not move yet.
-/// A failed save leaves no empty folder. Throws shoestring::Error on I/O
-/// failure.
-std::string write_checkpoint(Run& run, int64_t step);
+/// training state with `optimizer_state`, checkpoint_optimizer_state's) and
+/// returns the folder; latest.json does not move yet. A failed save leaves
+/// no empty folder. Throws shoestring::Error on I/O failure.
+std::string write_checkpoint(Run& run, int64_t step,
+                             const std::vector<std::pair<std::string, at::Tensor>>& optimizer_state);
 
 /// Points checkpoints/latest.json at checkpoint folder `dir` of `step`
 /// (one atomic write): the moment the checkpoint counts for --resume.

@@ -55,13 +55,22 @@ TrainBatch this_ranks_rows(const Run& run, TrainBatch global) {
   return global;
 }
 
-/// Data parallel: replaces every rank's gradients by their mean over the
-/// ranks (bucketed fp32 all-reduce, dist/data_parallel.h), so that every
-/// rank clips and steps with the gradient of the whole global batch.
-void all_reduce_gradients(Run& run) {
-  if (!run.gradient_averager) return;
+/// Several ranks: averages the gradients over them (bucketed fp32
+/// reductions), so that the update is the one of the whole global batch.
+/// zero_stage 0 and 1 (dist/data_parallel.h, dist/zero.h): every rank then
+/// holds every mean gradient; stage 2: each tensor's owner alone holds it.
+void reduce_gradients(Run& run) {
   ScopedMemoryCategory category(MemoryCategory::temporaries);  // the buckets
-  run.gradient_averager->all_reduce_gradients();
+  if (run.gradient_averager) run.gradient_averager->all_reduce_gradients();
+  if (run.zero) run.zero->reduce_gradients();
+}
+
+/// ZeRO: each rank's optimizer updated the tensors it owns; their owners
+/// send them to every rank, so that all ranks hold the same weights again.
+void share_updated_weights(Run& run) {
+  if (!run.zero) return;
+  ScopedMemoryCategory category(MemoryCategory::temporaries);  // the buckets
+  run.zero->broadcast_updated_parameters();
 }
 
 /// The mean over ranks of each rank's mean loss: the global batch's loss.
@@ -138,8 +147,9 @@ void count_nonfinite(Run& run, int64_t step, double loss, const GradientStepResu
 
 /// One optimizer step: gradient_accumulation_steps micro-batches (batch,
 /// forward, loss, backward), the fp16 overflow guard, with several ranks the
-/// all-reduce of the gradients, then the gradient path sums, clips and
-/// applies the update; EMA follows the weights.
+/// reduction of the gradients, then the gradient path sums, clips and
+/// applies the update (ZeRO: each rank its own tensors, then shared); EMA
+/// follows the weights.
 StepRecord train_step(Run& run, int64_t step, bool quiet) {
   const TrainConfig& c = run.config;
   const auto t0 = Clock::now();
@@ -166,11 +176,12 @@ StepRecord train_step(Run& run, int64_t step, bool quiet) {
     gradients.end_micro_batch(micro);
     ++run.counters.micro_steps;
   }
-  all_reduce_gradients(run);  // several ranks: each now holds the global batch's mean gradient
+  reduce_gradients(run);  // several ranks: the global batch's mean gradient (zero_stage 2: on its owner)
   const double loss = mean_over_ranks(run, loss_sum / static_cast<double>(c.gradient_accumulation_steps));
 
   const std::vector<std::string> overflowed = check_fp16_overflow(run, step);
   const GradientStepResult result = gradients.end_step(lr, std::isfinite(loss));
+  if (result.stepped) share_updated_weights(run);  // every rank agrees on `stepped` (the norm is global)
   if (result.stepped && run.ema) {
     ScopedMemoryCategory category(MemoryCategory::temporaries);
     run.ema->update(gradients.optimizer().step_count());  // 1-based, across resumes
@@ -253,9 +264,11 @@ TrainSummary train(const TrainConfig& config, const TrainRunOptions& options) {
     const bool saves = every(c.save_every_n_steps, step) || last;
     const bool samples = every(c.sample_every_n_steps, step) || last;
     if (!saves && !samples) continue;
+    std::vector<std::pair<std::string, at::Tensor>> optimizer_state;  // ZeRO: every rank's shard, on rank 0
+    if (saves) optimizer_state = checkpoint_optimizer_state(*run);
     on_rank_zero(*run, step, [&] {
       std::string checkpoint;
-      if (saves) checkpoint = write_checkpoint(*run, step);
+      if (saves) checkpoint = write_checkpoint(*run, step, optimizer_state);
       if (samples) sample(*run, report, step);
       if (last) save_final_files(*run, step);  // EMA weights when EMA is on
       // latest.json moves last: a checkpoint counts once everything of its

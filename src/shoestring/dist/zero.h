@@ -1,0 +1,152 @@
+// ZeRO stages 1 and 2 (Rajbhandari et al., "ZeRO: Memory Optimizations
+// Toward Training Trillion Parameter Models", arXiv 1910.02054) over a
+// ProcessGroup: every rank still holds every weight, but each trainable
+// tensor has one owner rank, the only one that updates it and holds its
+// optimizer state (stage 1) and, from stage 2 on, the only one that keeps
+// its gradient after the reduction.
+//
+// Sharding is by whole tensors, never by flat byte ranges (DeepSpeed's
+// partitions): AdamW8bit's 256-element blocks and Adafactor's factored row /
+// column statistics then stay whole on their owner, and the optimizers of
+// optim/ run unchanged on the tensors they are given (stochastic rounding
+// included: its keys are the parameter's index in the full list, so every
+// owner rounds as one process would). The owners come from TensorOwnership
+// (a greedy balance by element count, deterministic on every rank).
+//
+// One step, per rank (train/trainer.cpp calls these):
+//   reduce_gradients()  stage 1: every gradient averaged over the ranks on
+//                       every rank (as zero_stage = 0); stage 2: averaged into
+//                       its owner's .grad only (fp32 buckets of one owner's
+//                       tensors, one Gloo reduce each), other ranks' .grad freed
+//   optimizer step      on the owned tensors only (Optimizer::set_update_subset);
+//                       stage 2's global gradient norm is the square root of
+//                       sum_over_ranks(squared norm of the owned gradients)
+//   broadcast_updated_parameters()  every tensor from its owner to all ranks,
+//                       bit for bit (bf16 through the fp16-view broadcast)
+//
+// Checkpoints (this slice): gather_to_rank_zero collects every rank's
+// optimizer state on rank 0, which writes the single-process checkpoint
+// format, so a run resumes at any world size and zero stage (including one
+// process); on resume each rank keeps only its own tensors' state
+// (Optimizer::set_update_subset). Per-rank shard files are a later step, as
+// are stage 3 (sharded parameters), NCCL and overlapping the reductions with
+// backward.
+#pragma once
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+#include "shoestring/dist/data_parallel.h"
+#include "shoestring/dist/process_group.h"
+
+namespace shoestring::dist {
+
+/// Which rank owns each tensor of a list (trainable parameters, in their
+/// order). Greedy balance by element count, in list order: tensor i goes to
+/// the rank that owns the fewest elements so far, the lowest such rank on
+/// ties. So every rank computes the same map from the same list, and no
+/// rank owns more than total / world + the largest tensor's elements.
+class TensorOwnership {
+ public:
+  /// `numels`: each tensor's element count (>= 0), in list order. Throws
+  /// shoestring::Error for world < 1 or a negative count.
+  TensorOwnership(const std::vector<int64_t>& numels, int world);
+
+  int owner(size_t index) const { return owner_.at(index); }
+  size_t size() const { return owner_.size(); }
+  int world() const { return static_cast<int>(elements_.size()); }
+  /// Elements owned by `rank`.
+  int64_t elements_of(int rank) const { return elements_.at(static_cast<size_t>(rank)); }
+  /// One entry per tensor: owned by `rank`.
+  std::vector<bool> owned_by(int rank) const;
+
+ private:
+  std::vector<int> owner_;
+  std::vector<int64_t> elements_;
+};
+
+/// Named tensors ("<param name>.<state name>" for optimizer state).
+using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
+
+/// One rank's part of ZeRO stage 1 or 2 over a fixed list of trainable
+/// parameters (see the file comment). Every rank must build it from the
+/// same parameters (names, shapes, dtypes, order) and call its collectives
+/// at the same points of the step.
+class ZeroSharding {
+ public:
+  /// `params`: named leaf tensors (any floating dtype; the trainable
+  /// weights). `stage`: 1 or 2. Buckets hold whole tensors, at most
+  /// `bucket_bytes` of fp32 (gradients) or of the weights' dtype
+  /// (broadcasts) each; a larger tensor gets one of its own. Throws
+  /// shoestring::Error for another stage, bucket_bytes < 1 or two
+  /// parameters of one name.
+  ZeroSharding(ProcessGroup& group, NamedTensors params, int stage, int64_t bucket_bytes = kDefaultBucketBytes);
+
+  int stage() const { return stage_; }
+  const TensorOwnership& ownership() const { return ownership_; }
+  /// One entry per parameter: owned by this rank (what its optimizer updates).
+  std::vector<bool> owned() const { return ownership_.owned_by(group_.rank()); }
+
+  /// After backward. Stage 1: every parameter's .grad becomes its mean over
+  /// the ranks, on every rank (GradientAverager). Stage 2: the mean goes into
+  /// the owner's .grad only (summed in fp32, rounded once into the
+  /// gradient's dtype) and every other rank's .grad is reset (undefined), so
+  /// that a rank holds the gradients of about 1/size() of the elements. An
+  /// undefined .grad counts as zeros and stays undefined. Collective. Throws
+  /// shoestring::Error naming the collective and the rank when a peer failed
+  /// or timed out.
+  void reduce_gradients();
+
+  /// The sum over the ranks of `value` (stage 2: each rank's squared norm of
+  /// the gradients it owns; GradientPathOptions::sum_squared_norm).
+  /// Collective. Throws as reduce_gradients.
+  double sum_over_ranks(double value);
+
+  /// After the optimizer step, in which each rank updated only the tensors
+  /// it owns: every parameter's values copied from its owner into every
+  /// rank's, bit for bit (buckets of one owner's tensors of one dtype, one
+  /// broadcast each). Collective. Throws as reduce_gradients.
+  void broadcast_updated_parameters();
+
+  /// Collects named tensors that each rank holds for its own parameters
+  /// (its optimizer's state_tensors(): keys "<param name>.<state name>",
+  /// state names without '.') on rank 0: there it returns every rank's, in
+  /// parameter order and, within one parameter, in its owner's order (the
+  /// order one process's Optimizer::state_tensors() gives); other ranks get
+  /// an empty list. Any dtype and shape; each rank's list of names, dtypes
+  /// and shapes travels first, then the tensors one broadcast each (so a
+  /// rank other than 0 holds one extra tensor at a time). Collective.
+  /// Throws shoestring::Error naming the key when a tensor is not of one of
+  /// this rank's own parameters, and as reduce_gradients.
+  NamedTensors gather_to_rank_zero(const NamedTensors& local);
+
+ private:
+  struct Bucket {
+    int owner = 0;
+    at::ScalarType dtype = at::kFloat;
+    std::vector<size_t> params;  ///< indices into params_
+    int64_t numel = 0;
+  };
+  /// Buckets of whole tensors with the same owner (and dtype, when
+  /// `by_dtype`), in parameter order, at most `cap_bytes` each.
+  std::vector<Bucket> make_buckets(bool by_dtype, int64_t cap_bytes) const;
+  /// The index of the parameter a state key "<param name>.<state>" belongs to.
+  size_t param_of(const std::string& key) const;
+  void reduce_to_owners();
+
+  ProcessGroup& group_;
+  NamedTensors params_;
+  std::map<std::string, size_t> index_of_;  ///< parameter name -> index into params_
+  int stage_;
+  TensorOwnership ownership_;
+  std::unique_ptr<GradientAverager> averager_;  ///< stage 1
+  std::vector<Bucket> gradient_buckets_;        ///< stage 2: fp32, one owner each
+  std::vector<Bucket> weight_buckets_;          ///< one owner and dtype each
+};
+
+}  // namespace shoestring::dist

@@ -1,0 +1,211 @@
+// ZeRO's pieces (dist/zero.h) against formulas: the greedy ownership map,
+// and on 2 and 3 local processes (FileStore) the reduction of gradients to
+// their owners (stage 2) or to everyone (stage 1), the owners' broadcast of
+// updated weights, the gather of per-rank state on rank 0, the global sum.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "dist_testing.h"
+#include "shoestring/core/error.h"
+#include "shoestring/dist/process_group.h"
+#include "shoestring/dist/zero.h"
+
+namespace shoestring::dist {
+namespace {
+
+using namespace std::chrono_literals;
+using shoestring::testing::fresh_dist_dir;
+using shoestring::testing::read_text;
+using shoestring::testing::run_workers;
+using shoestring::testing::worker_dir;
+using shoestring::testing::worker_rank;
+using shoestring::testing::worker_world;
+using shoestring::testing::write_text;
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+
+TEST(TensorOwnership, GreedyByElementCountInParameterOrder) {
+  // Each tensor to the rank owning the fewest elements so far (lowest on ties), worked by hand:
+  // W=2: 100->r0 (100,0), 60->r1 (100,60), 50->r1 (100,110), 30->r0 (130,110), 30->r1 (130,140), 5->r0.
+  const std::vector<int64_t> numels{100, 60, 50, 30, 30, 5};
+  const TensorOwnership two(numels, 2);
+  EXPECT_EQ((std::vector<int>{two.owner(0), two.owner(1), two.owner(2), two.owner(3), two.owner(4), two.owner(5)}),
+            (std::vector<int>{0, 1, 1, 0, 1, 0}));
+  EXPECT_EQ(two.elements_of(0), 135);
+  EXPECT_EQ(two.elements_of(1), 140);
+  EXPECT_EQ(two.owned_by(1), (std::vector<bool>{false, true, true, false, true, false}));
+  // W=3: 100->r0, 60->r1, 50->r2, 30->r2 (100,60,80), 30->r1 (100,90,80), 5->r2 (100,90,85).
+  const TensorOwnership three(numels, 3);
+  EXPECT_EQ((std::vector<int>{three.owner(0), three.owner(1), three.owner(2), three.owner(3), three.owner(4),
+                              three.owner(5)}),
+            (std::vector<int>{0, 1, 2, 2, 1, 2}));
+  // One rank owns everything; no rank owns more than total / W + the largest tensor.
+  const TensorOwnership one(numels, 1);
+  EXPECT_EQ(one.elements_of(0), 275);
+  std::vector<int64_t> many;
+  for (int64_t i = 0; i < 200; ++i) many.push_back((i * 7919) % 1000 + 1);
+  const TensorOwnership four(many, 4);
+  int64_t total = 0;
+  for (int64_t n : many) total += n;
+  int64_t sum = 0;
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_LE(four.elements_of(r), total / 4 + 1000) << "rank " << r;
+    sum += four.elements_of(r);
+  }
+  EXPECT_EQ(sum, total);
+  EXPECT_THAT([] { TensorOwnership({1}, 0); }, ::testing::ThrowsMessage<Error>(HasSubstr("world size 0")));
+}
+
+std::unique_ptr<ProcessGroup> join_file_group() {
+  return ProcessGroup::connect_file(worker_dir() + "/store", worker_rank(), worker_world(), 60s);
+}
+
+/// The test's parameters: fp32 tensors of several shapes and one bf16 one;
+/// values don't matter (the collectives move gradients and copies).
+NamedTensors make_params() {
+  auto f32 = at::TensorOptions().dtype(at::kFloat);
+  NamedTensors p;
+  p.emplace_back("a.weight", at::zeros({7, 5}, f32));
+  p.emplace_back("a.bias", at::zeros({3}, f32));
+  p.emplace_back("b.weight", at::zeros({4, 4}, f32));
+  p.emplace_back("c.bf16", at::zeros({6}, f32.dtype(at::kBFloat16)));
+  p.emplace_back("d.weight", at::zeros({11}, f32));
+  p.emplace_back("e.unused", at::zeros({2, 3, 2}, f32));  // no gradient on any rank
+  for (auto& [n, t] : p) t.set_requires_grad(true);
+  return p;
+}
+
+/// Parameter i's gradient on rank r: base_i * (r + 1), base_i = arange / 4 + i.
+at::Tensor base_grad(const at::Tensor& p, size_t i) {
+  return (at::arange(p.numel(), at::TensorOptions().dtype(at::kFloat)) / 4 + static_cast<double>(i)).view(p.sizes());
+}
+
+void set_grads(NamedTensors& params, int rank) {
+  for (size_t i = 0; i < params.size(); ++i) {
+    at::Tensor& p = params[i].second;
+    if (params[i].first == "e.unused") continue;
+    p.mutable_grad() = (base_grad(p, i) * (rank + 1)).to(p.scalar_type());
+  }
+}
+
+/// The mean over W ranks of base * (r + 1): base * (W + 1) / 2, in the gradient's dtype.
+at::Tensor expected_mean(const at::Tensor& p, size_t i, int world) {
+  return (base_grad(p, i) * ((world + 1) / 2.0)).to(p.scalar_type());
+}
+
+void check_zero(ProcessGroup& g) {
+  const int r = g.rank();
+  const int w = g.size();
+  // Stage 2: means on the owners only; other ranks' gradients freed.
+  {
+    NamedTensors params = make_params();
+    ZeroSharding zero(g, params, 2, /*bucket_bytes=*/64);  // small buckets: several per owner
+    set_grads(params, r);
+    int64_t held = 0, total = 0;
+    zero.reduce_gradients();
+    for (size_t i = 0; i < params.size(); ++i) {
+      const at::Tensor& p = params[i].second;
+      total += p.numel() * p.element_size();
+      if (params[i].first == "e.unused") {
+        EXPECT_FALSE(p.grad().defined()) << "an undefined gradient stays undefined";
+        continue;
+      }
+      if (zero.ownership().owner(i) == r) {
+        ASSERT_TRUE(p.grad().defined()) << params[i].first;
+        EXPECT_TRUE(p.grad().allclose(expected_mean(p, i, w), 1e-6, 0))
+            << params[i].first << " on rank " << r << ": " << p.grad() << " vs " << expected_mean(p, i, w);
+        held += p.grad().numel() * p.grad().element_size();
+      } else {
+        EXPECT_FALSE(p.grad().defined()) << params[i].first << ": not this rank's (" << r << "), freed";
+      }
+    }
+    // About 1/W of the gradient bytes: never more than total / W + the largest tensor (7 x 5 fp32).
+    EXPECT_LE(held, total / w + 35 * 4) << "rank " << r;
+    EXPECT_EQ(static_cast<int64_t>(g.all_reduce_sum(static_cast<double>(held))),
+              total - 12 * 4)  // every gradient but the unused one, once
+        << "rank " << r;
+    EXPECT_EQ(zero.sum_over_ranks(r + 1.0), w * (w + 1) / 2.0);
+  }
+  // Stage 1: the mean on every rank.
+  {
+    NamedTensors params = make_params();
+    ZeroSharding zero(g, params, 1);
+    set_grads(params, r);
+    zero.reduce_gradients();
+    for (size_t i = 0; i + 1 < params.size(); ++i) {
+      const at::Tensor& p = params[i].second;
+      EXPECT_TRUE(p.grad().allclose(expected_mean(p, i, w), 1e-6, 0)) << params[i].first << " on rank " << r;
+    }
+  }
+  // Broadcast: every rank ends with each tensor's owner's values, bit for bit.
+  {
+    NamedTensors params = make_params();
+    ZeroSharding zero(g, params, 2, /*bucket_bytes=*/40);
+    at::NoGradGuard no_grad;
+    for (size_t i = 0; i < params.size(); ++i) params[i].second.fill_(100.0 * r + static_cast<double>(i) + 0.25);
+    zero.broadcast_updated_parameters();
+    for (size_t i = 0; i < params.size(); ++i) {
+      const at::Tensor& p = params[i].second;
+      const double owner_value = 100.0 * zero.ownership().owner(i) + static_cast<double>(i) + 0.25;
+      EXPECT_TRUE(p.equal(at::full(p.sizes(), owner_value, p.options()))) << params[i].first << " on rank " << r;
+    }
+  }
+  // Gather: every rank's own state tensors on rank 0, in parameter order.
+  {
+    NamedTensors params = make_params();
+    ZeroSharding zero(g, params, 1);
+    NamedTensors local;
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (zero.ownership().owner(i) != r) continue;
+      const at::Tensor& p = params[i].second;
+      local.emplace_back(params[i].first + ".exp_avg", at::full(p.sizes(), static_cast<double>(i), at::kFloat));
+      local.emplace_back(params[i].first + ".q", at::full({static_cast<int64_t>(i) + 1}, static_cast<int64_t>(7 + i), at::kByte));
+    }
+    const NamedTensors gathered = zero.gather_to_rank_zero(local);
+    if (r != 0) {
+      EXPECT_TRUE(gathered.empty());
+    } else {
+      ASSERT_EQ(gathered.size(), 2 * params.size());
+      for (size_t i = 0; i < params.size(); ++i) {
+        const at::Tensor& p = params[i].second;
+        EXPECT_EQ(gathered[2 * i].first, params[i].first + ".exp_avg");
+        EXPECT_TRUE(gathered[2 * i].second.equal(at::full(p.sizes(), static_cast<double>(i), at::kFloat)));
+        EXPECT_EQ(gathered[2 * i + 1].first, params[i].first + ".q");
+        EXPECT_TRUE(gathered[2 * i + 1].second.equal(at::full({static_cast<int64_t>(i) + 1}, static_cast<int64_t>(7 + i), at::kByte)));
+      }
+    }
+    // A tensor of another rank's parameter is refused before anything is sent (on every rank here).
+    const size_t foreign = zero.ownership().owner(0) == r ? 1 : 0;
+    if (zero.ownership().owner(foreign) != r) {
+      NamedTensors wrong{{params[foreign].first + ".exp_avg", at::zeros({1})}};
+      EXPECT_THAT([&] { zero.gather_to_rank_zero(wrong); },
+                  ::testing::ThrowsMessage<Error>(AllOf(HasSubstr(params[foreign].first), HasSubstr("owns"))));
+    }
+  }
+  EXPECT_THAT([&] { ZeroSharding(g, make_params(), 3); }, ::testing::ThrowsMessage<Error>(HasSubstr("zero_stage = 3")));
+}
+
+DIST_SCENARIO(zero_collectives) {
+  try {
+    auto g = join_file_group();
+    check_zero(*g);
+    g->barrier();
+  } catch (const std::exception& e) {
+    write_text(worker_dir() + "/error" + std::to_string(worker_rank()) + ".txt", e.what());
+    ::_exit(4);
+  }
+  if (::testing::Test::HasFailure()) ::_exit(5);
+}
+
+void expect_zero_collectives(int world, const std::string& name) {
+  const std::string dir = fresh_dist_dir(name);
+  const std::vector<int> status = run_workers("zero_collectives", world, dir, {}, std::chrono::seconds(60));
+  EXPECT_EQ(status, std::vector<int>(static_cast<size_t>(world), 0))
+      << read_text(dir + "/error0.txt") << read_text(dir + "/error1.txt");
+}
+
+TEST(ZeroCollectives, TwoProcesses) { expect_zero_collectives(2, "zero2"); }
+TEST(ZeroCollectives, ThreeProcesses) { expect_zero_collectives(3, "zero3"); }
+
+}  // namespace
+}  // namespace shoestring::dist
