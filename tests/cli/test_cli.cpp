@@ -79,6 +79,11 @@ TEST(Cli, TrainSampleInspectFlow) {
 }
 
 TEST(Cli, BadInputsGiveClearErrors) {
+  Result unknown = run("trian x.toml");
+  EXPECT_EQ(unknown.code, 2);
+  EXPECT_NE(unknown.output.find("unknown command 'trian'; the commands are train, sample"), std::string::npos)
+      << unknown.output;
+
   Result missing = run("train /nonexistent/run.toml");
   EXPECT_EQ(missing.code, 1);
   EXPECT_NE(missing.output.find("/nonexistent/run.toml"), std::string::npos) << missing.output;

@@ -117,7 +117,7 @@ TEST(LaunchEnvironment, ErrorsNameTheVariableAndTheExpectation) {
   EXPECT_THAT(error_of(without("RANK")), AllOf(HasSubstr("WORLD_SIZE = 2 is set but RANK is not")));
   EXPECT_THAT(error_of(without("MASTER_ADDR")),
               AllOf(HasSubstr("MASTER_ADDR is not set but WORLD_SIZE = 2"), HasSubstr("rank 0's machine")));
-  EXPECT_THAT(error_of(with("MASTER_ADDR", "")), HasSubstr("MASTER_ADDR is not set"));
+  EXPECT_THAT(error_of(with("MASTER_ADDR", "")), HasSubstr("MASTER_ADDR is set but empty but WORLD_SIZE = 2"));
   EXPECT_THAT(error_of(without("MASTER_PORT")), HasSubstr("MASTER_PORT is not set but WORLD_SIZE = 2"));
   EXPECT_THAT(error_of(with("MASTER_PORT", "70000")),
               AllOf(HasSubstr("MASTER_PORT = '70000'"), HasSubstr("1 .. 65535")));

@@ -1,4 +1,8 @@
 // The `shoestring` command line: train, sample, inspect, plan, convert, launch.
+#include <algorithm>
+#include <string>
+#include <vector>
+
 #include <CLI/CLI.hpp>
 #include <spdlog/spdlog.h>
 
@@ -21,6 +25,14 @@ int main(int argc, char** argv) {
   shoestring::cli::register_convert(app);
   shoestring::cli::register_launch(app);
   spdlog::set_pattern("[%H:%M:%S] %^%l%$ %v");
+  // A first word that is no command: CLI11 would only say "A subcommand is required".
+  std::vector<std::string> names;
+  for (const CLI::App* sub : app.get_subcommands({})) names.push_back(sub->get_name());
+  if (argc > 1 && argv[1][0] != '-' && std::find(names.begin(), names.end(), argv[1]) == names.end()) {
+    fmt::print(stderr, "error: unknown command '{}'; the commands are {} (shoestring --help)\n",
+               shoestring::printable(argv[1]), fmt::join(names, ", "));
+    return 2;
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

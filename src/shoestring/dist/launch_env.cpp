@@ -71,9 +71,9 @@ LaunchEnvironment parse_launch_environment(const EnvironmentLookup& lookup) {
   const std::optional<std::string> addr = lookup("MASTER_ADDR");
   if (!addr || addr->empty()) {
     fail(
-        "environment variable MASTER_ADDR is not set but WORLD_SIZE = {}: expected the host name or address of "
+        "environment variable MASTER_ADDR is {} but WORLD_SIZE = {}: expected the host name or address of "
         "rank 0's machine (torchrun and `shoestring launch` set it)",
-        env.world_size);
+        addr ? "set but empty" : "not set", env.world_size);
   }
   env.master_addr = *addr;
   const std::optional<int> port = read_int(lookup, "MASTER_PORT", 1, 65535, "a TCP port in 1 .. 65535");
