@@ -2,6 +2,8 @@
 //
 //   build/bench/prompt_following RUN_DIR [--prompts 24] [--seeds 2] [--steps 25] [--cfg 3] [--seed 1] [--json]
 //
+// --json prints JSON lines: the machine (bench_machine.h), then the result.
+//
 // Reads RUN_DIR/config.toml (the dataset the run trained on) and
 // RUN_DIR/model.safetensors. Picks --prompts dataset entries (a seeded choice
 // without repeats; all with --prompts 0), prompts each with its name (the
@@ -16,6 +18,7 @@
 // A nearest-neighbour score, not a perceptual one: it rewards drawing the
 // training image itself, which is what a model memorising 169 emoji should do.
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <iostream>
 #include <numeric>
@@ -54,8 +57,12 @@ int main(int argc, char** argv) {
   app.add_option("--steps", steps, "sampler steps")->check(CLI::Range(1, 1000));
   app.add_option("--cfg", cfg, "classifier-free guidance scale")->check(CLI::Range(0.0, 100.0));
   app.add_option("--seed", seed, "seed of the entry choice and first sample seed")->check(CLI::Range(0, 1 << 30));
-  app.add_flag("--json", json, "one JSON object on stdout");
+  app.add_flag("--json", json, "JSON lines on stdout: the machine, then the result");
   CLI11_PARSE(app, argc, argv);
+  if (!std::isfinite(cfg)) {  // NaN passes CLI::Range
+    std::cerr << "error: --cfg must be a finite number\n";
+    return 1;
+  }
   shoestring::bench::print_machine(json);
   try {
     shoestring::configure_threads(0);

@@ -30,7 +30,7 @@ int main(int argc, char** argv) {
   app.add_option("--config", config, "run config");
   app.add_option("--steps", steps, "optimizer steps to time")->check(CLI::Range(2, 100000));
   app.add_option("--set", sets, "config override key=value");
-  app.add_flag("--json", json, "one JSON object on stdout");
+  app.add_flag("--json", json, "JSON lines on stdout: the machine, then the result");
   CLI11_PARSE(app, argc, argv);
   shoestring::bench::print_machine(json);
   try {

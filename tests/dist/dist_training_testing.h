@@ -40,8 +40,9 @@ struct Trajectory {
   std::vector<double> losses;
   std::vector<double> grad_norms;  ///< per step, before clipping
   std::vector<at::Tensor> weights;
-  double activation_peak = 0;       ///< the first step's peak activation bytes (proportional to the rows trained)
-  double optimizer_state_peak = 0;  ///< the last step's peak optimizer_state bytes (the ledger's)
+  double activation_peak = 0;          ///< the first step's peak activation bytes (proportional to the rows trained)
+  double optimizer_state_peak = 0;     ///< the last step's peak optimizer_state bytes (the ledger's)
+  double summary_images_per_step = 0;  ///< the run summary's images/s x s/step (the "done:" log line)
 };
 
 /// Trains `c` and records its trajectory; `die_at_step` > 0 exits the
@@ -64,7 +65,8 @@ inline Trajectory train_and_record(const TrainConfig& c, int64_t die_at_step = 0
       for (const auto& p : model->parameters()) t.weights.push_back(p.detach().clone());
     }
   };
-  train(c, o);
+  const TrainSummary summary = train(c, o);
+  t.summary_images_per_step = summary.images_per_second * summary.seconds_per_step;
   return t;
 }
 
@@ -104,7 +106,8 @@ inline void save_trajectory(const Trajectory& t, const std::string& path) {
   std::vector<at::Tensor> all = t.weights;
   all.push_back(at::tensor(t.grad_norms, at::TensorOptions().dtype(at::kDouble)));
   all.push_back(at::tensor(t.losses, at::TensorOptions().dtype(at::kDouble)));
-  all.push_back(at::tensor({t.activation_peak, t.optimizer_state_peak}, at::TensorOptions().dtype(at::kDouble)));
+  all.push_back(at::tensor({t.activation_peak, t.optimizer_state_peak, t.summary_images_per_step},
+                           at::TensorOptions().dtype(at::kDouble)));
   torch::save(all, path);
 }
 
@@ -114,6 +117,7 @@ inline Trajectory load_trajectory(const std::string& path) {
   Trajectory t;
   t.activation_peak = all.back()[0].item<double>();
   t.optimizer_state_peak = all.back()[1].item<double>();
+  t.summary_images_per_step = all.back()[2].item<double>();
   all.pop_back();
   at::Tensor losses = all.back();
   all.pop_back();

@@ -94,6 +94,7 @@ TEST(DataParallelTraining, TwoRanksMatchOneProcessWithDoubleBatch) {
   std::getline(metrics, line);
   const auto rec = nlohmann::json::parse(line);
   EXPECT_NEAR(rec["images_per_second"].get<double>() * rec["seconds"].get<double>(), 4.0, 1e-9);
+  EXPECT_NEAR(r0.summary_images_per_step, 4.0, 1e-6);  // the "done:" line counts both ranks' rows too
 }
 
 TEST(DataParallelTraining, ThreeRanksMatchOneProcessWithTripleBatch) {

@@ -136,8 +136,9 @@ TrainSummary RunReport::finish(int64_t last_step) {
   const double total = std::chrono::duration<double>(Clock::now() - start_).count();
   const int64_t steps_run = last_step - start_step_;
   summary.seconds_per_step = total / static_cast<double>(std::max<int64_t>(1, steps_run));
+  // Every rank's rows, as metrics.jsonl counts them (StepRecord::images).
   summary.images_per_second =
-      static_cast<double>(steps_run * c.train_batch_size * c.gradient_accumulation_steps) / total;
+      static_cast<double>(steps_run * c.train_batch_size * c.gradient_accumulation_steps * run_.world_size()) / total;
   // Mean over the last 10% of this invocation's steps.
   const size_t tail = std::max<size_t>(1, losses_.size() / 10);
   double s = 0;

@@ -39,16 +39,16 @@ struct TrainRunOptions {
 /// What a finished run reports.
 struct TrainSummary {
   std::string run_dir;
-  int64_t first_step = 0;       ///< first step this invocation ran (1 unless resumed)
-  int64_t last_step = 0;        ///< cumulative optimizer steps after the run
-  double first_loss = 0;        ///< loss of first_step
-  double final_loss = 0;        ///< mean loss over the last 10% of this invocation's steps
-  double seconds_per_step = 0;  ///< wall seconds per optimizer step (this invocation)
-  double images_per_second = 0;
-  int64_t skipped_steps = 0;   ///< non-finite steps skipped (cumulative)
-  int64_t skipped_images = 0;  ///< unreadable dataset images
-  std::string last_sample;     ///< path of the last sample grid
-  nlohmann::json peak_memory;  ///< run-wide peak bytes per ledger category
+  int64_t first_step = 0;        ///< first step this invocation ran (1 unless resumed)
+  int64_t last_step = 0;         ///< cumulative optimizer steps after the run
+  double first_loss = 0;         ///< loss of first_step
+  double final_loss = 0;         ///< mean loss over the last 10% of this invocation's steps
+  double seconds_per_step = 0;   ///< wall seconds per optimizer step (this invocation)
+  double images_per_second = 0;  ///< images of the global batch (every rank's rows) per wall second
+  int64_t skipped_steps = 0;     ///< non-finite steps skipped (cumulative)
+  int64_t skipped_images = 0;    ///< unreadable dataset images
+  std::string last_sample;       ///< path of the last sample grid
+  nlohmann::json peak_memory;    ///< run-wide peak bytes per ledger category
 };
 
 /// Runs (or resumes) training as configured. Checks that output_dir is
