@@ -407,12 +407,18 @@ void follow_run_dir(Run& run, const TrainRunOptions& options) {
 void check_data_parallel(const Run& run) {
   const TrainConfig& c = run.config;
   const std::string stage = c.zero_stage > 0 ? fmt::format(", zero_stage = {}", c.zero_stage) : std::string();
-  if (run.gradients->name() != "autograd") {
+  const std::string path = run.gradients->name();
+  if (path != "autograd") {
+    // What in the config chose the path (optim/gradient_path.cpp, make_gradient_path).
+    const std::string cause =
+        path == "fused backward" ? "fused_backward_pass = true"
+        : path == "accumulator"
+            ? fmt::format("full_bf16 = true with gradient_accumulation_steps = {}", c.gradient_accumulation_steps)
+            : "fp16 loss scaling or fp32 master weights (precision rules)";
     fail(
-        "WORLD_SIZE = {}{}: data parallel averages the gradients autograd leaves in .grad, but this config uses the "
-        "'{}' gradient path (fp16 loss scaling, fp32 master weights, full_bf16 with gradient accumulation, or "
-        "fused_backward_pass), which several processes do not support yet",
-        run.world_size(), stage, run.gradients->name());
+        "WORLD_SIZE = {}{}: data parallel averages the gradients autograd leaves in .grad, but {} puts them on the "
+        "'{}' gradient path, which several processes do not support yet; remove it to train with several processes",
+        run.world_size(), stage, cause, path);
   }
   if (c.max_train_minutes > 0) {
     fail(
