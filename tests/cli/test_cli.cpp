@@ -307,7 +307,8 @@ TEST(Cli, InspectArchitectureAndDetection) {
 
   // A bare tiny-width VAE file with one tensor left out.
   std::vector<shoestring::NamedTensor> tensors;
-  for (const auto& t : shoestring::models::architecture_tensors("vae", /*tiny=*/true)) {
+  const std::string vae = "vae";  // an lvalue: see test_registry.cpp on -Wdangling-reference
+  for (const auto& t : shoestring::models::architecture_tensors(vae, /*tiny=*/true)) {
     if (t.name == "decoder.conv_out.bias") continue;
     tensors.push_back({t.name, torch::zeros({1}, torch::kBFloat16).expand(t.shape), {}});
   }

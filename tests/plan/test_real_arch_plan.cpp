@@ -65,7 +65,8 @@ const std::vector<StepCase> kCases = {
 }  // namespace
 
 TEST(RealArchitecturePlan, ParameterCountsMatchTheReleases) {
-  for (const char* name : {"sd15", "sdxl", "ssd1b", "sd35m", "cascade-c", "cascade-c-lite"}) {
+  // lvalue names: see test_registry.cpp on -Wdangling-reference (gcc 14)
+  for (const std::string name : {"sd15", "sdxl", "ssd1b", "sd35m", "cascade-c", "cascade-c-lite"}) {
     const models::Architecture& a = models::find_architecture(name);
     TrainConfig c = plan::model_step_config({});
     c.architecture = name;
