@@ -85,44 +85,19 @@ def case_attention():
     write_case("attention_gqa", tensors)
 
 
-def case_resblock():
-    torch.manual_seed(2)
+def resblock_case(name, seed, scale_shift):
+    # nn::ResBlock. With scale_shift: adaptive group normalization as
+    # guided-diffusion's ResBlock with use_scale_shift_norm (emb -> [scale,
+    # shift]; out_norm(h) * (1 + scale) + shift); otherwise emb is added.
+    torch.manual_seed(seed)
     cin, cout, temb_dim, groups, eps = 8, 16, 12, 4, 1e-5
+    emb_out = 2 * cout if scale_shift else cout
     p = {}
     norm_params(p, "norm1", cin)
     p["conv1.weight"] = rand(cout, cin, 3, 3, scale=0.2)
     p["conv1.bias"] = rand(cout, scale=0.1)
-    p["time_emb_proj.weight"] = rand(cout, temb_dim)
-    p["time_emb_proj.bias"] = rand(cout, scale=0.1)
-    norm_params(p, "norm2", cout)
-    p["conv2.weight"] = rand(cout, cout, 3, 3, scale=0.2)
-    p["conv2.bias"] = rand(cout, scale=0.1)
-    p["conv_shortcut.weight"] = rand(cout, cin, 1, 1)
-    p["conv_shortcut.bias"] = rand(cout, scale=0.1)
-    x = torch.randn(2, cin, 6, 6)
-    temb = torch.randn(2, temb_dim)
-    h = F.conv2d(F.silu(F.group_norm(x, groups, p["norm1.weight"], p["norm1.bias"], eps)),
-                 p["conv1.weight"], p["conv1.bias"], padding=1)
-    h = h + F.linear(F.silu(temb), p["time_emb_proj.weight"], p["time_emb_proj.bias"])[:, :, None, None]
-    h = F.conv2d(F.silu(F.group_norm(h, groups, p["norm2.weight"], p["norm2.bias"], eps)),
-                 p["conv2.weight"], p["conv2.bias"], padding=1)
-    out = F.conv2d(x, p["conv_shortcut.weight"], p["conv_shortcut.bias"]) + h
-    tensors = {"param." + k: v for k, v in p.items()}
-    tensors.update({"input.x": x, "input.temb": temb, "output": out})
-    write_case("resblock", tensors)
-
-
-def case_resblock_scale_shift():
-    # Adaptive group normalization as guided-diffusion's ResBlock with
-    # use_scale_shift_norm: emb -> [scale, shift]; out_norm(h) * (1 + scale) + shift.
-    torch.manual_seed(5)
-    cin, cout, temb_dim, groups, eps = 8, 16, 12, 4, 1e-5
-    p = {}
-    norm_params(p, "norm1", cin)
-    p["conv1.weight"] = rand(cout, cin, 3, 3, scale=0.2)
-    p["conv1.bias"] = rand(cout, scale=0.1)
-    p["time_emb_proj.weight"] = rand(2 * cout, temb_dim, scale=0.3)
-    p["time_emb_proj.bias"] = rand(2 * cout, scale=0.1)
+    p["time_emb_proj.weight"] = rand(emb_out, temb_dim, scale=0.3) if scale_shift else rand(cout, temb_dim)
+    p["time_emb_proj.bias"] = rand(emb_out, scale=0.1)
     norm_params(p, "norm2", cout)
     p["conv2.weight"] = rand(cout, cout, 3, 3, scale=0.2)
     p["conv2.bias"] = rand(cout, scale=0.1)
@@ -133,13 +108,16 @@ def case_resblock_scale_shift():
     h = F.conv2d(F.silu(F.group_norm(x, groups, p["norm1.weight"], p["norm1.bias"], eps)),
                  p["conv1.weight"], p["conv1.bias"], padding=1)
     emb = F.linear(F.silu(temb), p["time_emb_proj.weight"], p["time_emb_proj.bias"])[:, :, None, None]
-    scale, shift = torch.chunk(emb, 2, dim=1)
-    h = F.group_norm(h, groups, p["norm2.weight"], p["norm2.bias"], eps) * (1 + scale) + shift
+    if scale_shift:
+        scale, shift = torch.chunk(emb, 2, dim=1)
+        h = F.group_norm(h, groups, p["norm2.weight"], p["norm2.bias"], eps) * (1 + scale) + shift
+    else:
+        h = F.group_norm(h + emb, groups, p["norm2.weight"], p["norm2.bias"], eps)
     h = F.conv2d(F.silu(h), p["conv2.weight"], p["conv2.bias"], padding=1)
     out = F.conv2d(x, p["conv_shortcut.weight"], p["conv_shortcut.bias"]) + h
     tensors = {"param." + k: v for k, v in p.items()}
     tensors.update({"input.x": x, "input.temb": temb, "output": out})
-    write_case("resblock_scale_shift", tensors)
+    write_case(name, tensors)
 
 
 def case_spatial_transformer():
@@ -203,8 +181,8 @@ def case_timestep():
 if __name__ == "__main__":
     torch.set_num_threads(1)
     case_attention()
-    case_resblock()
-    case_resblock_scale_shift()
+    resblock_case("resblock", 2, scale_shift=False)
+    resblock_case("resblock_scale_shift", 5, scale_shift=True)
     case_spatial_transformer()
     case_timestep()
     print("wrote", sorted(os.listdir(OUT_DIR)))
