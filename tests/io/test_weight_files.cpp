@@ -7,6 +7,7 @@
 
 #include "../error_testing.h"
 #include "shoestring/core/error.h"
+#include "shoestring/core/torch_compat.h"
 #include "shoestring/io/safetensors.h"
 #include "shoestring/io/weight_files.h"
 #include "temp_dir.h"
@@ -199,4 +200,59 @@ TEST(WeightFiles, ValuesOverflowingTheParameterDtypeAreRefused) {
   shoestring::LoadWeightsOptions off;
   off.require_finite = false;
   EXPECT_EQ(error_of([&] { shoestring::load_weights(m, WeightFiles::open(path), off); }), "");
+}
+
+// An fp8 pretrained file (F8_E4M3 / F8_E5M2 tensors, as kohya's and
+// ComfyUI's fp8 checkpoints are stored) loads into float parameters as the
+// published values of its bit patterns, on every libtorch: native float8
+// casts on >= 2.1, decoded bit patterns on 1.13. Reference: the OCP OFP8
+// formulas written out here, independently of core/fp8.
+TEST(WeightFiles, Fp8TensorsLoadAsTheirPublishedValues) {
+  // e4m3fn: bias 7, 3 mantissa bits, 0x7F / 0xFF NaN, no inf.
+  // e5m2: bias 15, 2 mantissa bits, exponent 31 is inf / NaN.
+  auto value = [](int b, bool e4m3) -> double {
+    const int mbits = e4m3 ? 3 : 2, bias = e4m3 ? 7 : 15;
+    const int m = b & ((1 << mbits) - 1), e = (b & 0x7F) >> mbits;
+    const double v = e == 0 ? m * std::pow(2.0, 1 - bias - mbits) : (1.0 + m / double(1 << mbits)) * std::pow(2.0, e - bias);
+    return (b & 0x80) ? -v : v;
+  };
+  auto finite = [](int b, bool e4m3) { return e4m3 ? (b & 0x7F) != 0x7F : ((b & 0x7F) >> 2) != 31; };
+  for (const bool e4m3 : {true, false}) {
+    std::vector<int64_t> patterns;
+    for (int b = 0; b < 256; ++b) {
+      if (finite(b, e4m3)) patterns.push_back(b);
+    }
+    const int64_t n = static_cast<int64_t>(patterns.size());
+    const at::Tensor bytes = torch::tensor(patterns, torch::kLong).to(torch::kByte);
+    std::vector<double> want_values;
+    for (int64_t b : patterns) want_values.push_back(value(static_cast<int>(b), e4m3));
+    const at::Tensor want = torch::tensor(want_values, torch::kDouble);
+    for (const auto dtype : {torch::kFloat32, torch::kBFloat16, torch::kHalf}) {
+      TempDir dir;
+      const std::string path = dir.file("fp8.safetensors");
+      shoestring::save_safetensors(path, {{"w", bytes.view(shoestring::compat::fp8_storage_dtype(e4m3)),
+                                           e4m3 ? shoestring::StDtype::F8_E4M3 : shoestring::StDtype::F8_E5M2}});
+      struct One : torch::nn::Module {
+        One(int64_t n, torch::Dtype d) { w = register_parameter("w", torch::zeros({n}, d)); }
+        torch::Tensor w;
+      } m(n, dtype);
+      ASSERT_EQ(error_of([&] { shoestring::load_weights(m, WeightFiles::open(path)); }), "")
+          << (e4m3 ? "e4m3" : "e5m2") << " into " << dtype;
+      // Every finite value of both formats is exact in fp32, bf16 and fp16.
+      EXPECT_TRUE(torch::equal(m.w.to(torch::kDouble), want)) << (e4m3 ? "e4m3" : "e5m2") << " into " << dtype;
+    }
+  }
+  // A NaN pattern in a weight is refused like any NaN weight, naming the tensor.
+  TempDir dir;
+  const std::string path = dir.file("nan.safetensors");
+  const at::Tensor nan_bytes = torch::tensor({0x38, 0x7F}, torch::kLong).to(torch::kByte);
+  shoestring::save_safetensors(
+      path, {{"w", nan_bytes.view(shoestring::compat::fp8_storage_dtype(true)), shoestring::StDtype::F8_E4M3}});
+  struct Two : torch::nn::Module {
+    Two() { w = register_parameter("w", torch::zeros({2})); }
+    torch::Tensor w;
+  } m;
+  const std::string e = error_of([&] { shoestring::load_weights(m, WeightFiles::open(path)); });
+  EXPECT_NE(e.find("\"w\""), std::string::npos) << e;
+  EXPECT_NE(e.find("non-finite"), std::string::npos) << e;
 }

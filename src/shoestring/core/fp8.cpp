@@ -3,6 +3,11 @@
 #include <cmath>
 #include <limits>
 
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+
+#include "shoestring/core/error.h"
+
 namespace shoestring {
 namespace {
 
@@ -81,6 +86,33 @@ uint8_t fp8_encode(float x, Fp8Format f) {
   }
   const int mant = static_cast<int>(std::ldexp(q, l.mantissa_bits - e)) - (1 << l.mantissa_bits);
   return sign | static_cast<uint8_t>(((e + l.bias) << l.mantissa_bits) | mant);
+}
+
+at::Tensor fp8_decode_tensor(const at::Tensor& bytes, Fp8Format f, double scale, at::ScalarType dtype) {
+  if (bytes.scalar_type() != at::kByte)
+    fail("fp8_decode_tensor: expected uint8 bit patterns, got a {} tensor", c10::toString(bytes.scalar_type()));
+  if (dtype != at::kFloat && dtype != at::kBFloat16 && dtype != at::kHalf)
+    fail("fp8_decode_tensor: target dtype must be fp32, bf16 or fp16, got {}", c10::toString(dtype));
+  const std::array<float, 256>& table = fp8_decode_table(f);
+  std::array<float, 256> scaled{};
+  const float inv = static_cast<float>(1.0 / scale);  // a power of two: exact
+  for (int i = 0; i < 256; ++i) scaled[i] = table[i] * inv;
+  const at::Tensor b = bytes.contiguous();
+  if (!b.device().is_cpu()) {
+    // Device-generic path: a 256-entry lookup with ATen ops.
+    at::Tensor lut = at::from_blob(scaled.data(), {256}, at::TensorOptions().dtype(at::kFloat)).to(b.device());
+    return lut.index_select(0, b.reshape({-1}).to(at::kLong)).view(b.sizes()).to(dtype);
+  }
+  at::Tensor out = at::empty(b.sizes(), b.options().dtype(dtype));
+  const uint8_t* in = b.data_ptr<uint8_t>();
+  constexpr int64_t kGrain = 1 << 15;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "fp8_decode_tensor", [&] {
+    scalar_t* o = out.data_ptr<scalar_t>();
+    at::parallel_for(0, b.numel(), kGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) o[i] = static_cast<scalar_t>(scaled[in[i]]);
+    });
+  });
+  return out;
 }
 
 }  // namespace shoestring

@@ -19,6 +19,8 @@
 #include <array>
 #include <cstdint>
 
+#include <ATen/ATen.h>
+
 namespace shoestring {
 
 enum class Fp8Format { e4m3fn, e5m2 };
@@ -41,5 +43,17 @@ const std::array<float, 256>& fp8_decode_table(Fp8Format f);
 /// overflow does. NaN -> 0x7F (sign kept: 0xFF for a negative NaN). Zero
 /// keeps its sign (-0 -> 0x80).
 uint8_t fp8_encode(float x, Fp8Format f);
+
+/// The values of fp8 bit patterns `bytes` (a uint8 tensor of any shape, on
+/// any device) in format `f`, divided by `scale` (a power of two, so the
+/// division is exact), as a new tensor of `dtype` (fp32, bf16 or fp16) of
+/// the same shape: fp8_decode of each element, rounded once to `dtype`. CPU
+/// tensors decode through the 256-entry table in one pass; others through a
+/// device-generic ATen lookup with the same values. Used by fp8 layers
+/// (nn/fp8_storage.h) and by the loading of F8_E4M3 / F8_E5M2 files into
+/// float tensors where libtorch has no float8 dtype (io/weight_files.h).
+/// Throws shoestring::Error for a tensor that is not uint8 or a `dtype`
+/// that is not fp32 / bf16 / fp16.
+at::Tensor fp8_decode_tensor(const at::Tensor& bytes, Fp8Format f, double scale, at::ScalarType dtype);
 
 }  // namespace shoestring

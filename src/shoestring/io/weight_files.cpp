@@ -10,6 +10,7 @@
 #include <torch/torch.h>
 
 #include "shoestring/core/error.h"
+#include "shoestring/core/fp8.h"
 #include "shoestring/io/atomic_file.h"
 #include "shoestring/io/json_structure.h"
 
@@ -217,11 +218,22 @@ LoadWeightsReport load_weights(torch::nn::Module& module, const WeightFiles& fil
     auto it = source_of.find(name);
     if (it == source_of.end()) continue;
     const TensorInfo* info = files.find(it->second);
-    if ((info->dtype == StDtype::F8_E4M3 || info->dtype == StDtype::F8_E5M2) &&
-        to_scalar_type(info->dtype) == at::kByte && target.scalar_type() != at::kByte)
-      fail("{}: tensor \"{}\" is {} and this libtorch has no float8 type to convert it to {}", files.path(), it->second,
-           to_string(info->dtype), c10::toString(target.scalar_type()));
-    const at::Tensor source = files.get(it->second);
+    at::Tensor source = files.get(it->second);
+    const bool f8 = info->dtype == StDtype::F8_E4M3 || info->dtype == StDtype::F8_E5M2;
+    if (f8 && source.scalar_type() != target.scalar_type()) {
+      // F8 values into a float parameter: decoded first (then checked for
+      // NaN like any weight). Without a float8 dtype (libtorch < 2.1) the
+      // bytes are the F8 bit patterns (io/safetensors.h), decoded to the
+      // values a float8 cast gives.
+      if (!at::isFloatingType(target.scalar_type()))
+        fail("{}: tensor \"{}\" is {} and cannot be loaded into \"{}\" of dtype {}", files.path(), it->second,
+             to_string(info->dtype), name, c10::toString(target.scalar_type()));
+      const at::ScalarType dtype = target.scalar_type() == at::kDouble ? at::kFloat : target.scalar_type();
+      source = source.scalar_type() == at::kByte
+                   ? fp8_decode_tensor(source, info->dtype == StDtype::F8_E4M3 ? Fp8Format::e4m3fn : Fp8Format::e5m2,
+                                       1.0, dtype)
+                   : source.to(dtype);
+    }
     const bool check = options.require_finite && parameters.count(name) && source.is_floating_point();
     if (check) require_finite(source, files.path(), it->second, "");
     target.copy_(source);

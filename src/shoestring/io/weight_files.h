@@ -103,8 +103,10 @@ struct LoadWeightsReport {
 /// Copies every matching tensor of `files` into `module`'s parameters and
 /// buffers (converted to each target's dtype; targets must be allocated, not
 /// meta), one tensor at a time, so peak extra memory is one tensor.
-/// F8 tensors stored as raw bytes (libtorch < 2.1) cannot be converted and
-/// are an error naming the tensor.
+/// F8_E4M3 / F8_E5M2 tensors convert to the targets' float dtype by their
+/// published values on every libtorch (native float8 casts on >= 2.1; the
+/// bit patterns decoded by fp8_decode_tensor, core/fp8.h, on 1.13), so an
+/// fp8 pretrained file (kohya's and ComfyUI's fp8 checkpoints) can be a base.
 /// Parameters are checked for NaN / inf (see require_finite) in the same pass.
 /// Throws shoestring::Error naming `files.path()` and listing missing,
 /// unexpected and mis-shaped keys (unless allow_partial: then only shape

@@ -1,6 +1,5 @@
 #include "shoestring/nn/fp8_storage.h"
 
-#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/torch.h>
 
@@ -98,25 +97,7 @@ at::ScalarType value_dtype(const at::Tensor& param) {
 at::Tensor dequantize_fp8(const at::Tensor& bits, const Fp8Storage& s, at::ScalarType dtype) {
   if (!at::isFloatingType(dtype) || is_fp8_storage_dtype(dtype))
     fail("dequantize_fp8: target dtype must be fp32, bf16 or fp16, got {}", c10::toString(dtype));
-  const at::Tensor b = as_bytes(bits, "dequantize_fp8");
-  const std::array<float, 256>& table = fp8_decode_table(s.format);
-  std::array<float, 256> scaled{};
-  const float inv = static_cast<float>(1.0 / s.scale);  // a power of two: exact
-  for (int i = 0; i < 256; ++i) scaled[i] = table[i] * inv;
-  if (!b.device().is_cpu()) {
-    // Device-generic path: a 256-entry lookup with ATen ops.
-    at::Tensor lut = torch::from_blob(scaled.data(), {256}, torch::kFloat).to(b.device());
-    return lut.index_select(0, b.reshape({-1}).to(at::kLong)).view(b.sizes()).to(dtype);
-  }
-  at::Tensor out = at::empty(b.sizes(), b.options().dtype(dtype));
-  const uint8_t* in = b.data_ptr<uint8_t>();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "dequantize_fp8", [&] {
-    scalar_t* o = out.data_ptr<scalar_t>();
-    at::parallel_for(0, b.numel(), kGrain, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) o[i] = static_cast<scalar_t>(scaled[in[i]]);
-    });
-  });
-  return out;
+  return fp8_decode_tensor(as_bytes(bits, "dequantize_fp8"), s.format, s.scale, dtype);
 }
 
 at::Tensor encode_fp8(const at::Tensor& values, const Fp8Storage& s) {
