@@ -19,6 +19,7 @@
 #include "shoestring/train/config.h"
 #include "shoestring/train/ddpm.h"
 #include "shoestring/train/trainer.h"
+#include "../error_testing.h"
 #include "train_testing.h"
 
 namespace fs = std::filesystem;
@@ -360,4 +361,41 @@ TEST(LdmTraining, PrecisionModesTrainFinite) {
     auto s = train(c, quiet());
     for (double l : run_losses(s.run_dir)) EXPECT_TRUE(std::isfinite(l)) << mode;
   }
+}
+
+// kohya's loss and noise options through the trainer: every combination a
+// kohya user would carry over trains finite; the weights and noise change
+// the first step's loss against the same seed's plain run (they act); and
+// the contradictions are refused naming the key.
+TEST(LdmTraining, KohyaLossOptionsTrainFinite) {
+  TrainConfig plain = ldm_config("sd15", temp_dir("loss_plain"));
+  plain.max_train_steps = 2;
+  const std::vector<double> base = run_losses(train(plain, quiet()).run_dir);
+  for (const std::string extra :
+       {"min_snr_gamma = 5\nnoise_offset = 0.1\nadaptive_noise_scale = 0.05\n",
+        "multires_noise_iterations = 4\nmultires_noise_discount = 0.3\nloss_type = \"huber\"\n",
+        "v_parameterization = true\ndebiased_estimation_loss = true\nloss_type = \"smooth_l1\"\n"
+        "huber_schedule = \"exponential\"\n",
+        "loss_type = \"l1\"\nmin_snr_gamma = 1\n"}) {
+    TrainConfig c = ldm_config("sd15", temp_dir("loss_opts"), extra);
+    c.max_train_steps = 2;
+    const std::vector<double> losses = run_losses(train(c, quiet()).run_dir);
+    ASSERT_EQ(losses.size(), 2u) << extra;
+    for (double l : losses) EXPECT_TRUE(std::isfinite(l)) << extra;
+    EXPECT_NE(losses[0], base[0]) << extra;
+  }
+  auto error_for = [&](const std::string& extra, const std::string& arch = "sd15") {
+    return shoestring::testing::error_of([&] {
+      TrainConfig c = arch == "sd15" ? ldm_config("sd15", temp_dir("loss_bad"), extra)
+                                     : parse_config(extra, "emoji.toml");
+      c.max_train_steps = 1;
+      train(c, quiet());
+    });
+  };
+  EXPECT_NE(error_for("adaptive_noise_scale = 0.1\n").find("noise_offset"), std::string::npos);
+  const std::string e = error_for(fmt::format("train_data_dir = \"{}/twemoji\"\nloss_type = \"huber\"\n"
+                                              "output_dir = \"{}\"\n",
+                                              SHOESTRING_TEST_DATA, temp_dir("loss_bad_emoji")),
+                                  "tiny-unet");
+  EXPECT_NE(e.find("huber_schedule = \"constant\""), std::string::npos) << e;
 }

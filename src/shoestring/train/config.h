@@ -109,6 +109,17 @@ struct TrainConfig {
   std::string
       tokenizer_dir;  ///< folder with CLIP's vocab.json + merges.txt ("" = word tokenizer built from the captions)
   bool v_parameterization = false;  ///< LDM UNets: v-prediction target instead of epsilon (kohya's name)
+  // ---- loss and noise options (kohya's names; train/diffusion_loss.h) ----
+  std::string loss_type = "l2";         ///< l2 | l1 | huber | smooth_l1
+  std::string huber_schedule = "snr";   ///< snr | exponential | constant (huber / smooth_l1)
+  double huber_c = 0.1;                 ///< Huber threshold (schedule parameter)
+  double huber_scale = 1.0;             ///< multiplies the constant / exponential threshold
+  double min_snr_gamma = 0.0;           ///< LDM UNets: min-SNR-gamma weighting; 0 = off
+  bool debiased_estimation_loss = false;  ///< LDM UNets: 1/sqrt(SNR) (v: 1/(SNR+1)) weighting
+  double noise_offset = 0.0;            ///< LDM UNets: offset noise strength; 0 = off
+  double adaptive_noise_scale = 0.0;    ///< LDM UNets: + this x |latent mean| to noise_offset; 0 = off
+  int64_t multires_noise_iterations = 0;  ///< LDM UNets: pyramid noise levels; 0 = off
+  double multires_noise_discount = 0.3;   ///< LDM UNets: weight of level i is discount^i
   int64_t clip_skip = 1;            ///< SD 1.x: use the output of the N-th last CLIP layer (kohya's name)
   // ---- LoRA (kohya's names; docs/lora.md) ----
   std::string network_module;             ///< "" (train every weight) | "networks.lora"

@@ -196,6 +196,45 @@ const std::vector<Field>& schema() {
       Field{"v_parameterization", &TrainConfig::v_parameterization,
             "LDM UNets: train the v-prediction target (SD 2.x style) instead of epsilon"}
           .with(kResumeValue | kReleasedModelOnly),
+      Field{"loss_type",
+            &TrainConfig::loss_type,
+            "training loss per element (kohya's conditional_loss): l2 (MSE), l1, huber 2c(sqrt(d^2+c^2)-c) or "
+            "smooth_l1 2(sqrt(d^2+c^2)-c), with c from huber_schedule",
+            -kInf,
+            kInf,
+            {"l2", "l1", "huber", "smooth_l1"}},
+      Field{"huber_schedule",
+            &TrainConfig::huber_schedule,
+            "huber / smooth_l1 threshold c per timestep: snr (1-huber_c)/(1+sigma_t)^2+huber_c, exponential "
+            "exp(ln(huber_c) t/1000)*huber_scale, constant huber_c*huber_scale; the emoji model needs constant",
+            -kInf,
+            kInf,
+            {"snr", "exponential", "constant"}},
+      {"huber_c", &TrainConfig::huber_c, "huber / smooth_l1 threshold parameter (kohya's default 0.1)", 1e-6, 1e6},
+      {"huber_scale", &TrainConfig::huber_scale, "multiplies the constant and exponential huber thresholds", 1e-6,
+       1e6},
+      Field{"min_snr_gamma", &TrainConfig::min_snr_gamma,
+            "min-SNR-gamma loss weighting (arXiv 2303.09556): min(SNR, gamma)/SNR, v-prediction min(SNR, "
+            "gamma)/(SNR+1); 5 is the paper's value; 0 = off",
+            0, 1e6}
+          .with(kReleasedModelOnly),
+      Field{"debiased_estimation_loss", &TrainConfig::debiased_estimation_loss,
+            "debiased estimation loss weighting (arXiv 2310.08442): 1/sqrt(SNR), v-prediction 1/(SNR+1)"}
+          .with(kReleasedModelOnly),
+      Field{"noise_offset", &TrainConfig::noise_offset,
+            "offset noise: add this x a per-sample, per-channel normal to the noise (about 0.1 is common); 0 = off",
+            0, 10}
+          .with(kReleasedModelOnly),
+      Field{"adaptive_noise_scale", &TrainConfig::adaptive_noise_scale,
+            "add this x |mean of the latent channel| to noise_offset, per sample (needs noise_offset); 0 = off", -10,
+            10}
+          .with(kReleasedModelOnly),
+      Field{"multires_noise_iterations", &TrainConfig::multires_noise_iterations,
+            "multi-resolution (pyramid) noise levels (6-10 is common); 0 = off", 0, 64}
+          .with(kReleasedModelOnly),
+      Field{"multires_noise_discount", &TrainConfig::multires_noise_discount,
+            "pyramid noise: level i is weighted discount^i (kohya's default 0.3)", 0, 1}
+          .with(kReleasedModelOnly),
       Field{"clip_skip", &TrainConfig::clip_skip, "SD 1.x: condition on the N-th last CLIP layer's output", 1, 12}.with(
           kResumeValue | kReleasedModelOnly),
       Field{"network_module",

@@ -27,6 +27,7 @@
 #include "shoestring/train/checkpoint_io.h"
 #include "shoestring/train/config.h"
 #include "shoestring/train/ddpm.h"
+#include "shoestring/train/diffusion_loss.h"
 #include "shoestring/train/training_model_impl.h"
 
 namespace shoestring {
@@ -132,12 +133,30 @@ class LdmTrainingModel final : public TrainingModel {
       if (drop[i].item<double>() < config_.caption_dropout_rate) rows[i] = context_.size(0) - 1;
     }
     at::Tensor eps = torch::randn_like(x0);
+    // kohya's noise options (train/diffusion_loss.h), in its order.
+    if (config_.noise_offset > 0) eps = apply_noise_offset(eps, x0, config_.noise_offset, config_.adaptive_noise_scale);
+    if (config_.multires_noise_iterations > 0)
+      eps = pyramid_noise(eps, config_.multires_noise_iterations, config_.multires_noise_discount);
     at::Tensor t = schedule_.sample_timesteps(b);
     at::Tensor x_t = schedule_.add_noise(x0, eps, t);
     at::Tensor target = config_.v_parameterization ? schedule_.v_target(x0, eps, t) : eps;
     at::Tensor context = context_.index_select(0, rows);
     at::Tensor y = y_.defined() ? y_.index_select(0, rows) : at::Tensor();
-    return {{x_t, t.to(torch::kFloat32), context, y}, target};
+    TrainBatch batch;
+    batch.inputs = {x_t, t.to(torch::kFloat32), context, y};
+    batch.target = target;
+    // kohya's loss weights by SNR (min-SNR-gamma, then debiased estimation).
+    if (config_.min_snr_gamma > 0 || config_.debiased_estimation_loss) {
+      const at::Tensor snr = snr_of_timesteps(schedule_.alphas_cumprod(), t);
+      at::Tensor w = torch::ones({b}, torch::kFloat32);
+      if (config_.min_snr_gamma > 0) w = w * min_snr_weight(snr, config_.min_snr_gamma, config_.v_parameterization);
+      if (config_.debiased_estimation_loss) w = w * debiased_weight(snr, config_.v_parameterization);
+      batch.loss_weight = w;
+    }
+    if (config_.loss_type == "huber" || config_.loss_type == "smooth_l1")
+      batch.huber_c =
+          huber_threshold(config_.huber_schedule, config_.huber_c, config_.huber_scale, t, schedule_.alphas_cumprod());
+    return batch;
   }
 
   at::Tensor forward(const TrainBatch& b) override {

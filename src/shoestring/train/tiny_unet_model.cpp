@@ -226,7 +226,7 @@ class TinyUNetTrainingModel final : public TrainingModel {
     at::Tensor tokens = tokenizer_.encode_batch(process_captions(dataset_.batch_captions(idx), processing));
     at::Tensor eps = torch::randn_like(x0);
     at::Tensor t = sample_flow_times(x0.size(0), config_.timestep_sampling, config_.logit_mean, config_.logit_std);
-    return {{flow_interpolate(x0, eps, t), t, tokens}, flow_target(x0, eps)};
+    return {{flow_interpolate(x0, eps, t), t, tokens}, flow_target(x0, eps), {}, {}};
   }
 
   at::Tensor forward(const TrainBatch& b) override { return model_->forward(b.inputs[0], b.inputs[1], b.inputs[2]); }

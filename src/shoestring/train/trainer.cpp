@@ -17,6 +17,7 @@
 #include "shoestring/train/lr_schedule.h"
 #include "shoestring/train/report.h"
 #include "shoestring/train/run.h"
+#include "shoestring/train/diffusion_loss.h"
 #include "shoestring/train/time_budget.h"
 
 namespace shoestring {
@@ -37,6 +38,8 @@ TrainBatch to_device(TrainBatch batch, const at::Device& device) {
   };
   for (auto& t : batch.inputs) send(t);
   send(batch.target);
+  send(batch.loss_weight);
+  send(batch.huber_c);
   return batch;
 }
 
@@ -52,6 +55,8 @@ TrainBatch this_ranks_rows(const Run& run, TrainBatch global) {
   };
   for (size_t i = 0; i < global.inputs.size(); ++i) take(global.inputs[i], fmt::format("model input {}", i));
   take(global.target, "target");
+  take(global.loss_weight, "loss weights");
+  take(global.huber_c, "huber thresholds");
   return global;
 }
 
@@ -84,7 +89,14 @@ double forward_backward(Run& run, const TrainBatch& batch) {
   {
     ScopedMemoryCategory category(MemoryCategory::activations);
     const at::Tensor prediction = run.model->forward(batch);
-    loss = torch::mse_loss(prediction.to(torch::kFloat32), batch.target);
+    const TrainConfig& c = run.config;
+    const bool huber = c.loss_type == "huber" || c.loss_type == "smooth_l1";
+    const at::Tensor huber_c =
+        !huber || batch.huber_c.defined()
+            ? batch.huber_c
+            : huber_threshold("constant", c.huber_c, c.huber_scale, torch::zeros({prediction.size(0)}, torch::kLong),
+                              at::Tensor());
+    loss = diffusion_loss(prediction, batch.target, c.loss_type, batch.loss_weight, huber_c);
   }
   ScopedMemoryCategory category(MemoryCategory::temporaries);
   run.gradients->backward_loss(loss).backward();

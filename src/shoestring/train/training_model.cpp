@@ -35,7 +35,15 @@ void check_training_config(const TrainConfig& config) {
         "cannot change captions per step; remove it (kohya refuses it with cached text-encoder outputs too)",
         config.shuffle_caption ? "shuffle_caption" : "caption_tag_dropout_rate", config.architecture);
   }
+  if (config.adaptive_noise_scale != 0 && !(config.noise_offset > 0))
+    fail("adaptive_noise_scale = {} needs noise_offset > 0 (it is added to the offset; kohya refuses it too)",
+         config.adaptive_noise_scale);
   if (a.family == models::Family::tiny_unet) {
+    if ((config.loss_type == "huber" || config.loss_type == "smooth_l1") && config.huber_schedule != "constant")
+      fail(
+          "loss_type = \"{}\" with huber_schedule = \"{}\": that schedule follows the DDPM timesteps of the "
+          "released UNets; the emoji model (flow matching) needs huber_schedule = \"constant\"",
+          config.loss_type, config.huber_schedule);
     if (config.tiny) fail("model.tiny applies to released architectures; tiny-unet is sized by model.base_channels");
   } else if (!a.trainable_from_config) {
     fail(

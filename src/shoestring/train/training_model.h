@@ -41,6 +41,12 @@ class ImageCaptionDataset;
 struct TrainBatch {
   std::vector<at::Tensor> inputs;
   at::Tensor target;
+  /// float32 [B] per-sample loss weights (min-SNR-gamma, debiased
+  /// estimation: train/diffusion_loss.h); undefined = all 1.
+  at::Tensor loss_weight;
+  /// float32 [B] Huber thresholds for loss_type huber / smooth_l1, from the
+  /// family's noise schedule; undefined = the constant huber_c x huber_scale.
+  at::Tensor huber_c;
 };
 
 /// Where the weights of a new run come from.
