@@ -188,8 +188,10 @@ int main(int argc, char** argv) {
           format_bytes(step_weights), base, static_cast<double>(step_weights) / static_cast<double>(base),
           fp8_base ? "fp8_e4m3 base" : "bf16 base");
     }
-    fmt::print("final single file: {} ({})\n", s.run_dir + "/model.safetensors",
-               format_bytes(static_cast<int64_t>(fs::file_size(s.run_dir + "/model.safetensors"))));
+    // A LoRA run's final file holds the adapters only (kohya's layout).
+    const std::string final_file = s.run_dir + (lora ? "/lora.safetensors" : "/model.safetensors");
+    fmt::print("final {}: {} ({})\n", lora ? "LoRA file" : "single file", final_file,
+               format_bytes(static_cast<int64_t>(fs::file_size(final_file))));
   } catch (const std::exception& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
     if (keep.empty()) fs::remove_all(dir);
