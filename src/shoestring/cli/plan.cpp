@@ -9,6 +9,7 @@
 #include "shoestring/core/error.h"
 #include "shoestring/core/units.h"
 #include "shoestring/models/architecture.h"
+#include "shoestring/dist/launch_env.h"
 #include "shoestring/plan/explain.h"
 #include "shoestring/plan/memory_plan.h"
 #include "shoestring/train/config.h"
@@ -33,6 +34,9 @@ void print_plan(const TrainConfig& c, const plan::MemoryPlan& p) {
   fmt::print("batch {} x {} accumulation at {} px{}{}\n", c.train_batch_size, c.gradient_accumulation_steps,
              c.resolution, c.gradient_checkpointing ? ", gradient checkpointing" : "",
              c.offload_optimizer_state ? ", optimizer state offloaded to host" : "");
+  if (p.world_size > 1)
+    fmt::print("one rank of {} processes (zero_stage = {}); gradient reduction buffers {}\n", p.world_size,
+               p.zero_stage, format_bytes(p.communication_bytes));
   fmt::print("predicted peak {} per training step (at: {})\n", format_bytes(p.predicted_peak_bytes), p.peak_phase);
   for (MemoryCategory cat : kShown) {
     fmt::print("  {:<16} {:>12}\n", to_string(cat), format_bytes(p.at_peak[static_cast<int>(cat)]));
@@ -57,6 +61,7 @@ void register_plan(CLI::App& app) {
     int64_t vocab_size = plan::kDefaultVocabSize;
     bool json = false;
     bool explain = false;
+    int world_size = 0;  ///< 0: the launcher's WORLD_SIZE, else 1
   };
   auto args = std::make_shared<Args>();
   CLI::App* cmd = app.add_subcommand("plan", "predict the peak memory of a training config (no model is built)");
@@ -68,13 +73,18 @@ void register_plan(CLI::App& app) {
   cmd->add_option("--vocab-size", args->vocab_size,
                   "caption vocabulary size (sets the token embedding; the trainer builds it from the dataset)")
       ->check(CLI::Range(int64_t{1}, int64_t{100000000}));
+  cmd->add_option("--world-size", args->world_size,
+                  "plan one rank of a run of this many processes (zero_stage from the config shards the optimizer "
+                  "state); default: WORLD_SIZE when set by a launcher, else 1")
+      ->check(CLI::Range(1, 65536));
   cmd->add_flag("--json", args->json, "one JSON object on stdout");
   cmd->add_flag("--explain", args->explain, "list every module with its precision rule (precision/policy.h)");
   cmd->callback([args, budget_option] {
     if (!fs::exists(args->config)) fail("config file '{}' does not exist", args->config);
     if (fs::is_directory(args->config)) fail("config '{}' is a directory, expected a TOML file", args->config);
     TrainConfig config = load_config(args->config, args->sets);
-    plan::MemoryPlan p = plan::plan_memory(config, args->vocab_size);
+    const int world = args->world_size > 0 ? args->world_size : dist::launch_environment().world_size;
+    plan::MemoryPlan p = plan::plan_memory(config, args->vocab_size, world);
     nlohmann::json out = p.to_json();
     std::optional<plan::Advice> advice;
     if (budget_option->count() > 0 && args->budget.empty())

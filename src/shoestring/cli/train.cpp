@@ -7,6 +7,7 @@
 #include "shoestring/cli/commands.h"
 #include "shoestring/core/device.h"
 #include "shoestring/core/error.h"
+#include "shoestring/dist/launch_env.h"
 #include "shoestring/plan/memory_plan.h"
 #include "shoestring/train/config.h"
 #include "shoestring/train/trainer.h"
@@ -67,7 +68,8 @@ void register_train(CLI::App& app) {
     if (device_flag->count() > 0) config.device = args->device;
     options.predict_memory = [](const TrainConfig& c, int64_t vocab_size) {
       try {
-        return plan::plan_memory(c, vocab_size).to_json();
+        // One rank of the launcher's WORLD_SIZE (1 without one).
+        return plan::plan_memory(c, vocab_size, dist::launch_environment().world_size).to_json();
       } catch (const Error&) {
         return nlohmann::json();  // a config the planner does not model: no prediction printed
       }

@@ -6,6 +6,9 @@
 
 #include "shoestring/core/device.h"
 #include "shoestring/core/error.h"
+#include "shoestring/core/units.h"
+#include "shoestring/dist/data_parallel.h"
+#include "shoestring/dist/zero.h"
 #include "shoestring/models/architecture.h"
 #include "shoestring/models/denoiser.h"
 #include "shoestring/nn/key_layout.h"
@@ -228,11 +231,34 @@ nlohmann::json MemoryPlan::to_json() const {
   j["activations_kept_bytes"] = activation_bytes;
   j["checkpointing_saving_bytes"] = checkpointing_saving_bytes;
   j["device_fixed_bytes"] = device_fixed_bytes;
+  j["world_size"] = world_size;
+  j["zero_stage"] = zero_stage;
+  j["communication_bytes"] = communication_bytes;
   j["notes"] = notes;
   return j;
 }
 
-MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size) {
+namespace {
+
+/// The fp32 buckets a gradient reduction holds at once (dist/data_parallel.h,
+/// dist/zero.h): whole tensors in parameter order, at most
+/// dist::kDefaultBucketBytes each (a larger tensor alone), two in flight.
+int64_t reduction_buffer_bytes(const std::vector<int64_t>& numels) {
+  const int64_t cap = dist::kDefaultBucketBytes / 4;
+  std::vector<int64_t> buckets;
+  for (int64_t n : numels) {
+    if (buckets.empty() || (buckets.back() > 0 && buckets.back() + n > cap)) buckets.push_back(0);
+    buckets.back() += n;
+  }
+  int64_t most = buckets.empty() ? 0 : buckets.front();
+  for (size_t i = 1; i < buckets.size(); ++i) most = std::max(most, buckets[i - 1] + buckets[i]);
+  return most * 4;
+}
+
+}  // namespace
+
+MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size) {
+  if (world_size < 1) fail("plan: world size must be >= 1 (got {})", world_size);
   const models::Architecture& arch = planned_architecture(c.architecture);
   const bool emoji = arch.family == models::Family::tiny_unet;
   if (emoji && vocab_size < 1) fail("plan: vocab_size must be >= 1 (got {})", vocab_size);
@@ -325,12 +351,37 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size) {
                                   masters > 0 ? fmt::format("fp32 master weights ({} bytes); ", masters) : ""));
   }
   int64_t state = 0, scratch = 0, largest = 0, largest_state = 0;
+  std::vector<int64_t> state_of, numel_of_trained;  // per trained tensor, in parameter order
   for (const auto& [shape, dtype] : trained) {
     const OptimizerStateSize m = optimizer_state_for(c, shape, dtype);
     state += m.state;
     scratch = std::max(scratch, m.scratch);
     largest = std::max(largest, nn::numel_of(shape));
     largest_state = std::max(largest_state, m.state);
+    state_of.push_back(m.state);
+    numel_of_trained.push_back(nn::numel_of(shape));
+  }
+  // Several ranks (dist/): ZeRO stages 1-2 keep on each rank the state of
+  // the tensors it owns (dist::TensorOwnership, whole tensors); the plan is
+  // of the rank that owns the most state.
+  p.world_size = world_size;
+  p.zero_stage = world_size > 1 ? c.zero_stage : 0;
+  if (p.zero_stage >= 1) {
+    const dist::TensorOwnership owners(numel_of_trained, world_size);
+    std::vector<int64_t> per_rank(static_cast<size_t>(world_size), 0);
+    for (size_t i = 0; i < state_of.size(); ++i) per_rank[static_cast<size_t>(owners.owner(i))] += state_of[i];
+    const auto most = std::max_element(per_rank.begin(), per_rank.end());
+    p.notes.push_back(fmt::format(
+        "ZeRO stage {} at world size {}: rank {} owns the most optimizer state, {} of {} in all (whole tensors "
+        "balanced by element count); weights{} and EMA stay whole on every rank",
+        p.zero_stage, world_size, most - per_rank.begin(), format_bytes(*most), format_bytes(state),
+        p.zero_stage >= 2 ? "" : " and gradients"));
+    if (p.zero_stage >= 2) {
+      p.notes.push_back(
+          "stage 2 reduces each gradient to its owner after backward, when every gradient exists on every rank: "
+          "the peak (the start of that reduction) is stage 1's; only the optimizer step holds fewer gradients");
+    }
+    state = *most;
   }
   p.largest_parameter = largest;
   p.ema_bytes = c.ema_decay > 0 ? p.parameters * 4 : 0;
@@ -410,7 +461,8 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size) {
     const int64_t norm_tmp = largest * ((grad_elem == 2 && !bridge) ? 8 : 4);
     const int64_t step_tmp = largest * 4 + scratch + staging;
     const int64_t ema_tmp = (p.ema_bytes > 0 && weight_elem == 2) ? largest * 4 : 0;
-    b[kT] += std::max({norm_tmp, step_tmp, ema_tmp});
+    p.communication_bytes = world_size > 1 ? reduction_buffer_bytes(numel_of_trained) : 0;
+    b[kT] += std::max({norm_tmp, step_tmp, ema_tmp, p.communication_bytes});
     for (int64_t v : b) peak_b += v;
     if (bridge) {
       // The moment of the copy: the gradients as backward left them and their fp32 copies.

@@ -55,6 +55,15 @@ struct MemoryPlan {
   /// Device costs beyond the tensors (plan/device_costs.h, CUDA only),
   /// already included in the peaks; 0 on the CPU.
   int64_t device_fixed_bytes = 0;
+  /// Several processes: the world size planned for and the ZeRO stage in
+  /// effect (0 with one process); the bytes are one rank's (the rank owning
+  /// the most optimizer state).
+  int world_size = 1;
+  int64_t zero_stage = 0;
+  /// fp32 gradient buckets of the reduction over ranks held at once (two in
+  /// flight), counted as temporaries of the optimizer-step phase; 0 for one
+  /// process.
+  int64_t communication_bytes = 0;
 
   /// {"predicted_peak_bytes", "first_step_peak_bytes", "<category>_bytes" for
   /// weights, gradients, optimizer_state, activations, temporaries (at the
@@ -87,7 +96,18 @@ struct MemoryPlan {
 /// real architectures). Throws shoestring::Error for an architecture the
 /// planner does not know, LoRA on tiny-unet, invalid model options or an
 /// invalid policy (precision::resolve's errors).
-MemoryPlan plan_memory(const TrainConfig& config, int64_t vocab_size);
+///
+/// `world_size` > 1 plans one rank of a data-parallel run of that many
+/// processes (the launcher's WORLD_SIZE): zero_stage >= 1 shards the
+/// optimizer state by whole tensors as dist::TensorOwnership does (the plan
+/// is of the rank owning the most), and the gradient reduction's fp32
+/// buckets join the optimizer-step phase's temporaries. With the ZeRO
+/// paper's notation (Rajbhandari et al., arXiv 1910.02054) and bf16 weights
+/// and gradients, AdamW's fp32 state (K = 8 bytes per parameter) gives
+/// 2Psi + 2Psi + 8Psi/N at stage 1 (plus at most the largest tensor's state);
+/// stage 2 holds the same at its peak (see the plan's notes). Throws
+/// shoestring::Error for world_size < 1.
+MemoryPlan plan_memory(const TrainConfig& config, int64_t vocab_size, int world_size = 1);
 
 /// One proposal of advise().
 struct Proposal {

@@ -1,0 +1,77 @@
+// The planner for several processes (plan_memory's world_size): ZeRO stages
+// 1-2 shard the optimizer state as dist::TensorOwnership assigns the
+// tensors, so one rank's state is what its owned tensors need (AdamW's fp32
+// m and v: 8 bytes per element, docs/optimizers/), and the per-rank model
+// states follow the ZeRO paper's stage-1 formula (Rajbhandari et al.,
+// arXiv 1910.02054, with bf16 weights and gradients and K = 8):
+// 2 Psi + 2 Psi + 8 Psi / N, plus at most the largest tensor's state.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+
+#include <torch/torch.h>
+
+#include "../error_testing.h"
+#include "shoestring/dist/zero.h"
+#include "shoestring/models/architecture.h"
+#include "shoestring/nn/layers.h"
+#include "shoestring/plan/memory_plan.h"
+#include "shoestring/train/config.h"
+
+using namespace shoestring;
+
+namespace {
+
+TrainConfig zero_config(int64_t stage) {
+  return parse_config(fmt::format("resolution = 32\ntrain_batch_size = 1\nfull_bf16 = true\nzero_stage = {}\n"
+                                  "[model]\narchitecture = \"sdxl\"\ntiny = true\n",
+                                  stage),
+                      "zero.toml");
+}
+
+}  // namespace
+
+TEST(ZeroPlan, OptimizerStateIsTheLargestRanksOwnedTensors) {
+  // The trainable tensors, in the order the trainer hands them to ZeroSharding.
+  auto model = models::build_architecture("sdxl", nn::LayerInit{torch::kMeta}, /*tiny=*/true);
+  std::vector<int64_t> numels;
+  for (const auto& p : model->parameters()) numels.push_back(p.numel());
+  int64_t psi = 0, largest = 0;
+  for (int64_t n : numels) {
+    psi += n;
+    largest = std::max(largest, n);
+  }
+  const plan::MemoryPlan one = plan::plan_memory(zero_config(1), plan::kDefaultVocabSize, 1);
+  EXPECT_EQ(one.optimizer_state_bytes, 8 * psi);  // one process: nothing is sharded
+  EXPECT_EQ(one.communication_bytes, 0);
+  EXPECT_EQ(one.weights_bytes, 2 * psi);
+  for (const int world : {2, 4}) {
+    for (const int64_t stage : {1, 2}) {
+      const plan::MemoryPlan p = plan::plan_memory(zero_config(stage), plan::kDefaultVocabSize, world);
+      const dist::TensorOwnership owners(numels, world);
+      int64_t most = 0;
+      for (int r = 0; r < world; ++r) most = std::max(most, owners.elements_of(r));
+      EXPECT_EQ(p.optimizer_state_bytes, 8 * most) << "world " << world << " stage " << stage;
+      // The paper's per-rank model states at stage 1: 2 Psi + 2 Psi + K Psi / N.
+      const int64_t paper = 2 * psi + 2 * psi + 8 * psi / world;
+      const int64_t model_states = p.weights_bytes + 2 * psi + p.optimizer_state_bytes;
+      EXPECT_GE(model_states, paper) << world;
+      EXPECT_LE(model_states, paper + 8 * largest) << world;
+      EXPECT_EQ(p.world_size, world);
+      EXPECT_EQ(p.zero_stage, stage);
+      // Two fp32 buckets in flight, each at most 25 MiB or one larger tensor;
+      // a bucket closes only when the next tensor would overflow it, so a
+      // pair holds more than 25 MiB when the gradients do.
+      const int64_t cap = int64_t{25} << 20;
+      ASSERT_GT(4 * psi, cap);
+      EXPECT_GT(p.communication_bytes, cap);
+      EXPECT_LE(p.communication_bytes, 2 * std::max(cap, 4 * largest));
+      EXPECT_LT(p.predicted_peak_bytes, one.predicted_peak_bytes + p.communication_bytes) << world;
+    }
+  }
+  // zero_stage 0 (plain data parallel) keeps the whole state on every rank.
+  EXPECT_EQ(plan::plan_memory(zero_config(0), plan::kDefaultVocabSize, 4).optimizer_state_bytes, 8 * psi);
+  EXPECT_NE(shoestring::testing::error_of([] { plan::plan_memory(zero_config(1), plan::kDefaultVocabSize, 0); })
+                .find("world size"),
+            std::string::npos);
+}
