@@ -256,3 +256,29 @@ TEST(WeightFiles, Fp8TensorsLoadAsTheirPublishedValues) {
   EXPECT_NE(e.find("\"w\""), std::string::npos) << e;
   EXPECT_NE(e.find("non-finite"), std::string::npos) << e;
 }
+
+// get_values: F8 bit patterns come back as their values in bf16 (exact) where
+// libtorch has no float8 dtype, so copies and casts of a file's tensors
+// (final files, convert) never write fp8 bytes out as integers; and integer
+// tensors are never loaded into floating-point parameters as numbers.
+TEST(WeightFiles, Fp8ValuesAndIntegerTensorsIntoFloats) {
+  TempDir dir;
+  const std::string path = dir.file("mixed.safetensors");
+  const at::Tensor bytes = torch::tensor({0x38, 0xC0, 0x01}, torch::kLong).to(torch::kByte);  // 1, -2, 2^-9
+  shoestring::save_safetensors(path, {{"f8", bytes.view(shoestring::compat::fp8_storage_dtype(true)),
+                                       shoestring::StDtype::F8_E4M3},
+                                      {"u8", bytes, shoestring::StDtype::U8}});
+  const WeightFiles files = WeightFiles::open(path);
+  const at::Tensor v = files.get_values("f8");
+  EXPECT_TRUE(v.is_floating_point());
+  EXPECT_TRUE(torch::equal(v.to(torch::kDouble), torch::tensor({1.0, -2.0, std::ldexp(1.0, -9)}, torch::kDouble)));
+  EXPECT_EQ(files.get_values("u8").scalar_type(), torch::kByte);  // other dtypes as stored
+  struct U : torch::nn::Module {
+    U() { w = register_parameter("u8", torch::zeros({3})); }
+    torch::Tensor w;
+  } m;
+  shoestring::LoadWeightsOptions partial;
+  partial.allow_partial = true;
+  const std::string e = error_of([&] { shoestring::load_weights(m, files, partial); });
+  EXPECT_NE(e.find("\"u8\" is U8 (integers)"), std::string::npos) << e;
+}

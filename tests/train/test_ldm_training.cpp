@@ -393,6 +393,16 @@ TEST(LdmTraining, KohyaLossOptionsTrainFinite) {
     });
   };
   EXPECT_NE(error_for("adaptive_noise_scale = 0.1\n").find("noise_offset"), std::string::npos);
+  {
+    // Refused before the run folder is written (a rerun with a fixed value then starts afresh).
+    const std::string out = temp_dir("loss_bad_huber");
+    const std::string e = shoestring::testing::error_of([&] {
+      train(ldm_config("sd15", out, "loss_type = \"huber\"\nhuber_schedule = \"exponential\"\nhuber_c = 2\n"),
+            quiet());
+    });
+    EXPECT_NE(e.find("(0, 1]"), std::string::npos) << e;
+    EXPECT_FALSE(fs::exists(fs::path(out) / "metrics.jsonl"));
+  }
   const std::string e = error_for(fmt::format("train_data_dir = \"{}/twemoji\"\nloss_type = \"huber\"\n"
                                               "output_dir = \"{}\"\n",
                                               SHOESTRING_TEST_DATA, temp_dir("loss_bad_emoji")),

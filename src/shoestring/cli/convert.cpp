@@ -220,7 +220,7 @@ void run_convert(const ConvertOptions& o) {
   std::vector<NamedTensor> out;
   int64_t bytes = 0;
   for (const auto& p : plan) {
-    at::Tensor t = files.get(p.in_name);
+    at::Tensor t = files.get_values(p.in_name);  // fp8 bytes (libtorch < 2.1) as bf16 values
     if (t.sizes().vec() != p.out_shape) t = t.reshape(p.out_shape);
     std::optional<at::ScalarType> c;
     if (cast && t.is_floating_point() && t.scalar_type() != *cast) {

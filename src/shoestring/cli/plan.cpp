@@ -12,6 +12,7 @@
 #include "shoestring/dist/launch_env.h"
 #include "shoestring/plan/explain.h"
 #include "shoestring/plan/memory_plan.h"
+#include "shoestring/train/training_model.h"
 #include "shoestring/train/config.h"
 
 namespace shoestring::cli {
@@ -83,6 +84,7 @@ void register_plan(CLI::App& app) {
     if (!fs::exists(args->config)) fail("config file '{}' does not exist", args->config);
     if (fs::is_directory(args->config)) fail("config '{}' is a directory, expected a TOML file", args->config);
     TrainConfig config = load_config(args->config, args->sets);
+    check_training_config(config);  // what train would refuse, refused here too
     const int world = args->world_size > 0 ? args->world_size : dist::launch_environment().world_size;
     plan::MemoryPlan p = plan::plan_memory(config, args->vocab_size, world);
     nlohmann::json out = p.to_json();

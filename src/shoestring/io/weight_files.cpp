@@ -136,6 +136,15 @@ at::Tensor WeightFiles::get(const std::string& name) const {
   return files_[it->second].get(name);
 }
 
+at::Tensor WeightFiles::get_values(const std::string& name) const {
+  at::Tensor t = get(name);
+  const TensorInfo* info = find(name);
+  const bool f8 = info->dtype == StDtype::F8_E4M3 || info->dtype == StDtype::F8_E5M2;
+  if (!f8 || t.scalar_type() != at::kByte) return t;
+  return fp8_decode_tensor(t, info->dtype == StDtype::F8_E4M3 ? Fp8Format::e4m3fn : Fp8Format::e5m2, 1.0,
+                           at::kBFloat16);
+}
+
 uint64_t WeightFiles::data_bytes() const {
   uint64_t n = 0;
   for (const auto& f : files_) n += f.data_size();
@@ -234,6 +243,10 @@ LoadWeightsReport load_weights(torch::nn::Module& module, const WeightFiles& fil
                                        1.0, dtype)
                    : source.to(dtype);
     }
+    if (!f8 && at::isFloatingType(target.scalar_type()) && !source.is_floating_point())
+      fail("{}: tensor \"{}\" is {} (integers) and cannot be loaded into the floating-point \"{}\" ({}); a "
+           "file whose weights were written as raw bytes is damaged",
+           files.path(), it->second, to_string(info->dtype), name, c10::toString(target.scalar_type()));
     const bool check = options.require_finite && parameters.count(name) && source.is_floating_point();
     if (check) require_finite(source, files.path(), it->second, "");
     target.copy_(source);

@@ -42,6 +42,13 @@ class WeightFiles {
   /// A read-only CPU view of `name` in its file dtype (see SafetensorsFile::get).
   /// Throws shoestring::Error naming the tensor and path when absent.
   at::Tensor get(const std::string& name) const;
+  /// get(name) as values: an F8_E4M3 / F8_E5M2 tensor that this libtorch
+  /// holds as its bit patterns (uint8, libtorch < 2.1) comes back decoded to
+  /// bf16, which holds every fp8 value exactly (core/fp8.h); with a float8
+  /// dtype (>= 2.1) and for every other dtype it is get(name). For code that
+  /// copies or casts a file's tensors (final files, convert), so fp8 bytes are
+  /// never written out as integers (U8). Throws as get().
+  at::Tensor get_values(const std::string& name) const;
   /// "__metadata__" of the single file, or of the index's first shard merged
   /// with the index's own "metadata" strings.
   const std::map<std::string, std::string>& metadata() const { return metadata_; }

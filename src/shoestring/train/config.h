@@ -186,6 +186,11 @@ precision::ComputeHardware compute_hardware(const TrainConfig& config);
 /// expand_path and canonicalisation; ema_decay compares as "> 0".
 std::vector<std::string> resume_differences(const TrainConfig& was, const TrainConfig& now);
 
+/// Every key (but output_dir) whose value differs between `was` and `now`,
+/// rendered as resume_differences renders them, in schema order: what a
+/// resumed run changes (learning rate, loss options, ...) and logs.
+std::vector<std::string> changed_keys(const TrainConfig& was, const TrainConfig& now);
+
 /// Keys set away from their defaults that the model family of `config` does
 /// not read (schema flags kEmojiModelOnly / kReleasedModelOnly), in schema
 /// order. `emoji_model`: the config trains the emoji example's tiny-unet.

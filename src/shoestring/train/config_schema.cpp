@@ -210,7 +210,10 @@ const std::vector<Field>& schema() {
             -kInf,
             kInf,
             {"snr", "exponential", "constant"}},
-      {"huber_c", &TrainConfig::huber_c, "huber / smooth_l1 threshold parameter (kohya's default 0.1)", 1e-6, 1e6},
+      {"huber_c", &TrainConfig::huber_c,
+       "huber / smooth_l1 threshold parameter (kohya's default 0.1); in (0, 1] with the snr and exponential "
+       "schedules",
+       1e-6, 1e6},
       {"huber_scale", &TrainConfig::huber_scale, "multiplies the constant and exponential huber thresholds", 1e-6,
        1e6},
       Field{"min_snr_gamma", &TrainConfig::min_snr_gamma,
@@ -219,7 +222,8 @@ const std::vector<Field>& schema() {
             0, 1e6}
           .with(kReleasedModelOnly),
       Field{"debiased_estimation_loss", &TrainConfig::debiased_estimation_loss,
-            "debiased estimation loss weighting (arXiv 2310.08442): 1/sqrt(SNR), v-prediction 1/(SNR+1)"}
+            "debiased estimation loss weighting (arXiv 2310.08442): 1/sqrt(min(SNR, 1000)), v-prediction "
+            "1/(min(SNR, 1000)+1)"}
           .with(kReleasedModelOnly),
       Field{"noise_offset", &TrainConfig::noise_offset,
             "offset noise: add this x a per-sample, per-channel normal to the noise (about 0.1 is common); 0 = off",
@@ -432,6 +436,17 @@ std::vector<std::string> resume_differences(const TrainConfig& was, const TrainC
     } else {
       continue;
     }
+    if (a != b) diffs.push_back(fmt::format("{} (run: \"{}\", now: \"{}\")", key, a, b));
+  }
+  return diffs;
+}
+
+std::vector<std::string> changed_keys(const TrainConfig& was, const TrainConfig& now) {
+  std::vector<std::string> diffs;
+  for (const auto& f : schema()) {
+    const std::string key = f.key;
+    if (key == "output_dir") continue;  // a resume names the run folder itself
+    const std::string a = render_value(was, f), b = render_value(now, f);
     if (a != b) diffs.push_back(fmt::format("{} (run: \"{}\", now: \"{}\")", key, a, b));
   }
   return diffs;

@@ -530,7 +530,7 @@ std::vector<std::pair<std::string, at::Tensor>> LdmTrainingModel::companion_tens
     for (const auto& n : base_->names()) {
       if (unet_prefix.empty()) break;  // a bare UNet file: nothing beside it
       if (starts_with(n, kUNetPrefix) || (own_vae && starts_with(n, kVaePrefix))) continue;
-      out.emplace_back(n, base_->get(n));
+      out.emplace_back(n, base_->get_values(n));  // fp8 bytes (libtorch < 2.1) as bf16 values
     }
   }
   if (own_vae || !base_) {

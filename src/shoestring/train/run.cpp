@@ -104,13 +104,20 @@ void refuse_if_finished(const std::string& run_dir, int64_t step, int64_t max_tr
 void check_resume(const std::string& run_dir, const std::string& checkpoint_dir, const TrainConfig& now) {
   const fs::path recorded = fs::path(run_dir) / "config.toml";
   if (fs::exists(recorded)) {
-    const std::vector<std::string> diffs = resume_differences(load_config(recorded.string()), now);
+    const TrainConfig was = load_config(recorded.string());
+    const std::vector<std::string> diffs = resume_differences(was, now);
     if (!diffs.empty()) {
       fail(
           "--resume {}: this config differs from the run's own ({}) in what its checkpoint depends on: {}; "
           "resume with the run's config (`shoestring train --resume {}`, with --max-steps N to train further)",
           run_dir, recorded.string(), fmt::join(diffs, "; "), run_dir);
     }
+    // What may change on resume (as kohya's --resume allows) is said, since
+    // config.toml is rewritten with the new values.
+    const std::vector<std::string> changed = changed_keys(was, now);
+    if (!changed.empty())
+      spdlog::warn("--resume {}: from here on the run trains with changed settings: {}", run_dir,
+                   fmt::join(changed, "; "));
   }
   // "step-000123" (checkpoint folders are named by step_name()).
   const std::string name = fs::path(checkpoint_dir).filename().string();
@@ -379,7 +386,12 @@ void save_lora(const Run& run, const std::string& path, int64_t step, bool final
 /// ranks other than 0 then log errors only. Returns the environment.
 dist::LaunchEnvironment join_process_group(Run& run) {
   const dist::LaunchEnvironment env = dist::launch_environment();
-  if (!env.distributed()) return env;
+  if (!env.distributed()) {
+    if (run.config.zero_stage > 0)
+      spdlog::warn("zero_stage = {} has no effect in one process (WORLD_SIZE unset or 1): nothing is sharded",
+                   run.config.zero_stage);
+    return env;
+  }
   if (!run.device.is_cpu()) {
     fail(
         "WORLD_SIZE = {}: several processes train on the CPU only for now (Gloo; NCCL is not wired in), but device "
@@ -438,6 +450,8 @@ std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions&
   run.device = resolve_device(config.device, "device");
   run.device_note = adapt_precision_to_device(run.config, run.device);
   run.run_dir = options.resume_dir.value_or(expand_path(config.output_dir));
+  // Contradictions in the config fail before the run folder is touched.
+  check_training_config(run.config);
   const dist::LaunchEnvironment launch = join_process_group(run);
   if (run.writes_files()) {
     prepare_run_dir(run, options);
@@ -446,7 +460,6 @@ std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions&
   }
   const TrainConfig& c = run.config;
 
-  check_training_config(c);
   MemoryLedger::global().install();
   // Processes on one machine share its CPUs (unless num_threads says otherwise).
   run.threads = c.num_threads > 0 || launch.local_world_size == 1

@@ -35,15 +35,31 @@ void check_training_config(const TrainConfig& config) {
         "cannot change captions per step; remove it (kohya refuses it with cached text-encoder outputs too)",
         config.shuffle_caption ? "shuffle_caption" : "caption_tag_dropout_rate", config.architecture);
   }
-  if (config.adaptive_noise_scale != 0 && !(config.noise_offset > 0))
+  if (config.keep_tokens > 0 && !config.shuffle_caption && !(config.caption_tag_dropout_rate > 0))
+    spdlog::warn(
+        "keep_tokens = {} has no effect without shuffle_caption or caption_tag_dropout_rate (it only protects the "
+        "leading tags from them)",
+        config.keep_tokens);
+  if (a.family != models::Family::tiny_unet && config.adaptive_noise_scale != 0 && !(config.noise_offset > 0))
     fail("adaptive_noise_scale = {} needs noise_offset > 0 (it is added to the offset; kohya refuses it too)",
          config.adaptive_noise_scale);
+  const bool huber = config.loss_type == "huber" || config.loss_type == "smooth_l1";
+  if (!huber && (config.huber_schedule != TrainConfig{}.huber_schedule || config.huber_c != TrainConfig{}.huber_c ||
+                 config.huber_scale != TrainConfig{}.huber_scale))
+    spdlog::warn("huber_schedule, huber_c and huber_scale apply to loss_type huber or smooth_l1 only; loss_type = "
+                 "\"{}\" ignores them",
+                 config.loss_type);
+  if (huber && config.huber_schedule != "constant" && !(config.huber_c > 0 && config.huber_c <= 1))
+    fail("huber_c = {} with huber_schedule = \"{}\": that schedule needs huber_c in (0, 1] (it is the threshold at "
+         "the noisiest timestep); use huber_schedule = \"constant\" for a fixed threshold of any size",
+         config.huber_c, config.huber_schedule);
   if (a.family == models::Family::tiny_unet) {
-    if ((config.loss_type == "huber" || config.loss_type == "smooth_l1") && config.huber_schedule != "constant")
+    if (huber && config.huber_schedule != "constant")
       fail(
-          "loss_type = \"{}\" with huber_schedule = \"{}\": that schedule follows the DDPM timesteps of the "
+          "loss_type = \"{}\" with huber_schedule = \"{}\"{}: that schedule follows the DDPM timesteps of the "
           "released UNets; the emoji model (flow matching) needs huber_schedule = \"constant\"",
-          config.loss_type, config.huber_schedule);
+          config.loss_type, config.huber_schedule,
+          config.huber_schedule == TrainConfig{}.huber_schedule ? " (the default, as kohya's)" : "");
     if (config.tiny) fail("model.tiny applies to released architectures; tiny-unet is sized by model.base_channels");
   } else if (!a.trainable_from_config) {
     fail(
