@@ -85,7 +85,10 @@ int check_run(const char* key) {
   for (const char* sname : {"ema", "ema_squared", "prev_grad"}) {
     for (size_t i = 0; i < np; ++i) {
       const std::string name = "p" + std::to_string(i) + "." + sname;
-      ASSERT_TRUE(state.count(name)) << name;
+      if (!state.count(name)) {
+        ADD_FAILURE() << "no state tensor " << name;
+        continue;
+      }
       EXPECT_LT(max_rel(state[name], from_list(run["final_state"][sname][i], ref["shapes"][i])), 1e-5) << key << name;
     }
   }
