@@ -83,7 +83,8 @@ std::string OptimizerArgs::get_choice(const std::string& key, const std::string&
   if (!has(key)) return fallback;
   std::string v = values_.at(key);
   if (v.size() >= 2 && (v.front() == '"' || v.front() == '\'') && v.back() == v.front()) v = v.substr(1, v.size() - 2);
-  if (std::find(allowed.begin(), allowed.end(), v) == allowed.end()) bad(key, fmt::format("one of {}", fmt::join(allowed, ", ")));
+  if (std::find(allowed.begin(), allowed.end(), v) == allowed.end())
+    bad(key, fmt::format("one of {}", fmt::join(allowed, ", ")));
   return v;
 }
 

@@ -56,8 +56,7 @@ at::Tensor Sparkles::permutation(int64_t n, RoundingKey key) {
 void Sparkles::update(size_t index, const at::Tensor& grad_in, double lr, int64_t step) {
   at::Tensor& live = params_[index].param;
   if (grad_in.numel() != live.numel()) {
-    fail("SPARKLES: gradient of '{}' has {} elements, expected {}", params_[index].name, grad_in.numel(),
-         live.numel());
+    fail("SPARKLES: gradient of '{}' has {} elements, expected {}", params_[index].name, grad_in.numel(), live.numel());
   }
   const double wd = params_[index].weight_decay;
   if (!has_state(index, "ema")) {
