@@ -1,14 +1,17 @@
 // bench/precision_convergence: how far low-precision training falls behind
 // fp32 on the same diffusion problem, same data, same seed.
 //
-//   build/bench/precision_convergence [--steps 300] [--set k=v]... [--only NAME] [--json]
+//   build/bench/precision_convergence [--steps 300] [--set k=v]... [--only NAME]... [--json]
 //
 // Trains a small text-conditioned UNet (the emoji example shrunk to 16 px so
 // six runs fit in minutes on 2 cores) under: fp32 AdamW; bf16 weights with
 // round-to-nearest AdamW; bf16 with stochastic rounding (SR) AdamW, AdamW8bit,
-// Adafactor and Compass. Prints each configuration's final loss (mean of the
-// last 10% of steps) and its ratio to fp32's. Uses the Twemoji set when it has
+// Adafactor, Compass and SPARKLES (the bf16 LoRA guide's arguments). Prints
+// each configuration's final loss (mean of the last 10% of steps) and its
+// ratio to fp32's (when "fp32 AdamW" runs too: `--only "fp32 AdamW" --only
+// "bf16-sr SPARKLES"`). Uses the Twemoji set when it has
 // been fetched (scripts/fetch_twemoji.sh), else the test fixtures.
+#include <algorithm>
 #include <filesystem>
 #include <iostream>
 
@@ -34,11 +37,11 @@ int main(int argc, char** argv) {
   CLI::App app{"precision convergence benchmark"};
   int64_t steps = 300;
   std::vector<std::string> extra;
-  std::string only;
+  std::vector<std::string> only;
   bool json = false;
   app.add_option("--steps", steps, "optimizer steps per configuration")->check(CLI::Range(10, 1000000));
   app.add_option("--set", extra, "extra config override for every configuration");
-  app.add_option("--only", only, "run only the configuration with this name");
+  app.add_option("--only", only, "run only the configurations with these names (repeatable)");
   app.add_flag("--json", json, "one JSON object per configuration");
   CLI11_PARSE(app, argc, argv);
   shoestring::bench::print_machine(json);
@@ -55,6 +58,10 @@ int main(int argc, char** argv) {
       {"bf16-sr AdamW8bit", {"full_bf16=true", "optimizer_type=\"AdamW8bit\""}},
       {"bf16-sr Adafactor", {"full_bf16=true", "optimizer_type=\"Adafactor\"", adafactor_args[0]}},
       {"bf16-sr Compass", {"full_bf16=true", "optimizer_type=\"Compass\""}},
+      {"bf16-sr SPARKLES",
+       {"full_bf16=true", "optimizer_type=\"SPARKLES\"",
+        "optimizer_args=[\"centralization=0.5\", \"normalization=0.5\", \"amp_fac=2\", "
+        "\"stochastic_threshold=1e-6\"]"}},
   };
   try {
     double fp32_loss = std::nan("");
@@ -63,7 +70,7 @@ int main(int argc, char** argv) {
                                "final loss", "vs fp32", "s/step");
     }
     for (const auto& s : setups) {
-      if (!only.empty() && only != s.name) continue;
+      if (!only.empty() && std::find(only.begin(), only.end(), s.name) == only.end()) continue;
       std::string out = (fs::temp_directory_path() / ("shoestring_conv_" + std::to_string(::getpid()))).string();
       fs::remove_all(out);
       std::vector<std::string> sets = {"train_data_dir=\"" + data + "\"",

@@ -116,6 +116,11 @@ TEST(DeviceGeneric, AdamW8bitSameBitsAsFusedKernel) {
 
 TEST(DeviceGeneric, CompassIsOneOpChainOnEveryPath) { expect_identical("Compass", {}, torch::kBFloat16); }
 
+TEST(DeviceGeneric, SparklesIsOneOpChainOnEveryPath) {
+  // The permutation fires on every step after the first (its indices come from the CPU on every path).
+  expect_identical("SPARKLES", {"stochastic_threshold=1e9", "weight_decay=0.1"}, torch::kBFloat16);
+}
+
 TEST(DeviceGeneric, AdafactorOpChainMatchesFusedKernelToRounding) {
   // (A NaN gradient element would poison a whole factored row and column: none here.)
   const Trajectory fused = run("Adafactor", {}, torch::kFloat, false, /*nan_element=*/false);

@@ -11,6 +11,7 @@
 #include "shoestring/optim/adafactor.h"
 #include "shoestring/optim/fused_backward.h"
 #include "shoestring/optim/grad_hooks.h"
+#include "shoestring/optim/sparkles.h"
 
 using namespace shoestring;
 
@@ -123,6 +124,26 @@ TEST(FusedBackward, MatchesBackwardThenStepWithoutAccumulation) {
   EXPECT_EQ(fused_opt.step_count(), 4);
   EXPECT_EQ(results.back().params_stepped, 6);
   EXPECT_TRUE(results.back().finite);
+}
+
+TEST(FusedBackward, SparklesMatchesBackwardThenStep) {
+  // SPARKLES needs only its own parameter's gradient (its centralization,
+  // normalization and permutation are per tensor), so it runs inside backward.
+  auto data = make_batches(8, 6, 3, 2);
+  Mlp ref({6, 8, 8, 3}), fused({6, 8, 8, 3});
+  SparklesOptions so;
+  so.stochastic_threshold = 1e9;  // permute on every step after the first
+  Sparkles ref_opt(ref.optim_params(), so, {});
+  Sparkles fused_opt(fused.optim_params(), so, {});
+  reference_train(ref, ref_opt, data, 2, 4, 1e-2, Clip::none, 0);
+  FusedBackwardOptions o;
+  o.accumulation_steps = 2;
+  FusedBackward fb(fused_opt, o);
+  auto results = fused_train(fused, fb, data, 2, 4, 1e-2);
+  EXPECT_LT(max_abs_diff(ref, fused), 1e-6);
+  EXPECT_EQ(fused_opt.step_count(), 4);
+  EXPECT_EQ(results.back().params_stepped, 6);
+  EXPECT_TRUE(fused_opt.permuted_last_step(0));
 }
 
 TEST(FusedBackward, AccumulationOverThreeMicroBatchesMatchesAutogradAccumulation) {

@@ -42,6 +42,7 @@ TEST(OptimizerStateSize, MatchesTheStateTensorsAfterOneStep) {
       {"Adafactor", {"beta1=0.9", "relative_step=False"}},
       {"Lion", {}},
       {"Compass", {}},
+      {"SPARKLES", {}},
   };
   // 1-D, odd sizes around the 8-bit threshold (4096) and the 64 / 256 blocks,
   // 2-D and 4-D (Adafactor factors them), an empty tensor.
@@ -73,7 +74,7 @@ TEST(OptimizerStateSize, MatchesTheStateTensorsAfterOneStep) {
       }
     }
   }
-  EXPECT_EQ(checked, 8 * 2 * 2 * 12);
+  EXPECT_EQ(checked, 9 * 2 * 2 * 12);
 }
 
 TEST(OptimizerStateSize, UnknownOptimizerThrows) {

@@ -5,11 +5,12 @@
 #include "shoestring/optim/adamw8bit.h"
 #include "shoestring/optim/compass.h"
 #include "shoestring/optim/lion.h"
+#include "shoestring/optim/sparkles.h"
 
 namespace shoestring {
 
 const std::vector<std::string>& optimizer_names() {
-  static const std::vector<std::string> names = {"AdamW", "AdamW8bit", "Adafactor", "Lion", "Compass"};
+  static const std::vector<std::string> names = {"AdamW", "AdamW8bit", "Adafactor", "Lion", "Compass", "SPARKLES"};
   return names;
 }
 
@@ -32,6 +33,8 @@ void validate_optimizer(const std::string& type, const std::vector<std::string>&
     parse_lion_args(args);
   } else if (type == "Compass") {
     parse_compass_args(args);
+  } else if (type == "SPARKLES") {
+    parse_sparkles_args(args);
   } else {
     fail("optimizer_type \"{}\" is not known (valid: {})", type, fmt::join(optimizer_names(), ", "));
   }
@@ -45,6 +48,10 @@ OptimizerStateSize optimizer_state_size(const std::string& type, const std::vect
   if (type == "Adafactor") return Adafactor::state_size(shape, parse_adafactor_args(args), options, param_dtype);
   if (type == "Lion") return Lion::state_size(shape, options);
   if (type == "Compass") return Compass::state_size(shape, options);
+  if (type == "SPARKLES") {
+    parse_sparkles_args(args);  // throws on a bad argument, as make_optimizer would
+    return Sparkles::state_size(shape, options);
+  }
   validate_optimizer(type, args);  // throws: unknown type
   return {};
 }
@@ -68,6 +75,10 @@ std::unique_ptr<Optimizer> make_optimizer(const std::string& type, const std::ve
   if (type == "Lion") {
     auto o = parse_lion_args(args);
     return std::make_unique<Lion>(with_decay(params, o.weight_decay), o, options);
+  }
+  if (type == "SPARKLES") {
+    auto o = parse_sparkles_args(args);
+    return std::make_unique<Sparkles>(with_decay(params, o.weight_decay), o, options);
   }
   auto o = parse_compass_args(args);
   return std::make_unique<Compass>(with_decay(params, o.weight_decay), o, options);

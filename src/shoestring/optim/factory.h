@@ -12,7 +12,8 @@
 
 namespace shoestring {
 
-/// Valid optimizer_type values: "AdamW", "AdamW8bit", "Adafactor", "Lion", "Compass".
+/// Valid optimizer_type values: "AdamW", "AdamW8bit", "Adafactor", "Lion", "Compass",
+/// "SPARKLES".
 const std::vector<std::string>& optimizer_names();
 
 /// Builds the optimizer `type` over named trainable parameters. Weight decay
@@ -28,7 +29,8 @@ std::unique_ptr<Optimizer> make_optimizer(const std::string& type, const std::ve
 /// The state and update scratch optimizer `type` (with `args` parsed as
 /// make_optimizer parses them and `options`' state dtype) holds for one
 /// parameter of `shape` stored in `param_dtype`: the optimizer class's static
-/// state_size() (AdamW, AdamW8bit, Adafactor, Lion, Compass). Throws
+/// state_size() (AdamW, AdamW8bit, Adafactor, Lion, Compass,
+/// SPARKLES). Throws
 /// shoestring::Error for an unknown type or argument, as validate_optimizer.
 OptimizerStateSize optimizer_state_size(const std::string& type, const std::vector<std::string>& args,
                                         at::IntArrayRef shape, at::ScalarType param_dtype,

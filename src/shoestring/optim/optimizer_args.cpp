@@ -78,6 +78,16 @@ std::pair<double, double> OptimizerArgs::get_pair(const std::string& key, std::p
   return {*a, *b};
 }
 
+std::string OptimizerArgs::get_choice(const std::string& key, const std::string& fallback,
+                                      const std::vector<std::string>& allowed) const {
+  if (!has(key)) return fallback;
+  std::string v = values_.at(key);
+  if (v.size() >= 2 && (v.front() == '"' || v.front() == '\'') && v.back() == v.front()) v = v.substr(1, v.size() - 2);
+  if (std::find(allowed.begin(), allowed.end(), v) == allowed.end())
+    bad(key, fmt::format("one of {}", fmt::join(allowed, ", ")));
+  return v;
+}
+
 std::optional<double> OptimizerArgs::get_optional_double(const std::string& key, std::optional<double> fallback) const {
   if (!has(key)) return fallback;
   std::string v = values_.at(key);

@@ -25,6 +25,11 @@ class OptimizerArgs {
   bool get_bool(const std::string& key, bool fallback) const;
   /// Two numbers "a,b" (betas, eps pairs). Also accepts "(a,b)" / "[a,b]".
   std::pair<double, double> get_pair(const std::string& key, std::pair<double, double> fallback) const;
+  /// A word, e.g. "global"; surrounding single or double quotes are dropped
+  /// (kohya passes Python literals). Values outside `allowed` are rejected,
+  /// naming the key and listing `allowed`.
+  std::string get_choice(const std::string& key, const std::string& fallback,
+                         const std::vector<std::string>& allowed) const;
   /// An optional number: "None" gives std::nullopt (Adafactor's beta1).
   std::optional<double> get_optional_double(const std::string& key, std::optional<double> fallback) const;
 

@@ -76,7 +76,9 @@ Advice advise(const TrainConfig& config, int64_t vocab_size, int64_t budget) {
        [](const TrainConfig& c) { return !c.fused_backward_pass; },
        [](TrainConfig& c) { c.fused_backward_pass = true; }},
       {"optimizer_type = \"AdamW8bit\"", 1.02, "8-bit AdamW state: ~2% slower steps",
-       [](const TrainConfig& c) { return c.optimizer_type == "AdamW" || c.optimizer_type == "Compass"; },
+       [](const TrainConfig& c) {
+         return c.optimizer_type == "AdamW" || c.optimizer_type == "Compass" || c.optimizer_type == "SPARKLES";
+       },
        [](TrainConfig& c) {
          c.optimizer_type = "AdamW8bit";
          c.optimizer_args.erase(std::remove_if(c.optimizer_args.begin(), c.optimizer_args.end(),

@@ -92,7 +92,7 @@ const std::vector<Field>& schema() {
             "optimizer (kohya name)",
             -kInf,
             kInf,
-            {"AdamW", "AdamW8bit", "Adafactor", "Lion", "Compass"}}
+            {"AdamW", "AdamW8bit", "Adafactor", "Lion", "Compass", "SPARKLES"}}
           .with(kResumeValue),
       {"optimizer_args", &TrainConfig::optimizer_args,
        "optimizer arguments as \"key=value\" strings, e.g. [\"weight_decay=0.01\", \"betas=0.9,0.999\"]"},

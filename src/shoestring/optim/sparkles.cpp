@@ -1,0 +1,171 @@
+#include "shoestring/optim/sparkles.h"
+
+#include <cmath>
+#include <numeric>
+
+#include <torch/torch.h>
+
+#include "shoestring/core/error.h"
+#include "shoestring/core/memory_ledger.h"
+#include "shoestring/core/stochastic_rounding.h"
+#include "shoestring/optim/optimizer_args.h"
+
+namespace shoestring {
+
+namespace {
+
+std::vector<int64_t> dims_from_one(const at::Tensor& g) {
+  std::vector<int64_t> dims(static_cast<size_t>(g.dim() - 1));
+  std::iota(dims.begin(), dims.end(), 1);
+  return dims;
+}
+
+/// g interpolated towards g / (std(g) + 1e-8) with weight `alpha` (see sparkles.h).
+at::Tensor normalize_gradient(const at::Tensor& g, bool channels, double alpha) {
+  at::Tensor s;
+  if (channels && g.dim() >= 2 && g.numel() / g.size(0) >= 2) {
+    s = g.std(dims_from_one(g), /*unbiased=*/true, /*keepdim=*/true).add_(1e-8);
+  } else if (g.numel() > 2) {
+    s = g.std(/*unbiased=*/true).add_(1e-8);
+  } else {
+    return g;
+  }
+  return at::lerp(g, g / s, alpha);
+}
+
+}  // namespace
+
+Sparkles::Sparkles(std::vector<OptimParam> params, SparklesOptions sparkles, OptimizerOptions options)
+    : Optimizer(std::move(params), options), sparkles_(sparkles), permuted_(params_.size(), 0) {
+  if (options_.state_dtype != at::kFloat && options_.state_dtype != at::kBFloat16) {
+    fail("SPARKLES: state_dtype must be float32 or bfloat16 (got {})", c10::toString(options_.state_dtype));
+  }
+}
+
+at::Tensor Sparkles::permutation(int64_t n, RoundingKey key) {
+  at::Tensor perm = torch::arange(n, torch::kLong);
+  int64_t* idx = perm.data_ptr<int64_t>();
+  for (int64_t i = n - 1; i >= 1; --i) {
+    const uint64_t word = stochastic_rounding_random_bits(key, static_cast<uint64_t>(i));
+    const auto j = static_cast<int64_t>((word * static_cast<uint64_t>(i + 1)) >> 32);
+    std::swap(idx[i], idx[j]);
+  }
+  return perm;
+}
+
+void Sparkles::update(size_t index, const at::Tensor& grad_in, double lr, int64_t step) {
+  at::Tensor& live = params_[index].param;
+  if (grad_in.numel() != live.numel()) {
+    fail("SPARKLES: gradient of '{}' has {} elements, expected {}", params_[index].name, grad_in.numel(), live.numel());
+  }
+  const double wd = params_[index].weight_decay;
+  if (!has_state(index, "ema")) {
+    ScopedMemoryCategory category(MemoryCategory::optimizer_state);
+    auto opts = live.options().dtype(options_.state_dtype).requires_grad(false);
+    state(index, "ema") = torch::zeros(live.sizes(), opts);
+    state(index, "ema_squared") = torch::zeros(live.sizes(), opts);
+    state(index, "prev_grad") = torch::zeros(live.sizes(), opts);
+  }
+  permuted_[index] = 0;
+  for (const char* name : {"ema", "ema_squared", "prev_grad"}) {
+    if (!has_state(index, name) || state(index, name).sizes() != live.sizes()) {
+      fail("SPARKLES: optimizer state '{}.{}' has shape {}, expected {} (a checkpoint of another model?)",
+           params_[index].name, name, has_state(index, name) ? c10::str(state(index, name).sizes()) : "none",
+           c10::str(live.sizes()));
+    }
+  }
+  if (live.numel() == 0) return;
+  at::Tensor& m_stored = state(index, "ema");
+  at::Tensor& v_stored = state(index, "ema_squared");
+  at::Tensor& prev_stored = state(index, "prev_grad");
+  auto fp32 = [](const at::Tensor& t) { return t.scalar_type() == torch::kFloat32 ? t : t.to(torch::kFloat32); };
+  // The gradient is modified below: always work on a copy (one parameter's size).
+  at::Tensor g = grad_in.to(torch::kFloat32, /*non_blocking=*/false, /*copy=*/true).reshape(live.sizes());
+  at::Tensor p = fp32(live);
+  at::Tensor m = fp32(m_stored);
+  at::Tensor v = fp32(v_stored);
+  at::Tensor prev = fp32(prev_stored);
+
+  // sparkles.py's operation order, with the fixes of docs/optimizers/sparkles.md.
+  if (sparkles_.centralization != 0 && g.dim() >= 2) {
+    g.sub_(g.mean(dims_from_one(g), /*keepdim=*/true).mul_(sparkles_.centralization));
+  }
+  if (sparkles_.normalization != 0) g = normalize_gradient(g, sparkles_.normalize_channels, sparkles_.normalization);
+  if (wd != 0 && !sparkles_.decouple_weight_decay) g.add_(p, wd);
+  const double bias_correction1 = 1.0 - std::pow(sparkles_.beta1, static_cast<double>(step));
+  const double bias_correction2_sqrt = std::sqrt(1.0 - std::pow(sparkles_.beta2, static_cast<double>(step)));
+  const double step_size = lr / bias_correction1;
+  m.mul_(sparkles_.beta1).add_(g, 1.0 - sparkles_.beta1);
+  g.add_(m, sparkles_.amp_fac);  // g is now the amplified gradient gh
+  v.mul_(sparkles_.beta2).addcmul_(g, g, 1.0 - sparkles_.beta2);
+  // One fp32 buffer serves for ||gh - prev_grad||, the denominator and the update.
+  at::Tensor u = at::empty_like(g);
+  bool permute = false;
+  if (step > 1 && sparkles_.stochastic_threshold > 0) {
+    at::sub_out(u, g, prev);
+    permute = u.norm().item<double>() < sparkles_.stochastic_threshold;
+  }
+  at::sqrt_out(u, v).div_(bias_correction2_sqrt).add_(sparkles_.eps);
+  if (wd != 0 && sparkles_.decouple_weight_decay) p.mul_(1.0 - step_size * wd);
+  at::div_out(u, g, u).mul_(step_size);
+  if (permute) {
+    permuted_[index] = 1;
+    if (u.dim() >= 1 && u.size(0) > 1) {
+      at::Tensor perm = permutation(u.size(0), rounding_key(index, step, kPermutationSlot)).to(u.device());
+      u = u.index_select(0, perm);
+    }
+  }
+  if (sparkles_.clip_gradients) {
+    const double clip = std::pow(static_cast<double>(step), 0.25);
+    u.clamp_(-clip, clip);
+  }
+  p.sub_(u);
+  write_state(index, m_stored, m, step, 1);
+  write_state(index, v_stored, v, step, 2);
+  write_state(index, prev_stored, g, step, 3);
+  write_param(index, p, step);
+}
+
+SparklesOptions parse_sparkles_args(const std::vector<std::string>& args) {
+  OptimizerArgs a(args, "SPARKLES",
+                  {"weight_decay", "betas", "eps", "centralization", "normalization", "normalize_channels", "amp_fac",
+                   "decouple_weight_decay", "clip_gradients", "stochastic_threshold", "permutation_strategy"});
+  SparklesOptions o;
+  o.weight_decay = a.get_double("weight_decay", o.weight_decay);
+  std::tie(o.beta1, o.beta2) = a.get_pair("betas", {o.beta1, o.beta2});
+  o.eps = a.get_double("eps", o.eps);
+  o.centralization = a.get_double("centralization", o.centralization);
+  o.normalization = a.get_double("normalization", o.normalization);
+  o.normalize_channels = a.get_bool("normalize_channels", o.normalize_channels);
+  o.amp_fac = a.get_double("amp_fac", o.amp_fac);
+  o.decouple_weight_decay = a.get_bool("decouple_weight_decay", o.decouple_weight_decay);
+  o.clip_gradients = a.get_bool("clip_gradients", o.clip_gradients);
+  o.stochastic_threshold = a.get_double("stochastic_threshold", o.stochastic_threshold);
+  // sparkles.py's "magnitude", "local" and "adaptive" strategies are not implemented.
+  a.get_choice("permutation_strategy", "global", {"global"});
+  if (!(o.weight_decay >= 0) || !std::isfinite(o.weight_decay)) {
+    fail("optimizer_args: weight_decay must be >= 0 for SPARKLES (got {})", o.weight_decay);
+  }
+  if (!(o.eps > 0) || !std::isfinite(o.eps)) fail("optimizer_args: eps must be > 0 for SPARKLES (got {})", o.eps);
+  if (!(o.beta1 >= 0 && o.beta1 < 1 && o.beta2 >= 0 && o.beta2 < 1)) {
+    fail("optimizer_args: betas must be in [0, 1) for SPARKLES (got {},{})", o.beta1, o.beta2);
+  }
+  if (!(o.centralization >= 0 && o.centralization <= 1)) {
+    fail("optimizer_args: centralization must be in [0, 1] for SPARKLES (got {})", o.centralization);
+  }
+  if (!(o.normalization >= 0 && o.normalization <= 1)) {
+    fail("optimizer_args: normalization must be in [0, 1] for SPARKLES (got {})", o.normalization);
+  }
+  if (!std::isfinite(o.amp_fac)) fail("optimizer_args: amp_fac must be finite for SPARKLES (got {})", o.amp_fac);
+  if (!(o.stochastic_threshold >= 0) || !std::isfinite(o.stochastic_threshold)) {
+    fail("optimizer_args: stochastic_threshold must be >= 0 for SPARKLES (got {})", o.stochastic_threshold);
+  }
+  return o;
+}
+
+OptimizerStateSize Sparkles::state_size(at::IntArrayRef shape, const OptimizerOptions& options) {
+  const int64_t n = c10::multiply_integers(shape);
+  return {3 * n * state_element_bytes(options.state_dtype), 4 * n};
+}
+
+}  // namespace shoestring
