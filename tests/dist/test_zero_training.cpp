@@ -212,7 +212,9 @@ double expect_resumed_matches(const Trajectory& resumed, const Trajectory& full,
     expect_matches_one_process(resumed, Trajectory{{full.losses[2], full.losses[3]}, {}, full.weights}, atol);
   }
   for (size_t s = 0; s < 2; ++s) {
-    if (atol == 0) EXPECT_EQ(resumed.losses[s], full.losses[s + 2]) << what << ": step " << s + 3;
+    if (atol == 0) {
+      EXPECT_EQ(resumed.losses[s], full.losses[s + 2]) << what << ": step " << s + 3;
+    }
   }
   const double diff = max_weight_diff(resumed, full);
   std::cout << what << ": max |weight diff| " << diff << "\n";
@@ -247,7 +249,8 @@ void expect_shards(const std::string& checkpoint, int world, int64_t total, cons
   for (const auto& e : fs::directory_iterator(checkpoint)) {
     const std::string name = e.path().filename();
     if (name == kCheckpointIndexFile) continue;
-    for (const auto& info : SafetensorsFile::open(e.path().string()).tensors()) {
+    const SafetensorsFile file = SafetensorsFile::open(e.path().string());
+    for (const auto& info : file.tensors()) {
       auto it = index->weight_map.find(info.name);
       ASSERT_NE(it, index->weight_map.end()) << info.name << " of " << name << " not in the index";
       EXPECT_EQ(it->second, name) << info.name;
@@ -270,9 +273,13 @@ double compare_files(const std::string& a, const std::string& b, double atol = 0
     if (!other) continue;
     EXPECT_EQ(info.dtype, other->dtype) << info.name;
     EXPECT_EQ(info.shape, other->shape) << info.name;
-    if (atol == 0) EXPECT_EQ(fa.bytes(info), fb.bytes(*other)) << info.name << ": " << a << " vs " << b;
+    if (atol == 0) {
+      EXPECT_EQ(fa.bytes(info), fb.bytes(*other)) << info.name << ": " << a << " vs " << b;
+    }
     const at::Tensor x = fa.get(info).to(at::kDouble), y = fb.get(*other).to(at::kDouble);
-    if (atol > 0) EXPECT_TRUE(x.allclose(y, 1e-4, atol)) << info.name;
+    if (atol > 0) {
+      EXPECT_TRUE(x.allclose(y, 1e-4, atol)) << info.name;
+    }
     if (x.numel() > 0) diff = std::max(diff, (x - y).abs().max().item<double>());
   }
   return diff;
@@ -349,7 +356,9 @@ TEST(ZeroCheckpoint, ShardedResumesAtOneTwoAndThreeRanksAndConsolidates) {
   for (const auto& info : fp32.tensors()) {
     const at::Tensor want = fp32.get(info);
     const at::Tensor got = bf16.get(info.name);
-    if (want.is_floating_point()) EXPECT_TRUE(got.equal(want.to(at::kBFloat16))) << info.name;
+    if (want.is_floating_point()) {
+      EXPECT_TRUE(got.equal(want.to(at::kBFloat16))) << info.name;
+    }
   }
   EXPECT_EQ(bf16.metadata().at("dtype"), "bf16");
 }
