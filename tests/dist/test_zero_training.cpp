@@ -13,6 +13,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "../cli/run_cli.h"
 #include "../train/train_testing.h"
 #include "dist_testing.h"
 #include "dist_training_testing.h"
@@ -331,6 +332,16 @@ TEST(ZeroCheckpoint, ShardedResumesAtOneTwoAndThreeRanksAndConsolidates) {
   ASSERT_EQ(o2.size(), 2u);
   expect_resumed_matches(o2[0], one, 5e-5, "one-process checkpoint, resumed at 2 ranks");
   expect_sharded_state(o2, one.optimizer_state_peak, "one-process checkpoint resumed at 2 ranks");
+
+  // Resumed in one process with the run's own train_batch_size 3: the
+  // global batch halves, said in a warning naming both.
+  copy_stopped_at_step_2(dir + "/s2", dir + "/w1");
+  const auto warned = shoestring::testing::run_cli("train --resume " + dir + "/w1");
+  EXPECT_EQ(warned.code, 0) << warned.output;
+  EXPECT_THAT(warned.output, AllOf(HasSubstr("resumed at 1 rank(s) from a checkpoint of 2"),
+                                   HasSubstr("the global batch is now 3 images per step"), HasSubstr("it was 6"),
+                                   HasSubstr("train_batch_size x gradient_accumulation_steps = 6 per rank")))
+      << warned.output;
 
   // consolidate: the sharded checkpoint of the last step is the run's final
   // model file, tensor for tensor (and one process's within the tolerance);
