@@ -1,7 +1,7 @@
 // ZeRO's pieces (dist/zero.h) against formulas: the greedy ownership map,
 // and on 2 and 3 local processes (FileStore) the reduction of gradients to
 // their owners (stage 2) or to everyone (stage 1), the owners' broadcast of
-// updated weights, the gather of per-rank state on rank 0, the global sum.
+// updated weights, the parameter a state key belongs to, the global sum.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -150,37 +150,17 @@ void check_zero(ProcessGroup& g) {
       EXPECT_TRUE(p.equal(at::full(p.sizes(), owner_value, p.options()))) << params[i].first << " on rank " << r;
     }
   }
-  // Gather: every rank's own state tensors on rank 0, in parameter order.
+  // State keys "<parameter name>.<state name>" name their parameter (what a
+  // resume re-shards by); anything else belongs to none.
   {
     NamedTensors params = make_params();
     ZeroSharding zero(g, params, 1);
-    NamedTensors local;
     for (size_t i = 0; i < params.size(); ++i) {
-      if (zero.ownership().owner(i) != r) continue;
-      const at::Tensor& p = params[i].second;
-      local.emplace_back(params[i].first + ".exp_avg", at::full(p.sizes(), static_cast<double>(i), at::kFloat));
-      local.emplace_back(params[i].first + ".q", at::full({static_cast<int64_t>(i) + 1}, static_cast<int64_t>(7 + i), at::kByte));
+      EXPECT_EQ(zero.parameter_of_state(params[i].first + ".exp_avg"), std::optional<size_t>(i));
     }
-    const NamedTensors gathered = zero.gather_to_rank_zero(local);
-    if (r != 0) {
-      EXPECT_TRUE(gathered.empty());
-    } else {
-      ASSERT_EQ(gathered.size(), 2 * params.size());
-      for (size_t i = 0; i < params.size(); ++i) {
-        const at::Tensor& p = params[i].second;
-        EXPECT_EQ(gathered[2 * i].first, params[i].first + ".exp_avg");
-        EXPECT_TRUE(gathered[2 * i].second.equal(at::full(p.sizes(), static_cast<double>(i), at::kFloat)));
-        EXPECT_EQ(gathered[2 * i + 1].first, params[i].first + ".q");
-        EXPECT_TRUE(gathered[2 * i + 1].second.equal(at::full({static_cast<int64_t>(i) + 1}, static_cast<int64_t>(7 + i), at::kByte)));
-      }
-    }
-    // A tensor of another rank's parameter is refused before anything is sent (on every rank here).
-    const size_t foreign = zero.ownership().owner(0) == r ? 1 : 0;
-    if (zero.ownership().owner(foreign) != r) {
-      NamedTensors wrong{{params[foreign].first + ".exp_avg", at::zeros({1})}};
-      EXPECT_THAT([&] { zero.gather_to_rank_zero(wrong); },
-                  ::testing::ThrowsMessage<Error>(AllOf(HasSubstr(params[foreign].first), HasSubstr("owns"))));
-    }
+    EXPECT_EQ(zero.parameter_of_state(params[0].first), std::nullopt);
+    EXPECT_EQ(zero.parameter_of_state("nothing.exp_avg"), std::nullopt);
+    EXPECT_EQ(zero.parameter_of_state(params[0].first + ".exp_avg.more"), std::nullopt);
   }
   EXPECT_THAT([&] { ZeroSharding(g, make_params(), 3); }, ::testing::ThrowsMessage<Error>(HasSubstr("zero_stage = 3")));
 }

@@ -2,18 +2,23 @@
 // UNet on 2 and 3 processes trains to the weights and losses of
 // zero_stage = 0 / one process with AdamW, AdamW8bit, Adafactor and bf16
 // weights with stochastic rounding; each rank holds about 1/W of the
-// optimizer state (the ledger's optimizer_state category); a stage-1
-// checkpoint is the single-process one and resumes at another world size
-// and stage; configs it cannot run are refused naming the key.
+// optimizer state (the ledger's optimizer_state category); a sharded
+// checkpoint (each rank's optimizer shard, indexed by rank 0) resumes at
+// 1, 2 and 3 ranks and another stage, a one-process checkpoint at 2 ranks,
+// survives a rank killed while writing it, and consolidates into the final
+// model file; configs it cannot run are refused naming the key.
+#include <cstdlib>
 #include <filesystem>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "../cli/run_cli.h"
 #include "../train/train_testing.h"
 #include "dist_testing.h"
 #include "dist_training_testing.h"
 #include "shoestring/core/error.h"
+#include "shoestring/io/atomic_file.h"
 #include "shoestring/io/safetensors.h"
 #include "shoestring/train/checkpoint_io.h"
 #include "shoestring/train/config.h"
@@ -68,6 +73,7 @@ struct RankRun {
   int stage = 1;
   std::string extra;  ///< TOML lines
   bool resume = false;
+  int crash_at = 0;  ///< > 0: rank 1 dies at its crash_at-th atomic write (io/atomic_file.h's hook)
 };
 
 /// Runs `r` on r.world processes; returns the exit statuses.
@@ -81,6 +87,7 @@ std::vector<int> launch(const std::string& dir, const RankRun& r) {
         env["SHOESTRING_TEST_STAGE"] = std::to_string(r.stage);
         env["SHOESTRING_TEST_EXTRA"] = r.extra;
         env["SHOESTRING_TEST_RESUME"] = r.resume ? "1" : "0";
+        if (rank == 1 && r.crash_at > 0) env["SHOESTRING_TEST_CRASH_AT_WRITE"] = std::to_string(r.crash_at);
         return env;
       },
       std::chrono::seconds(150));
@@ -176,14 +183,6 @@ TEST(ZeroTraining, ThreeRanksMatchOneProcessWithTripleBatch) {
   expect_sharded_state(s2, one.optimizer_state_peak, "3 ranks stage 2");
 }
 
-/// The tensors of a training-state file by name.
-std::map<std::string, at::Tensor> state_tensors_of(const std::string& checkpoint) {
-  auto file = SafetensorsFile::open(checkpoint + "/state.safetensors");
-  std::map<std::string, at::Tensor> out;
-  for (const auto& info : file.tensors()) out[info.name] = file.get(info.name);
-  return out;
-}
-
 /// A copy of run folder `from` at `to` whose latest checkpoint is step 2 (as a run stopped there).
 void copy_stopped_at_step_2(const std::string& from, const std::string& to) {
   fs::copy(from, to, fs::copy_options::recursive);
@@ -191,45 +190,209 @@ void copy_stopped_at_step_2(const std::string& from, const std::string& to) {
   set_latest_checkpoint(to, to + "/checkpoints/step-000002", 2);
 }
 
-TEST(ZeroTraining, Stage1CheckpointIsOneProcessesAndResumesAtAnotherWorldSize) {
-  const std::string dir = fresh_dist_dir("zeroresume");
-  // Uninterrupted: 2 ranks x batch 2, 4 steps, checkpoints at steps 2 and 4, at zero_stage 1 and 0.
-  const std::vector<Trajectory> s1 = train_ranks(dir, {"s1", 2, 2, 1, ""});
-  const std::vector<Trajectory> s0 = train_ranks(dir, {"s0", 2, 2, 0, ""});
-  ASSERT_EQ(s1.size(), 2u);
-  ASSERT_EQ(s0.size(), 2u);
-
-  // The stage-1 checkpoint holds every rank's optimizer state: the very
-  // tensors of the stage-0 checkpoint (rank 0's whole state), bit for bit.
-  const auto sharded = state_tensors_of(dir + "/s1/checkpoints/step-000002");
-  const auto whole = state_tensors_of(dir + "/s0/checkpoints/step-000002");
-  ASSERT_EQ(sharded.size(), whole.size());
-  size_t optimizer_tensors = 0;
-  for (const auto& [name, t] : whole) {
-    auto it = sharded.find(name);
-    ASSERT_NE(it, sharded.end()) << name << " missing from the stage-1 checkpoint";
-    EXPECT_TRUE(it->second.equal(t)) << name;
-    if (name.rfind("optimizer.", 0) == 0) ++optimizer_tensors;
+/// Bytes of the tensors of a safetensors file whose names start with `prefix`.
+int64_t tensor_bytes(const std::string& path, const std::string& prefix = "") {
+  const auto file = SafetensorsFile::open(path);
+  int64_t n = 0;
+  for (const auto& info : file.tensors()) {
+    if (info.name.rfind(prefix, 0) == 0) n += static_cast<int64_t>(info.nbytes());
   }
-  EXPECT_GT(optimizer_tensors, 10u);
+  return n;
+}
 
-  // Resumed at 2 ranks and zero_stage 1 from step 2 (each rank keeps its
-  // own tensors' state): the weights of the run that did not stop.
-  copy_stopped_at_step_2(dir + "/s1", dir + "/r2");
-  const std::vector<Trajectory> r2 = train_ranks(dir, {"r2", 2, 2, 1, "", /*resume=*/true});
+/// A run resumed at step 2 against the run that did not stop: every final
+/// weight within allclose(rtol 1e-4, `atol`) (0: bit for bit), the losses
+/// of steps 3 and 4 within a relative 1e-5 (0: equal). Returns the largest
+/// weight difference.
+double expect_resumed_matches(const Trajectory& resumed, const Trajectory& full, double atol, const std::string& what) {
+  EXPECT_EQ(resumed.losses.size(), 2u) << what;
+  if (resumed.losses.size() != 2u || full.losses.size() != 4u) return -1;
+  if (atol == 0) {
+    expect_same_weights(resumed, full, what);
+  } else {
+    expect_matches_one_process(resumed, Trajectory{{full.losses[2], full.losses[3]}, {}, full.weights}, atol);
+  }
+  for (size_t s = 0; s < 2; ++s) {
+    if (atol == 0) {
+      EXPECT_EQ(resumed.losses[s], full.losses[s + 2]) << what << ": step " << s + 3;
+    }
+  }
+  const double diff = max_weight_diff(resumed, full);
+  std::cout << what << ": max |weight diff| " << diff << "\n";
+  return diff;
+}
+
+/// The optimizer shards of a checkpoint hold the whole state of one process
+/// (`total` bytes) once, about 1/W each; the rest of the folder once (one
+/// model file, a training state without optimizer tensors); the index names
+/// every tensor's file.
+void expect_shards(const std::string& checkpoint, int world, int64_t total, const std::string& what) {
+  int64_t sum = 0;
+  std::string per_rank;
+  for (int r = 0; r < world; ++r) {
+    const std::string shard = checkpoint + "/" + optimizer_shard_name(r, world);
+    ASSERT_TRUE(fs::exists(shard)) << shard;
+    const int64_t bytes = tensor_bytes(shard);
+    EXPECT_EQ(bytes, tensor_bytes(shard, "optimizer.")) << shard << " holds optimizer state only";
+    EXPECT_LT(bytes, 1.5 * static_cast<double>(total) / world) << what << ": rank " << r;
+    EXPECT_GT(bytes, 0.5 * static_cast<double>(total) / world) << what << ": rank " << r;
+    sum += bytes;
+    per_rank += fmt::format(" {} (file {})", bytes, fs::file_size(shard));
+  }
+  EXPECT_EQ(sum, total) << what << ": the shards hold the state once";
+  EXPECT_EQ(tensor_bytes(checkpoint + "/state.safetensors", "optimizer."), 0) << what;
+  size_t shards = 0;
+  for (const auto& e : fs::directory_iterator(checkpoint)) shards += is_optimizer_shard_name(e.path().filename());
+  EXPECT_EQ(shards, static_cast<size_t>(world)) << what;
+  const std::optional<CheckpointIndex> index = read_checkpoint_index(checkpoint);
+  ASSERT_TRUE(index) << checkpoint;
+  EXPECT_EQ(index->world_size, world);
+  for (const auto& e : fs::directory_iterator(checkpoint)) {
+    const std::string name = e.path().filename();
+    if (name == kCheckpointIndexFile) continue;
+    const SafetensorsFile file = SafetensorsFile::open(e.path().string());
+    for (const auto& info : file.tensors()) {
+      auto it = index->weight_map.find(info.name);
+      ASSERT_NE(it, index->weight_map.end()) << info.name << " of " << name << " not in the index";
+      EXPECT_EQ(it->second, name) << info.name;
+    }
+  }
+  std::cout << what << ": optimizer shard bytes per rank" << per_rank << " of " << total << " in one process\n";
+}
+
+/// Every tensor of two safetensors files equal, bytes and dtype (`atol` > 0:
+/// values within allclose(rtol 1e-4, atol) instead); returns the largest
+/// difference.
+double compare_files(const std::string& a, const std::string& b, double atol = 0) {
+  const auto fa = SafetensorsFile::open(a);
+  const auto fb = SafetensorsFile::open(b);
+  EXPECT_EQ(fa.tensors().size(), fb.tensors().size()) << a << " vs " << b;
+  double diff = 0;
+  for (const auto& info : fa.tensors()) {
+    const TensorInfo* other = fb.find(info.name);
+    EXPECT_NE(other, nullptr) << info.name << " missing from " << b;
+    if (!other) continue;
+    EXPECT_EQ(info.dtype, other->dtype) << info.name;
+    EXPECT_EQ(info.shape, other->shape) << info.name;
+    if (atol == 0) {
+      EXPECT_EQ(fa.bytes(info), fb.bytes(*other)) << info.name << ": " << a << " vs " << b;
+    }
+    const at::Tensor x = fa.get(info).to(at::kDouble), y = fb.get(*other).to(at::kDouble);
+    if (atol > 0) {
+      EXPECT_TRUE(x.allclose(y, 1e-4, atol)) << info.name;
+    }
+    if (x.numel() > 0) diff = std::max(diff, (x - y).abs().max().item<double>());
+  }
+  return diff;
+}
+
+TEST(ZeroCheckpoint, ShardedResumesAtOneTwoAndThreeRanksAndConsolidates) {
+  const std::string dir = fresh_dist_dir("zeroshards");
+  // Uninterrupted: 2 ranks x batch 3 at zero_stage 2 (checkpoints at steps 2
+  // and 4), and one process with the same global batch of 6.
+  const std::vector<Trajectory> s2 = train_ranks(dir, {"s2", 2, 3, 2, ""});
+  ASSERT_EQ(s2.size(), 2u);
+  const Trajectory one = train_and_record(ddp_config(dir + "/one", 6));
+  expect_matches_one_process(s2[0], one, 5e-5);
+
+  // Each rank's shard: its own tensors' state, about half of one process's.
+  const int64_t total = tensor_bytes(dir + "/one/checkpoints/step-000002/state.safetensors", "optimizer.");
+  ASSERT_GT(total, 0);
+  expect_shards(dir + "/s2/checkpoints/step-000002", 2, total, "2 ranks, zero_stage 2");
+  EXPECT_EQ(tensor_bytes(dir + "/s2/checkpoints/step-000002/state.safetensors"),
+            tensor_bytes(dir + "/one/checkpoints/step-000002/state.safetensors") - total)
+      << "the rest of the training state once";
+
+  // Resumed from step 2 at 2 ranks: the run that did not stop, bit for bit.
+  copy_stopped_at_step_2(dir + "/s2", dir + "/r2");
+  const std::vector<Trajectory> r2 = train_ranks(dir, {"r2", 2, 3, 2, "", /*resume=*/true});
   ASSERT_EQ(r2.size(), 2u);
-  expect_same_weights(r2[0], s1[0], "resumed at step 2 vs uninterrupted");
-  expect_sharded_state(r2, s0[0].optimizer_state_peak, "resumed at stage 1");
+  expect_resumed_matches(r2[0], s2[0], 0, "sharded, resumed at 2 ranks");
 
-  // Resumed in one process (train_batch_size is a resume key, so the global
-  // batch is then 2): the same weights as the stage-0 checkpoint resumed so.
-  copy_stopped_at_step_2(dir + "/s1", dir + "/r1");
-  copy_stopped_at_step_2(dir + "/s0", dir + "/r0");
-  const Trajectory r1 = train_and_record(ddp_config(dir + "/r1", 2), 0, dir + "/r1");
-  const Trajectory r0 = train_and_record(ddp_config(dir + "/r0", 2), 0, dir + "/r0");
-  ASSERT_EQ(r1.losses.size(), 2u);
-  expect_same_weights(r1, r0, "stage-1 checkpoint vs stage-0 checkpoint, resumed in one process");
-  EXPECT_EQ(r1.optimizer_state_peak, s0[0].optimizer_state_peak) << "one process holds the whole state again";
+  // At 3 ranks x batch 2 and zero_stage 1 (the same global batch; each rank
+  // reads the state of the tensors it owns now), within the 3-rank tolerance.
+  copy_stopped_at_step_2(dir + "/s2", dir + "/r3");
+  const std::vector<Trajectory> r3 = train_ranks(dir, {"r3", 3, 2, 1, "", /*resume=*/true});
+  ASSERT_EQ(r3.size(), 3u);
+  expect_resumed_matches(r3[0], s2[0], 5e-5, "sharded, resumed at 3 ranks, zero_stage 1");
+  expect_shards(dir + "/r3/checkpoints/step-000004", 3, total, "3 ranks, zero_stage 1");
+
+  // In one process with batch 6: the whole state from both shards.
+  copy_stopped_at_step_2(dir + "/s2", dir + "/r1");
+  const Trajectory r1 = train_and_record(ddp_config(dir + "/r1", 6), 0, dir + "/r1");
+  expect_resumed_matches(r1, s2[0], 5e-5, "sharded, resumed in one process");
+  EXPECT_EQ(r1.optimizer_state_peak, one.optimizer_state_peak) << "one process holds the whole state again";
+  EXPECT_EQ(tensor_bytes(dir + "/r1/checkpoints/step-000004/state.safetensors", "optimizer."), total);
+  EXPECT_FALSE(read_checkpoint_index(dir + "/r1/checkpoints/step-000004"))
+      << "the copied 2-rank step-4 folder was rewritten as one process's";
+
+  // A one-process checkpoint resumed at 2 ranks x batch 3, zero_stage 2.
+  copy_stopped_at_step_2(dir + "/one", dir + "/o2");
+  const std::vector<Trajectory> o2 = train_ranks(dir, {"o2", 2, 3, 2, "", /*resume=*/true});
+  ASSERT_EQ(o2.size(), 2u);
+  expect_resumed_matches(o2[0], one, 5e-5, "one-process checkpoint, resumed at 2 ranks");
+  expect_sharded_state(o2, one.optimizer_state_peak, "one-process checkpoint resumed at 2 ranks");
+
+  // Resumed in one process with the run's own train_batch_size 3: the
+  // global batch halves, said in a warning naming both.
+  copy_stopped_at_step_2(dir + "/s2", dir + "/w1");
+  const auto warned = shoestring::testing::run_cli("train --resume " + dir + "/w1");
+  EXPECT_EQ(warned.code, 0) << warned.output;
+  EXPECT_THAT(warned.output, AllOf(HasSubstr("resumed at 1 rank(s) from a checkpoint of 2"),
+                                   HasSubstr("the global batch is now 3 images per step"), HasSubstr("it was 6"),
+                                   HasSubstr("train_batch_size x gradient_accumulation_steps = 6 per rank")))
+      << warned.output;
+
+  // consolidate: the sharded checkpoint of the last step is the run's final
+  // model file, tensor for tensor (and one process's within the tolerance);
+  // --dtype bf16 is libtorch's rounding of it.
+  const std::string cli = std::string(SHOESTRING_BINARY) + " consolidate ";
+  ASSERT_EQ(std::system((cli + dir + "/s2/checkpoints/step-000004 " + dir + "/s2.safetensors > " + dir +
+                         "/consolidate.txt 2>&1").c_str()),
+            0)
+      << read_text(dir + "/consolidate.txt");
+  EXPECT_THAT(read_text(dir + "/consolidate.txt"), HasSubstr("sharded checkpoint"));
+  compare_files(dir + "/s2.safetensors", dir + "/s2/model.safetensors");
+  std::cout << "consolidated 2-rank checkpoint vs one process's final file: max |diff| "
+            << compare_files(dir + "/s2.safetensors", dir + "/one/model.safetensors", 5e-5) << "\n";
+  ASSERT_EQ(std::system((cli + dir + "/one/checkpoints/step-000004 " + dir + "/one.safetensors > /dev/null").c_str()), 0);
+  compare_files(dir + "/one.safetensors", dir + "/one/model.safetensors");
+  ASSERT_EQ(std::system((cli + dir + "/s2/checkpoints/step-000002 " + dir + "/s2_bf16.safetensors --dtype bf16 > " +
+                         dir + "/consolidate.txt 2>&1").c_str()),
+            0)
+      << read_text(dir + "/consolidate.txt");
+  const auto bf16 = SafetensorsFile::open(dir + "/s2_bf16.safetensors");
+  const auto fp32 = SafetensorsFile::open(dir + "/s2/checkpoints/step-000002/model.safetensors");
+  ASSERT_EQ(bf16.tensors().size(), fp32.tensors().size());
+  for (const auto& info : fp32.tensors()) {
+    const at::Tensor want = fp32.get(info);
+    const at::Tensor got = bf16.get(info.name);
+    if (want.is_floating_point()) {
+      EXPECT_TRUE(got.equal(want.to(at::kBFloat16))) << info.name;
+    }
+  }
+  EXPECT_EQ(bf16.metadata().at("dtype"), "bf16");
+}
+
+TEST(ZeroCheckpoint, ARankKilledWhileWritingItsShardLeavesAResumableRun) {
+  const std::string dir = fresh_dist_dir("zerokill");
+  const std::vector<Trajectory> full = train_ranks(dir, {"full", 2, 2, 2, ""});
+  ASSERT_EQ(full.size(), 2u);
+  // Rank 1 writes its shards only: its 2nd atomic write is the step-4 shard.
+  // Killed there (after the temporary, before the rename), the other rank
+  // stops too, and latest.json still names step 2.
+  const std::vector<int> status = launch(dir, {"killed", 2, 2, 2, "", false, /*crash_at=*/2});
+  EXPECT_EQ(status[1], kCrashExitCode);
+  EXPECT_NE(status[0], 0);
+  EXPECT_EQ(latest_checkpoint_dir(dir + "/killed"), dir + "/killed/checkpoints/step-000002");
+  // Resumed: the uninterrupted run's weights, bit for bit, no temporary left.
+  const std::vector<Trajectory> resumed = train_ranks(dir, {"killed", 2, 2, 2, "", /*resume=*/true});
+  ASSERT_EQ(resumed.size(), 2u);
+  expect_resumed_matches(resumed[0], full[0], 0, "killed at rank 1's step-4 shard, resumed");
+  for (const auto& e : fs::recursive_directory_iterator(dir + "/killed"))
+    EXPECT_EQ(e.path().filename().string().find(".tmp."), std::string::npos) << e.path();
+  compare_files(dir + "/killed/checkpoints/step-000004/" + optimizer_shard_name(1, 2),
+                dir + "/full/checkpoints/step-000004/" + optimizer_shard_name(1, 2));
 }
 
 TEST(ZeroTraining, ConfigsItCannotRunAreRefusedNamingTheKey) {

@@ -15,5 +15,6 @@ set_tests_properties("ZeroCollectives.TwoProcesses" "ZeroCollectives.ThreeProces
 set_tests_properties("ZeroTwoRanks.AdamW" "ZeroTwoRanks.AdamW8bit" "ZeroTwoRanks.Adafactor"
   "ZeroTwoRanks.Bf16StochasticRounding"
   "ZeroTraining.ThreeRanksMatchOneProcessWithTripleBatch"
-  "ZeroTraining.Stage1CheckpointIsOneProcessesAndResumesAtAnotherWorldSize"
+  "ZeroCheckpoint.ShardedResumesAtOneTwoAndThreeRanksAndConsolidates"
+  "ZeroCheckpoint.ARankKilledWhileWritingItsShardLeavesAResumableRun"
   "ZeroTraining.ConfigsItCannotRunAreRefusedNamingTheKey" PROPERTIES TIMEOUT 480)

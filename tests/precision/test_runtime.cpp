@@ -389,7 +389,8 @@ TEST(SaveGuard, OverflowAndBulkFlushAreErrorsNamingTensors) {
   force.force = true;
   auto out = convert_for_save(tensors, Dtype::fp16, force, "x");
   ASSERT_EQ(out.size(), 5u);
-  EXPECT_EQ(out[1].tensor.scalar_type(), at::kHalf);
+  EXPECT_EQ(out[1].cast, std::optional<at::ScalarType>(at::kHalf));  // converted while writing
+  EXPECT_FALSE(out[4].cast.has_value());
   EXPECT_EQ(out[4].tensor.scalar_type(), at::kLong);
   EXPECT_NO_THROW(convert_for_save({{"ok", ok}, {"few", few}}, Dtype::bf16, {}, "x"));
   EXPECT_EQ(parse_save_precision("float"), Dtype::fp32);

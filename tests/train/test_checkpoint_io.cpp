@@ -8,6 +8,7 @@
 #include <torch/torch.h>
 
 #include "shoestring/core/error.h"
+#include "shoestring/io/atomic_file.h"
 #include "shoestring/io/safetensors.h"
 #include "shoestring/nn/layers.h"
 #include "shoestring/train/checkpoint_io.h"
@@ -153,4 +154,86 @@ TEST(ModuleFiles, Fp8WeightsAreSavedAsTheirValuesAndLoadBackToTheSameBytes) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("lin.weight"), std::string::npos) << e.what();
   }
+}
+
+// A sharded checkpoint folder (docs/training.md): shard names, the index
+// over every file's tensors, stale shards of another world size removed,
+// and a single-file rewrite of the folder dropping the sharded parts.
+TEST(ShardedCheckpoint, IndexNamesEveryTensorsFile) {
+  EXPECT_EQ(optimizer_shard_name(1, 3), "optimizer-rank-00001-of-00003.safetensors");
+  EXPECT_TRUE(is_optimizer_shard_name("optimizer-rank-00001-of-00003.safetensors"));
+  EXPECT_FALSE(is_optimizer_shard_name("optimizer-rank-0001-of-00003.safetensors"));
+  EXPECT_FALSE(is_optimizer_shard_name("optimizer-rank-0000x-of-00003.safetensors"));
+  EXPECT_FALSE(is_optimizer_shard_name("state.safetensors"));
+
+  const std::string dir = shoestring::testing::fresh_temp_dir("ckpt_io", "sharded");
+  fs::create_directories(dir);
+  save_safetensors(dir + "/model.safetensors", {{"w", torch::ones({2, 3}), std::nullopt}});
+  TrainingState s;
+  s.ema = {{"w", torch::ones({2, 3})}};
+  s.rng_cpu = cpu_rng_state();
+  save_training_state(dir + "/state.safetensors", s);
+  save_optimizer_shard(dir + "/" + optimizer_shard_name(0, 2), {{"w.exp_avg", torch::zeros({2, 3})}}, 0, 2, 4);
+  save_optimizer_shard(dir + "/" + optimizer_shard_name(1, 2), {{"b.exp_avg", torch::zeros({3})}}, 1, 2, 4);
+  // Left by an interrupted save of this step at 3 ranks.
+  save_optimizer_shard(dir + "/" + optimizer_shard_name(2, 3), {{"c.exp_avg", torch::zeros({1})}}, 2, 3, 4);
+  EXPECT_FALSE(read_checkpoint_index(dir).has_value());
+
+  write_checkpoint_index(dir, 4, 2, 2);
+  EXPECT_FALSE(fs::exists(dir + "/" + optimizer_shard_name(2, 3)));
+  const std::optional<CheckpointIndex> index = read_checkpoint_index(dir);
+  ASSERT_TRUE(index.has_value());
+  EXPECT_EQ(index->step, 4);
+  EXPECT_EQ(index->world_size, 2);
+  EXPECT_EQ(index->zero_stage, 2);
+  const std::map<std::string, std::string> want = {{"w", "model.safetensors"},
+                                                   {"ema.w", "state.safetensors"},
+                                                   {"rng.cpu", "state.safetensors"},
+                                                   {"optimizer.w.exp_avg", optimizer_shard_name(0, 2)},
+                                                   {"optimizer.b.exp_avg", optimizer_shard_name(1, 2)}};
+  EXPECT_EQ(index->weight_map, want);
+  const auto j = nlohmann::json::parse(read_file(dir + "/" + kCheckpointIndexFile));
+  EXPECT_EQ(j["files"][optimizer_shard_name(1, 2)]["rank"], 1);
+  EXPECT_EQ(j["files"]["model.safetensors"]["bytes"], fs::file_size(dir + "/model.safetensors"));
+
+  // A shard the index needs is missing: named.
+  fs::remove(dir + "/" + optimizer_shard_name(1, 2));
+  try {
+    read_checkpoint_index(dir);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(optimizer_shard_name(1, 2)), std::string::npos) << e.what();
+  }
+  try {
+    write_checkpoint_index(dir, 4, 2, 2);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("rank 1"), std::string::npos) << e.what();
+  }
+  // Rewritten as a single-file checkpoint: the sharded parts go.
+  remove_sharded_files(dir);
+  EXPECT_FALSE(fs::exists(dir + "/" + kCheckpointIndexFile));
+  EXPECT_FALSE(fs::exists(dir + "/" + optimizer_shard_name(0, 2)));
+  EXPECT_TRUE(fs::exists(dir + "/model.safetensors"));
+  EXPECT_TRUE(fs::exists(dir + "/state.safetensors"));
+}
+
+TEST(TrainingState, RecordsTheGlobalBatchShape) {
+  const std::string dir = shoestring::testing::fresh_temp_dir("ckpt_io", "batch_shape");
+  fs::create_directories(dir);
+  TrainingState s;
+  s.counters.world_size = 3;
+  s.counters.train_batch_size = 2;
+  s.counters.gradient_accumulation_steps = 4;
+  s.rng_cpu = cpu_rng_state();
+  save_training_state(dir + "/state.safetensors", s);
+  const auto meta =
+      nlohmann::json::parse(SafetensorsFile::open(dir + "/state.safetensors").metadata().at("training_state"));
+  EXPECT_EQ(meta["world_size"], 3);
+  EXPECT_EQ(meta["train_batch_size"], 2);
+  EXPECT_EQ(meta["gradient_accumulation_steps"], 4);
+  const TrainingState r = load_training_state(dir + "/state.safetensors");
+  EXPECT_EQ(r.counters.world_size, 3);
+  EXPECT_EQ(r.counters.train_batch_size, 2);
+  EXPECT_EQ(r.counters.gradient_accumulation_steps, 4);
 }

@@ -25,4 +25,7 @@ void register_launch(CLI::App& app);
 /// [--force] OUT`
 void register_convert(CLI::App& app);
 
+/// `shoestring consolidate RUN_DIR/checkpoints/step-N OUT.safetensors [--dtype keep|fp32|bf16|fp16] [--force]`
+void register_consolidate(CLI::App& app);
+
 }  // namespace shoestring::cli

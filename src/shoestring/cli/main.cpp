@@ -1,4 +1,4 @@
-// The `shoestring` command line: train, sample, inspect, plan, convert, launch.
+// The `shoestring` command line: train, sample, inspect, plan, convert, launch, consolidate.
 #include <algorithm>
 #include <string>
 #include <vector>
@@ -24,6 +24,7 @@ int main(int argc, char** argv) {
   shoestring::cli::register_plan(app);
   shoestring::cli::register_convert(app);
   shoestring::cli::register_launch(app);
+  shoestring::cli::register_consolidate(app);
   spdlog::set_pattern("[%H:%M:%S] %^%l%$ %v");
   // A first word that is no command: CLI11 would only say "A subcommand is required".
   std::vector<std::string> names;

@@ -23,35 +23,49 @@ GradientAverager::GradientAverager(ProcessGroup& group, std::vector<at::Tensor> 
 
 void GradientAverager::all_reduce_gradients() {
   if (group_.size() == 1) return;
-  const double inverse = 1.0 / group_.size();
+  reduce_gradient_buckets(group_, params_, buckets_, [this](const at::Tensor& flat, const GradientBucket&) {
+    return group_.all_reduce_sum_async(flat);
+  });
+}
+
+void reduce_gradient_buckets(ProcessGroup& group, const std::vector<at::Tensor>& params,
+                             const std::vector<GradientBucket>& buckets, const StartBucketCollective& start) {
+  if (params.empty()) return;
+  const double inverse = 1.0 / group.size();
+  const int rank = group.rank();
   struct InFlight {
-    const Bucket* bucket;
-    at::Tensor flat;
+    const GradientBucket* bucket;
+    at::Tensor flat;  // [bucket->numel] fp32
     PendingCollective pending;
   };
-  // Copies a summed bucket back into the gradients, averaged.
+  // The receiving rank(s) copy a summed bucket back into the gradients, averaged.
   auto finish = [&](InFlight& f) {
     f.pending.wait();
+    if (f.bucket->root >= 0 && f.bucket->root != rank) return;  // the flat copy was scratch
     f.flat.mul_(inverse);
     int64_t offset = 0;
     for (size_t i : f.bucket->params) {
-      at::Tensor& p = params_[i];
+      at::Tensor p = params[i];
       const int64_t n = p.numel();
       if (p.grad().defined()) p.mutable_grad().copy_(f.flat.narrow(0, offset, n).view(p.grad().sizes()));
       offset += n;
     }
   };
   std::deque<InFlight> in_flight;
-  for (const Bucket& bucket : buckets_) {
-    at::Tensor flat = at::zeros({bucket.numel}, params_.front().options().dtype(at::kFloat));
+  for (const GradientBucket& bucket : buckets) {
+    at::Tensor flat = at::zeros({bucket.numel}, params.front().options().dtype(at::kFloat));
+    const bool receives = bucket.root < 0 || bucket.root == rank;
     int64_t offset = 0;
     for (size_t i : bucket.params) {
-      const at::Tensor& p = params_[i];
+      at::Tensor p = params[i];
       const int64_t n = p.numel();
-      if (p.grad().defined()) flat.narrow(0, offset, n).copy_(p.grad().reshape({n}));
+      if (p.grad().defined()) {
+        flat.narrow(0, offset, n).copy_(p.grad().reshape({n}));
+        if (!receives) p.mutable_grad().reset();  // another rank's tensor: its owner keeps the sum
+      }
       offset += n;
     }
-    in_flight.push_back({&bucket, flat, group_.all_reduce_sum_async(flat)});
+    in_flight.push_back({&bucket, flat, start(flat, bucket)});
     if (in_flight.size() > 1) {  // two in flight: the next fills while this one is summed
       finish(in_flight.front());
       in_flight.pop_front();

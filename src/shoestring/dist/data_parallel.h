@@ -10,6 +10,8 @@
 // during it.
 #pragma once
 #include <cstdint>
+#include <functional>
+#include <string>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -20,6 +22,31 @@ namespace shoestring::dist {
 
 /// Default bucket size of GradientAverager: 25 MiB of fp32 (PyTorch DDP's).
 inline constexpr int64_t kDefaultBucketBytes = int64_t{25} << 20;
+
+/// Whole gradients of some parameters, flattened into one fp32 buffer for
+/// one collective (GradientAverager's all-reduce, ZeroSharding's reduce to
+/// the owner).
+struct GradientBucket {
+  std::vector<size_t> params;  ///< indices into the parameter list, in order
+  int64_t numel = 0;           ///< elements of all of them
+  int root = -1;               ///< the rank that receives the sum (-1: every rank)
+};
+
+/// What reduce_gradient_buckets does with one bucket: starts its collective
+/// on the packed fp32 buffer (which stays alive and untouched until wait()).
+using StartBucketCollective = std::function<PendingCollective(const at::Tensor& flat, const GradientBucket& bucket)>;
+
+/// The bucket loop of the gradient reductions: for each bucket, in order,
+/// packs the parameters' .grad into a zeroed fp32 buffer (an undefined
+/// .grad counts as zeros and stays undefined), starts `start` on it, and,
+/// two buckets in flight (the next fills while the previous one is summed),
+/// waits and copies the sum times 1 / group.size() back into the .grad of
+/// the rank(s) receiving it: every rank when bucket.root is -1, else rank
+/// bucket.root only, and every other rank's .grad of the bucket is reset
+/// (undefined) once packed. Collective (every rank runs the same buckets
+/// in the same order). Throws what PendingCollective::wait throws.
+void reduce_gradient_buckets(ProcessGroup& group, const std::vector<at::Tensor>& params,
+                             const std::vector<GradientBucket>& buckets, const StartBucketCollective& start);
 
 /// Averages the gradients (.grad) of a fixed list of parameters over the
 /// ranks of a group, in place. Every rank must build it from the same
@@ -44,13 +71,9 @@ class GradientAverager {
   size_t bucket_count() const { return buckets_.size(); }
 
  private:
-  struct Bucket {
-    std::vector<size_t> params;  ///< indices into params_
-    int64_t numel = 0;
-  };
   ProcessGroup& group_;
   std::vector<at::Tensor> params_;
-  std::vector<Bucket> buckets_;
+  std::vector<GradientBucket> buckets_;
 };
 
 /// Copies rank `root`'s values of `tensors` (parameters, buffers) into every

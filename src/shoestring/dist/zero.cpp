@@ -1,9 +1,7 @@
 #include "shoestring/dist/zero.h"
 
 #include <algorithm>
-#include <deque>
 #include <map>
-#include <sstream>
 
 #include <ATen/core/grad_mode.h>
 #include <fmt/format.h>
@@ -45,41 +43,6 @@ std::vector<at::Tensor> tensors_of(const NamedTensors& params) {
   return out;
 }
 
-/// "key\tdtype\td0,d1,...\n" per tensor: what receivers allocate.
-std::string describe_tensors(const NamedTensors& tensors) {
-  std::string out;
-  for (const auto& [key, t] : tensors) {
-    std::vector<std::string> dims;
-    for (int64_t d : t.sizes()) dims.push_back(std::to_string(d));
-    out += fmt::format("{}\t{}\t{}\n", key, static_cast<int>(t.scalar_type()), fmt::join(dims, ","));
-  }
-  return out;
-}
-
-struct TensorDescription {
-  std::string key;
-  at::ScalarType dtype;
-  std::vector<int64_t> shape;
-};
-
-std::vector<TensorDescription> parse_descriptions(const std::string& text) {
-  std::vector<TensorDescription> out;
-  std::istringstream lines(text);
-  std::string line;
-  while (std::getline(lines, line)) {
-    const size_t a = line.find('\t');
-    const size_t b = line.find('\t', a + 1);
-    TensorDescription d;
-    d.key = line.substr(0, a);
-    d.dtype = static_cast<at::ScalarType>(std::stoi(line.substr(a + 1, b - a - 1)));
-    std::istringstream dims(line.substr(b + 1));
-    std::string dim;
-    while (std::getline(dims, dim, ',')) d.shape.push_back(std::stoll(dim));
-    out.push_back(std::move(d));
-  }
-  return out;
-}
-
 }  // namespace
 
 ZeroSharding::ZeroSharding(ProcessGroup& group, NamedTensors params, int stage, int64_t bucket_bytes)
@@ -91,7 +54,10 @@ ZeroSharding::ZeroSharding(ProcessGroup& group, NamedTensors params, int stage, 
       fail("ZeroSharding: two parameters named '{}'", params_[i].first);
   }
   if (stage_ == 1) averager_ = std::make_unique<GradientAverager>(group_, tensors_of(params_), bucket_bytes);
-  if (stage_ == 2) gradient_buckets_ = make_buckets(/*by_dtype=*/false, bucket_bytes);
+  if (stage_ == 2) {
+    for (Bucket& b : make_buckets(/*by_dtype=*/false, bucket_bytes))
+      gradient_buckets_.push_back({std::move(b.params), b.numel, b.owner});
+  }
   weight_buckets_ = make_buckets(/*by_dtype=*/true, bucket_bytes);
 }
 
@@ -133,46 +99,10 @@ void ZeroSharding::reduce_gradients() {
 }
 
 void ZeroSharding::reduce_to_owners() {
-  const double inverse = 1.0 / group_.size();
-  const int rank = group_.rank();
-  struct InFlight {
-    const Bucket* bucket;
-    at::Tensor flat;
-    PendingCollective pending;
-  };
-  // The owner copies a summed bucket back into its gradients, averaged.
-  auto finish = [&](InFlight& f) {
-    f.pending.wait();
-    if (f.bucket->owner != rank) return;  // the flat copy was scratch
-    f.flat.mul_(inverse);
-    int64_t offset = 0;
-    for (size_t i : f.bucket->params) {
-      at::Tensor& p = params_[i].second;
-      const int64_t n = p.numel();
-      if (p.grad().defined()) p.mutable_grad().copy_(f.flat.narrow(0, offset, n).view(p.grad().sizes()));
-      offset += n;
-    }
-  };
-  std::deque<InFlight> in_flight;
-  for (const Bucket& bucket : gradient_buckets_) {
-    at::Tensor flat = at::zeros({bucket.numel}, params_.front().second.options().dtype(at::kFloat));
-    int64_t offset = 0;
-    for (size_t i : bucket.params) {
-      at::Tensor& p = params_[i].second;
-      const int64_t n = p.numel();
-      if (p.grad().defined()) {
-        flat.narrow(0, offset, n).copy_(p.grad().reshape({n}));
-        if (bucket.owner != rank) p.mutable_grad().reset();  // another rank's tensor: its owner keeps the sum
-      }
-      offset += n;
-    }
-    in_flight.push_back({&bucket, flat, group_.reduce_sum_async(flat, bucket.owner)});
-    if (in_flight.size() > 1) {  // two in flight: the next fills while this one is summed
-      finish(in_flight.front());
-      in_flight.pop_front();
-    }
-  }
-  for (auto& f : in_flight) finish(f);
+  reduce_gradient_buckets(group_, tensors_of(params_), gradient_buckets_,
+                          [this](const at::Tensor& flat, const GradientBucket& bucket) {
+                            return group_.reduce_sum_async(flat, bucket.root);
+                          });
 }
 
 double ZeroSharding::sum_over_ranks(double value) { return group_.size() == 1 ? value : group_.all_reduce_sum(value); }
@@ -202,51 +132,12 @@ void ZeroSharding::broadcast_updated_parameters() {
   }
 }
 
-size_t ZeroSharding::param_of(const std::string& key) const {
+std::optional<size_t> ZeroSharding::parameter_of_state(const std::string& key) const {
   const size_t dot = key.rfind('.');
-  if (dot != std::string::npos) {
-    const auto it = index_of_.find(key.substr(0, dot));
-    if (it != index_of_.end()) return it->second;
-  }
-  fail("ZeRO: tensor '{}' on {} belongs to no trainable parameter (expected '<parameter name>.<state name>')", key,
-       group_.where());
-}
-
-NamedTensors ZeroSharding::gather_to_rank_zero(const NamedTensors& local) {
-  const int rank = group_.rank();
-  for (const auto& [key, t] : local) {
-    const size_t i = param_of(key);
-    if (ownership_.owner(i) != rank) {
-      fail("ZeRO: {} holds '{}' of parameter '{}', which rank {} owns", group_.where(), key, params_[i].first,
-           ownership_.owner(i));
-    }
-  }
-  NamedTensors gathered;
-  if (rank == 0) gathered = local;
-  for (int root = 1; root < group_.size(); ++root) {
-    // The list first (its length, then its text), so that receivers can allocate.
-    const std::string text = rank == root ? describe_tensors(local) : std::string();
-    at::Tensor length = at::full({1}, static_cast<int64_t>(text.size()), at::TensorOptions().dtype(at::kLong));
-    group_.broadcast(length, root);
-    at::Tensor bytes = at::empty({length.item<int64_t>()}, at::TensorOptions().dtype(at::kByte));
-    if (rank == root) std::copy(text.begin(), text.end(), bytes.data_ptr<uint8_t>());
-    group_.broadcast(bytes, root);
-    const std::vector<TensorDescription> list =
-        parse_descriptions(std::string(bytes.data_ptr<uint8_t>(), bytes.data_ptr<uint8_t>() + bytes.numel()));
-    for (size_t k = 0; k < list.size(); ++k) {
-      at::Tensor t =
-          rank == root ? local[k].second.detach() : at::empty(list[k].shape, at::TensorOptions().dtype(list[k].dtype));
-      group_.broadcast(t, root);
-      if (rank == 0) gathered.emplace_back(list[k].key, t);
-    }
-  }
-  if (rank != 0) return {};
-  std::vector<std::pair<size_t, size_t>> order;  // (parameter, position in `gathered`)
-  for (size_t k = 0; k < gathered.size(); ++k) order.emplace_back(param_of(gathered[k].first), k);
-  std::sort(order.begin(), order.end());
-  NamedTensors sorted;
-  for (const auto& [param, k] : order) sorted.push_back(std::move(gathered[k]));
-  return sorted;
+  if (dot == std::string::npos) return std::nullopt;
+  const auto it = index_of_.find(key.substr(0, dot));
+  if (it == index_of_.end()) return std::nullopt;
+  return it->second;
 }
 
 }  // namespace shoestring::dist

@@ -24,17 +24,17 @@
 //   broadcast_updated_parameters()  every tensor from its owner to all ranks,
 //                       bit for bit (bf16 through the fp16-view broadcast)
 //
-// Checkpoints (this slice): gather_to_rank_zero collects every rank's
-// optimizer state on rank 0, which writes the single-process checkpoint
-// format, so a run resumes at any world size and zero stage (including one
-// process); on resume each rank keeps only its own tensors' state
-// (Optimizer::set_update_subset). Per-rank shard files are a later step, as
-// are stage 3 (sharded parameters), NCCL and overlapping the reductions with
-// backward.
+// Checkpoints: each rank writes its own tensors' optimizer state to a shard
+// file of the checkpoint, indexed by rank 0 (train/checkpoint_io.h); on
+// resume, at any world size and stage, each rank reads the state of the
+// tensors it owns then (parameter_of_state + ownership()). Stage 3
+// (sharded parameters), NCCL and overlapping the reductions with backward
+// are later steps.
 #pragma once
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -113,17 +113,11 @@ class ZeroSharding {
   /// broadcast each). Collective. Throws as reduce_gradients.
   void broadcast_updated_parameters();
 
-  /// Collects named tensors that each rank holds for its own parameters
-  /// (its optimizer's state_tensors(): keys "<param name>.<state name>",
-  /// state names without '.') on rank 0: there it returns every rank's, in
-  /// parameter order and, within one parameter, in its owner's order (the
-  /// order one process's Optimizer::state_tensors() gives); other ranks get
-  /// an empty list. Any dtype and shape; each rank's list of names, dtypes
-  /// and shapes travels first, then the tensors one broadcast each (so a
-  /// rank other than 0 holds one extra tensor at a time). Collective.
-  /// Throws shoestring::Error naming the key when a tensor is not of one of
-  /// this rank's own parameters, and as reduce_gradients.
-  NamedTensors gather_to_rank_zero(const NamedTensors& local);
+  /// The index of the parameter that optimizer state key "<param
+  /// name>.<state name>" (state names have no '.') belongs to; nullopt when
+  /// it belongs to none. A checkpoint's state of parameter i is kept by
+  /// rank ownership().owner(i) (re-sharding on resume, train/run.cpp).
+  std::optional<size_t> parameter_of_state(const std::string& key) const;
 
  private:
   struct Bucket {
@@ -135,8 +129,6 @@ class ZeroSharding {
   /// Buckets of whole tensors with the same owner (and dtype, when
   /// `by_dtype`), in parameter order, at most `cap_bytes` each.
   std::vector<Bucket> make_buckets(bool by_dtype, int64_t cap_bytes) const;
-  /// The index of the parameter a state key "<param name>.<state>" belongs to.
-  size_t param_of(const std::string& key) const;
   void reduce_to_owners();
 
   ProcessGroup& group_;
@@ -145,7 +137,7 @@ class ZeroSharding {
   int stage_;
   TensorOwnership ownership_;
   std::unique_ptr<GradientAverager> averager_;  ///< stage 1
-  std::vector<Bucket> gradient_buckets_;        ///< stage 2: fp32, one owner each
+  std::vector<GradientBucket> gradient_buckets_;  ///< stage 2: fp32, one owner (root) each
   std::vector<Bucket> weight_buckets_;          ///< one owner and dtype each
 };
 

@@ -74,11 +74,27 @@ std::vector<NamedTensor> convert_for_save(const std::vector<std::pair<std::strin
   std::vector<NamedTensor> out;
   out.reserve(tensors.size());
   for (const auto& [name, t] : tensors) {
-    at::Tensor v = t.detach();
-    if (v.is_floating_point() && v.scalar_type() != container_dtype(target)) v = v.to(container_dtype(target));
-    out.push_back({name, v, std::nullopt});
+    const at::Tensor v = t.detach();
+    std::optional<at::ScalarType> cast;
+    if (v.is_floating_point() && v.scalar_type() != container_dtype(target)) cast = container_dtype(target);
+    out.push_back({name, v, std::nullopt, cast});
   }
   return out;
+}
+
+void save_with_guard(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                     std::optional<Dtype> target, const SaveGuardOptions& options,
+                     std::map<std::string, std::string> metadata, const std::string& what) {
+  if (!target) {
+    std::vector<NamedTensor> out;
+    out.reserve(tensors.size());
+    for (const auto& [name, t] : tensors) out.push_back({name, t.detach(), std::nullopt});
+    save_safetensors(path, out, metadata);
+    return;
+  }
+  std::vector<NamedTensor> out = convert_for_save(tensors, *target, options, what);
+  metadata["dtype"] = to_string(*target);
+  save_safetensors(path, out, metadata);
 }
 
 Dtype parse_save_precision(const std::string& s) {

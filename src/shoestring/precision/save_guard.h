@@ -13,6 +13,8 @@
 // weights in fp16 (they were negligible anyway); one in a hundred means the
 // tensor's scale does not fit fp16 and the saved model will differ.
 #pragma once
+#include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -46,13 +48,26 @@ struct NarrowingReport {
 /// give an empty report.
 NarrowingReport check_narrowing(const std::string& name, const at::Tensor& t, Dtype target);
 
-/// Converts floating tensors to `target` (fp32, bf16 or fp16) for saving,
-/// leaving other tensors as they are. fp8 targets are rejected (this build
-/// writes no scaled fp8 files; check_narrowing() still checks fp8).
-/// Throws shoestring::Error listing every offending tensor (up to 20, then a
-/// count) unless options.force; `what` names the file being written.
+/// Checks floating tensors against `target` (fp32, bf16 or fp16) and
+/// returns them for save_safetensors with `cast` set where the dtype
+/// changes (converted while writing, one tensor at a time: no converted
+/// copy of the whole model is ever held), other tensors as they are. The
+/// check reads one tensor at a time too (memory-mapped inputs stay mapped).
+/// fp8 targets are rejected (this build writes no scaled fp8 files;
+/// check_narrowing() still checks fp8). Throws shoestring::Error listing
+/// every offending tensor (up to 20, then a count) unless options.force;
+/// `what` names the file being written.
 std::vector<NamedTensor> convert_for_save(const std::vector<std::pair<std::string, at::Tensor>>& tensors, Dtype target,
                                           const SaveGuardOptions& options, const std::string& what);
+
+/// Writes `tensors` to safetensors file `path` (atomic), in `target` when
+/// given (through convert_for_save, with metadata "dtype" = the target's
+/// name), else each in its own dtype: the one writer of model files (a
+/// run's final model, `shoestring consolidate`). Throws what
+/// convert_for_save and save_safetensors throw.
+void save_with_guard(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                     std::optional<Dtype> target, const SaveGuardOptions& options,
+                     std::map<std::string, std::string> metadata, const std::string& what);
 
 /// Parses a save_precision value: "fp32" / "float", "fp16", "bf16" (kohya's
 /// names plus fp32). Throws shoestring::Error otherwise.

@@ -1,7 +1,10 @@
 #include "shoestring/train/checkpoint_io.h"
 
+#include <algorithm>
 #include <filesystem>
 #include <set>
+
+#include <fmt/format.h>
 
 #include <torch/torch.h>
 
@@ -125,7 +128,10 @@ nlohmann::json counters_to_json(const TrainingCounters& c) {
           {"loss_scale", optional(c.loss_scale)},
           {"loss_scale_growth_tracker", c.loss_scale_growth_tracker},
           {"precision_upcast", c.precision_upcast},
-          {"fused_previous_grad_norm", optional(c.fused_previous_grad_norm)}};
+          {"fused_previous_grad_norm", optional(c.fused_previous_grad_norm)},
+          {"world_size", c.world_size},
+          {"train_batch_size", c.train_batch_size},
+          {"gradient_accumulation_steps", c.gradient_accumulation_steps}};
 }
 
 TrainingCounters counters_from_json(const nlohmann::json& j, const std::string& source) {
@@ -149,6 +155,9 @@ TrainingCounters counters_from_json(const nlohmann::json& j, const std::string& 
     c.elapsed_seconds = j.value("elapsed_seconds", 0.0);
     if (j.contains("loss_scale") && j["loss_scale"].is_number()) c.loss_scale = j["loss_scale"].get<double>();
     c.loss_scale_growth_tracker = j.value("loss_scale_growth_tracker", int64_t{0});
+    c.world_size = j.value("world_size", int64_t{0});
+    c.train_batch_size = j.value("train_batch_size", int64_t{0});
+    c.gradient_accumulation_steps = j.value("gradient_accumulation_steps", int64_t{0});
     if (j.contains("precision_upcast")) c.precision_upcast = j["precision_upcast"].get<std::vector<std::string>>();
     if (j.contains("fused_previous_grad_norm") && j["fused_previous_grad_norm"].is_number()) {
       c.fused_previous_grad_norm = j["fused_previous_grad_norm"].get<double>();
@@ -203,6 +212,121 @@ TrainingState load_training_state(const std::string& path) {
   }
   if (!state.rng_cpu.defined()) fail("{}: tensor 'rng.cpu' is missing", file.path());
   return state;
+}
+
+}  // namespace shoestring
+
+namespace shoestring {
+
+std::string optimizer_shard_name(int rank, int world) {
+  return fmt::format("optimizer-rank-{:05d}-of-{:05d}.safetensors", rank, world);
+}
+
+bool is_optimizer_shard_name(const std::string& name) {
+  // optimizer-rank-RRRRR-of-WWWWW.safetensors
+  static const std::string head = "optimizer-rank-", mid = "-of-", tail = ".safetensors";
+  const size_t n = head.size() + 5 + mid.size() + 5 + tail.size();
+  if (name.size() != n || name.compare(0, head.size(), head) != 0) return false;
+  if (name.compare(head.size() + 5, mid.size(), mid) != 0 || name.compare(n - tail.size(), tail.size(), tail) != 0)
+    return false;
+  auto digits = [&](size_t at) {
+    return std::all_of(name.begin() + static_cast<std::ptrdiff_t>(at),
+                       name.begin() + static_cast<std::ptrdiff_t>(at + 5), [](char c) { return c >= '0' && c <= '9'; });
+  };
+  return digits(head.size()) && digits(head.size() + 5 + mid.size());
+}
+
+void save_optimizer_shard(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& optimizer,
+                          int rank, int world, int64_t step) {
+  std::vector<NamedTensor> tensors;
+  for (const auto& [name, t] : optimizer) tensors.push_back({"optimizer." + name, t, std::nullopt});
+  save_safetensors(path, tensors,
+                   {{"rank", std::to_string(rank)}, {"world_size", std::to_string(world)}, {"step", std::to_string(step)}});
+}
+
+void write_checkpoint_index(const std::string& dir, int64_t step, int world, int zero_stage) {
+  const fs::path folder(dir);
+  // Shards of another world size (an interrupted save at another world
+  // size): not part of this checkpoint.
+  std::error_code ec;
+  std::vector<fs::path> stale;
+  for (const auto& e : fs::directory_iterator(folder, ec)) {
+    const std::string name = e.path().filename().string();
+    if (!is_optimizer_shard_name(name)) continue;
+    bool ours = false;
+    for (int r = 0; r < world && !ours; ++r) ours = name == optimizer_shard_name(r, world);
+    if (!ours) stale.push_back(e.path());
+  }
+  for (const fs::path& p : stale) {
+    if (!fs::remove(p, ec) && ec) fail("cannot remove {} (a shard of another world size): {}", p.string(), ec.message());
+  }
+  std::vector<std::pair<std::string, int>> files;  // (file, rank that wrote it)
+  for (const char* replicated : {"model.safetensors", "lora.safetensors"}) {
+    if (fs::exists(folder / replicated)) files.emplace_back(replicated, 0);
+  }
+  files.emplace_back("state.safetensors", 0);
+  for (int r = 0; r < world; ++r) files.emplace_back(optimizer_shard_name(r, world), r);
+  nlohmann::ordered_json index = {{"format", "shoestring.sharded_checkpoint"},
+                                  {"version", 1},
+                                  {"step", step},
+                                  {"world_size", world},
+                                  {"zero_stage", zero_stage}};
+  nlohmann::ordered_json listed = nlohmann::ordered_json::object();
+  std::map<std::string, std::string> weight_map;
+  for (const auto& [name, rank] : files) {
+    const fs::path path = folder / name;
+    if (!fs::exists(path)) fail("{}: the checkpoint of step {} lacks {} (rank {} writes it)", dir, step, name, rank);
+    const SafetensorsFile file = SafetensorsFile::open(path.string());
+    listed[name] = {{"bytes", file.file_size()}, {"rank", rank}};
+    for (const auto& info : file.tensors()) {
+      const auto [it, fresh] = weight_map.emplace(info.name, name);
+      if (!fresh) fail("{}: tensor '{}' is in both {} and {}", dir, info.name, it->second, name);
+    }
+  }
+  index["files"] = std::move(listed);
+  index["weight_map"] = weight_map;
+  write_bytes_atomic((folder / kCheckpointIndexFile).string(), index.dump(2) + "\n");
+}
+
+void remove_sharded_files(const std::string& dir) {
+  std::error_code ec;
+  std::vector<fs::path> stale;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if (name == kCheckpointIndexFile || is_optimizer_shard_name(name)) stale.push_back(e.path());
+  }
+  for (const fs::path& p : stale) {
+    if (!fs::remove(p, ec) && ec) fail("cannot remove {} (a stale part of a sharded checkpoint): {}", p.string(), ec.message());
+  }
+}
+
+std::optional<CheckpointIndex> read_checkpoint_index(const std::string& dir) {
+  const fs::path path = fs::path(dir) / kCheckpointIndexFile;
+  if (!fs::exists(path)) return std::nullopt;
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(read_file(path.string()));
+  } catch (const nlohmann::json::exception& e) {
+    fail("{}: invalid JSON: {}", path.string(), e.what());
+  }
+  CheckpointIndex out;
+  try {
+    if (j.value("format", std::string()) != "shoestring.sharded_checkpoint")
+      fail("{}: \"format\" is not \"shoestring.sharded_checkpoint\"", path.string());
+    out.step = j.at("step").get<int64_t>();
+    out.world_size = j.at("world_size").get<int>();
+    out.zero_stage = j.at("zero_stage").get<int>();
+    out.weight_map = j.at("weight_map").get<std::map<std::string, std::string>>();
+  } catch (const nlohmann::json::exception& e) {
+    fail("{}: a field is missing or of the wrong type: {}", path.string(), e.what());
+  }
+  for (const auto& [tensor, file] : out.weight_map) {
+    if (file.empty() || file.find('/') != std::string::npos || file == "." || file == "..")
+      fail("{}: weight_map[\"{}\"] = \"{}\" must be a file of the checkpoint folder", path.string(), tensor, file);
+    if (!fs::exists(fs::path(dir) / file))
+      fail("{}: weight_map[\"{}\"] names {}, which is missing", path.string(), tensor, file);
+  }
+  return out;
 }
 
 }  // namespace shoestring

@@ -6,6 +6,10 @@
 //   samples/step-NNNNNN.png (+ .txt) sample grids with their prompts
 //   checkpoints/step-NNNNNN/model.safetensors   weights (storage dtype) + metadata
 //   checkpoints/step-NNNNNN/state.safetensors   optimizer state, EMA, RNG, counters (TrainingState)
+//   (ZeRO stages 1 and 2 on several ranks, a sharded checkpoint: state.safetensors
+//   holds no optimizer state; instead
+//   checkpoints/step-NNNNNN/optimizer-rank-RRRRR-of-WWWWW.safetensors  rank R's own tensors' state
+//   checkpoints/step-NNNNNN/checkpoint.index.json  every tensor of the folder -> the file holding it)
 //   checkpoints/latest.json          names the newest complete checkpoint
 //   model.safetensors                final weights (EMA weights when EMA is on)
 // A LoRA run adds lora.safetensors beside each model.safetensors; a LoRA run
@@ -13,6 +17,18 @@
 // (its frozen base is reloaded from that file on resume).
 // Every file is written atomically (temp, fsync, rename), and latest.json is
 // written last, so a crash leaves the previous checkpoint as the latest.
+//
+// A sharded checkpoint (docs/training.md, "Checkpoints of several
+// processes"): each rank writes its shard (the optimizer state of the
+// tensors it owns, "optimizer.<param>.<state>"), the ranks agree that every
+// shard is on disk (a collective), then rank 0 writes what every rank holds
+// alike once (model.safetensors / lora.safetensors, state.safetensors with
+// EMA, masters, RNG and counters), then the index, then latest.json. So the
+// folder holds the model and the state once, not once per rank, and counts
+// only when latest.json names it. A resume at any world size and zero stage
+// (one process included) reads, through the index, the state of the tensors
+// each rank owns then; a single-file checkpoint resumes into a sharded run
+// the same way (its state.safetensors holds every optimizer tensor).
 #pragma once
 #include <map>
 #include <optional>
@@ -57,6 +73,54 @@ std::string latest_checkpoint_dir(const std::string& run_dir);
 /// Points checkpoints/latest.json at `checkpoint_dir` (atomic write).
 void set_latest_checkpoint(const std::string& run_dir, const std::string& checkpoint_dir, int64_t step);
 
+/// The index of a sharded checkpoint folder.
+inline constexpr const char* kCheckpointIndexFile = "checkpoint.index.json";
+
+/// "optimizer-rank-RRRRR-of-WWWWW.safetensors": rank `rank`'s optimizer
+/// shard in a checkpoint of a `world`-rank run.
+std::string optimizer_shard_name(int rank, int world);
+/// True for a name optimizer_shard_name gives (any rank and world).
+bool is_optimizer_shard_name(const std::string& name);
+
+/// Writes one rank's optimizer shard: `optimizer` ("<param>.<state>"
+/// tensors) as "optimizer.<param>.<state>", with metadata "rank",
+/// "world_size" and "step" (atomic). Throws shoestring::Error on I/O failure.
+void save_optimizer_shard(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& optimizer,
+                          int rank, int world, int64_t step);
+
+/// Writes `dir`/checkpoint.index.json (atomic), after the files it names are
+/// complete: {"format": "shoestring.sharded_checkpoint", "version": 1,
+/// "step", "world_size", "zero_stage", "files": {file: {"bytes", "rank"}},
+/// "weight_map": {tensor: file}}: model.safetensors and lora.safetensors
+/// (when present) and state.safetensors (rank 0), and the `world` optimizer
+/// shards (their rank), every tensor of each (the weight_map of a Hugging
+/// Face index, so WeightFiles opens it). Removes optimizer shards of another
+/// world size that an interrupted save left in `dir`. Throws
+/// shoestring::Error naming the file that is missing or invalid, or a tensor
+/// name two files hold.
+void write_checkpoint_index(const std::string& dir, int64_t step, int world, int zero_stage);
+
+/// Removes checkpoint.index.json and every optimizer shard from checkpoint
+/// folder `dir` (left there by an interrupted sharded save of the same step)
+/// before a single-file checkpoint is written into it, so that the folder
+/// is read as what it now holds. Throws shoestring::Error naming a file
+/// that cannot be removed.
+void remove_sharded_files(const std::string& dir);
+
+/// What a checkpoint index says (read_checkpoint_index).
+struct CheckpointIndex {
+  int64_t step = 0;
+  int world_size = 1;
+  int zero_stage = 0;
+  std::map<std::string, std::string> weight_map;  ///< tensor -> file (relative to the folder)
+};
+
+/// Reads `dir`/checkpoint.index.json; nullopt when the folder has none (a
+/// single-file checkpoint). Throws shoestring::Error naming the index when
+/// it is not JSON or lacks a field, or names a file outside the folder or
+/// missing from it.
+std::optional<CheckpointIndex> read_checkpoint_index(const std::string& dir);
+
 /// The counters of a run that a resume restores: what the loop has done so
 /// far and the state of its fp16 machinery. Stored as the JSON
 /// "training_state" metadata of state.safetensors under the names given.
@@ -74,6 +138,12 @@ struct TrainingCounters {
   int64_t loss_scale_growth_tracker = 0;      ///< "loss_scale_growth_tracker": clean steps since the last change
   std::vector<std::string> precision_upcast;  ///< "precision_upcast": blocks the overflow guard moved to fp32
   std::optional<double> fused_previous_grad_norm;  ///< "fused_previous_grad_norm": fused clipping's last norm
+  /// The shape of the global batch when the checkpoint was written (absent
+  /// from older files: 0 = unknown): "world_size" ranks x
+  /// "train_batch_size" x "gradient_accumulation_steps".
+  int64_t world_size = 0;
+  int64_t train_batch_size = 0;
+  int64_t gradient_accumulation_steps = 0;
 };
 
 /// Everything state.safetensors holds: the counters and the optimizer, EMA

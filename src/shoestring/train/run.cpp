@@ -16,6 +16,7 @@
 #include "shoestring/dist/launch_env.h"
 #include "shoestring/io/atomic_file.h"
 #include "shoestring/io/safetensors.h"
+#include "shoestring/io/weight_files.h"
 #include "shoestring/models/architecture.h"
 #include "shoestring/nn/chunked_attention.h"
 #include "shoestring/optim/factory.h"
@@ -101,11 +102,20 @@ void refuse_if_finished(const std::string& run_dir, int64_t step, int64_t max_tr
 /// keys: model, base files, LoRA, optimizer, precision, data order), naming
 /// each difference, and refuses a max_train_steps already reached, before
 /// any slow work. `checkpoint_dir` is "" for a run that saved none.
-void check_resume(const std::string& run_dir, const std::string& checkpoint_dir, const TrainConfig& now) {
+void check_resume(const std::string& run_dir, const std::string& checkpoint_dir, const TrainConfig& now, int world) {
   const fs::path recorded = fs::path(run_dir) / "config.toml";
   if (fs::exists(recorded)) {
     const TrainConfig was = load_config(recorded.string());
-    const std::vector<std::string> diffs = resume_differences(was, now);
+    TrainConfig compared = now;
+    if (!checkpoint_dir.empty() && now.train_batch_size != was.train_batch_size) {
+      // Another world size with world x train_batch_size unchanged draws the
+      // same images, noise and timesteps per micro-batch: allowed.
+      const int64_t was_world = load_training_state((fs::path(checkpoint_dir) / "state.safetensors").string())
+                                    .counters.world_size;
+      if (was_world > 0 && was_world * was.train_batch_size == world * now.train_batch_size)
+        compared.train_batch_size = was.train_batch_size;
+    }
+    const std::vector<std::string> diffs = resume_differences(was, compared);
     if (!diffs.empty()) {
       fail(
           "--resume {}: this config differs from the run's own ({}) in what its checkpoint depends on: {}; "
@@ -153,8 +163,10 @@ void remove_stale_temporaries_of(const std::string& run_dir, bool quiet) {
   std::error_code ec;
   for (const auto& e : fs::directory_iterator(root / "checkpoints", ec)) {
     if (!e.is_symlink() && e.is_directory() && step_file(e.path().filename().string(), "")) {
-      add(remove_temporaries(e.path().string(),
-                             any_of({"model.safetensors", "lora.safetensors", "state.safetensors"})));
+      add(remove_temporaries(e.path().string(), [](const std::string& name) {
+        return name == "model.safetensors" || name == "lora.safetensors" || name == "state.safetensors" ||
+               name == kCheckpointIndexFile || is_optimizer_shard_name(name);  // sharded checkpoints
+      }));
     }
   }
   add(remove_temporaries((root / "samples").string(),
@@ -193,7 +205,7 @@ void prepare_run_dir(Run& run, const TrainRunOptions& options) {
       spdlog::warn("--resume {}: the run stopped before its first checkpoint; starting it over from step 0",
                    run.run_dir);
     }
-    check_resume(run.run_dir, run.resume_from, run.config);
+    check_resume(run.run_dir, run.resume_from, run.config, run.world_size());
     run.config.output_dir = run.run_dir;  // the run folder, whatever the config names
   }
 }
@@ -440,6 +452,80 @@ void check_data_parallel(const Run& run) {
   }
 }
 
+/// The optimizer state of checkpoint `dir` that this rank keeps, by key
+/// ("<param>.<state>"): with ZeRO, the state of the tensors this rank owns
+/// under this run's TensorOwnership (so a checkpoint of any world size and
+/// stage re-shards on load); otherwise all of it. Read through the index of
+/// a sharded checkpoint (each rank maps the shard files and reads only its
+/// tensors), or from `state` (a single-file checkpoint's state.safetensors,
+/// lazily mapped). Throws shoestring::Error naming the file of a key that
+/// belongs to no trainable parameter.
+std::map<std::string, at::Tensor> owned_optimizer_state(const Run& run, const std::string& dir,
+                                                        const TrainingState& state) {
+  auto keeps = [&](const std::string& key, const std::string& file) {
+    if (!run.zero) return true;
+    const std::optional<size_t> param = run.zero->parameter_of_state(key);
+    if (!param) fail("{}: optimizer state '{}' belongs to no trainable parameter of this run", file, key);
+    return run.zero->ownership().owner(*param) == run.rank();
+  };
+  std::map<std::string, at::Tensor> out;
+  const std::optional<CheckpointIndex> index = read_checkpoint_index(dir);
+  if (!index) {
+    const std::string file = (fs::path(dir) / "state.safetensors").string();
+    for (const auto& [key, t] : state.optimizer) {
+      if (keeps(key, file)) out.emplace(key, t);
+    }
+    return out;
+  }
+  const std::string prefix = "optimizer.";
+  const WeightFiles files = WeightFiles::open((fs::path(dir) / kCheckpointIndexFile).string());
+  for (const auto& [name, file] : index->weight_map) {
+    if (name.rfind(prefix, 0) != 0) continue;
+    const std::string key = name.substr(prefix.size());
+    if (keeps(key, files.file_of(name))) out.emplace(key, files.get(name));
+  }
+  return out;
+}
+
+/// The sampler position to resume at. Its index counts global micro-batches
+/// of world x train_batch_size images; when that product differs from the
+/// checkpoint's, the position is converted through the images drawn so far
+/// of the epoch (rounded down), and the change of the global batch is
+/// logged.
+BatchSampler::Position resumed_data_position(const Run& run, const TrainingCounters& saved, const std::string& file) {
+  BatchSampler::Position p{saved.data_epoch, saved.data_index};
+  if (saved.world_size <= 0 || saved.train_batch_size <= 0) return p;  // an older checkpoint: as it was
+  const TrainConfig& c = run.config;
+  const int64_t was_rows = saved.world_size * saved.train_batch_size;
+  const int64_t now_rows = run.world_size() * c.train_batch_size;
+  const int64_t was_global = was_rows * saved.gradient_accumulation_steps;
+  const int64_t now_global = now_rows * c.gradient_accumulation_steps;
+  if (saved.world_size != run.world_size() || was_global != now_global) {
+    const std::string now_shape = fmt::format("{} rank(s) x train_batch_size {} x gradient_accumulation_steps {}",
+                                              run.world_size(), c.train_batch_size, c.gradient_accumulation_steps);
+    const std::string was_shape = fmt::format("{} rank(s) x {} x {}", saved.world_size, saved.train_batch_size,
+                                              saved.gradient_accumulation_steps);
+    if (was_global == now_global) {
+      spdlog::info("resumed at {} rank(s) from a checkpoint of {} ({}): global batch {} images per step ({}) as before",
+                   run.world_size(), saved.world_size, file, now_global, now_shape);
+    } else {
+      spdlog::warn(
+          "resumed at {} rank(s) from a checkpoint of {} ({}): the global batch is now {} images per step ({}), it "
+          "was {} ({}); learning rate and schedule stay as configured (not rescaled); to keep {} images per step, "
+          "set train_batch_size x gradient_accumulation_steps = {} per rank",
+          run.world_size(), saved.world_size, file, now_global, now_shape, was_global, was_shape, was_global,
+          was_global % run.world_size() == 0 ? std::to_string(was_global / run.world_size())
+                                             : fmt::format("{} / {} (not a whole number)", was_global, run.world_size()));
+    }
+  }
+  if (was_rows != now_rows) {
+    const int64_t images = p.index * was_rows;
+    p.index = images / now_rows;
+    if (p.index >= run.sampler->batches_per_epoch()) p = {p.epoch + 1, 0};
+  }
+  return p;
+}
+
 }  // namespace
 
 std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions& options) {
@@ -573,17 +659,44 @@ void set_max_train_steps(Run& run, int64_t steps, const std::string& why) {
   spdlog::info("{}", why);
 }
 
-std::vector<std::pair<std::string, at::Tensor>> checkpoint_optimizer_state(Run& run) {
-  const auto local = run.gradients->optimizer().state_tensors();
-  return run.zero ? run.zero->gather_to_rank_zero(local) : local;
+bool shards_checkpoints(const Run& run) { return run.zero != nullptr && run.world_size() > 1; }
+
+void write_checkpoint_shards(Run& run, int64_t step) {
+  if (!shards_checkpoints(run)) return;
+  const fs::path dir = fs::path(run.run_dir) / "checkpoints" / step_name(step);
+  std::string error;
+  try {
+    fs::create_directories(dir);
+    save_optimizer_shard((dir / optimizer_shard_name(run.rank(), run.world_size())).string(),
+                         run.gradients->optimizer().state_tensors(), run.rank(), run.world_size(), step);
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  // Every rank says whether its shard is on disk: rank 0 indexes the
+  // checkpoint only when all are.
+  at::Tensor failed = at::zeros({run.world_size()}, at::TensorOptions().dtype(at::kInt));
+  if (!error.empty()) failed[run.rank()].fill_(1);
+  run.group->all_reduce_sum(failed);
+  std::vector<int> ranks;
+  for (int r = 0; r < run.world_size(); ++r) {
+    if (failed[r].item<int>() != 0) ranks.push_back(r);
+  }
+  if (ranks.empty()) return;
+  if (run.writes_files()) {
+    std::error_code ec;
+    if (fs::is_empty(dir, ec)) fs::remove(dir, ec);  // a failed save leaves no empty folder
+  }
+  fail("checkpoint of step {}: rank(s) {} could not write their optimizer shard in {}{}", step, fmt::join(ranks, ", "),
+       dir.string(), error.empty() ? std::string() : ": " + error);
 }
 
-std::string write_checkpoint(Run& run, int64_t step,
-                             const std::vector<std::pair<std::string, at::Tensor>>& optimizer_state) {
+std::string write_checkpoint(Run& run, int64_t step) {
   fs::path dir = fs::path(run.run_dir) / "checkpoints" / step_name(step);
+  const bool sharded = shards_checkpoints(run);
   // A failed save (full disk, ...) leaves no empty checkpoint folder; files
   // are written atomically, so nothing partial either.
   RemoveIfEmpty cleanup{dir.string(), fs::create_directories(dir), ""};
+  if (!sharded) remove_sharded_files(dir.string());  // of an interrupted sharded save of this step
   if (!run.lora_only()) {
     save_module((dir / "model.safetensors").string(), run.model->module(), run.model->metadata(step));
   }
@@ -594,6 +707,9 @@ std::string write_checkpoint(Run& run, int64_t step,
   counters.optimizer_step_count = run.gradients->optimizer().step_count();
   counters.data_epoch = run.sampler->position().epoch;
   counters.data_index = run.sampler->position().index;
+  counters.world_size = run.world_size();
+  counters.train_batch_size = run.config.train_batch_size;
+  counters.gradient_accumulation_steps = run.config.gradient_accumulation_steps;
   const GradientPathState path_state = run.gradients->state();
   if (path_state.loss_scale) {
     counters.loss_scale = path_state.loss_scale;
@@ -602,11 +718,13 @@ std::string write_checkpoint(Run& run, int64_t step,
   if (path_state.previous_grad_norm) counters.fused_previous_grad_norm = path_state.previous_grad_norm;
   TrainingState state;
   state.counters = counters;
-  state.optimizer = optimizer_state;
+  // Sharded: every rank's optimizer state is in its shard (write_checkpoint_shards).
+  if (!sharded) state.optimizer = run.gradients->optimizer().state_tensors();
   if (run.ema) state.ema = run.ema->tensors();
   state.master = path_state.masters;
   state.rng_cpu = cpu_rng_state();
   save_training_state((dir / "state.safetensors").string(), state);
+  if (sharded) write_checkpoint_index(dir.string(), step, run.world_size(), run.zero->stage());
   return dir.string();
 }
 
@@ -626,7 +744,7 @@ int64_t restore_checkpoint(Run& run, const std::string& dir) {
   const std::string state_path = (fs::path(dir) / "state.safetensors").string();
   TrainingState state = load_training_state(state_path);
   set_cpu_rng_state(state.rng_cpu);
-  run.gradients->optimizer().load_state_tensors({state.optimizer.begin(), state.optimizer.end()});
+  run.gradients->optimizer().load_state_tensors(owned_optimizer_state(run, dir, state));
   GradientPathState path_state;
   path_state.loss_scale = state.counters.loss_scale;
   path_state.loss_scale_growth_tracker = state.counters.loss_scale_growth_tracker;
@@ -641,7 +759,7 @@ int64_t restore_checkpoint(Run& run, const std::string& dir) {
     }
   }
   run.gradients->optimizer().set_step_count(state.counters.optimizer_step_count);
-  run.sampler->set_position({state.counters.data_epoch, state.counters.data_index});
+  run.sampler->set_position(resumed_data_position(run, state.counters, state_path));
   run.counters = state.counters;
   // Blocks the overflow guard moved to fp32 stay there.
   if (!run.counters.precision_upcast.empty()) {

@@ -120,20 +120,25 @@ std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions&
 /// on I/O failure.
 void set_max_train_steps(Run& run, int64_t steps, const std::string& why);
 
-/// The optimizer state a checkpoint of `run` holds ("<param name>.<state
-/// name>" tensors): this process's optimizer's; with ZeRO (several ranks,
-/// zero_stage 1 or 2) every rank's shard, gathered on rank 0 (the others get
-/// an empty list), so that the checkpoint is the single-process one and
-/// resumes at any world size. Collective with ZeRO: every rank calls it at
-/// the same point. Throws what ZeroSharding::gather_to_rank_zero throws.
-std::vector<std::pair<std::string, at::Tensor>> checkpoint_optimizer_state(Run& run);
+/// True when `run`'s checkpoints are sharded (ZeRO stage 1 or 2 on several
+/// ranks; train/checkpoint_io.h): each rank writes its optimizer shard.
+bool shards_checkpoints(const Run& run);
 
-/// Writes checkpoints/step-NNNNNN/ (weights or LoRA adapters, and the
-/// training state with `optimizer_state`, checkpoint_optimizer_state's) and
+/// Every rank of a sharded run (nothing otherwise): writes this rank's
+/// optimizer shard into checkpoints/step-NNNNNN/, then learns from every
+/// rank whether theirs is on disk (a collective), so that rank 0 indexes the
+/// checkpoint (write_checkpoint) only when all are. Throws shoestring::Error
+/// on every rank naming the ranks that failed (and this rank's own I/O
+/// error), and as the collective when a peer died.
+void write_checkpoint_shards(Run& run, int64_t step);
+
+/// Rank 0 (one process: the process): writes checkpoints/step-NNNNNN/
+/// (weights or LoRA adapters, and the training state, with the whole
+/// optimizer state, or, for a sharded run, after write_checkpoint_shards:
+/// the state every rank holds alike, then checkpoint.index.json) and
 /// returns the folder; latest.json does not move yet. A failed save leaves
 /// no empty folder. Throws shoestring::Error on I/O failure.
-std::string write_checkpoint(Run& run, int64_t step,
-                             const std::vector<std::pair<std::string, at::Tensor>>& optimizer_state);
+std::string write_checkpoint(Run& run, int64_t step);
 
 /// Points checkpoints/latest.json at checkpoint folder `dir` of `step`
 /// (one atomic write): the moment the checkpoint counts for --resume.
@@ -141,7 +146,11 @@ std::string write_checkpoint(Run& run, int64_t step,
 void commit_checkpoint(Run& run, const std::string& dir, int64_t step);
 
 /// Restores weights, optimizer, gradient-path state, EMA, RNG, data position
-/// and counters from checkpoint folder `dir`; returns its step. Throws
+/// and counters from checkpoint folder `dir` (single-file or sharded, of any
+/// world size and zero stage: each rank keeps the optimizer state of the
+/// tensors it owns now); returns its step. A global batch (world x
+/// train_batch_size x gradient_accumulation_steps) other than the
+/// checkpoint's is logged as a warning naming both. Throws
 /// shoestring::Error naming the file for missing or mismatching contents.
 int64_t restore_checkpoint(Run& run, const std::string& dir);
 

@@ -276,11 +276,10 @@ TrainSummary train(const TrainConfig& config, const TrainRunOptions& options) {
     const bool saves = every(c.save_every_n_steps, step) || last;
     const bool samples = every(c.sample_every_n_steps, step) || last;
     if (!saves && !samples) continue;
-    std::vector<std::pair<std::string, at::Tensor>> optimizer_state;  // ZeRO: every rank's shard, on rank 0
-    if (saves) optimizer_state = checkpoint_optimizer_state(*run);
+    if (saves) write_checkpoint_shards(*run, step);  // ZeRO on several ranks: each rank its optimizer shard
     on_rank_zero(*run, step, [&] {
       std::string checkpoint;
-      if (saves) checkpoint = write_checkpoint(*run, step, optimizer_state);
+      if (saves) checkpoint = write_checkpoint(*run, step);  // sharded: indexed last
       if (samples) sample(*run, report, step);
       if (last) save_final_files(*run, step);  // EMA weights when EMA is on
       // latest.json moves last: a checkpoint counts once everything of its

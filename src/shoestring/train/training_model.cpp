@@ -104,21 +104,13 @@ std::string config_hash(const TrainConfig& config) {
 
 void save_module_tensors(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
                          std::map<std::string, std::string> metadata, const TrainConfig& config) {
-  if (config.save_precision == "auto") {
-    std::vector<NamedTensor> out;
-    out.reserve(tensors.size());
-    for (const auto& [name, t] : tensors) out.push_back({name, t, std::nullopt});
-    save_safetensors(path, out, metadata);
-    return;
-  }
-  // kohya's save_precision, behind the save-time range guard (docs/precision.md).
-  const precision::Dtype target = precision::parse_save_precision(config.save_precision);
+  // kohya's save_precision ("auto": as trained), behind the save-time range guard (docs/precision.md).
+  std::optional<precision::Dtype> target;
+  if (config.save_precision != "auto") target = precision::parse_save_precision(config.save_precision);
   precision::SaveGuardOptions guard;
   guard.force = config.save_precision_force;
-  metadata["dtype"] = precision::to_string(target);
-  save_safetensors(path,
-                   precision::convert_for_save(tensors, target, guard, path + " (the checkpoints keep full precision)"),
-                   metadata);
+  precision::save_with_guard(path, tensors, target, guard, std::move(metadata),
+                             path + " (the checkpoints keep full precision)");
 }
 
 }  // namespace shoestring

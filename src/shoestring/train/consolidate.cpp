@@ -1,0 +1,89 @@
+#include "shoestring/train/consolidate.h"
+
+#include <filesystem>
+#include <map>
+#include <set>
+#include <utility>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "shoestring/core/error.h"
+#include "shoestring/io/weight_files.h"
+#include "shoestring/precision/save_guard.h"
+#include "shoestring/train/checkpoint_io.h"
+
+namespace shoestring {
+namespace fs = std::filesystem;
+
+namespace {
+
+/// The files of a checkpoint folder that hold the model's tensors (stages 1
+/// and 2: rank 0's model.safetensors).
+bool is_model_file(const std::string& name) { return name == "model.safetensors"; }
+
+}  // namespace
+
+ConsolidateResult consolidate_checkpoint(const std::string& checkpoint_dir, const std::string& out,
+                                         const ConsolidateOptions& options) {
+  const fs::path dir(checkpoint_dir);
+  if (!fs::is_directory(dir)) fail("consolidate: checkpoint folder '{}' does not exist", checkpoint_dir);
+  if (fs::is_directory(out)) fail("consolidate: output '{}' is a folder, expected a .safetensors file path", out);
+  {
+    std::error_code ec;
+    const fs::path parent = fs::absolute(out).parent_path();
+    if (fs::equivalent(parent, dir, ec))
+      fail("consolidate: output '{}' is inside the checkpoint folder it reads ({})", out, checkpoint_dir);
+  }
+  ConsolidateResult result;
+  const std::optional<CheckpointIndex> index = read_checkpoint_index(checkpoint_dir);
+  result.sharded = index.has_value();
+  const fs::path model = dir / "model.safetensors";
+  if (!index && !fs::exists(model)) {
+    fail("consolidate: '{}' holds no model.safetensors{}", checkpoint_dir,
+         fs::exists(dir / "lora.safetensors")
+             ? " (a LoRA run on a pretrained base checkpoints its adapters only: lora.safetensors is the file)"
+             : "");
+  }
+  // Read through the index (every file of the folder mapped, nothing read
+  // until a tensor is written), or the single model file.
+  const WeightFiles files =
+      WeightFiles::open(index ? (dir / kCheckpointIndexFile).string() : model.string());
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  std::set<std::string> sources;
+  std::map<std::string, std::string> metadata;
+  if (index) {
+    // In the model files' own order (their data-buffer order), file by file.
+    std::set<std::string> model_files;
+    for (const auto& [name, file] : index->weight_map) {
+      if (is_model_file(file)) model_files.insert(file);
+    }
+    if (model_files.empty())
+      fail("consolidate: the index of '{}' maps no tensor to a model file (model.safetensors)", checkpoint_dir);
+    for (const std::string& file : model_files) {
+      const SafetensorsFile f = SafetensorsFile::open((dir / file).string());
+      if (metadata.empty()) metadata = f.metadata();
+      for (const auto& info : f.tensors()) tensors.emplace_back(info.name, files.get(info.name));
+      sources.insert(file);
+    }
+  } else {
+    metadata = files.metadata();
+    const SafetensorsFile f = SafetensorsFile::open(model.string());
+    for (const auto& info : f.tensors()) tensors.emplace_back(info.name, files.get(info.name));
+    sources.insert(model.filename().string());
+  }
+  metadata["shoestring.consolidated_from"] = fs::path(checkpoint_dir).lexically_normal().string();
+  precision::SaveGuardOptions guard;
+  guard.force = options.force;
+  precision::save_with_guard(out, tensors, options.dtype, guard, metadata, out);
+  result.tensors = static_cast<int64_t>(tensors.size());
+  for (const auto& [name, t] : tensors) {
+    const bool cast = options.dtype && t.is_floating_point();
+    result.bytes += t.numel() * (cast ? static_cast<int64_t>(c10::elementSize(precision::container_dtype(*options.dtype)))
+                                      : static_cast<int64_t>(t.element_size()));
+  }
+  result.files_read = static_cast<int64_t>(sources.size());
+  return result;
+}
+
+}  // namespace shoestring
