@@ -8,57 +8,25 @@
 
 #include "shoestring/core/error.h"
 #include "shoestring/optim/compass.h"
+#include "golden_trajectory.h"
 
 using namespace shoestring;
 
 namespace {
-at::Tensor compass_from_list(const nlohmann::json& values, const nlohmann::json& shape) {
-  std::vector<float> v = values.get<std::vector<float>>();
-  return torch::tensor(v).view(shape.get<std::vector<int64_t>>());
-}
-
 /// Runs the reference trajectory `key` of lion_compass_reference.json and
 /// returns how many parameter snapshots were compared.
 int check_compass_run(const char* key) {
-  std::ifstream in(std::string(SHOESTRING_TEST_DATA) + "/optim/lion_compass_reference.json");
-  EXPECT_TRUE(in.good());
-  auto ref = nlohmann::json::parse(in);
+  const nlohmann::json ref = shoestring::testing::load_golden("lion_compass_reference.json");
   const auto& run = ref[key];
-  const size_t np = ref["shapes"].size();
-  std::vector<at::Tensor> params;
-  std::vector<OptimParam> oparams;
-  for (size_t i = 0; i < np; ++i) {
-    params.push_back(compass_from_list(run["initial"][i], ref["shapes"][i]).requires_grad_(true));
-    oparams.push_back({"p" + std::to_string(i), params.back(), ref["weight_decay"][i].get<double>()});
-  }
+  shoestring::testing::GoldenParams g = shoestring::testing::golden_params(ref, run);
   CompassOptions co;
   co.beta1 = run["betas"][0];
   co.beta2 = run["betas"][1];
   co.amp_fac = run["amp_fac"];
   co.eps = run["eps"];
   co.centralization = run["centralization"];
-  Compass opt(oparams, co, {});
-  const double lr = run["lr"];
-  int checked = 0;
-  for (size_t s = 0; s < run["steps"].size(); ++s) {
-    const auto& rec = run["steps"][s];
-    std::vector<at::Tensor> grads;
-    for (size_t i = 0; i < np; ++i) {
-      grads.push_back(compass_from_list(rec["grads"][i], ref["shapes"][i]));
-      params[i].mutable_grad() = grads.back().clone();
-    }
-    opt.step(lr);
-    for (size_t i = 0; i < np; ++i) {
-      EXPECT_TRUE(torch::equal(params[i].grad(), grads[i])) << "the gradient must not be modified";
-    }
-    if (!rec.contains("params")) continue;
-    for (size_t i = 0; i < np; ++i) {
-      auto expected = compass_from_list(rec["params"][i], ref["shapes"][i]);
-      auto rel = ((params[i].detach() - expected).abs() / expected.abs().clamp_min(1e-3)).max().item<double>();
-      EXPECT_LT(rel, 1e-6) << key << " step " << s + 1 << " param " << i;
-      ++checked;
-    }
-  }
+  Compass opt(g.optim_params, co, {});
+  const int checked = shoestring::testing::replay_golden_steps(opt, g.params, ref, run, key);
   EXPECT_EQ(opt.state_bytes(), 8 * (30 + 5 + 48));
   return checked;
 }

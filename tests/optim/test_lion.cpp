@@ -8,51 +8,22 @@
 
 #include "shoestring/core/error.h"
 #include "shoestring/optim/lion.h"
+#include "golden_trajectory.h"
 
 using namespace shoestring;
 
-namespace {
-at::Tensor lion_from_list(const nlohmann::json& values, const nlohmann::json& shape) {
-  std::vector<float> v = values.get<std::vector<float>>();
-  return torch::tensor(v).view(shape.get<std::vector<int64_t>>());
-}
-
-nlohmann::json load_lion_reference() {
-  std::ifstream in(std::string(SHOESTRING_TEST_DATA) + "/optim/lion_compass_reference.json");
-  EXPECT_TRUE(in.good());
-  return nlohmann::json::parse(in);
-}
-}  // namespace
 
 // Golden values: scripts/gen_optim_reference.py (Lion written step by step in PyTorch).
 TEST(Lion, MatchesPyTorchReferenceOver50Steps) {
-  auto ref = load_lion_reference();
+  const nlohmann::json ref = shoestring::testing::load_golden("lion_compass_reference.json");
   const auto& run = ref["lion"];
   const size_t np = ref["shapes"].size();
-  std::vector<at::Tensor> params;
-  std::vector<OptimParam> oparams;
-  for (size_t i = 0; i < np; ++i) {
-    params.push_back(lion_from_list(run["initial"][i], ref["shapes"][i]).requires_grad_(true));
-    oparams.push_back({"p" + std::to_string(i), params.back(), ref["weight_decay"][i].get<double>()});
-  }
+  shoestring::testing::GoldenParams g = shoestring::testing::golden_params(ref, run);
   LionOptions lo;
   lo.beta1 = run["betas"][0];
   lo.beta2 = run["betas"][1];
-  Lion opt(oparams, lo, {});
-  const double lr = run["lr"];
-  int checked = 0;
-  for (size_t s = 0; s < run["steps"].size(); ++s) {
-    const auto& rec = run["steps"][s];
-    for (size_t i = 0; i < np; ++i) params[i].mutable_grad() = lion_from_list(rec["grads"][i], ref["shapes"][i]);
-    opt.step(lr);
-    if (!rec.contains("params")) continue;
-    for (size_t i = 0; i < np; ++i) {
-      auto expected = lion_from_list(rec["params"][i], ref["shapes"][i]);
-      auto rel = ((params[i].detach() - expected).abs() / expected.abs().clamp_min(1e-3)).max().item<double>();
-      EXPECT_LT(rel, 1e-6) << "step " << s + 1 << " param " << i;
-      ++checked;
-    }
-  }
+  Lion opt(g.optim_params, lo, {});
+  const int checked = shoestring::testing::replay_golden_steps(opt, g.params, ref, run, "lion");
   EXPECT_EQ(checked, 30);
   auto st = opt.state_tensors();
   ASSERT_EQ(st.size(), np);

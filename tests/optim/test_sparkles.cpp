@@ -17,36 +17,27 @@
 #include "shoestring/core/error.h"
 #include "shoestring/optim/factory.h"
 #include "shoestring/optim/sparkles.h"
+#include "golden_trajectory.h"
 
 using namespace shoestring;
+using shoestring::testing::golden_params;
+using shoestring::testing::golden_tensor;
+using shoestring::testing::GoldenParams;
+using shoestring::testing::load_golden;
+using shoestring::testing::max_rel;
+using shoestring::testing::replay_golden_steps;
 
 namespace {
-
-at::Tensor from_list(const nlohmann::json& values, const nlohmann::json& shape) {
-  std::vector<float> v = values.get<std::vector<float>>();
-  return torch::tensor(v).view(shape.get<std::vector<int64_t>>());
-}
-
-double max_rel(const at::Tensor& got, const at::Tensor& expected) {
-  return ((got - expected).abs() / expected.abs().clamp_min(1e-3)).max().item<double>();
-}
 
 /// Runs trajectory `key` of sparkles_reference.json; returns how many parameter
 /// snapshots were compared.
 int check_run(const char* key) {
-  std::ifstream in(std::string(SHOESTRING_TEST_DATA) + "/optim/sparkles_reference.json");
-  EXPECT_TRUE(in.good());
-  auto ref = nlohmann::json::parse(in);
+  const nlohmann::json ref = load_golden("sparkles_reference.json");
   const auto& run = ref[key];
   const size_t np = ref["shapes"].size();
-  std::vector<at::Tensor> params;
-  std::vector<OptimParam> oparams;
+  GoldenParams g = golden_params(ref, run);
   int64_t numel = 0;
-  for (size_t i = 0; i < np; ++i) {
-    params.push_back(from_list(run["initial"][i], ref["shapes"][i]).requires_grad_(true));
-    oparams.push_back({"p" + std::to_string(i), params.back(), ref["weight_decay"][i].get<double>()});
-    numel += params.back().numel();
-  }
+  for (const auto& p : g.params) numel += p.numel();
   SparklesOptions so;
   so.beta1 = run["betas"][0];
   so.beta2 = run["betas"][1];
@@ -58,27 +49,8 @@ int check_run(const char* key) {
   so.decouple_weight_decay = run["decouple_weight_decay"];
   so.clip_gradients = run["clip_gradients"];
   so.stochastic_threshold = run["stochastic_threshold"];
-  Sparkles opt(oparams, so, {});
-  const double lr = run["lr"];
-  int checked = 0;
-  for (size_t s = 0; s < run["steps"].size(); ++s) {
-    const auto& rec = run["steps"][s];
-    std::vector<at::Tensor> grads;
-    for (size_t i = 0; i < np; ++i) {
-      grads.push_back(from_list(rec["grads"][i], ref["shapes"][i]));
-      params[i].mutable_grad() = grads.back().clone();
-    }
-    opt.step(lr);
-    for (size_t i = 0; i < np; ++i) {
-      EXPECT_TRUE(torch::equal(params[i].grad(), grads[i])) << "the gradient must not be modified";
-    }
-    if (!rec.contains("params")) continue;
-    for (size_t i = 0; i < np; ++i) {
-      EXPECT_LT(max_rel(params[i].detach(), from_list(rec["params"][i], ref["shapes"][i])), 1e-6)
-          << key << " step " << s + 1 << " param " << i;
-      ++checked;
-    }
-  }
+  Sparkles opt(g.optim_params, so, {});
+  const int checked = replay_golden_steps(opt, g.params, ref, run, key);
   std::map<std::string, at::Tensor> state;
   for (const auto& [name, t] : opt.state_tensors()) state[name] = t;
   EXPECT_EQ(state.size(), 3 * np);
@@ -89,7 +61,7 @@ int check_run(const char* key) {
         ADD_FAILURE() << "no state tensor " << name;
         continue;
       }
-      EXPECT_LT(max_rel(state[name], from_list(run["final_state"][sname][i], ref["shapes"][i])), 1e-5) << key << name;
+      EXPECT_LT(max_rel(state[name], golden_tensor(run["final_state"][sname][i], ref["shapes"][i])), 1e-5) << key << name;
     }
   }
   EXPECT_EQ(opt.state_bytes(), 12 * numel);
