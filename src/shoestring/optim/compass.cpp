@@ -20,16 +20,9 @@ Compass::Compass(std::vector<OptimParam> params, CompassOptions compass, Optimiz
 
 void Compass::update(size_t index, const at::Tensor& grad_in, double lr, int64_t step) {
   at::Tensor& live = params_[index].param;
-  if (grad_in.numel() != live.numel()) {
-    fail("Compass: gradient of '{}' has {} elements, expected {}", params_[index].name, grad_in.numel(), live.numel());
-  }
+  check_gradient(index, grad_in, "Compass");
   const double wd = params_[index].weight_decay;
-  if (!has_state(index, "exp_avg")) {
-    ScopedMemoryCategory category(MemoryCategory::optimizer_state);
-    auto opts = live.options().dtype(options_.state_dtype).requires_grad(false);
-    state(index, "exp_avg") = torch::zeros(live.sizes(), opts);
-    state(index, "exp_avg_sq") = torch::zeros(live.sizes(), opts);
-  }
+  create_zero_state(index, {"exp_avg", "exp_avg_sq"});
   at::Tensor& m_stored = state(index, "exp_avg");
   at::Tensor& v_stored = state(index, "exp_avg_sq");
   auto fp32 = [](const at::Tensor& t) { return t.scalar_type() == torch::kFloat32 ? t : t.to(torch::kFloat32); };

@@ -18,15 +18,9 @@ Lion::Lion(std::vector<OptimParam> params, LionOptions lion, OptimizerOptions op
 
 void Lion::update(size_t index, const at::Tensor& grad_in, double lr, int64_t step) {
   at::Tensor& live = params_[index].param;
-  if (grad_in.numel() != live.numel()) {
-    fail("Lion: gradient of '{}' has {} elements, expected {}", params_[index].name, grad_in.numel(), live.numel());
-  }
+  check_gradient(index, grad_in, "Lion");
   const double wd = params_[index].weight_decay;
-  if (!has_state(index, "exp_avg")) {
-    ScopedMemoryCategory category(MemoryCategory::optimizer_state);
-    state(index, "exp_avg") =
-        torch::zeros(live.sizes(), live.options().dtype(options_.state_dtype).requires_grad(false));
-  }
+  create_zero_state(index, {"exp_avg"});
   at::Tensor& m_stored = state(index, "exp_avg");
   // Fast path: one pass over memory (optim/fused_kernels.h), bit-identical to
   // the op chain below, which remains the reference and the path for other

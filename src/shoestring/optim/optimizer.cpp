@@ -110,6 +110,21 @@ void Optimizer::write_state(size_t index, at::Tensor& dst, const at::Tensor& val
 
 at::Tensor& Optimizer::state(size_t index, const std::string& name) { return state_[index][name]; }
 
+void Optimizer::check_gradient(size_t index, const at::Tensor& grad, const char* optimizer) const {
+  const at::Tensor& live = params_[index].param;
+  if (grad.numel() != live.numel())
+    fail("{}: gradient of '{}' has {} elements, expected {}", optimizer, params_[index].name, grad.numel(),
+         live.numel());
+}
+
+void Optimizer::create_zero_state(size_t index, std::initializer_list<const char*> names) {
+  if (names.size() == 0 || has_state(index, *names.begin())) return;
+  ScopedMemoryCategory category(MemoryCategory::optimizer_state);
+  const at::Tensor& live = params_[index].param;
+  const auto opts = live.options().dtype(options_.state_dtype).requires_grad(false);
+  for (const char* name : names) state(index, name) = torch::zeros(live.sizes(), opts);
+}
+
 bool Optimizer::has_state(size_t index, const std::string& name) const {
   auto it = state_[index].find(name);
   return it != state_[index].end() && it->second.defined();
@@ -174,11 +189,7 @@ AdamW::AdamW(std::vector<OptimParam> params, AdamWOptions adam, OptimizerOptions
 void AdamW::update(size_t index, const at::Tensor& grad_in, double lr, int64_t step) {
   at::Tensor& live = params_[index].param;
   const double wd = params_[index].weight_decay;
-  if (!has_state(index, "exp_avg")) {
-    ScopedMemoryCategory category(MemoryCategory::optimizer_state);
-    state(index, "exp_avg") = torch::zeros(live.sizes(), live.options().dtype(options_.state_dtype));
-    state(index, "exp_avg_sq") = torch::zeros(live.sizes(), live.options().dtype(options_.state_dtype));
-  }
+  create_zero_state(index, {"exp_avg", "exp_avg_sq"});
   at::Tensor& m_stored = state(index, "exp_avg");
   at::Tensor& v_stored = state(index, "exp_avg_sq");
   // Fast path: one pass over memory (optim/fused_kernels.h), same numbers as

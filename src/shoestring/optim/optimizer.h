@@ -12,6 +12,7 @@
 // inside the same rounding, so it is never silently lost.
 #pragma once
 #include <cstdint>
+#include <initializer_list>
 #include <map>
 #include <string>
 #include <vector>
@@ -114,6 +115,13 @@ class Optimizer {
   const OptimizerOptions& optimizer_options() const { return options_; }
 
  protected:
+  /// Throws shoestring::Error naming `optimizer` and the parameter when
+  /// `grad` does not hold the parameter's element count.
+  void check_gradient(size_t index, const at::Tensor& grad, const char* optimizer) const;
+  /// On first use, state tensors `names` of parameter `index`: zeros of its
+  /// shape on its device in options_.state_dtype, charged to the ledger's
+  /// optimizer_state. Does nothing once the first of them exists.
+  void create_zero_state(size_t index, std::initializer_list<const char*> names);
   /// Writes `value` (fp32, same shape) into params_[index].param, rounding as
   /// documented above.
   void write_param(size_t index, const at::Tensor& value, int64_t step);

@@ -55,17 +55,9 @@ at::Tensor Sparkles::permutation(int64_t n, RoundingKey key) {
 
 void Sparkles::update(size_t index, const at::Tensor& grad_in, double lr, int64_t step) {
   at::Tensor& live = params_[index].param;
-  if (grad_in.numel() != live.numel()) {
-    fail("SPARKLES: gradient of '{}' has {} elements, expected {}", params_[index].name, grad_in.numel(), live.numel());
-  }
+  check_gradient(index, grad_in, "SPARKLES");
   const double wd = params_[index].weight_decay;
-  if (!has_state(index, "ema")) {
-    ScopedMemoryCategory category(MemoryCategory::optimizer_state);
-    auto opts = live.options().dtype(options_.state_dtype).requires_grad(false);
-    state(index, "ema") = torch::zeros(live.sizes(), opts);
-    state(index, "ema_squared") = torch::zeros(live.sizes(), opts);
-    state(index, "prev_grad") = torch::zeros(live.sizes(), opts);
-  }
+  create_zero_state(index, {"ema", "ema_squared", "prev_grad"});
   permuted_[index] = 0;
   for (const char* name : {"ema", "ema_squared", "prev_grad"}) {
     if (!has_state(index, name) || state(index, name).sizes() != live.sizes()) {
