@@ -1,6 +1,7 @@
 // CUDA kernels for stochastic rounding; see stochastic_rounding_cuda.h.
 // One thread per element in a grid-stride loop; the random bits depend only on
-// the element's global index, so the launch configuration does not matter.
+// the element's global index (counter_random16: four neighbours share one
+// hash, recomputed per thread), so the launch configuration does not matter.
 #include "kernels/cuda/stochastic_rounding_cuda.h"
 
 #include <cuda_runtime.h>
@@ -20,7 +21,7 @@ __global__ void stochastic_round_kernel(const uint32_t* __restrict__ src, uint16
                                         uint64_t key, uint64_t first_index) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
-    const uint32_t r = counter_random32(key, first_index + static_cast<uint64_t>(i));
+    const uint32_t r = counter_random16(key, first_index + static_cast<uint64_t>(i));
     dst[i] = kToBf16 ? sr_bf16_from_fp32_bits(src[i], r) : sr_fp16_from_fp32_bits(src[i], r);
   }
 }

@@ -327,11 +327,15 @@ void reference_adamw8bit(at::Tensor& param, const at::Tensor& grad, at::Tensor& 
 
 // Every dtype variant, block sizes with and without a vector-width multiple,
 // a short last block, an all-zero block and non-finite gradient elements.
-// Both the AVX-512 kernel (where the CPU has it) and the portable one.
+// The AVX-512 and AVX2 kernels (each where the CPU has it) and the portable one.
 TEST(FusedAdamW8bit, BitIdenticalToReference) {
   torch::manual_seed(41);
-  for (int64_t bs : {256, 100, 256 + 1000}) {
-    fused_kernels_force_portable(bs == 100);
+  for (auto [isa, bs] :
+       {std::pair{FusedKernelIsa::avx512, int64_t{256}}, std::pair{FusedKernelIsa::avx512, int64_t{1256}},
+        std::pair{FusedKernelIsa::avx2, int64_t{256}}, std::pair{FusedKernelIsa::avx2, int64_t{1256}},
+        std::pair{FusedKernelIsa::avx2, int64_t{100}}, std::pair{FusedKernelIsa::portable, int64_t{100}},
+        std::pair{FusedKernelIsa::portable, int64_t{256}}}) {
+    fused_kernels_limit_isa(isa);
     const int64_t n = 256 * 23 + 77;
     const int64_t blocks = (n + bs - 1) / bs;
     for (auto pdtype : {torch::kFloat32, torch::kBFloat16}) {
@@ -368,8 +372,9 @@ TEST(FusedAdamW8bit, BitIdenticalToReference) {
             k.param = {9, static_cast<uint64_t>(step), 32};
             fused_adamw8bit_step(p_fused, g, mq_f, ma_f, vq_f, va_f, bs, s, k);
             reference_adamw8bit(p_ref, g, mq_r, ma_r, vq_r, va_r, bs, s, k);
-            const std::string what = std::string("bs ") + std::to_string(bs) + " " + c10::toString(pdtype) + " " +
-                                     c10::toString(gdtype) + (sr ? " sr" : " rn") + " step " + std::to_string(step);
+            const std::string what = std::string("isa ") + std::to_string(static_cast<int>(isa)) + " bs " +
+                                     std::to_string(bs) + " " + c10::toString(pdtype) + " " + c10::toString(gdtype) +
+                                     (sr ? " sr" : " rn") + " step " + std::to_string(step);
             ASSERT_TRUE(torch::equal(p_fused, p_ref)) << what;
             ASSERT_TRUE(torch::equal(mq_f, mq_r)) << what;
             ASSERT_TRUE(torch::equal(ma_f, ma_r)) << what;
@@ -383,7 +388,7 @@ TEST(FusedAdamW8bit, BitIdenticalToReference) {
       }
     }
   }
-  fused_kernels_force_portable(false);
+  fused_kernels_limit_isa(FusedKernelIsa::avx512);
 }
 
 TEST(FusedAdamW8bit, RejectsWhatItCannotDo) {

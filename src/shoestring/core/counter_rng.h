@@ -61,4 +61,17 @@ SHOESTRING_HOST_DEVICE inline uint32_t counter_random32(uint64_t key, uint64_t i
   return static_cast<uint32_t>(counter_random64(key, index) >> 32);
 }
 
+/// 16 random bits for element `index`: four consecutive elements share one
+/// 64-bit output, element 4q + j taking bits [16j, 16j + 16) of
+/// counter_random64(key, q). This is the word stochastic rounding uses (it
+/// needs 16 bits per element), at a quarter of the hashing cost of one output
+/// per element. On a little-endian machine the outputs q0, q0 + 1, ... stored
+/// as uint64_t and read as uint16_t are exactly the words of elements 4 q0,
+/// 4 q0 + 1, ..., which is how the CPU loops fill a block of words
+/// (counter_random16_block in stochastic_rounding_bits.h).
+SHOESTRING_HOST_DEVICE inline uint32_t counter_random16(uint64_t key, uint64_t index) {
+  return static_cast<uint32_t>(counter_random64(key, index >> 2) >> (16u * static_cast<uint32_t>(index & 3u))) &
+         0xFFFFu;
+}
+
 }  // namespace shoestring

@@ -1,5 +1,6 @@
 #include "shoestring/core/stochastic_rounding.h"
 
+#include <algorithm>
 #include <cstring>
 #include <limits>
 
@@ -21,19 +22,18 @@ namespace {
 // input per task on the bf16 path), small enough to split medium tensors.
 constexpr int64_t kGrainSize = 32768;
 
-// Inner loops: plain counted loops over 32-bit words with no branches (selects
-// only), restrict-qualified, so GCC/Clang vectorize them at -O3 (checked with
-// -fopt-info-vec). The random index is the global element index.
+// Inner loops: per block of kRandom16BlockSize elements, the random words
+// (one SplitMix64 output per four elements, Random16Block), then the rule per
+// element: plain counted loops over 32-bit words with no branches (selects
+// only), restrict-qualified, so GCC/Clang vectorize both at -O3. The random
+// index is the global element index.
 //
-// The hash needs 64-bit multiplies, which baseline x86-64 (SSE2) emulates; on
-// GCC/x86-64 the loops are also compiled for x86-64-v3 (AVX2) and x86-64-v4
-// (AVX-512, native 64-bit vector multiply) and picked at load time (ifunc).
-// Measured on the 2-core AVX-512 AMD EPYC dev machine (bytes = 4 read + 2
-// written per element), one thread, in cache: bf16 3.8 GB/s (SSE2 build) ->
-// 33 GB/s (v4 clone); fp16 2.5 -> 20 GB/s. 64M elements, 2 threads: bf16
-// 25-42 GB/s, on par with torch's round-to-nearest fp32->bf16 copy_ and about
-// 50-80% of a memcpy moving the same bytes. Results are bit-identical across
-// variants (integer-only rules).
+// The hash needs 64-bit multiplies, which baseline x86-64 (SSE2) and AVX2
+// emulate with 32-bit ones; on GCC/x86-64 the loops are also compiled for
+// x86-64-v3 (AVX2) and x86-64-v4 (AVX-512, native 64-bit vector multiply) and
+// picked at load time (ifunc). Results are bit-identical across variants
+// (integer-only rules). bench/optimizer_memory measures the kernels that
+// round on store.
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
 #define SHOESTRING_SR_TARGET_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
@@ -43,16 +43,28 @@ constexpr int64_t kGrainSize = 32768;
 SHOESTRING_SR_TARGET_CLONES
 void round_range_bf16(const uint32_t* __restrict in, uint16_t* __restrict out, int64_t n, uint64_t key,
                       uint64_t first_index) {
-  for (int64_t i = 0; i < n; ++i) {
-    out[i] = sr_bf16_from_fp32_bits(in[i], counter_random32(key, first_index + i));
+  Random16Block block;
+  for (int64_t b = 0; b < n; b += kRandom16BlockSize) {
+    const int64_t len = std::min(kRandom16BlockSize, n - b);
+    const uint16_t* __restrict r = block.fill(key, first_index + static_cast<uint64_t>(b), len);
+    const uint32_t* __restrict x = in + b;
+    uint16_t* __restrict y = out + b;
+#pragma GCC ivdep
+    for (int64_t i = 0; i < len; ++i) y[i] = sr_bf16_from_fp32_bits(x[i], r[i]);
   }
 }
 
 SHOESTRING_SR_TARGET_CLONES
 void round_range_fp16(const uint32_t* __restrict in, uint16_t* __restrict out, int64_t n, uint64_t key,
                       uint64_t first_index) {
-  for (int64_t i = 0; i < n; ++i) {
-    out[i] = sr_fp16_from_fp32_bits(in[i], counter_random32(key, first_index + i));
+  Random16Block block;
+  for (int64_t b = 0; b < n; b += kRandom16BlockSize) {
+    const int64_t len = std::min(kRandom16BlockSize, n - b);
+    const uint16_t* __restrict r = block.fill(key, first_index + static_cast<uint64_t>(b), len);
+    const uint32_t* __restrict x = in + b;
+    uint16_t* __restrict y = out + b;
+#pragma GCC ivdep
+    for (int64_t i = 0; i < len; ++i) y[i] = sr_fp16_from_fp32_bits(x[i], r[i]);
   }
 }
 
@@ -160,10 +172,10 @@ at::Tensor sr_fp16_tensor(const at::Tensor& bits, const at::Tensor& random) {
   normal = at::minimum(normal, at::full({}, 0x7C00, normal.options()));
   const at::Tensor is_subnormal = a.lt(0x38800000);
   const at::Tensor scaled_bits =
-      at::where(is_subnormal.logical_and(a.ge(0x00800000)), a + (int64_t{45} << 23), at::zeros_like(a));
-  // floor(|x| * 2^45) < 2^31: the float's bits in int32, converted back with truncation.
+      at::where(is_subnormal.logical_and(a.ge(0x00800000)), a + (int64_t{40} << 23), at::zeros_like(a));
+  // floor(|x| * 2^40) < 2^26: the float's bits in int32, converted back with truncation.
   const at::Tensor v = scaled_bits.to(at::kInt).view(at::kFloat).to(at::kInt).to(at::kLong);
-  const at::Tensor subnormal = (v + random.__rshift__(11)).__rshift__(21);
+  const at::Tensor subnormal = (v + random.bitwise_and(0xFFFF)).__rshift__(16);
   at::Tensor mag = at::where(is_subnormal, subnormal, normal);
   mag = at::where(a.gt(0x7F800000), at::full({}, 0x7E00, mag.options()), mag);
   return sign.bitwise_or_(mag);
@@ -179,10 +191,16 @@ at::Tensor stochastic_rounding_random_bits_tensor(RoundingKey key, int64_t first
     fail("stochastic_rounding_random_bits_tensor: indices [{}, {} + {}) out of range", first_index, first_index, n);
   }
   const uint64_t k = counter_rng_key(key.seed, key.step, key.tensor_id);
-  // counter_random64: mix64(key + (index + 1) * gamma), all modulo 2^64.
-  at::Tensor z = at::arange(first_index + 1, first_index + n + 1, at::TensorOptions().dtype(at::kLong).device(device));
+  // counter_random16: element i takes bits [16 (i & 3), +16) of
+  // counter_random64(k, i >> 2) = mix64(k + ((i >> 2) + 1) * gamma), all
+  // modulo 2^64. An arithmetic shift by up to 48 leaves the wanted 16 bits
+  // in place (sign bits land above them, masked off).
+  const at::Tensor index =
+      at::arange(first_index, first_index + n, at::TensorOptions().dtype(at::kLong).device(device));
+  at::Tensor z = index.__rshift__(2).add_(1);
   z.mul_(as_int64(kSplitMix64Gamma)).add_(as_int64(k));
-  return shr(mix64_tensor(std::move(z)), 32);
+  const at::Tensor shift = index.bitwise_and(3).mul_(16);
+  return mix64_tensor(std::move(z)).__rshift__(shift).bitwise_and_(0xFFFF);
 }
 
 void stochastic_round_into_generic(const at::Tensor& src, at::Tensor& dst, RoundingKey key, int64_t element_offset) {
@@ -236,7 +254,7 @@ uint16_t stochastic_round_fp16_bits(float x, uint32_t random_bits) {
 }
 
 uint32_t stochastic_rounding_random_bits(RoundingKey key, uint64_t index) {
-  return counter_random32(counter_rng_key(key.seed, key.step, key.tensor_id), index);
+  return counter_random16(counter_rng_key(key.seed, key.step, key.tensor_id), index);
 }
 
 }  // namespace shoestring

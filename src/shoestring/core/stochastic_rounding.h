@@ -10,8 +10,9 @@
 // its global element index, never on thread count, chunking or call history,
 // so a run resumed from a checkpoint (which stores the seed and step) rounds
 // bit-identically to the uninterrupted run — llm.c's per-tensor-seed idea.
-// The generator is counter_rng.h (SplitMix64 by index); the bit rules are in
-// stochastic_rounding_bits.h.
+// The generator is counter_rng.h (SplitMix64 by index, one 64-bit output
+// giving the 16 random bits of four consecutive elements: counter_random16);
+// the bit rules are in stochastic_rounding_bits.h.
 #pragma once
 #include <cstdint>
 
@@ -58,7 +59,7 @@ void stochastic_round_into_generic(const at::Tensor& src, at::Tensor& dst, Round
 
 /// The counter-based random words of elements [first_index, first_index + n)
 /// of `key`'s stream (stochastic_rounding_random_bits), computed with ATen ops
-/// on `device`: int64 tensor [n] with values in [0, 2^32). first_index >= 0
+/// on `device`: int64 tensor [n] with values in [0, 2^16). first_index >= 0
 /// and first_index + n must fit in int64.
 at::Tensor stochastic_rounding_random_bits_tensor(RoundingKey key, int64_t first_index, int64_t n,
                                                   const c10::Device& device);
@@ -74,13 +75,14 @@ at::Tensor stochastic_round(const at::Tensor& src, at::ScalarType dtype, Roundin
 /// (bits(x) & 0xFFFF) / 65536. For tests and reference.
 uint16_t stochastic_round_bf16_bits(float x, uint32_t random16);
 
-/// Scalar SR of x to IEEE fp16 bits; `random_bits` is uniform over 32 bits
-/// (normal results read bits 0..12, subnormal results bits 11..31). For
-/// tests and reference.
+/// Scalar SR of x to IEEE fp16 bits; `random_bits` is uniform in [0, 65536)
+/// (normal results read bits 0..12, subnormal results bits 0..15; higher bits
+/// are ignored). For tests and reference.
 uint16_t stochastic_round_fp16_bits(float x, uint32_t random_bits);
 
-/// The random 32-bit word that element `index` of `key` uses: the exact word
-/// the tensor functions feed to the bit rules.
+/// The random 16-bit word (in [0, 2^16)) that element `index` of `key` uses:
+/// counter_random16 of the key's stream (four elements per SplitMix64
+/// output), the exact word the tensor functions feed to the bit rules.
 uint32_t stochastic_rounding_random_bits(RoundingKey key, uint64_t index);
 
 }  // namespace shoestring

@@ -1,6 +1,7 @@
 // Bit-level stochastic rounding kernels, fp32 -> bf16 and fp32 -> IEEE fp16.
 // Header-only and free of libtorch so the same code runs in CPU loops
-// (stochastic_rounding.cpp) and CUDA kernels (kernels/cuda/). Written as
+// (stochastic_rounding.cpp) and CUDA kernels (kernels/cuda/). Both rules read
+// 16 random bits per element, counter_random16 (counter_rng.h). Written as
 // straight-line integer code with selects only, so a loop over them
 // vectorizes.
 //
@@ -38,19 +39,20 @@ SHOESTRING_HOST_DEVICE inline uint16_t sr_bf16_from_fp32_bits(uint32_t bits, uin
   return static_cast<uint16_t>(is_nan ? quiet_nan : rounded);
 }
 
-/// SR of the fp32 bit pattern `bits` to IEEE 754 binary16 bits.
+/// SR of the fp32 bit pattern `bits` to IEEE 754 binary16 bits, using the
+/// low 16 bits of `random` (uniform in [0, 65536)).
 ///  - Normal fp16 range (2^-14 <= |x| <= 65504): the 13 fp32 mantissa bits
 ///    below fp16's last bit are rounded with the low 13 bits of `random`
 ///    (exact probabilities); a carry moves into the exponent naturally and the
 ///    exponent is re-biased from 127 to 15.
 ///  - Subnormal fp16 range (|x| < 2^-14, spacing 2^-24, including fp32
-///    subnormals): |x| / 2^-24 is formed as a fixed-point number with 21
-///    fraction bits, floor(|x| * 2^45) (the exponent field is raised by 45 and
-///    an int32 conversion truncates), and rounded with bits 11..31 of
-///    `random`. The probabilities are exact for |x| >= 2^-22; below that the
-///    fraction is truncated to 21 bits, an absolute bias under 2^-45
-///    (~2.8e-14) toward zero. Rounding up from just below 2^-14 gives the
-///    smallest normal, 0x0400.
+///    subnormals): |x| / 2^-24 is formed as a fixed-point number with 16
+///    fraction bits, floor(|x| * 2^40) (the exponent field is raised by 40 and
+///    an int32 conversion truncates), and rounded with the 16 random bits. The
+///    probabilities are exact for |x| >= 2^-17; below that the fraction is
+///    truncated to 16 bits, an absolute bias under 2^-40 (~9.1e-13) toward
+///    zero. Rounding up from just below 2^-14 gives the smallest normal,
+///    0x0400.
 ///    (The int conversion replaces a per-element variable shift, which keeps
 ///    the loop vectorizable on baseline x86-64 / SSE2.)
 ///  - Overflow: the grid is extended by inf in the slot of 2^16 (its place in
@@ -66,20 +68,59 @@ SHOESTRING_HOST_DEVICE inline uint16_t sr_fp16_from_fp32_bits(uint32_t bits, uin
   // Normal path (meaningful for a >= 2^-14; wraps harmlessly below).
   uint32_t normal = ((a + (random & 0x1FFFu)) >> 13) - ((127u - 15u) << 10);
   normal = normal < 0x7C00u ? normal : 0x7C00u;
-  // Subnormal path (a < 2^-14): v = |x| / 2^-24 in 11.21 fixed point, i.e.
-  // floor(|x| * 2^45), which is < 2^31. The scaling adds 45 to the exponent
+  // Subnormal path (a < 2^-14): v = |x| / 2^-24 in 10.16 fixed point, i.e.
+  // floor(|x| * 2^40), which is < 2^26. The scaling adds 40 to the exponent
   // field (exact; no float op that could trap, so the loop stays branch-free)
   // and the int32 conversion truncates. fp32 subnormals (< 2^-126) give v = 0,
   // and so does every input outside the subnormal range (selected away).
   const bool is_subnormal = a < 0x38800000u;
-  const uint32_t scaled_bits = (is_subnormal && a >= 0x00800000u) ? a + (45u << 23) : 0u;
+  const uint32_t scaled_bits = (is_subnormal && a >= 0x00800000u) ? a + (40u << 23) : 0u;
   float scaled;
   std::memcpy(&scaled, &scaled_bits, sizeof scaled);
   const uint32_t v = static_cast<uint32_t>(static_cast<int32_t>(scaled));
-  const uint32_t subnormal = (v + (random >> 11)) >> 21;
+  const uint32_t subnormal = (v + (random & 0xFFFFu)) >> 16;
   uint32_t mag = is_subnormal ? subnormal : normal;
   mag = a > 0x7F800000u ? 0x7E00u : mag;
   return static_cast<uint16_t>(sign | mag);
 }
+
+#if defined(__GNUC__)
+#define SHOESTRING_RANDOM16_INLINE inline __attribute__((always_inline))
+#else
+#define SHOESTRING_RANDOM16_INLINE inline
+#endif
+
+/// words + (first_index & 3) as w, with w[k] = counter_random16(key,
+/// first_index + k) for k in [0, n): one 64-bit hash per four elements, in a
+/// loop that vectorizes. `words` holds at least n + 8 entries. For CPU loops
+/// that then read one word per element; not for device code.
+SHOESTRING_RANDOM16_INLINE const uint16_t* counter_random16_fill(uint64_t key, uint64_t first_index, int64_t n,
+                                                                 uint16_t* words) {
+  const uint64_t first_output = first_index >> 2;
+  const int64_t skip = static_cast<int64_t>(first_index & 3u);
+  const int64_t outputs = (skip + n + 3) >> 2;
+  for (int64_t q = 0; q < outputs; ++q) {
+    const uint64_t h = counter_random64(key, first_output + static_cast<uint64_t>(q));
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    std::memcpy(words + 4 * q, &h, sizeof h);
+#else
+    for (int j = 0; j < 4; ++j) words[4 * q + j] = static_cast<uint16_t>(h >> (16 * j));
+#endif
+  }
+  return words + skip;
+}
+
+/// Elements per block of random words in the CPU loops (Random16Block).
+constexpr int64_t kRandom16BlockSize = 1024;
+
+/// Stack storage (2 KiB) for the words of up to kRandom16BlockSize elements.
+struct Random16Block {
+  uint16_t words[kRandom16BlockSize + 8];
+
+  /// counter_random16_fill into this block; n <= kRandom16BlockSize.
+  SHOESTRING_RANDOM16_INLINE const uint16_t* fill(uint64_t key, uint64_t first_index, int64_t n) {
+    return counter_random16_fill(key, first_index, n, words);
+  }
+};
 
 }  // namespace shoestring

@@ -64,14 +64,14 @@ inline void store_param(P* dst, float x, bool sr, uint64_t rng_key, uint64_t ind
     *dst = x;
   } else if constexpr (std::is_same_v<P, c10::BFloat16>) {
     if (sr) {
-      *dst = c10::BFloat16(sr_bf16_from_fp32_bits(float_bits(x), counter_random32(rng_key, index)),
+      *dst = c10::BFloat16(sr_bf16_from_fp32_bits(float_bits(x), counter_random16(rng_key, index)),
                            c10::BFloat16::from_bits());
     } else {
       *dst = c10::BFloat16(x);
     }
   } else {
     if (sr) {
-      *dst = c10::Half(sr_fp16_from_fp32_bits(float_bits(x), counter_random32(rng_key, index)), c10::Half::from_bits());
+      *dst = c10::Half(sr_fp16_from_fp32_bits(float_bits(x), counter_random16(rng_key, index)), c10::Half::from_bits());
     } else {
       *dst = c10::Half(x);
     }

@@ -121,16 +121,23 @@ SHOESTRING_ALWAYS_INLINE void adafactor_apply_rows(const AdafactorApplyArgs& a, 
   P* __restrict p_ptr = static_cast<P*>(a.param);
   const G* __restrict g_ptr = static_cast<const G*>(a.grad);
   const int64_t m = a.m;
+  StoreWords<P, kParamRounding> p_words;
   for (int64_t i = r0; i < r1; ++i) {
     const float r = a.r_factor[i];
     const int64_t base = i * m;
-    for (int64_t j = 0; j < m; ++j) {
-      const int64_t e = base + j;
-      const float u = (((r * a.c_factor[j]) * load(g_ptr, e)) / a.clip) * a.step_size;
-      float p = load(p_ptr, e);
-      const float p1 = fma_f32(p, a.decay_alpha, p);
-      p = a.decay ? p1 : p;
-      store(p_ptr, e, p - u, a.param_key, kParamRounding);
+    for (int64_t j0 = 0; j0 < m; j0 += kRandom16BlockSize) {
+      const int64_t len = std::min(kRandom16BlockSize, m - j0);
+      p_words.fill(a.param_key, base + j0, len);
+#pragma GCC ivdep
+      for (int64_t k = 0; k < len; ++k) {
+        const int64_t j = j0 + k;
+        const int64_t e = base + j;
+        const float u = (((r * a.c_factor[j]) * load(g_ptr, e)) / a.clip) * a.step_size;
+        float p = load(p_ptr, e);
+        const float p1 = fma_f32(p, a.decay_alpha, p);
+        p = a.decay ? p1 : p;
+        store(p_ptr, e, p - u, p_words[k], kParamRounding);
+      }
     }
   }
 }

@@ -1,5 +1,6 @@
 // The fused AdamW8bit step (optim/fused_kernels.h): blockwise-quantized
-// state decoded, updated and re-encoded in one pass; AVX-512 and portable.
+// state decoded, updated and re-encoded in one pass; AVX-512, AVX2 and
+// portable kernels with the same bits.
 #include "shoestring/optim/fused_kernel_support.h"
 
 namespace shoestring {
@@ -34,7 +35,8 @@ SHOESTRING_ALWAYS_INLINE float abs_f32(float x) {
 // One element (global index i) with decoded moments m, v: the update lands
 // (parameter stored, m and v replaced) only when g, m1, v1 and p2 are finite.
 template <typename P, typename G, Rounding kParamRounding>
-SHOESTRING_ALWAYS_INLINE void adamw8bit_element(const AdamW8bitArgs& a, int64_t i, float& m, float& v) {
+SHOESTRING_ALWAYS_INLINE void adamw8bit_element(const AdamW8bitArgs& a, int64_t i, float& m, float& v,
+                                                uint32_t random16) {
   P* p_ptr = static_cast<P*>(a.param);
   const G* g_ptr = static_cast<const G*>(a.grad);
   const float g = load(g_ptr, i) * a.grad_scale;
@@ -46,21 +48,40 @@ SHOESTRING_ALWAYS_INLINE void adamw8bit_element(const AdamW8bitArgs& a, int64_t 
   if (finite_f32(g) && finite_f32(m1) && finite_f32(v1) && finite_f32(p2)) {
     m = m1;
     v = v1;
-    store(p_ptr, i, p2, a.param_key, kParamRounding);
+    store(p_ptr, i, p2, random16, kParamRounding);
+  }
+}
+
+// Whether the parameter stores round stochastically (and so need words).
+template <typename P, Rounding kParamRounding>
+constexpr bool kParamWords = std::is_same_v<P, bf16_bits>&& kParamRounding == Rounding::stochastic;
+
+// The parameter's random words for the block of `len` elements at `start`
+// (into `storage`, block_size + 8 entries), or null when none are needed.
+template <typename P, Rounding kParamRounding>
+SHOESTRING_ALWAYS_INLINE const uint16_t* param_words(const AdamW8bitArgs& a, int64_t start, int64_t len,
+                                                     uint16_t* storage) {
+  if constexpr (kParamWords<P, kParamRounding>) {
+    return counter_random16_fill(a.param_key, static_cast<uint64_t>(start), len, storage);
+  } else {
+    return nullptr;
   }
 }
 
 // Elements [k0, len) of the block starting at `start`: decode, update, keep
-// the new moments in mbuf / vbuf, raise the running absmaxes.
+// the new moments in mbuf / vbuf, raise the running absmaxes. `words`: the
+// block's parameter words (param_words).
 template <typename P, typename G, Rounding kParamRounding>
 SHOESTRING_ALWAYS_INLINE void adamw8bit_update_scalar(const AdamW8bitArgs& a, int64_t start, int64_t k0, int64_t len,
                                                       float m_absmax, float v_absmax, float* mbuf, float* vbuf,
-                                                      float& m_max, float& v_max) {
+                                                      const uint16_t* words, float& m_max, float& v_max) {
   for (int64_t k = k0; k < len; ++k) {
     const int64_t i = start + k;
     float m = a.m_values[a.exp_avg_q[i]] * m_absmax;
     float v = a.v_values[a.exp_avg_sq_q[i]] * v_absmax;
-    adamw8bit_element<P, G, kParamRounding>(a, i, m, v);
+    uint32_t random16 = 0;
+    if constexpr (kParamWords<P, kParamRounding>) random16 = words[k];
+    adamw8bit_element<P, G, kParamRounding>(a, i, m, v, random16);
     mbuf[k] = m;
     vbuf[k] = v;
     const float am = abs_f32(m), av = abs_f32(v);
@@ -76,14 +97,15 @@ SHOESTRING_ALWAYS_INLINE void encode_scalar(const float* x, int64_t k0, int64_t 
 
 // Portable kernel: blocks [b0, b1), one element at a time.
 template <typename P, typename G, Rounding kParamRounding>
-SHOESTRING_ALWAYS_INLINE void adamw8bit_blocks(const AdamW8bitArgs& a, int64_t b0, int64_t b1, float* mbuf,
-                                               float* vbuf) {
+SHOESTRING_ALWAYS_INLINE void adamw8bit_blocks(const AdamW8bitArgs& a, int64_t b0, int64_t b1, float* mbuf, float* vbuf,
+                                               uint16_t* wbuf) {
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t start = b * a.block_size;
     const int64_t len = std::min(a.block_size, a.n - start);
     float m_max = 0.0f, v_max = 0.0f;
+    const uint16_t* words = param_words<P, kParamRounding>(a, start, len, wbuf);
     adamw8bit_update_scalar<P, G, kParamRounding>(a, start, 0, len, a.exp_avg_absmax[b], a.exp_avg_sq_absmax[b], mbuf,
-                                                  vbuf, m_max, v_max);
+                                                  vbuf, words, m_max, v_max);
     a.exp_avg_absmax[b] = m_max;
     a.exp_avg_sq_absmax[b] = v_max;
     // As quantize_block: x * (1 / absmax); an all-zero block gives 0 * inf =
@@ -121,45 +143,23 @@ SHOESTRING_AVX512_INLINE __m512 lookup256(const float* table, __m512i c) {
   return _mm512_mask_blend_ps(b7, r[0], r[1]);
 }
 
-SHOESTRING_AVX512_INLINE __m512i mix64x8(__m512i z) {
-  z = _mm512_xor_si512(z, _mm512_srli_epi64(z, 30));
-  z = _mm512_mullo_epi64(z, _mm512_set1_epi64(static_cast<long long>(0xBF58476D1CE4E5B9ull)));
-  z = _mm512_xor_si512(z, _mm512_srli_epi64(z, 27));
-  z = _mm512_mullo_epi64(z, _mm512_set1_epi64(static_cast<long long>(0x94D049BB133111EBull)));
-  return _mm512_xor_si512(z, _mm512_srli_epi64(z, 31));
-}
-
-// counter_random32(key, i + j) in lane j (j = 0..15).
-SHOESTRING_AVX512_INLINE __m512i random32x16(uint64_t key, int64_t i) {
-  const uint64_t g = kSplitMix64Gamma;
-  const __m512i steps =
-      _mm512_set_epi64(static_cast<long long>(7 * g), static_cast<long long>(6 * g), static_cast<long long>(5 * g),
-                       static_cast<long long>(4 * g), static_cast<long long>(3 * g), static_cast<long long>(2 * g),
-                       static_cast<long long>(g), 0);
-  const uint64_t first = key + (static_cast<uint64_t>(i) + 1) * g;
-  const __m512i z0 = _mm512_add_epi64(_mm512_set1_epi64(static_cast<long long>(first)), steps);
-  const __m512i z1 = _mm512_add_epi64(z0, _mm512_set1_epi64(static_cast<long long>(8 * g)));
-  const __m256i lo = _mm512_cvtepi64_epi32(_mm512_srli_epi64(mix64x8(z0), 32));
-  const __m256i hi = _mm512_cvtepi64_epi32(_mm512_srli_epi64(mix64x8(z1), 32));
-  return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-}
-
 SHOESTRING_AVX512_INLINE __mmask16 finite16(__m512 x) {
   const __m512i e = _mm512_set1_epi32(0x7F800000);
   return _mm512_cmpneq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(x), e), e);
 }
 
+// `words`: the 16 elements' random words (read only for stochastic rounding).
 template <Rounding kParamRounding>
-SHOESTRING_AVX512_INLINE void store16(float* p, int64_t i, __m512 x, __mmask16 ok, uint64_t) {
+SHOESTRING_AVX512_INLINE void store16(float* p, int64_t i, __m512 x, __mmask16 ok, const uint16_t*) {
   _mm512_mask_storeu_ps(p + i, ok, x);
 }
 template <Rounding kParamRounding>
-SHOESTRING_AVX512_INLINE void store16(bf16_bits* p, int64_t i, __m512 x, __mmask16 ok, uint64_t key) {
+SHOESTRING_AVX512_INLINE void store16(bf16_bits* p, int64_t i, __m512 x, __mmask16 ok, const uint16_t* words) {
   // Only finite values are stored (ok), so no NaN case.
   const __m512i b = _mm512_castps_si512(x);
   __m512i r;
   if (kParamRounding == Rounding::stochastic) {
-    r = _mm512_and_si512(random32x16(key, i), _mm512_set1_epi32(0xFFFF));
+    r = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(words)));
   } else {
     r = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1)), _mm512_set1_epi32(0x7FFF));
   }
@@ -189,7 +189,7 @@ SHOESTRING_AVX512_INLINE __m128i encode16(__m512 x, const uint32_t* table, uint8
 
 template <typename P, typename G, Rounding kParamRounding>
 SHOESTRING_AVX512_TARGET void adamw8bit_blocks_avx512(const AdamW8bitArgs& a, int64_t b0, int64_t b1, float* mbuf,
-                                                      float* vbuf) {
+                                                      float* vbuf, uint16_t* wbuf) {
   P* p_ptr = static_cast<P*>(a.param);
   const G* g_ptr = static_cast<const G*>(a.grad);
   const __m512 grad_scale = _mm512_set1_ps(a.grad_scale), decay = _mm512_set1_ps(a.decay),
@@ -204,6 +204,7 @@ SHOESTRING_AVX512_TARGET void adamw8bit_blocks_avx512(const AdamW8bitArgs& a, in
     const float m_absmax = a.exp_avg_absmax[b], v_absmax = a.exp_avg_sq_absmax[b];
     const __m512 m_scale = _mm512_set1_ps(m_absmax), v_scale = _mm512_set1_ps(v_absmax);
     __m512 m_max16 = _mm512_setzero_ps(), v_max16 = _mm512_setzero_ps();
+    const uint16_t* words = param_words<P, kParamRounding>(a, start, len, wbuf);
     int64_t k = 0;
     for (; k + 16 <= len; k += 16) {
       const int64_t i = start + k;
@@ -224,10 +225,11 @@ SHOESTRING_AVX512_TARGET void adamw8bit_blocks_avx512(const AdamW8bitArgs& a, in
       _mm512_storeu_ps(vbuf + k, v);
       m_max16 = _mm512_max_ps(m_max16, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(m), abs_mask)));
       v_max16 = _mm512_max_ps(v_max16, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), abs_mask)));
-      store16<kParamRounding>(p_ptr, i, p2, ok, a.param_key);
+      store16<kParamRounding>(p_ptr, i, p2, ok, words + k);
     }
     float m_max = _mm512_reduce_max_ps(m_max16), v_max = _mm512_reduce_max_ps(v_max16);
-    adamw8bit_update_scalar<P, G, kParamRounding>(a, start, k, len, m_absmax, v_absmax, mbuf, vbuf, m_max, v_max);
+    adamw8bit_update_scalar<P, G, kParamRounding>(a, start, k, len, m_absmax, v_absmax, mbuf, vbuf, words, m_max,
+                                                  v_max);
     a.exp_avg_absmax[b] = m_max;
     a.exp_avg_sq_absmax[b] = v_max;
     // Both encodes in one loop: two independent gathers in flight.
@@ -247,6 +249,159 @@ SHOESTRING_AVX512_TARGET void adamw8bit_blocks_avx512(const AdamW8bitArgs& a, in
   }
 }
 
+// AVX2 + FMA kernel: the same operations 8 lanes at a time (decode and
+// encode through gathers), for CPUs without AVX-512. Lanes whose update is not
+// finite keep their old values by blending with what was loaded (the same
+// bits a skipped store leaves), so every store is a plain one.
+#define SHOESTRING_AVX2_TARGET __attribute__((target("avx2,fma")))
+#define SHOESTRING_AVX2_INLINE SHOESTRING_AVX2_TARGET SHOESTRING_ALWAYS_INLINE
+
+SHOESTRING_AVX2_INLINE __m256i load_bits8(const float* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+SHOESTRING_AVX2_INLINE __m256i load_bits8(const bf16_bits* p) {
+  return _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+SHOESTRING_AVX2_INLINE __m256 as_float8(const __m256i& bits, const float*) { return _mm256_castsi256_ps(bits); }
+SHOESTRING_AVX2_INLINE __m256 as_float8(const __m256i& bits, const bf16_bits*) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
+}
+template <typename T>
+SHOESTRING_AVX2_INLINE __m256 load8(const T* p) {
+  return as_float8(load_bits8(p), p);
+}
+
+// All-ones lanes where x is not finite (exponent all ones).
+SHOESTRING_AVX2_INLINE __m256i not_finite8(__m256 x) {
+  const __m256i e = _mm256_set1_epi32(0x7F800000);
+  return _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_castps_si256(x), e), e);
+}
+
+// Low 16 bits of eight int32 lanes (each < 2^16) as eight uint16.
+SHOESTRING_AVX2_INLINE __m128i narrow16(__m256i x) {
+  const __m256i packed = _mm256_packus_epi32(x, x);  // per 128-bit lane: x0..3 x0..3 | x4..7 x4..7
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
+}
+
+// x where ok, else the old bits: fp32 as is, bf16 rounded by kParamRounding
+// with the lanes' random words (stochastic) or to nearest even.
+template <Rounding kParamRounding>
+SHOESTRING_AVX2_INLINE void store8(float* p, int64_t i, __m256 x, __m256i ok, __m256i old_bits, const uint16_t*) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + i), _mm256_blendv_epi8(old_bits, _mm256_castps_si256(x), ok));
+}
+template <Rounding kParamRounding>
+SHOESTRING_AVX2_INLINE void store8(bf16_bits* p, int64_t i, __m256 x, __m256i ok, __m256i old_bits,
+                                   const uint16_t* words) {
+  // Only finite values are kept (ok), so no NaN case.
+  const __m256i b = _mm256_castps_si256(x);
+  __m256i r;
+  if (kParamRounding == Rounding::stochastic) {
+    r = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(words)));
+  } else {
+    r = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1)), _mm256_set1_epi32(0x7FFF));
+  }
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(b, r), 16);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p + i), narrow16(_mm256_blendv_epi8(old_bits, rounded, ok)));
+}
+
+// QuantizationMap::encode_with_table for 8 lanes, as 8 bytes.
+SHOESTRING_AVX2_INLINE uint64_t encode8(__m256 x, const uint32_t* table, uint8_t zero) {
+  const __m256i b = _mm256_castps_si256(x);
+  __m256i mag = _mm256_and_si256(b, _mm256_set1_epi32(0x7FFFFFFF));
+  const __m256i nan = _mm256_cmpgt_epi32(mag, _mm256_set1_epi32(0x7F800000));  // mag < 2^31: signed is fine
+  const __m256i lo_bits = _mm256_set1_epi32(static_cast<int>(QuantizationMap::kFastMinBits));
+  mag = _mm256_min_epu32(_mm256_max_epu32(mag, lo_bits),
+                         _mm256_set1_epi32(static_cast<int>(QuantizationMap::kFastMaxBits)));
+  __m256i idx = _mm256_srli_epi32(_mm256_sub_epi32(mag, lo_bits), 16);
+  idx = _mm256_add_epi32(idx, _mm256_and_si256(_mm256_srai_epi32(b, 31),
+                                               _mm256_set1_epi32(static_cast<int>(QuantizationMap::kFastSignStride))));
+  const __m256i e = _mm256_i32gather_epi32(reinterpret_cast<const int*>(table), idx, 4);
+  const __m256i low16 = _mm256_set1_epi32(0xFFFF);
+  // (mag & 0xFFFF) >= (e & 0xFFFF): both below 2^16, so a signed compare.
+  const __m256i below = _mm256_cmpgt_epi32(_mm256_and_si256(e, low16), _mm256_and_si256(mag, low16));
+  __m256i c = _mm256_blendv_epi8(_mm256_srli_epi32(e, 24),
+                                 _mm256_and_si256(_mm256_srli_epi32(e, 16), _mm256_set1_epi32(0xFF)), below);
+  c = _mm256_blendv_epi8(c, _mm256_set1_epi32(zero), nan);
+  const __m128i c16 = narrow16(c);
+  const __m128i c8 = _mm_packus_epi16(c16, c16);
+  return static_cast<uint64_t>(_mm_cvtsi128_si64(c8));
+}
+
+template <typename P, typename G, Rounding kParamRounding>
+SHOESTRING_AVX2_TARGET void adamw8bit_blocks_avx2(const AdamW8bitArgs& a, int64_t b0, int64_t b1, float* mbuf,
+                                                  float* vbuf, uint16_t* wbuf) {
+  P* p_ptr = static_cast<P*>(a.param);
+  const G* g_ptr = static_cast<const G*>(a.grad);
+  const __m256 grad_scale = _mm256_set1_ps(a.grad_scale), decay = _mm256_set1_ps(a.decay),
+               beta1 = _mm256_set1_ps(a.beta1), one_minus_beta1 = _mm256_set1_ps(a.one_minus_beta1),
+               beta2 = _mm256_set1_ps(a.beta2), one_minus_beta2 = _mm256_set1_ps(a.one_minus_beta2),
+               bc2_sqrt = _mm256_set1_ps(a.bias_correction2_sqrt), eps = _mm256_set1_ps(a.eps),
+               neg_step_size = _mm256_set1_ps(a.neg_step_size);
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t start = b * a.block_size;
+    const int64_t len = std::min(a.block_size, a.n - start);
+    const float m_absmax = a.exp_avg_absmax[b], v_absmax = a.exp_avg_sq_absmax[b];
+    const __m256 m_scale = _mm256_set1_ps(m_absmax), v_scale = _mm256_set1_ps(v_absmax);
+    __m256 m_max8 = _mm256_setzero_ps(), v_max8 = _mm256_setzero_ps();
+    const uint16_t* words = param_words<P, kParamRounding>(a, start, len, wbuf);
+    int64_t k = 0;
+    for (; k + 8 <= len; k += 8) {
+      const int64_t i = start + k;
+      const __m256i mc = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a.exp_avg_q + i)));
+      const __m256i vc = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a.exp_avg_sq_q + i)));
+      __m256 m = _mm256_mul_ps(_mm256_i32gather_ps(a.m_values, mc, 4), m_scale);
+      __m256 v = _mm256_mul_ps(_mm256_i32gather_ps(a.v_values, vc, 4), v_scale);
+      const __m256 g = _mm256_mul_ps(load8(g_ptr + i), grad_scale);
+      const __m256i p_bits = load_bits8(p_ptr + i);
+      const __m256 p1 = _mm256_mul_ps(as_float8(p_bits, p_ptr), decay);
+      const __m256 m1 = _mm256_fmadd_ps(g, one_minus_beta1, _mm256_mul_ps(m, beta1));
+      const __m256 v1 = _mm256_add_ps(_mm256_mul_ps(v, beta2), _mm256_mul_ps(_mm256_mul_ps(one_minus_beta2, g), g));
+      const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v1), bc2_sqrt), eps);
+      const __m256 p2 = _mm256_add_ps(p1, _mm256_div_ps(_mm256_mul_ps(neg_step_size, m1), denom));
+      const __m256i bad = _mm256_or_si256(_mm256_or_si256(not_finite8(g), not_finite8(m1)),
+                                          _mm256_or_si256(not_finite8(v1), not_finite8(p2)));
+      const __m256i ok = _mm256_xor_si256(bad, _mm256_set1_epi32(-1));
+      m = _mm256_blendv_ps(m, m1, _mm256_castsi256_ps(ok));
+      v = _mm256_blendv_ps(v, v1, _mm256_castsi256_ps(ok));
+      _mm256_storeu_ps(mbuf + k, m);
+      _mm256_storeu_ps(vbuf + k, v);
+      m_max8 = _mm256_max_ps(m_max8, _mm256_and_ps(m, abs_mask));
+      v_max8 = _mm256_max_ps(v_max8, _mm256_and_ps(v, abs_mask));
+      store8<kParamRounding>(p_ptr, i, p2, ok, p_bits, words + k);
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, m_max8);
+    float m_max = 0.0f;
+    for (float x : lanes) m_max = x > m_max ? x : m_max;
+    _mm256_store_ps(lanes, v_max8);
+    float v_max = 0.0f;
+    for (float x : lanes) v_max = x > v_max ? x : v_max;
+    adamw8bit_update_scalar<P, G, kParamRounding>(a, start, k, len, m_absmax, v_absmax, mbuf, vbuf, words, m_max,
+                                                  v_max);
+    a.exp_avg_absmax[b] = m_max;
+    a.exp_avg_sq_absmax[b] = v_max;
+    const float m_inv = 1.0f / m_max, v_inv = 1.0f / v_max;
+    const __m256 m_inv8 = _mm256_set1_ps(m_inv), v_inv8 = _mm256_set1_ps(v_inv);
+    uint8_t* mq = a.exp_avg_q + start;
+    uint8_t* vq = a.exp_avg_sq_q + start;
+    int64_t e = 0;
+    for (; e + 8 <= len; e += 8) {
+      const uint64_t mc = encode8(_mm256_mul_ps(_mm256_loadu_ps(mbuf + e), m_inv8), a.m_table, a.m_zero);
+      const uint64_t vc = encode8(_mm256_mul_ps(_mm256_loadu_ps(vbuf + e), v_inv8), a.v_table, a.v_zero);
+      std::memcpy(mq + e, &mc, sizeof mc);
+      std::memcpy(vq + e, &vc, sizeof vc);
+    }
+    encode_scalar(mbuf, e, len, m_inv, a.m_table, a.m_zero, mq);
+    encode_scalar(vbuf, e, len, v_inv, a.v_table, a.v_zero, vq);
+  }
+}
+
+bool cpu_has_avx2() {
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return yes;
+}
+
 bool cpu_has_avx512() {
   static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
@@ -254,13 +409,14 @@ bool cpu_has_avx512() {
 }
 #endif
 
-std::atomic<bool> g_force_portable{false};
+std::atomic<FusedKernelIsa> g_isa_limit{FusedKernelIsa::avx512};
 
-using AdamW8bitBlocksFn = void (*)(const AdamW8bitArgs&, int64_t, int64_t, float*, float*);
+using AdamW8bitBlocksFn = void (*)(const AdamW8bitArgs&, int64_t, int64_t, float*, float*, uint16_t*);
 
-#define SHOESTRING_A8_VARIANT(NAME, P, G, R)                                                                     \
-  SHOESTRING_FUSED_TARGET_CLONES void NAME(const AdamW8bitArgs& a, int64_t b0, int64_t b1, float* m, float* v) { \
-    adamw8bit_blocks<P, G, R>(a, b0, b1, m, v);                                                                  \
+#define SHOESTRING_A8_VARIANT(NAME, P, G, R)                                                                   \
+  SHOESTRING_FUSED_TARGET_CLONES void NAME(const AdamW8bitArgs& a, int64_t b0, int64_t b1, float* m, float* v, \
+                                           uint16_t* w) {                                                      \
+    adamw8bit_blocks<P, G, R>(a, b0, b1, m, v, w);                                                             \
   }
 SHOESTRING_A8_VARIANT(adamw8bit_f32_f32, float, float, Rounding::nearest)
 SHOESTRING_A8_VARIANT(adamw8bit_f32_b16, float, bf16_bits, Rounding::nearest)
@@ -280,6 +436,12 @@ constexpr AdamW8bitBlocksFn kAdamW8bitAvx512[6] = {adamw8bit_blocks_avx512<float
                                                    adamw8bit_blocks_avx512<bf16_bits, bf16_bits, Rounding::stochastic>,
                                                    adamw8bit_blocks_avx512<bf16_bits, float, Rounding::nearest>,
                                                    adamw8bit_blocks_avx512<bf16_bits, bf16_bits, Rounding::nearest>};
+constexpr AdamW8bitBlocksFn kAdamW8bitAvx2[6] = {adamw8bit_blocks_avx2<float, float, Rounding::nearest>,
+                                                 adamw8bit_blocks_avx2<float, bf16_bits, Rounding::nearest>,
+                                                 adamw8bit_blocks_avx2<bf16_bits, float, Rounding::stochastic>,
+                                                 adamw8bit_blocks_avx2<bf16_bits, bf16_bits, Rounding::stochastic>,
+                                                 adamw8bit_blocks_avx2<bf16_bits, float, Rounding::nearest>,
+                                                 adamw8bit_blocks_avx2<bf16_bits, bf16_bits, Rounding::nearest>};
 #endif
 
 }  // namespace
@@ -347,14 +509,20 @@ void fused_adamw8bit_step(at::Tensor& param, const at::Tensor& grad, at::Tensor&
   const int variant = kind * 2 + (grad.scalar_type() == at::kBFloat16 ? 1 : 0);
   AdamW8bitBlocksFn fn = kAdamW8bit[variant];
 #ifdef SHOESTRING_FUSED_AVX512
-  if (cpu_has_avx512() && !g_force_portable.load(std::memory_order_relaxed)) fn = kAdamW8bitAvx512[variant];
+  const FusedKernelIsa limit = g_isa_limit.load(std::memory_order_relaxed);
+  if (limit >= FusedKernelIsa::avx512 && cpu_has_avx512()) {
+    fn = kAdamW8bitAvx512[variant];
+  } else if (limit >= FusedKernelIsa::avx2 && cpu_has_avx2()) {
+    fn = kAdamW8bitAvx2[variant];
+  }
 #endif
   const int64_t blocks = (n + block_size - 1) / block_size;
   // ~16K elements per task at least; each task keeps one block of fp32 moments.
   const int64_t grain = std::max<int64_t>(1, kGrainSize / block_size);
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> m(static_cast<size_t>(block_size)), v(static_cast<size_t>(block_size));
-    fn(a, begin, end, m.data(), v.data());
+    std::vector<uint16_t> words(static_cast<size_t>(block_size) + 8);
+    fn(a, begin, end, m.data(), v.data(), words.data());
   });
   bump_version(param);
   bump_version(exp_avg_q);
@@ -363,6 +531,6 @@ void fused_adamw8bit_step(at::Tensor& param, const at::Tensor& grad, at::Tensor&
   bump_version(exp_avg_sq_absmax);
 }
 
-void fused_kernels_force_portable(bool portable) { g_force_portable.store(portable, std::memory_order_relaxed); }
+void fused_kernels_limit_isa(FusedKernelIsa isa) { g_isa_limit.store(isa, std::memory_order_relaxed); }
 
 }  // namespace shoestring

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -97,21 +98,47 @@ SHOESTRING_ALWAYS_INLINE uint32_t bits_of(float x) {
   return u;
 }
 
-// How a value is stored: fp32 as is; bf16 by stochastic rounding (key, element
-// index) or by round-to-nearest-even (c10::BFloat16's rule, NaN -> 0x7FC0).
+// How a value is stored: fp32 as is; bf16 by stochastic rounding (with the
+// element's random word, counter_random16) or by round-to-nearest-even
+// (c10::BFloat16's rule, NaN -> 0x7FC0).
 enum class Rounding { stochastic, nearest };
 
-SHOESTRING_ALWAYS_INLINE void store(float* p, int64_t i, float x, uint64_t, Rounding) { p[i] = x; }
-SHOESTRING_ALWAYS_INLINE void store(bf16_bits* p, int64_t i, float x, uint64_t key, Rounding rounding) {
+SHOESTRING_ALWAYS_INLINE void store(float* p, int64_t i, float x, uint32_t, Rounding) { p[i] = x; }
+SHOESTRING_ALWAYS_INLINE void store(bf16_bits* p, int64_t i, float x, uint32_t random16, Rounding rounding) {
   const uint32_t b = bits_of(x);
   if (rounding == Rounding::stochastic) {
-    p[i] = sr_bf16_from_fp32_bits(b, counter_random32(key, static_cast<uint64_t>(i)));
+    p[i] = sr_bf16_from_fp32_bits(b, random16);
   } else {
     const uint32_t rne = (b + (((b >> 16) & 1u) + 0x7FFFu)) >> 16;
     const bool is_nan = (b & 0x7FFFFFFFu) > 0x7F800000u;
     p[i] = static_cast<bf16_bits>(is_nan ? 0x7FC0u : rne);
   }
 }
+
+// The random words of a block of stores into a T tensor with rounding R:
+// computed (Random16Block, one hash per four elements) only when the stores
+// round stochastically into bf16, else every word reads 0 and nothing is
+// hashed. Kernels fill it per block of at most kRandom16BlockSize elements,
+// then index it by the element's position in the block. The element loop that
+// reads the words needs `#pragma GCC ivdep`: GCC cannot prove that the words
+// (uint16) do not alias the bf16 tensors it writes, and gives up on the loop
+// (seen with GCC 12 for the AVX2 clones) instead of checking at run time.
+template <typename T, Rounding R>
+struct StoreWords {
+  static constexpr bool kNeeded = std::is_same_v<T, bf16_bits> && R == Rounding::stochastic;
+  Random16Block block;
+  const uint16_t* words = nullptr;
+  SHOESTRING_ALWAYS_INLINE void fill(uint64_t key, int64_t first_index, int64_t n) {
+    if constexpr (kNeeded) words = block.fill(key, static_cast<uint64_t>(first_index), n);
+  }
+  SHOESTRING_ALWAYS_INLINE uint32_t operator[](int64_t k) const {
+    if constexpr (kNeeded) {
+      return words[k];
+    } else {
+      return 0;
+    }
+  }
+};
 
 // The scalars of one AdamW step as the op chain passes them to libtorch:
 // computed in double, then rounded to fp32 once (shared by the fp32/bf16 and

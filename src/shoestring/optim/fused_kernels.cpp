@@ -20,16 +20,26 @@ SHOESTRING_ALWAYS_INLINE void adamw_range(const AdamWArgs& a, int64_t begin, int
   const G* __restrict g_ptr = static_cast<const G*>(a.grad);
   S* __restrict m_ptr = static_cast<S*>(a.exp_avg);
   S* __restrict v_ptr = static_cast<S*>(a.exp_avg_sq);
-  for (int64_t i = begin; i < end; ++i) {
-    const float g = load(g_ptr, i) * a.grad_scale;
-    float p = load(p_ptr, i) * a.decay;
-    const float m = fma_f32(g, a.one_minus_beta1, load(m_ptr, i) * a.beta1);
-    const float v = fma_f32(a.one_minus_beta2 * g, g, load(v_ptr, i) * a.beta2);
-    const float denom = sqrt_f32(v) / a.bias_correction2_sqrt + a.eps;
-    p = p + (a.neg_step_size * m) / denom;
-    store(m_ptr, i, m, a.exp_avg_key, Rounding::stochastic);
-    store(v_ptr, i, v, a.exp_avg_sq_key, Rounding::stochastic);
-    store(p_ptr, i, p, a.param_key, kParamRounding);
+  StoreWords<P, kParamRounding> p_words;
+  StoreWords<S, Rounding::stochastic> m_words, v_words;
+  for (int64_t b = begin; b < end; b += kRandom16BlockSize) {
+    const int64_t len = std::min(kRandom16BlockSize, end - b);
+    p_words.fill(a.param_key, b, len);
+    m_words.fill(a.exp_avg_key, b, len);
+    v_words.fill(a.exp_avg_sq_key, b, len);
+#pragma GCC ivdep
+    for (int64_t k = 0; k < len; ++k) {
+      const int64_t i = b + k;
+      const float g = load(g_ptr, i) * a.grad_scale;
+      float p = load(p_ptr, i) * a.decay;
+      const float m = fma_f32(g, a.one_minus_beta1, load(m_ptr, i) * a.beta1);
+      const float v = fma_f32(a.one_minus_beta2 * g, g, load(v_ptr, i) * a.beta2);
+      const float denom = sqrt_f32(v) / a.bias_correction2_sqrt + a.eps;
+      p = p + (a.neg_step_size * m) / denom;
+      store(m_ptr, i, m, m_words[k], Rounding::stochastic);
+      store(v_ptr, i, v, v_words[k], Rounding::stochastic);
+      store(p_ptr, i, p, p_words[k], kParamRounding);
+    }
   }
 }
 
@@ -46,17 +56,26 @@ SHOESTRING_ALWAYS_INLINE void lion_range(const LionArgs& a, int64_t begin, int64
   P* __restrict p_ptr = static_cast<P*>(a.param);
   const G* __restrict g_ptr = static_cast<const G*>(a.grad);
   S* __restrict m_ptr = static_cast<S*>(a.exp_avg);
-  for (int64_t i = begin; i < end; ++i) {
-    const float g = load(g_ptr, i) * a.grad_scale;
-    const float m_old = load(m_ptr, i);
-    float p = load(p_ptr, i) * a.decay;
-    const float c = fma_f32(g, a.one_minus_beta1, m_old * a.beta1);
-    // torch.sign: (0 < c) - (c < 0), so NaN -> 0. lr * sign is exact.
-    const float sign = static_cast<float>(c > 0.0f) - static_cast<float>(c < 0.0f);
-    p = p + a.neg_lr * sign;
-    const float m = fma_f32(g, a.one_minus_beta2, m_old * a.beta2);
-    store(m_ptr, i, m, a.exp_avg_key, Rounding::stochastic);
-    store(p_ptr, i, p, a.param_key, kParamRounding);
+  StoreWords<P, kParamRounding> p_words;
+  StoreWords<S, Rounding::stochastic> m_words;
+  for (int64_t b = begin; b < end; b += kRandom16BlockSize) {
+    const int64_t len = std::min(kRandom16BlockSize, end - b);
+    p_words.fill(a.param_key, b, len);
+    m_words.fill(a.exp_avg_key, b, len);
+#pragma GCC ivdep
+    for (int64_t k = 0; k < len; ++k) {
+      const int64_t i = b + k;
+      const float g = load(g_ptr, i) * a.grad_scale;
+      const float m_old = load(m_ptr, i);
+      float p = load(p_ptr, i) * a.decay;
+      const float c = fma_f32(g, a.one_minus_beta1, m_old * a.beta1);
+      // torch.sign: (0 < c) - (c < 0), so NaN -> 0. lr * sign is exact.
+      const float sign = static_cast<float>(c > 0.0f) - static_cast<float>(c < 0.0f);
+      p = p + a.neg_lr * sign;
+      const float m = fma_f32(g, a.one_minus_beta2, m_old * a.beta2);
+      store(m_ptr, i, m, m_words[k], Rounding::stochastic);
+      store(p_ptr, i, p, p_words[k], kParamRounding);
+    }
   }
 }
 

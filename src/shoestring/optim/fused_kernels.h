@@ -180,9 +180,13 @@ void fused_adafactor_factored_step(at::Tensor& param, const at::Tensor& grad, at
                                    at::Tensor& exp_avg_sq_col, int64_t n, int64_t m,
                                    const FusedAdafactorScalars& scalars, const FusedRoundingKeys& keys);
 
-/// For tests: true makes the kernels that have a hand-vectorized (AVX-512)
-/// variant use their portable variant instead (same results); false (the
-/// default) picks the best the CPU supports. Process-wide.
-void fused_kernels_force_portable(bool portable);
+/// The instruction sets of the hand-vectorized fused kernels (AdamW8bit has
+/// AVX-512 and AVX2 + FMA variants beside its portable one), in order.
+enum class FusedKernelIsa { portable, avx2, avx512 };
+
+/// For tests: the kernels use at most `isa` (and never more than the CPU
+/// has); every variant gives the same bits. Default avx512, i.e. the best the
+/// CPU supports. Process-wide.
+void fused_kernels_limit_isa(FusedKernelIsa isa);
 
 }  // namespace shoestring

@@ -5,6 +5,7 @@
 
 #include <torch/torch.h>
 
+#include "shoestring/core/counter_rng.h"
 #include "shoestring/core/error.h"
 #include "shoestring/core/memory_ledger.h"
 #include "shoestring/core/stochastic_rounding.h"
@@ -45,8 +46,9 @@ Sparkles::Sparkles(std::vector<OptimParam> params, SparklesOptions sparkles, Opt
 at::Tensor Sparkles::permutation(int64_t n, RoundingKey key) {
   at::Tensor perm = torch::arange(n, torch::kLong);
   int64_t* idx = perm.data_ptr<int64_t>();
+  const uint64_t stream = counter_rng_key(key.seed, key.step, key.tensor_id);
   for (int64_t i = n - 1; i >= 1; --i) {
-    const uint64_t word = stochastic_rounding_random_bits(key, static_cast<uint64_t>(i));
+    const uint64_t word = counter_random32(stream, static_cast<uint64_t>(i));
     const auto j = static_cast<int64_t>((word * static_cast<uint64_t>(i + 1)) >> 32);
     std::swap(idx[i], idx[j]);
   }

@@ -20,8 +20,9 @@
 //   clip_gradients: u <- clamp(u, -t^0.25, t^0.25)
 //   p  <- p - u;  prev_grad <- gh
 // The permutation is a Fisher-Yates shuffle driven by the counter-based
-// random words of core/stochastic_rounding.h, keyed by (seed, step, parameter,
-// slot 15): a resumed run permutes exactly as the uninterrupted one.
+// random words of core/counter_rng.h (counter_random32), keyed as stochastic
+// rounding keys a tensor, by (seed, step, parameter, slot 15): a resumed run
+// permutes exactly as the uninterrupted one.
 // State ema (m), ema_squared (v), prev_grad: 12 bytes/parameter in fp32, 6 in
 // bf16 with stochastic rounding (OptimizerOptions::state_dtype).
 #pragma once
@@ -72,8 +73,8 @@ class Sparkles : public Optimizer {
 
   /// The permutation of [0, n) that step `key` applies: a Fisher-Yates
   /// shuffle where swap i (i = n-1 down to 1) takes j = (w_i * (i + 1)) >> 32,
-  /// w_i the 32-bit counter-based random word number i of `key`
-  /// (stochastic_rounding_random_bits). int64 tensor [n] on the CPU.
+  /// w_i = counter_random32(counter_rng_key(key.seed, key.step,
+  /// key.tensor_id), i) (core/counter_rng.h). int64 tensor [n] on the CPU.
   static at::Tensor permutation(int64_t n, RoundingKey key);
 
  private:
