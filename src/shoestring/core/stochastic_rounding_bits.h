@@ -99,8 +99,12 @@ SHOESTRING_RANDOM16_INLINE const uint16_t* counter_random16_fill(uint64_t key, u
   const uint64_t first_output = first_index >> 2;
   const int64_t skip = static_cast<int64_t>(first_index & 3u);
   const int64_t outputs = (skip + n + 3) >> 2;
-  for (int64_t q = 0; q < outputs; ++q) {
-    const uint64_t h = counter_random64(key, first_output + static_cast<uint64_t>(q));
+  // counter_random64(key, first_output + q) = mix64(z), z a Weyl sequence
+  // advanced by an addition (a vector add, where a multiply by gamma per
+  // output would be three emulated 64-bit multiplies per lane on AVX2).
+  uint64_t z = key + (first_output + 1) * kSplitMix64Gamma;
+  for (int64_t q = 0; q < outputs; ++q, z += kSplitMix64Gamma) {
+    const uint64_t h = mix64(z);
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
     std::memcpy(words + 4 * q, &h, sizeof h);
 #else
