@@ -338,6 +338,15 @@ SHOESTRING_AVX2_TARGET void adamw8bit_blocks_avx2(const AdamW8bitArgs& a, int64_
                bc2_sqrt = _mm256_set1_ps(a.bias_correction2_sqrt), eps = _mm256_set1_ps(a.eps),
                neg_step_size = _mm256_set1_ps(a.neg_step_size);
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  // Locals, not a.*: the byte stores below may alias any object as far as
+  // the compiler knows, which would reload every field in every iteration.
+  const float* const m_values = a.m_values;
+  const float* const v_values = a.v_values;
+  const uint32_t* const m_table = a.m_table;
+  const uint32_t* const v_table = a.v_table;
+  const uint8_t m_zero = a.m_zero, v_zero = a.v_zero;
+  uint8_t* const exp_avg_q = a.exp_avg_q;
+  uint8_t* const exp_avg_sq_q = a.exp_avg_sq_q;
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t start = b * a.block_size;
     const int64_t len = std::min(a.block_size, a.n - start);
@@ -348,10 +357,10 @@ SHOESTRING_AVX2_TARGET void adamw8bit_blocks_avx2(const AdamW8bitArgs& a, int64_
     int64_t k = 0;
     for (; k + 8 <= len; k += 8) {
       const int64_t i = start + k;
-      const __m256i mc = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a.exp_avg_q + i)));
-      const __m256i vc = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a.exp_avg_sq_q + i)));
-      __m256 m = _mm256_mul_ps(_mm256_i32gather_ps(a.m_values, mc, 4), m_scale);
-      __m256 v = _mm256_mul_ps(_mm256_i32gather_ps(a.v_values, vc, 4), v_scale);
+      const __m256i mc = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(exp_avg_q + i)));
+      const __m256i vc = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(exp_avg_sq_q + i)));
+      __m256 m = _mm256_mul_ps(_mm256_i32gather_ps(m_values, mc, 4), m_scale);
+      __m256 v = _mm256_mul_ps(_mm256_i32gather_ps(v_values, vc, 4), v_scale);
       const __m256 g = _mm256_mul_ps(load8(g_ptr + i), grad_scale);
       const __m256i p_bits = load_bits8(p_ptr + i);
       const __m256 p1 = _mm256_mul_ps(as_float8(p_bits, p_ptr), decay);
@@ -383,17 +392,17 @@ SHOESTRING_AVX2_TARGET void adamw8bit_blocks_avx2(const AdamW8bitArgs& a, int64_
     a.exp_avg_sq_absmax[b] = v_max;
     const float m_inv = 1.0f / m_max, v_inv = 1.0f / v_max;
     const __m256 m_inv8 = _mm256_set1_ps(m_inv), v_inv8 = _mm256_set1_ps(v_inv);
-    uint8_t* mq = a.exp_avg_q + start;
-    uint8_t* vq = a.exp_avg_sq_q + start;
+    uint8_t* mq = exp_avg_q + start;
+    uint8_t* vq = exp_avg_sq_q + start;
     int64_t e = 0;
     for (; e + 8 <= len; e += 8) {
-      const uint64_t mc = encode8(_mm256_mul_ps(_mm256_loadu_ps(mbuf + e), m_inv8), a.m_table, a.m_zero);
-      const uint64_t vc = encode8(_mm256_mul_ps(_mm256_loadu_ps(vbuf + e), v_inv8), a.v_table, a.v_zero);
+      const uint64_t mc = encode8(_mm256_mul_ps(_mm256_loadu_ps(mbuf + e), m_inv8), m_table, m_zero);
+      const uint64_t vc = encode8(_mm256_mul_ps(_mm256_loadu_ps(vbuf + e), v_inv8), v_table, v_zero);
       std::memcpy(mq + e, &mc, sizeof mc);
       std::memcpy(vq + e, &vc, sizeof vc);
     }
-    encode_scalar(mbuf, e, len, m_inv, a.m_table, a.m_zero, mq);
-    encode_scalar(vbuf, e, len, v_inv, a.v_table, a.v_zero, vq);
+    encode_scalar(mbuf, e, len, m_inv, m_table, m_zero, mq);
+    encode_scalar(vbuf, e, len, v_inv, v_table, v_zero, vq);
   }
 }
 
