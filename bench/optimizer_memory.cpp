@@ -2,7 +2,13 @@
 // throughput, per optimizer configuration, on a ~100M-parameter set of
 // tensors shaped like the SDXL UNet's.
 //
-//   build/bench/optimizer_memory [--params 100e6] [--steps 3] [--threads 0] [--only TEXT] [--json]
+//   build/bench/optimizer_memory [--params 100e6] [--steps 3] [--threads 0] [--only TEXT] [--json] [--flat]
+//
+// --flat: one [params / 1024, 1024] matrix instead of the list below, so no
+// per-tensor costs (calls, parallel_for wake-ups, short tails) enter the
+// time: what the kernels themselves reach. A kernel far below memcpy there
+// while fp32 AdamW (the fewest operations per byte) is near it is limited by
+// its arithmetic, not by memory.
 //
 // Parameter set: the SDXL base UNet's parameter list (model_channels 320,
 // channel_mult [1, 2, 4], transformer depth [0, 2, 10] per level plus 10 in
@@ -482,23 +488,33 @@ int main(int argc, char** argv) {
   int64_t threads = 0;
   std::string only;
   bool json = false;
+  bool flat = false;
   app.add_option("--params", target, "approximate number of parameters (default 100e6)")->check(CLI::Range(1e4, 3e9));
   app.add_option("--steps", steps, "timed optimizer steps per configuration (median)")->check(CLI::Range(1, 1000));
   app.add_option("--threads", threads, "intra-op threads (0 = every allowed CPU)");
   app.add_option("--only", only, "run only configurations whose name contains this text");
   app.add_flag("--json", json, "one JSON object per configuration, one per line");
+  app.add_flag("--flat", flat,
+               "one [--params / 1024, 1024] matrix instead of the SDXL-shaped list (no per-tensor costs)");
   CLI11_PARSE(app, argc, argv);
   shoestring::bench::print_machine(json);
   try {
     MemoryLedger::global().install();
     configure_threads(threads);
-    const int64_t c0 = choose_base_channels(static_cast<int64_t>(target));
-    const std::vector<ParamSpec> specs = UNetShapes(c0).build();
+    const int64_t c0 = flat ? 0 : choose_base_channels(static_cast<int64_t>(target));
+    const std::vector<ParamSpec> specs =
+        flat ? std::vector<ParamSpec>{{"flat.weight",
+                                       {std::max<int64_t>(1, static_cast<int64_t>(target) / 1024), 1024},
+                                       Kind::linear}}
+             : UNetShapes(c0).build();
     int64_t by_kind[4] = {0, 0, 0, 0};
     for (const auto& s : specs) by_kind[static_cast<int>(s.kind)] += numel_of(s);
     const int64_t total = total_params(specs);
     const double load_before = load_average();
-    if (!json) {
+    if (!json && flat) {
+      std::cout << fmt::format("one [{}, 1024] matrix, {} parameters\n  threads {}, load average {:.2f} at start\n",
+                               specs[0].shape[0], total, at::get_num_threads(), load_before);
+    } else if (!json) {
       std::cout << fmt::format(
           "SDXL-UNet-shaped parameter set: model_channels {} (SDXL: 320), {} tensors, {} parameters\n"
           "  conv {:.1f}%, linear {:.1f}%, norm {:.2f}%, bias {:.2f}%\n"
