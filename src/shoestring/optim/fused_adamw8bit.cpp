@@ -57,14 +57,15 @@ template <typename P, Rounding kParamRounding>
 constexpr bool kParamWords = std::is_same_v<P, bf16_bits>&& kParamRounding == Rounding::stochastic;
 
 // The parameter's random words for the block of `len` elements at `start`
-// (into `storage`, block_size + 8 entries), or null when none are needed.
+// (into `storage`, block_size + 8 entries). When none are needed, `storage`
+// itself, unfilled and never read (a valid pointer, so words + k is too).
 template <typename P, Rounding kParamRounding>
 SHOESTRING_ALWAYS_INLINE const uint16_t* param_words(const AdamW8bitArgs& a, int64_t start, int64_t len,
                                                      uint16_t* storage) {
   if constexpr (kParamWords<P, kParamRounding>) {
     return counter_random16_fill(a.param_key, static_cast<uint64_t>(start), len, storage);
   } else {
-    return nullptr;
+    return storage;
   }
 }
 
