@@ -2,12 +2,17 @@
 // seed, never a black PNG.
 #include <gtest/gtest.h>
 
+#include <filesystem>
+#include <fstream>
 #include <limits>
+#include <string>
+#include <vector>
 
 #include <torch/torch.h>
 
 #include "../error_testing.h"
 #include "shoestring/core/error.h"
+#include "shoestring/core/text.h"
 #include "shoestring/data/tokenizer.h"
 #include "shoestring/train/sampling.h"
 #include "shoestring/train/tiny_unet_model.h"
@@ -81,4 +86,32 @@ TEST(Sampling, NanWeightsMakeGenerateImagesFail) {
   EXPECT_NE(msg.find("produced NaN in 256 of 256 pixels for prompt 'red heart' seed 7 (4 of 4 images"),
             std::string::npos)
       << msg;
+}
+
+// A prompt with newlines and escape sequences keeps to its own line of the
+// sidecar (line 1 + row), as core/text.h's printable writes it.
+TEST(Sampling, SidecarHasOneEscapedLinePerPrompt) {
+  const std::string dir = shoestring::testing::fresh_temp_dir("sampling", "sidecar");
+  std::filesystem::create_directories(dir);
+  SampleRequest req = two_by_two();
+  req.prompts = {"red\nheart\x1b[31m", "sun"};
+  save_sample_grid(dir + "/grid.png", torch::zeros({4, 3, 8, 8}, torch::kUInt8), req);
+  std::ifstream in(dir + "/grid.txt");
+  std::vector<std::string> lines;
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  ASSERT_EQ(lines.size(), 3u);
+  EXPECT_EQ(lines[1], printable(req.prompts[0]));
+  EXPECT_EQ(lines[1], "red\\nheart\\x1b[31m");
+  EXPECT_EQ(lines[2], "sun");
+  std::filesystem::remove_all(dir);
+}
+
+TEST(Sampling, InvalidUtf8PromptIsAnErrorNamingIt) {
+  auto cfg = shoestring::testing::tiny_emoji_config("unused");
+  auto tok = WordTokenizer::build({"red heart", "sun"}, cfg.max_caption_length);
+  TinyUNetModel model(TinyUNetModelOptions::from_config(cfg, tok.vocab_size()));
+  SampleRequest req = two_by_two();
+  req.prompts[1] = "su\xffn";
+  const std::string msg = error_of([&] { generate_images(model, tok, req); });
+  EXPECT_NE(msg.find("prompt 2 is not valid UTF-8 (byte 2): 'su\\xffn'"), std::string::npos) << msg;
 }

@@ -3,6 +3,8 @@
 #include <torch/torch.h>
 
 #include "shoestring/core/error.h"
+#include "shoestring/core/text.h"
+#include "shoestring/core/utf8.h"
 #include "shoestring/data/image.h"
 #include "shoestring/data/tokenizer.h"
 #include "shoestring/io/atomic_file.h"
@@ -12,6 +14,12 @@ namespace shoestring {
 
 at::Tensor generate_images(TinyUNetModel& model, const WordTokenizer& tokenizer, const SampleRequest& request) {
   if (request.prompts.empty() || request.seeds.empty()) fail("sampling: no prompts or no seeds given");
+  for (size_t i = 0; i < request.prompts.size(); ++i) {
+    const size_t bad = utf8_error_offset(request.prompts[i]);
+    if (bad != std::string_view::npos) {
+      fail("sampling: prompt {} is not valid UTF-8 (byte {}): '{}'", i + 1, bad, printable(request.prompts[i]));
+    }
+  }
   torch::NoGradGuard no_grad;
   const bool was_training = model->is_training();
   model->eval();
@@ -102,7 +110,7 @@ void save_sample_grid(const std::string& path, const at::Tensor& images, const S
   sidecar += ".txt";
   std::string text = fmt::format("# rows: prompts; columns: seeds {}; {} sampler steps; cfg {}\n",
                                  fmt::join(request.seeds, ", "), request.steps, request.cfg);
-  for (const auto& p : request.prompts) text += p + "\n";
+  for (const auto& p : request.prompts) text += printable(p) + "\n";  // one line each, whatever they hold
   write_bytes_atomic(sidecar, text);
 }
 

@@ -26,8 +26,9 @@ struct SampleRequest {
 /// Returns uint8 [P*S, 3, R, R] with R the model's training resolution.
 /// The model is put in eval mode for the duration and restored after; runs
 /// under no-grad; does not touch libtorch's global RNG (noise comes from a
-/// generator per seed). Throws shoestring::Error for an empty request, or
-/// when the model produced a non-finite value (see samples_to_uint8).
+/// generator per seed). Throws shoestring::Error for an empty request, a
+/// prompt that is not valid UTF-8 (naming it and the byte), or when the model
+/// produced a non-finite value (see samples_to_uint8).
 /// Runs on the model's device (module_device); noise is drawn on the CPU and
 /// moved, so a seed gives the same starting noise on every device; the
 /// result is on the CPU.
@@ -48,7 +49,9 @@ at::Tensor samples_to_uint8(const at::Tensor& images, const SampleRequest& reque
 
 /// Writes a grid (rows = prompts, columns = seeds) with each prompt printed
 /// under its row, and a sidecar `<path minus .png>.txt` listing row prompts and
-/// seeds. Images smaller than 64 px are enlarged (nearest) for legibility.
+/// seeds: a header line, then one line per prompt, with newlines and other
+/// control characters escaped (core/text.h printable) so that line i + 1 is
+/// always row i's prompt. Images smaller than 64 px are enlarged (nearest) for legibility.
 /// Both files are written atomically.
 void save_sample_grid(const std::string& path, const at::Tensor& images, const SampleRequest& request);
 
