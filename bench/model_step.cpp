@@ -9,6 +9,7 @@
 //                          [--optimizer Adafactor] [--no-checkpointing] [--no-fused] [--fp32]
 //                          [--attention-chunk-mib 64]
 //                          [--tiny] [--threads 0] [--json]
+//   build/bench/model_step --arch tiny-unet --config examples/emoji.toml --resolution 16 --batch 32 ...
 //
 // Prints seconds per step (the last step; the first includes one-time
 // allocations) and the memory ledger's measured peak: total, and each
@@ -23,7 +24,12 @@
 // With --json: one object with arch, resolution, batch, seconds_per_step,
 // peak_bytes, <category>_bytes (at the peak), <category>_peak_bytes,
 // predicted_peak_bytes, predicted_<category>_bytes, predicted_peak_phase and
-// prediction_error (predicted / measured - 1).
+// prediction_error (predicted / measured - 1), and step_seconds (every
+// step's wall time).
+// --arch tiny-unet builds the UNet of a run config's [model] section (the
+// emoji example's by default) and runs it on pixels with random caption
+// states of max_caption_length tokens (its caption encoder is not part of
+// the step); it has no planner prediction (the predicted_* fields are null).
 #include <cstdio>
 
 #include <CLI/CLI.hpp>
@@ -36,6 +42,8 @@
 #include "shoestring/core/units.h"
 #include "shoestring/plan/measure.h"
 #include "shoestring/plan/memory_plan.h"
+#include "shoestring/train/config.h"
+#include "shoestring/train/tiny_unet_model.h"
 
 using namespace shoestring;
 
@@ -45,14 +53,16 @@ int main(int argc, char** argv) {
   plan::ModelStepOptions o;
   int64_t threads = 0;
   bool no_checkpointing = false, no_fused = false, fp32 = false, json = false;
+  std::string config = std::string(SHOESTRING_BENCH_SOURCE_DIR) + "/examples/emoji.toml";
   app.add_option("--arch", o.architecture, "architecture (sd15, sdxl, ssd1b, sd35m, cascade-c, cascade-c-lite)");
-  app.add_option("--resolution", o.resolution, "image side in pixels")->check(CLI::Range(64, 4096));
+  app.add_option("--resolution", o.resolution, "image side in pixels")->check(CLI::Range(8, 4096));
   app.add_option("--batch", o.batch, "images per step")->check(CLI::Range(1, 64));
   app.add_option("--steps", o.steps, "training steps (the last one is reported)")->check(CLI::Range(1, 100));
   app.add_option("--optimizer", o.optimizer, "optimizer_type (Adafactor, AdamW8bit, AdamW, Lion)");
   app.add_option("--attention-chunk-mib", o.attention_chunk_mib,
                  "attention score matrices above this size are computed in query blocks (0 = never)")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 20));
+  app.add_option("--config", config, "run config whose [model] is the tiny-unet (--arch tiny-unet only)");
   app.add_option("--threads", threads, "intra-op threads (0 = every allowed CPU)");
   app.add_flag("--no-checkpointing", no_checkpointing, "keep every activation (no gradient checkpointing)");
   app.add_flag("--no-fused", no_fused, "backward first, then the optimizer step (gradients held)");
@@ -66,7 +76,14 @@ int main(int argc, char** argv) {
     o.checkpointing = !no_checkpointing;
     o.fused = !no_fused;
     o.bf16 = !fp32;
-    const plan::MemoryPlan predicted = plan::plan_memory(plan::model_step_config(o), plan::kDefaultVocabSize);
+    const bool tiny_unet = o.architecture == models::kTinyUNet;
+    if (tiny_unet) {
+      const TrainConfig cfg = load_config(config);
+      o.tiny_unet = TinyUNetModelOptions::from_config(cfg, plan::kDefaultVocabSize).unet;
+      o.tiny_unet_context_tokens = cfg.max_caption_length;
+    }
+    const plan::MemoryPlan predicted =
+        tiny_unet ? plan::MemoryPlan{} : plan::plan_memory(plan::model_step_config(o), plan::kDefaultVocabSize);
     const plan::ModelStepResult r = plan::measure_model_step(o);
     const plan::MeasuredStep& m = r.step;
     nlohmann::json j;
@@ -79,16 +96,20 @@ int main(int argc, char** argv) {
     j["fused"] = o.fused;
     j["bf16"] = o.bf16;
     j["seconds_per_step"] = r.seconds_per_step;
+    j["step_seconds"] = r.step_seconds;
+    j["threads"] = configure_threads(threads);
     j["loss"] = r.loss;
     j["peak_bytes"] = m.peak_bytes;
-    j["predicted_peak_bytes"] = predicted.predicted_peak_bytes;
-    j["predicted_peak_phase"] = predicted.peak_phase;
-    j["prediction_error"] = static_cast<double>(predicted.predicted_peak_bytes) / static_cast<double>(m.peak_bytes) - 1;
+    auto prediction = [&](auto value) { return tiny_unet ? nlohmann::json() : nlohmann::json(value); };
+    j["predicted_peak_bytes"] = prediction(predicted.predicted_peak_bytes);
+    j["predicted_peak_phase"] = prediction(predicted.peak_phase);
+    j["prediction_error"] =
+        prediction(static_cast<double>(predicted.predicted_peak_bytes) / static_cast<double>(m.peak_bytes) - 1);
     for (int c = 0; c < kNumMemoryCategories; ++c) {
       const auto cat = static_cast<MemoryCategory>(c);
       j[fmt::format("{}_bytes", to_string(cat))] = m.at_peak[c];
       j[fmt::format("{}_peak_bytes", to_string(cat))] = m.peak_per_category[c];
-      j[fmt::format("predicted_{}_bytes", to_string(cat))] = predicted.at_peak[c];
+      j[fmt::format("predicted_{}_bytes", to_string(cat))] = prediction(predicted.at_peak[c]);
     }
     if (json) {
       std::printf("%s\n", j.dump().c_str());
@@ -103,7 +124,7 @@ int main(int argc, char** argv) {
                   o.checkpointing ? "on" : "off", r.seconds_per_step, r.loss);
       std::printf("measured peak %s (%.2f GiB), predicted %s (%+.1f%%, at %s)\n", format_bytes(m.peak_bytes).c_str(),
                   m.peak_bytes / 1073741824.0, format_bytes(predicted.predicted_peak_bytes).c_str(),
-                  100.0 * j["prediction_error"].get<double>(), predicted.peak_phase.c_str());
+                  tiny_unet ? 0.0 : 100.0 * j["prediction_error"].get<double>(), predicted.peak_phase.c_str());
       std::printf("%-16s %12s %12s %12s\n", "category", "at peak", "own peak", "predicted");
       for (int c = 0; c < kNumMemoryCategories; ++c) {
         const auto cat = static_cast<MemoryCategory>(c);

@@ -110,10 +110,17 @@ ModelStepResult measure_model_step(const ModelStepOptions& o) {
   ledger.install();
   const at::ScalarType dtype = o.bf16 ? at::kBFloat16 : at::kFloat;
   ModelStepResult result;
+  const bool tiny_unet = o.architecture == models::kTinyUNet;
   std::shared_ptr<torch::nn::Module> module;
   {
     ScopedMemoryCategory category(MemoryCategory::weights);
-    module = models::build_architecture(o.architecture, nn::LayerInit{torch::TensorOptions().dtype(dtype)}, o.tiny);
+    const nn::LayerInit init{torch::TensorOptions().dtype(dtype)};
+    if (tiny_unet) {
+      models::TinyUNetOptions u = o.tiny_unet;
+      module = models::TinyUNet(u.init(init)).ptr();
+    } else {
+      module = models::build_architecture(o.architecture, init, o.tiny);
+    }
   }
   // The precision policy as the trainer applies it: the config's shorthand
   // rules (full_bf16, gradient_checkpointing) on the model's block table, so
@@ -152,9 +159,19 @@ ModelStepResult measure_model_step(const ModelStepOptions& o) {
   models::DenoiserExample runner;
   {
     ScopedMemoryCategory category(MemoryCategory::activations);
-    const models::Architecture& arch = models::find_architecture(o.architecture);
-    if (!arch.example) fail("model step: no example inputs for architecture '{}' (not a denoiser)", o.architecture);
-    runner = arch.example(*module, models::denoiser_batch(arch, o.batch, o.resolution), dtype);
+    if (tiny_unet) {
+      auto* unet = module->as<models::TinyUNetImpl>();
+      const models::TinyUNetOptions& u = unet->options();
+      at::Tensor x = torch::randn({o.batch, u.in_channels(), o.resolution, o.resolution}).to(dtype);
+      at::Tensor t = torch::rand({o.batch});
+      at::Tensor ctx = torch::randn({o.batch, o.tiny_unet_context_tokens, u.context_dim()}).to(dtype);
+      runner.forward = [unet, x, t, ctx] { return unet->forward(x, t, ctx); };
+      runner.target = x;
+    } else {
+      const models::Architecture& arch = models::find_architecture(o.architecture);
+      if (!arch.example) fail("model step: no example inputs for architecture '{}' (not a denoiser)", o.architecture);
+      runner = arch.example(*module, models::denoiser_batch(arch, o.batch, o.resolution), dtype);
+    }
   }
   const double lr = 1e-5;
   struct RestoreChunk {
@@ -191,6 +208,7 @@ ModelStepResult measure_model_step(const ModelStepOptions& o) {
     result.loss = loss.item<double>();
     loss = at::Tensor();
     result.seconds_per_step = std::chrono::duration<double>(Clock::now() - t0).count();
+    result.step_seconds.push_back(result.seconds_per_step);
   }
   const auto breakdown = ledger.peak_breakdown();
   result.step.peak_bytes = ledger.device_peak_total();

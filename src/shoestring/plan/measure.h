@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "shoestring/models/tiny_unet.h"
 #include "shoestring/plan/memory_plan.h"
 #include "shoestring/train/config.h"
 
@@ -37,7 +38,10 @@ struct Measurement {
 Measurement measure_training(TrainConfig config, int64_t steps);
 
 /// One training step of a registered architecture's denoiser, as a user
-/// fine-tunes it with latents and text embeddings cached: random weights
+/// fine-tunes it with latents and text embeddings cached (for "tiny-unet":
+/// the UNet of `tiny_unet`, e.g. the emoji example's, on pixels [B, 3, R, R],
+/// t in [0, 1) and caption states [B, tiny_unet_context_tokens,
+/// context_dim], without its caption encoder): random weights
 /// (the memory does not depend on values), random inputs of the shapes of
 /// its registry row (models::Architecture::example and denoiser_batch), mse loss on an fp32 copy of the output,
 /// backward, optimizer update. Shared by bench/model_step and tests/plan.
@@ -54,13 +58,19 @@ struct ModelStepOptions {
   /// Attention score matrices above this many MiB are computed in query
   /// blocks (nn/chunked_attention.h; 64 is libshoestring's default, 0 = never).
   int64_t attention_chunk_mib = 64;
+  /// The UNet built for architecture "tiny-unet" (its init is replaced by
+  /// the step's dtype); ignored for other architectures.
+  models::TinyUNetOptions tiny_unet{};
+  /// Caption tokens of the tiny-unet's cross-attention context.
+  int64_t tiny_unet_context_tokens = 16;
 };
 
 /// Result of measure_model_step().
 struct ModelStepResult {
   int64_t parameters = 0;
-  double seconds_per_step = 0;  ///< of the last step
-  double loss = 0;              ///< of the last step
+  double seconds_per_step = 0;       ///< of the last step
+  std::vector<double> step_seconds;  ///< wall seconds of every step, in order
+  double loss = 0;                   ///< of the last step
   /// Ledger readings of the last step (peaks reset at each step's start).
   MeasuredStep step;
 };
