@@ -3,8 +3,10 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <map>
 #include <random>
 #include <set>
+#include <sstream>
 
 #include <ATen/Parallel.h>
 #include <fmt/ranges.h>
@@ -13,6 +15,7 @@
 #include <torch/torch.h>
 
 #include "shoestring/core/error.h"
+#include "shoestring/core/text.h"
 #include "shoestring/core/utf8.h"
 #include "shoestring/data/image.h"
 #include "shoestring/io/atomic_file.h"
@@ -76,6 +79,21 @@ const nlohmann::json& require(const nlohmann::json& entry, const char* key, nloh
     fail("{}: entry {}: key '{}' must be a {}", file, i, key, expected.type_name());
   }
   return *it;
+}
+
+/// The caption of a caption file: its first line, trimmed, a UTF-8 byte
+/// order mark dropped. Throws shoestring::Error naming the file and the byte
+/// offset when it is not valid UTF-8.
+std::string read_caption_file(const std::string& path) {
+  std::string text = read_file(path);
+  const size_t bad = utf8_error_offset(text);
+  if (bad != std::string::npos) {
+    fail("caption file {}: not valid UTF-8 at byte offset {} (byte 0x{:02X}); save it as UTF-8", path, bad,
+         static_cast<unsigned char>(text[bad]));
+  }
+  std::string_view view(text);
+  if (view.substr(0, 3) == "\xEF\xBB\xBF") view.remove_prefix(3);  // byte order mark
+  return trim(view.substr(0, view.find('\n')));
 }
 
 bool is_image_extension(const std::string& ext) {
@@ -276,18 +294,7 @@ ImageCaptionDataset ImageCaptionDataset::load_folder(const std::string& dir, int
                                   file.string(), first->second.string()));
       continue;
     }
-    std::string caption;
-    if (has_caption) {
-      std::string text = read_file(caption_path.string());
-      const size_t bad = utf8_error_offset(text);
-      if (bad != std::string::npos) {
-        fail("caption file {}: not valid UTF-8 at byte offset {} (byte 0x{:02X}); save it as UTF-8",
-             caption_path.string(), bad, static_cast<unsigned char>(text[bad]));
-      }
-      std::string_view view(text);
-      if (view.substr(0, 3) == "\xEF\xBB\xBF") view.remove_prefix(3);  // byte order mark
-      caption = trim(view.substr(0, view.find('\n')));
-    }
+    const std::string caption = has_caption ? read_caption_file(caption_path.string()) : std::string();
     Candidate c{file.string(), std::move(caption), !has_caption, ""};
     c.empty_caption = has_caption && c.caption.empty();
     candidates.push_back(std::move(c));
@@ -379,9 +386,336 @@ ImageCaptionDataset ImageCaptionDataset::decode_all(std::vector<Candidate> candi
   return ds;
 }
 
+namespace {
+
+/// An image of load_buckets before it is decoded.
+struct BucketItem {
+  std::string path;
+  std::string caption;
+  size_t spec = 0;
+  const DatasetSubset* subset = nullptr;
+  bool missing_caption = false;
+  bool empty_caption = false;
+  std::string skip_reason;
+  BucketReso original;
+  BucketChoice choice;
+  CropOffset crop;
+  int64_t bucket = -1;
+  int64_t row = -1;
+};
+
+/// The images of a DreamBooth-style subset: the files of image_dir (not
+/// recursive; names starting with '.' ignored), sorted, with their captions.
+void list_folder_subset(const DatasetSubset& sub, size_t spec, std::vector<BucketItem>& out) {
+  std::error_code ec;
+  if (!fs::is_directory(sub.image_dir, ec)) fail("{}: image_dir {}: not a directory", sub.where, sub.image_dir);
+  std::vector<fs::path> files;
+  if (sub.recursive) {
+    const fs::path root_canonical = fs::canonical(sub.image_dir, ec);
+    if (ec) fail("{}: image_dir {}: cannot resolve: {}", sub.where, sub.image_dir, ec.message());
+    FolderWalk walk(sub.image_dir);
+    walk.walk(fs::path(sub.image_dir), root_canonical);
+    files = std::move(walk.files());
+  }
+  fs::directory_iterator it(sub.recursive ? fs::directory_iterator() : fs::directory_iterator(sub.image_dir, ec));
+  if (ec) fail("{}: image_dir {}: cannot list: {}", sub.where, sub.image_dir, ec.message());
+  for (; it != fs::directory_iterator(); it.increment(ec)) {
+    if (ec) fail("{}: image_dir {}: cannot list: {}", sub.where, sub.image_dir, ec.message());
+    const std::string name = it->path().filename().string();
+    if (name.empty() || name[0] == '.' || !it->is_regular_file(ec)) continue;
+    files.push_back(it->path());
+  }
+  std::sort(files.begin(), files.end());
+  for (const fs::path& file : files) {
+    const std::string ext = lowercase(file.extension().string());
+    BucketItem item;
+    item.path = file.string();
+    item.spec = spec;
+    item.subset = &sub;
+    if (ext == ".webp") {
+      item.skip_reason =
+          fmt::format("{}: WebP is not supported (stb_image cannot decode it); convert it to PNG", file.string());
+      out.push_back(std::move(item));
+      continue;
+    }
+    if (!is_image_extension(ext)) continue;
+    fs::path caption_path = file;
+    caption_path.replace_extension(sub.caption_extension);
+    if (fs::is_regular_file(caption_path, ec)) {
+      item.caption = read_caption_file(caption_path.string());
+      item.empty_caption = item.caption.empty();
+    } else {
+      item.missing_caption = true;
+      item.caption = sub.class_tokens;  // kohya: class_tokens stand in for a missing caption file
+    }
+    out.push_back(std::move(item));
+  }
+}
+
+/// A string member of a metadata entry, or "" when absent or null.
+std::string metadata_text(const nlohmann::json& entry, const char* key, const std::string& at) {
+  const auto it = entry.find(key);
+  if (it == entry.end() || it->is_null()) return "";
+  if (!it->is_string()) fail("{}: '{}' must be a string", at, key);
+  const std::string v = it->get<std::string>();
+  const size_t bad = utf8_error_offset(v);
+  if (bad != std::string::npos) fail("{}: '{}' is not valid UTF-8 at byte offset {}", at, key, bad);
+  return v;
+}
+
+/// The images of a fine-tuning subset: kohya's metadata JSON (or JSON Lines).
+void list_metadata_subset(const DatasetSubset& sub, size_t spec, std::vector<BucketItem>& out) {
+  const std::string& file = sub.metadata_file;
+  std::error_code ec;
+  if (!fs::is_regular_file(file, ec)) fail("{}: metadata_file {} does not exist", sub.where, file);
+  const std::string text = read_file(file);
+  std::vector<std::pair<std::string, nlohmann::json>> entries;  // image key -> entry
+  const bool lines = lowercase(fs::path(file).extension().string()) == ".jsonl";
+  try {
+    if (lines) {
+      std::istringstream in(text);
+      std::string line;
+      int64_t n = 0;
+      while (std::getline(in, line)) {
+        ++n;
+        if (trim(line).empty()) continue;
+        nlohmann::json e = nlohmann::json::parse(line);
+        const std::string at = fmt::format("{}:{}", file, n);
+        if (!e.is_object()) fail("{}: expected an object", at);
+        const auto p = e.find("image_path");
+        if (p == e.end() || !p->is_string()) fail("{}: 'image_path' must be a string", at);
+        const std::string key = p->get<std::string>();
+        e.erase("image_path");
+        entries.emplace_back(key, std::move(e));
+      }
+    } else {
+      nlohmann::json all = nlohmann::json::parse(text);
+      if (!all.is_object()) fail("{}: expected a JSON object {{image key: {{\"caption\": ..., \"tags\": ...}}}}", file);
+      for (auto& [key, e] : all.items()) entries.emplace_back(key, e);
+    }
+  } catch (const nlohmann::json::exception& e) {
+    fail("{}: not valid JSON: {}", file, e.what());
+  }
+  std::sort(entries.begin(), entries.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  for (const auto& [key, e] : entries) {
+    const std::string at = fmt::format("{}: entry \"{}\"", file, printable(key));
+    if (!e.is_object()) fail("{}: expected an object", at);
+    for (const auto& [k, v] : e.items()) {
+      if (k != "caption" && k != "tags" && k != "image_size" && k != "train_resolution") {
+        fail("{}: unknown key '{}' (kohya's fine-tuning metadata has caption, tags, image_size, train_resolution)", at,
+             k);
+      }
+      (void)v;
+    }
+    BucketItem item;
+    item.spec = spec;
+    item.subset = &sub;
+    // kohya: caption, then the tags after caption_separator (",").
+    std::string caption = metadata_text(e, "caption", at);
+    const std::string tags = metadata_text(e, "tags", at);
+    if (!tags.empty()) caption = caption.empty() ? tags : caption + "," + tags;
+    item.caption = caption;
+    item.missing_caption = caption.empty();
+    fs::path path(key);
+    if (path.is_relative()) {
+      if (sub.image_dir.empty()) {
+        fail("{}: the image key is a relative path, so the subset needs image_dir (kohya requires it too)", at);
+      }
+      path = fs::path(sub.image_dir) / path;
+    }
+    if (!fs::exists(path, ec) && !is_image_extension(lowercase(path.extension().string()))) {
+      // kohya's metadata keys are often the file name without its extension.
+      for (const char* ext : {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tga", ".webp", ".PNG", ".JPG", ".JPEG"}) {
+        fs::path candidate = path;
+        candidate += ext;
+        if (fs::exists(candidate, ec)) {
+          path = candidate;
+          break;
+        }
+      }
+    }
+    if (!fs::exists(path, ec)) fail("{}: image {} does not exist", at, path.string());
+    item.path = path.string();
+    if (lowercase(path.extension().string()) == ".webp") {
+      item.skip_reason =
+          fmt::format("{}: WebP is not supported (stb_image cannot decode it); convert it to PNG", item.path);
+    }
+    out.push_back(std::move(item));
+  }
+}
+
+}  // namespace
+
+ImageCaptionDataset ImageCaptionDataset::load_buckets(const std::vector<DatasetSpec>& specs_in, uint64_t seed) {
+  if (specs_in.empty()) fail("datasets: none given");
+  std::vector<DatasetSpec> specs = specs_in;
+  std::vector<BucketItem> items;
+  for (size_t d = 0; d < specs.size(); ++d) {
+    std::vector<std::string> notes;
+    specs[d].buckets = adjust_bucket_settings(specs[d].buckets, specs[d].where, &notes);
+    for (const auto& n : notes) spdlog::warn("{}", n);
+    if (specs[d].batch_size < 1) fail("{}: batch_size must be >= 1, got {}", specs[d].where, specs[d].batch_size);
+    if (specs[d].subsets.empty()) fail("{}: the dataset has no subsets", specs[d].where);
+    for (const DatasetSubset& sub : specs[d].subsets) {
+      if (sub.num_repeats < 1) {
+        spdlog::warn("{}: num_repeats = {} is less than 1; the subset is left out (as kohya does)", sub.where,
+                     sub.num_repeats);
+        continue;
+      }
+      if (sub.metadata_file.empty()) {
+        list_folder_subset(sub, d, items);
+      } else {
+        list_metadata_subset(sub, d, items);
+      }
+    }
+  }
+  // Sizes from the headers.
+  const auto n = static_cast<int64_t>(items.size());
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      BucketItem& it = items[static_cast<size_t>(i)];
+      if (!it.skip_reason.empty()) continue;
+      try {
+        const auto [w, h] = image_file_size(it.path);
+        it.original = {w, h};
+      } catch (const std::exception& e) {
+        it.skip_reason = e.what();
+      }
+    }
+  });
+  // Buckets, per dataset, in image order (kohya: select_bucket for each image, then sort).
+  std::vector<BucketManager> managers;
+  for (const DatasetSpec& spec : specs) managers.push_back(BucketManager::for_settings(spec.buckets));
+  for (size_t i = 0; i < items.size(); ++i) {
+    BucketItem& it = items[i];
+    if (!it.skip_reason.empty()) continue;
+    try {
+      it.choice = managers[it.spec].select_bucket(it.original.width, it.original.height);
+      it.crop = bucket_crop_offset(it.choice.resized, it.choice.bucket, it.subset->random_crop,
+                                   seed ^ (0x9E3779B97F4A7C15ULL * (i + 1)));
+    } catch (const Error& e) {
+      it.skip_reason = fmt::format("{}: {}", it.path, e.what());
+    }
+  }
+  // Decode each image into its bucket size.
+  std::vector<at::Tensor> decoded(items.size());
+  at::parallel_for(0, n, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      BucketItem& it = items[static_cast<size_t>(i)];
+      if (!it.skip_reason.empty()) continue;
+      try {
+        decoded[static_cast<size_t>(i)] = decode_image_fitted(
+            read_file(it.path), it.path, static_cast<int>(it.choice.resized.width),
+            static_cast<int>(it.choice.resized.height), static_cast<int>(it.crop.x), static_cast<int>(it.crop.y),
+            static_cast<int>(it.choice.bucket.width), static_cast<int>(it.choice.bucket.height));
+      } catch (const std::exception& e) {
+        it.skip_reason = e.what();
+      }
+    }
+  });
+
+  ImageCaptionDataset ds;
+  std::vector<std::string> missing, empty;
+  std::vector<std::vector<at::Tensor>> rows;
+  std::map<std::pair<size_t, BucketReso>, int64_t> bucket_id;
+  // Bucket ids: per dataset, its buckets in sorted order (those with images).
+  for (size_t d = 0; d < specs.size(); ++d) {
+    std::set<BucketReso> used;
+    for (const BucketItem& it : items) {
+      if (it.spec == d && it.skip_reason.empty()) used.insert(it.choice.bucket);
+    }
+    for (const BucketReso& r : used) {
+      bucket_id.emplace(std::make_pair(d, r), static_cast<int64_t>(ds.buckets_.size()));
+      DatasetBucket b;
+      b.dataset = static_cast<int64_t>(d);
+      b.reso = r;
+      b.batch_size = specs[d].batch_size;
+      ds.buckets_.push_back(std::move(b));
+      rows.emplace_back();
+    }
+  }
+  double ar_error_sum = 0;
+  for (size_t i = 0; i < items.size(); ++i) {
+    BucketItem& it = items[i];
+    if (!it.skip_reason.empty()) {
+      ds.skipped_.push_back({it.path, it.skip_reason});
+      continue;
+    }
+    const int64_t image = static_cast<int64_t>(ds.captions_.size());
+    const int64_t b = bucket_id.at({it.spec, it.choice.bucket});
+    DatasetBucket& bucket = ds.buckets_[static_cast<size_t>(b)];
+    ds.bucket_of_.push_back(b);
+    ds.row_in_bucket_.push_back(static_cast<int64_t>(bucket.images.size()));
+    bucket.images.push_back(image);
+    bucket.entries += it.subset->num_repeats;
+    rows[static_cast<size_t>(b)].push_back(decoded[i]);
+    ds.geometry_.push_back({it.original, it.choice.resized, it.crop, crop_ltrb(it.choice.bucket, it.original)});
+    ds.flip_.push_back(it.subset->flip_aug);
+    ds.repeats_.push_back(it.subset->num_repeats);
+    ds.dropout_.push_back(it.subset->caption_dropout_rate);
+    ds.random_crop_ = ds.random_crop_ || it.subset->random_crop;
+    ar_error_sum += std::abs(it.choice.ar_error);
+    if (it.missing_caption) ++ds.caption_stats_.missing;
+    if (it.missing_caption && it.caption.empty()) missing.push_back(it.path);  // class_tokens fill the others
+    if (it.empty_caption) empty.push_back(it.path);
+    ds.captions_.push_back(std::move(it.caption));
+    ds.paths_.push_back(std::move(it.path));
+  }
+  if (ds.captions_.empty()) {
+    fail("datasets {}: no image could be loaded ({} candidates, {} skipped{})", specs.front().where, items.size(),
+         ds.skipped_.size(), ds.skipped_.empty() ? std::string() : "; first: " + ds.skipped_.front().reason);
+  }
+  for (auto& r : rows) ds.bucket_images_.push_back(torch::stack(r, 0));
+  for (const DatasetSpec& spec : specs) ds.resolutions_.push_back(spec.buckets.resolution);
+  ds.mean_ar_error_ = ar_error_sum / static_cast<double>(ds.captions_.size());
+  ds.caption_stats_.empty = static_cast<int64_t>(empty.size());
+  warn_captions(specs.front().where, missing, "without a caption (no caption file, class_tokens or metadata caption)");
+  warn_captions(specs.front().where, empty, "with an empty caption file");
+  return ds;
+}
+
+std::vector<std::string> ImageCaptionDataset::bucket_report() const {
+  std::vector<std::string> lines;
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    const DatasetBucket& k = buckets_[b];
+    lines.push_back(fmt::format("bucket {}: resolution {}, count {} ({} image{}, dataset {}, batch_size {})", b,
+                                to_string(k.reso), k.entries, k.images.size(), k.images.size() == 1 ? "" : "s",
+                                k.dataset, k.batch_size));
+  }
+  lines.push_back(fmt::format("mean ar error (without repeats): {:.6g}", mean_ar_error_));
+  return lines;
+}
+
+std::vector<SamplerBucket> sampler_buckets(const ImageCaptionDataset& dataset) {
+  std::vector<SamplerBucket> out;
+  for (const DatasetBucket& b : dataset.buckets()) {
+    SamplerBucket s;
+    s.batch_size = b.batch_size;
+    for (const int64_t i : b.images) {
+      for (int64_t r = 0; r < dataset.num_repeats(i); ++r) s.samples.push_back(i);
+    }
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
 at::Tensor ImageCaptionDataset::batch_images(const std::vector<int64_t>& idx) const {
   for (const int64_t i : idx) {
     if (i < 0 || i >= size()) fail("dataset: image index {} is outside [0, {})", i, size());
+  }
+  if (bucketed()) {
+    if (idx.empty()) fail("dataset: empty batch");
+    const int64_t b = bucket_of(idx.front());
+    std::vector<int64_t> rows;
+    for (const int64_t i : idx) {
+      if (bucket_of(i) != b) {
+        fail("dataset: images {} and {} of one batch are in different buckets ({} and {})", idx.front(), i,
+             to_string(buckets_[static_cast<size_t>(b)].reso),
+             to_string(buckets_[static_cast<size_t>(bucket_of(i))].reso));
+      }
+      rows.push_back(row_in_bucket_[static_cast<size_t>(i)]);
+    }
+    return bucket_images(b).index_select(0, at::tensor(rows, at::kLong)).to(at::kFloat).div_(127.5).sub_(1.0);
   }
   auto index = at::tensor(idx, at::kLong);
   return images_.index_select(0, index).to(at::kFloat).div_(127.5).sub_(1.0);
@@ -399,28 +733,14 @@ std::vector<std::string> ImageCaptionDataset::batch_captions(const std::vector<i
 
 // ---------------------------------------------------------------------------
 
-BatchSampler::BatchSampler(int64_t dataset_size, int64_t batch_size, uint64_t seed)
-    : dataset_size_(dataset_size), batch_size_(batch_size), seed_(seed) {
-  if (batch_size < 1) fail("batch sampler: batch_size must be >= 1, got {}", batch_size);
-  if (dataset_size < batch_size) {
-    fail(
-        "batch sampler: the dataset has {} images, fewer than batch_size {} (batches never "
-        "span epochs, so no full batch could be formed)",
-        dataset_size, batch_size);
-  }
-}
+namespace {
 
-std::vector<int64_t> BatchSampler::epoch_permutation(int64_t epoch) const {
-  std::vector<int64_t> perm(static_cast<size_t>(dataset_size_));
-  for (int64_t i = 0; i < dataset_size_; ++i) perm[static_cast<size_t>(i)] = i;
-  const auto e = static_cast<uint64_t>(epoch);
-  std::seed_seq seq{static_cast<uint32_t>(seed_), static_cast<uint32_t>(seed_ >> 32), static_cast<uint32_t>(e),
-                    static_cast<uint32_t>(e >> 32)};
-  std::mt19937_64 gen(seq);
-  // Uniform integer in [0, bound] by rejection: draws in the incomplete top
-  // block of 2^64 are redrawn, so each value is equally likely.
-  auto uniform = [&gen](uint64_t bound) -> uint64_t {
-    const uint64_t range = bound + 1;  // bound < 2^63 here, no overflow
+/// Fisher-Yates (Durstenfeld) shuffle of `v` with bounded draws by rejection
+/// (std::uniform_int_distribution's output is implementation-defined).
+template <class T>
+void shuffle_in_place(std::vector<T>& v, std::mt19937_64& gen) {
+  auto uniform = [&gen](uint64_t bound) -> uint64_t {  // in [0, bound]
+    const uint64_t range = bound + 1;                  // bound < 2^63 here, no overflow
     const uint64_t limit = std::numeric_limits<uint64_t>::max() - std::numeric_limits<uint64_t>::max() % range;
     uint64_t r;
     do {
@@ -428,20 +748,89 @@ std::vector<int64_t> BatchSampler::epoch_permutation(int64_t epoch) const {
     } while (r >= limit);
     return r % range;
   };
-  for (int64_t i = dataset_size_ - 1; i > 0; --i) {
+  for (int64_t i = static_cast<int64_t>(v.size()) - 1; i > 0; --i) {
     const auto j = static_cast<int64_t>(uniform(static_cast<uint64_t>(i)));
-    std::swap(perm[static_cast<size_t>(i)], perm[static_cast<size_t>(j)]);
+    std::swap(v[static_cast<size_t>(i)], v[static_cast<size_t>(j)]);
   }
-  return perm;
+}
+
+}  // namespace
+
+BatchSampler::BatchSampler(int64_t dataset_size, int64_t batch_size, uint64_t seed) : seed_(seed) {
+  if (batch_size < 1) fail("batch sampler: batch_size must be >= 1, got {}", batch_size);
+  if (dataset_size < batch_size) {
+    fail(
+        "batch sampler: the dataset has {} images, fewer than batch_size {} (batches never "
+        "span epochs, so no full batch could be formed)",
+        dataset_size, batch_size);
+  }
+  SamplerBucket all;
+  all.batch_size = batch_size;
+  for (int64_t i = 0; i < dataset_size; ++i) all.samples.push_back(i);
+  buckets_.push_back(std::move(all));
+  dataset_size_ = dataset_size;
+  batch_size_ = batch_size;
+  batches_per_epoch_ = dataset_size / batch_size;
+}
+
+BatchSampler::BatchSampler(std::vector<SamplerBucket> buckets, uint64_t seed, bool partial_batches)
+    : buckets_(std::move(buckets)), partial_batches_(partial_batches), seed_(seed) {
+  if (buckets_.empty()) fail("batch sampler: no buckets");
+  for (const SamplerBucket& b : buckets_) {
+    if (b.batch_size < 1) fail("batch sampler: batch_size must be >= 1, got {}", b.batch_size);
+    const auto n = static_cast<int64_t>(b.samples.size());
+    dataset_size_ += n;
+    batch_size_ = std::max(batch_size_, b.batch_size);
+    batches_per_epoch_ += partial_batches ? (n + b.batch_size - 1) / b.batch_size : n / b.batch_size;
+  }
+  if (batches_per_epoch_ == 0) {
+    fail(
+        "batch sampler: no bucket has batch_size entries ({} entries in {} buckets, batch_size {}; without partial "
+        "batches a bucket's leftovers are not used), so no full batch could be formed",
+        dataset_size_, buckets_.size(), batch_size_);
+  }
+}
+
+std::vector<int64_t> BatchSampler::epoch_permutation(int64_t epoch) const {
+  std::vector<int64_t> out;
+  const auto e = static_cast<uint64_t>(epoch);
+  std::seed_seq seq{static_cast<uint32_t>(seed_), static_cast<uint32_t>(seed_ >> 32), static_cast<uint32_t>(e),
+                    static_cast<uint32_t>(e >> 32)};
+  std::mt19937_64 gen(seq);
+  for (const SamplerBucket& b : buckets_) {
+    std::vector<int64_t> entries = b.samples;
+    shuffle_in_place(entries, gen);
+    out.insert(out.end(), entries.begin(), entries.end());
+  }
+  return out;
+}
+
+std::vector<std::vector<int64_t>> BatchSampler::epoch_batches(int64_t epoch) const {
+  const auto e = static_cast<uint64_t>(epoch);
+  std::seed_seq seq{static_cast<uint32_t>(seed_), static_cast<uint32_t>(seed_ >> 32), static_cast<uint32_t>(e),
+                    static_cast<uint32_t>(e >> 32)};
+  std::mt19937_64 gen(seq);
+  std::vector<std::vector<int64_t>> batches;
+  for (const SamplerBucket& b : buckets_) {
+    std::vector<int64_t> entries = b.samples;
+    shuffle_in_place(entries, gen);
+    const auto n = static_cast<int64_t>(entries.size());
+    for (int64_t start = 0; start < n; start += b.batch_size) {
+      const int64_t stop = std::min(n, start + b.batch_size);
+      if (stop - start < b.batch_size && !partial_batches_) break;
+      batches.emplace_back(entries.begin() + start, entries.begin() + stop);
+    }
+  }
+  if (buckets_.size() > 1) shuffle_in_place(batches, gen);
+  return batches;
 }
 
 std::vector<int64_t> BatchSampler::next() {
   if (cached_epoch_ != position_.epoch) {
-    permutation_ = epoch_permutation(position_.epoch);
+    batches_ = epoch_batches(position_.epoch);
     cached_epoch_ = position_.epoch;
   }
-  const auto begin = permutation_.begin() + position_.index * batch_size_;
-  std::vector<int64_t> batch(begin, begin + batch_size_);
+  std::vector<int64_t> batch = batches_[static_cast<size_t>(position_.index)];
   if (++position_.index == batches_per_epoch()) {
     position_.index = 0;
     ++position_.epoch;

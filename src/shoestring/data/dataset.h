@@ -1,5 +1,6 @@
 // Image/caption datasets held in memory (small sets: the Twemoji example is
-// ~3,800 images of 64x64), and the deterministic, resumable batch order.
+// ~3,800 images of 64x64), square or in kohya's aspect-ratio buckets
+// (data/buckets.h), and the deterministic, resumable batch order.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -7,7 +8,63 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "shoestring/data/buckets.h"
+
 namespace shoestring {
+
+/// One image folder or fine-tuning metadata file of a dataset: a kohya
+/// [[datasets.subsets]] entry with its keys resolved (train/dataset_config.h
+/// reads them; kohya's library/config_util.py defines them).
+struct DatasetSubset {
+  /// Folder of the images (not searched recursively, as kohya's glob_images);
+  /// with metadata_file, the folder relative image keys are joined to.
+  std::string image_dir;
+  /// kohya's fine-tuning metadata JSON (`in_json`, `metadata_file`): an object
+  /// {image key: {"caption": ..., "tags": ..., "image_size": [w, h]}}, or
+  /// JSON Lines {"image_path", "caption", "tags", "image_size"} for a .jsonl
+  /// file. "" = caption files beside the images (kohya's DreamBooth subset).
+  std::string metadata_file;
+  int64_t num_repeats = 1;  ///< each image is this many entries of its bucket per epoch (kohya's repeats)
+  std::string caption_extension = ".txt";  ///< caption file of a.png: a + caption_extension
+  std::string class_tokens;                ///< caption of an image without a caption file ("" = the empty caption)
+  bool flip_aug = false;                   ///< also train on the mirrored image (drawn with probability 1/2)
+  bool random_crop = false;                ///< crop at a random offset instead of the centre
+  /// List image_dir recursively (as load_folder; the main config's
+  /// train_data_dir) instead of its own files only (kohya's TOML subsets).
+  bool recursive = false;
+  // Caption options at batch time (data/caption_processing.h), kept for the
+  // model families that read or refuse them.
+  double caption_dropout_rate = 0.0;
+  bool shuffle_caption = false;
+  int64_t keep_tokens = 0;
+  double caption_tag_dropout_rate = 0.0;
+  std::string where;  ///< names the subset in messages ("d.toml: datasets[0].subsets[1]")
+};
+
+/// One dataset (a kohya [[datasets]] entry): its buckets, batch size and subsets.
+struct DatasetSpec {
+  BucketSettings buckets;  ///< resolution and bucket options (adjusted by adjust_bucket_settings when loaded)
+  int64_t batch_size = 1;  ///< images per batch of this dataset's buckets
+  std::vector<DatasetSubset> subsets;
+  std::string where;  ///< names the dataset in messages
+};
+
+/// The images of one dataset that train at one size; a batch never mixes buckets.
+struct DatasetBucket {
+  int64_t dataset = 0;          ///< index of its DatasetSpec
+  BucketReso reso;              ///< training size, pixels
+  int64_t batch_size = 1;       ///< its dataset's batch_size
+  std::vector<int64_t> images;  ///< dataset image indices (aligned with bucket_images rows)
+  int64_t entries = 0;          ///< images counted with their repeats (kohya's "count")
+};
+
+/// How an image of a bucketed dataset was fitted into its bucket.
+struct ImageGeometry {
+  BucketReso original;  ///< the file's size
+  BucketReso resized;   ///< size it was resized to (covering the bucket)
+  CropOffset crop;      ///< top-left of the bucket-sized crop in the resized image
+  CropLtrb crop_ltrb;   ///< kohya's get_crop_ltrb box (SDXL's crop conditioning)
+};
 
 /// An image that could not be loaded: skipped, counted, never fatal.
 struct SkippedImage {
@@ -84,15 +141,61 @@ class ImageCaptionDataset {
   static ImageCaptionDataset load(const std::string& path, int resolution,
                                   const std::vector<std::string>& twemoji_categories = {});
 
+  /// kohya's datasets with aspect-ratio buckets (library/train_util.py
+  /// BaseDataset.make_buckets): for each spec, its subsets' images (in subset
+  /// order, then sorted by path; DreamBooth subsets: images of image_dir with
+  /// their caption files as load_folder reads them, class_tokens for a missing
+  /// one; fine-tuning subsets: the metadata file's entries, caption then
+  /// tags joined by ',' as kohya joins them), one BucketManager per spec
+  /// (BucketManager::for_settings after adjust_bucket_settings, whose notes
+  /// are logged), each image's bucket from its file's size (select_bucket),
+  /// the buckets sorted. Each image is decoded (alpha over white), resized to
+  /// its BucketChoice::resized size (stb_image_resize) and cropped to its
+  /// bucket at bucket_crop_offset (random_crop seeded by `seed` and the
+  /// image's index). Subsets with num_repeats < 1 are left out with a
+  /// warning, as kohya does. Unreadable images are skipped as load_folder
+  /// skips them. Throws shoestring::Error naming the file / key: a folder or
+  /// metadata file that cannot be read, a malformed metadata entry (unknown
+  /// key, wrong type), an image of a metadata file that does not exist,
+  /// invalid UTF-8 captions, bad bucket settings, no image at all.
+  static ImageCaptionDataset load_buckets(const std::vector<DatasetSpec>& specs, uint64_t seed);
+
+  /// True for a dataset made by load_buckets.
+  bool bucketed() const { return !buckets_.empty(); }
+  /// load_buckets: the buckets, per spec, each spec's sorted by size.
+  const std::vector<DatasetBucket>& buckets() const { return buckets_; }
+  /// load_buckets: uint8 [n_b, 3, H, W] of bucket `b` (rows aligned with buckets()[b].images).
+  const at::Tensor& bucket_images(int64_t b) const { return bucket_images_.at(static_cast<size_t>(b)); }
+  /// load_buckets: the bucket of image `i`.
+  int64_t bucket_of(int64_t i) const { return bucket_of_.at(static_cast<size_t>(i)); }
+  /// load_buckets: how image `i` was fitted into its bucket.
+  const ImageGeometry& geometry(int64_t i) const { return geometry_.at(static_cast<size_t>(i)); }
+  /// load_buckets: whether image `i`'s subset has flip_aug.
+  bool flip_aug(int64_t i) const { return !flip_.empty() && flip_.at(static_cast<size_t>(i)); }
+  /// load_buckets: image `i`'s subset's caption_dropout_rate.
+  double caption_dropout_rate(int64_t i) const { return dropout_.at(static_cast<size_t>(i)); }
+  /// load_buckets: image `i`'s subset's num_repeats.
+  int64_t num_repeats(int64_t i) const { return repeats_.at(static_cast<size_t>(i)); }
+  /// load_buckets: whether any subset has random_crop (the crops were drawn once, at load).
+  bool random_crop() const { return random_crop_; }
+  /// load_buckets: the resolution of dataset `d` (its DatasetSpec's buckets.resolution).
+  BucketReso dataset_resolution(int64_t d) const { return resolutions_.at(static_cast<size_t>(d)); }
+  /// load_buckets: kohya's "mean ar error (without repeats)": mean |ar_error| over the images.
+  double mean_ar_error() const { return mean_ar_error_; }
+  /// load_buckets: one line per bucket with images, as kohya logs them
+  /// ("bucket 0: resolution 512x768, count 12" with the count including
+  /// repeats, and the dataset and batch size), then the mean aspect-ratio error.
+  std::vector<std::string> bucket_report() const;
+
   /// Number of images N.
   int64_t size() const { return static_cast<int64_t>(captions_.size()); }
-  /// Side R of the square images, pixels.
+  /// Side R of the square images, pixels (0 for a bucketed dataset).
   int resolution() const { return resolution_; }
   /// N captions, aligned with images().
   const std::vector<std::string>& captions() const { return captions_; }
   /// N source files, aligned with images().
   const std::vector<std::string>& paths() const { return paths_; }
-  /// uint8 [N, 3, R, R].
+  /// uint8 [N, 3, R, R] (undefined for a bucketed dataset: see bucket_images).
   const at::Tensor& images() const { return images_; }
   /// Images that were skipped, with reasons.
   const std::vector<SkippedImage>& skipped() const { return skipped_; }
@@ -105,8 +208,9 @@ class ImageCaptionDataset {
   /// order met; empty for the Twemoji layout.
   const std::vector<DatasetWarning>& warnings() const { return warnings_; }
 
-  /// float32 [B, 3, R, R] in [-1, 1] (x / 127.5 - 1) for the given indices.
-  /// Throws shoestring::Error for an index outside [0, N).
+  /// float32 [B, 3, R, R] in [-1, 1] (x / 127.5 - 1) for the given indices;
+  /// bucketed: [B, 3, H, W] of their bucket. Throws shoestring::Error for an
+  /// index outside [0, N), or indices of different buckets.
   at::Tensor batch_images(const std::vector<int64_t>& idx) const;
   /// The B captions for the given indices. Throws like batch_images.
   std::vector<std::string> batch_captions(const std::vector<int64_t>& idx) const;
@@ -123,6 +227,17 @@ class ImageCaptionDataset {
   static ImageCaptionDataset decode_all(std::vector<Candidate> candidates, int resolution, const std::string& source);
 
   int resolution_ = 0;
+  // load_buckets only:
+  std::vector<DatasetBucket> buckets_;
+  std::vector<at::Tensor> bucket_images_;
+  std::vector<int64_t> bucket_of_, row_in_bucket_;
+  std::vector<ImageGeometry> geometry_;
+  std::vector<bool> flip_;
+  std::vector<int64_t> repeats_;
+  std::vector<double> dropout_;
+  std::vector<BucketReso> resolutions_;
+  bool random_crop_ = false;
+  double mean_ar_error_ = 0;
   std::vector<std::string> captions_;
   std::vector<std::string> paths_;
   at::Tensor images_;
@@ -130,6 +245,18 @@ class ImageCaptionDataset {
   CaptionStats caption_stats_;
   std::vector<DatasetWarning> warnings_;
 };
+
+/// The entries of one bucket for BatchSampler: dataset indices (an index may
+/// repeat: kohya's num_repeats) and the batch size of the bucket.
+struct SamplerBucket {
+  std::vector<int64_t> samples;
+  int64_t batch_size = 1;
+};
+
+/// The sampler buckets of a bucketed dataset (load_buckets): per bucket, each
+/// of its images num_repeats times in a row, in the bucket's image order, with
+/// its dataset's batch_size (as kohya's make_buckets fills its buckets).
+std::vector<SamplerBucket> sampler_buckets(const ImageCaptionDataset& dataset);
 
 /// Deterministic epoch-shuffled batch order, independent of torch's global RNG,
 /// so that the data order is reproducible and a resumed run continues it.
@@ -149,6 +276,19 @@ class BatchSampler {
   /// (no full batch could be formed).
   BatchSampler(int64_t dataset_size, int64_t batch_size, uint64_t seed);
 
+  /// Bucketed order (kohya's BaseDataset.make_buckets / shuffle_buckets):
+  /// each epoch, the same generator (seeded as above) first shuffles each
+  /// bucket's entries (Fisher-Yates, bucket by bucket), the entries are cut
+  /// into batches of the bucket's batch_size, and then, with more than one
+  /// bucket, the list of all buckets' batches is shuffled; a batch never
+  /// mixes buckets. `partial_batches` (kohya's behaviour): a bucket's last
+  /// entries form a smaller batch (ceil(entries / batch_size) batches);
+  /// otherwise they are not used that epoch (drop_last). With one bucket of
+  /// [0, N), without partial batches, the order is that of the constructor
+  /// above. Throws shoestring::Error if there is no bucket, a batch size is
+  /// < 1, or no batch could be formed.
+  BatchSampler(std::vector<SamplerBucket> buckets, uint64_t seed, bool partial_batches);
+
   /// Indices (batch_size of them, distinct, in [0, N)) of the next batch;
   /// advances the position, moving to the next epoch after the last batch.
   std::vector<int64_t> next();
@@ -165,21 +305,30 @@ class BatchSampler {
   /// outside [0, batches_per_epoch()).
   void set_position(Position p);
 
-  /// floor(dataset_size / batch_size).
-  int64_t batches_per_epoch() const { return dataset_size_ / batch_size_; }
+  /// Batches of an epoch: floor(dataset_size / batch_size); bucketed, the sum
+  /// over buckets (ceil with partial batches, else floor).
+  int64_t batches_per_epoch() const { return batches_per_epoch_; }
+  /// The (largest) batch size.
   int64_t batch_size() const { return batch_size_; }
+  /// Entries of an epoch (all buckets').
   int64_t dataset_size() const { return dataset_size_; }
 
-  /// The permutation of [0, dataset_size) used by `epoch` (see the class comment).
+  /// The permutation of [0, dataset_size) used by `epoch` (see the class
+  /// comment; bucketed: the buckets' shuffled entries, bucket after bucket).
   std::vector<int64_t> epoch_permutation(int64_t epoch) const;
+  /// Every batch of `epoch`, in order.
+  std::vector<std::vector<int64_t>> epoch_batches(int64_t epoch) const;
 
  private:
-  int64_t dataset_size_;
-  int64_t batch_size_;
+  std::vector<SamplerBucket> buckets_;
+  bool partial_batches_ = false;
+  int64_t dataset_size_ = 0;
+  int64_t batch_size_ = 0;
+  int64_t batches_per_epoch_ = 0;
   uint64_t seed_;
   Position position_;
   int64_t cached_epoch_ = -1;
-  std::vector<int64_t> permutation_;
+  std::vector<std::vector<int64_t>> batches_;
 };
 
 }  // namespace shoestring

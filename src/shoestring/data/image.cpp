@@ -75,6 +75,71 @@ at::Tensor decode_image(std::string_view bytes, const std::string& name, int res
   return hwc.permute({2, 0, 1}).contiguous();
 }
 
+std::pair<int, int> image_file_size(const std::string& path) {
+  const std::string bytes = read_file(path);
+  int w = 0, h = 0, c = 0;
+  if (bytes.size() > static_cast<size_t>(std::numeric_limits<int>::max()) ||
+      !stbi_info_from_memory(reinterpret_cast<const stbi_uc*>(bytes.data()), static_cast<int>(bytes.size()), &w, &h,
+                             &c)) {
+    const char* reason = stbi_failure_reason();
+    fail("cannot read the size of image {}: {}", path, (reason && *reason) ? reason : "not an image stb_image reads");
+  }
+  return {w, h};
+}
+
+at::Tensor decode_image_fitted(std::string_view bytes, const std::string& name, int resized_width, int resized_height,
+                               int crop_x, int crop_y, int crop_width, int crop_height) {
+  if (resized_width < 1 || resized_height < 1 || resized_width > kMaxResolution || resized_height > kMaxResolution) {
+    fail("image {}: resized size {}x{} is out of range, expected 1..{}", name, resized_width, resized_height,
+         kMaxResolution);
+  }
+  if (crop_x < 0 || crop_y < 0 || crop_width < 1 || crop_height < 1 || crop_x + crop_width > resized_width ||
+      crop_y + crop_height > resized_height) {
+    fail("image {}: crop {}x{} at ({}, {}) does not lie inside the resized {}x{}", name, crop_width, crop_height,
+         crop_x, crop_y, resized_width, resized_height);
+  }
+  if (bytes.size() > static_cast<size_t>(std::numeric_limits<int>::max())) {
+    fail("image {}: file too large ({} bytes)", name, bytes.size());
+  }
+  int w = 0, h = 0, channels_in_file = 0;
+  std::unique_ptr<stbi_uc, void (*)(void*)> rgba(
+      stbi_load_from_memory(reinterpret_cast<const stbi_uc*>(bytes.data()), static_cast<int>(bytes.size()), &w, &h,
+                            &channels_in_file, 4),
+      &stbi_image_free);
+  if (!rgba) {
+    const char* reason = stbi_failure_reason();
+    fail("cannot decode image {}: {}", name,
+         (reason && *reason) ? reason : "corrupt, truncated or unsupported image data");
+  }
+  std::vector<uint8_t> rgb(static_cast<size_t>(w) * h * 3);
+  for (size_t i = 0, n = static_cast<size_t>(w) * h; i < n; ++i) {
+    const stbi_uc* src = rgba.get() + i * 4;
+    const uint32_t a = src[3];
+    for (int c = 0; c < 3; ++c) {
+      rgb[i * 3 + c] = static_cast<uint8_t>((src[c] * a + 255u * (255u - a) + 127u) / 255u);
+    }
+  }
+  rgba.reset();
+  std::vector<uint8_t> resized;
+  const uint8_t* full = rgb.data();
+  if (w != resized_width || h != resized_height) {
+    resized.resize(static_cast<size_t>(resized_width) * resized_height * 3);
+    if (!stbir_resize_uint8(rgb.data(), w, h, w * 3, resized.data(), resized_width, resized_height, resized_width * 3,
+                            3)) {
+      fail("image {}: stb_image_resize failed to resize {}x{} to {}x{}", name, w, h, resized_width, resized_height);
+    }
+    full = resized.data();
+  }
+  auto hwc = at::empty({crop_height, crop_width, 3}, at::kByte);
+  uint8_t* out = hwc.data_ptr<uint8_t>();
+  for (int y = 0; y < crop_height; ++y) {
+    std::memcpy(out + static_cast<size_t>(y) * crop_width * 3,
+                full + (static_cast<size_t>(crop_y + y) * resized_width + crop_x) * 3,
+                static_cast<size_t>(crop_width) * 3);
+  }
+  return hwc.permute({2, 0, 1}).contiguous();
+}
+
 at::Tensor load_image(const std::string& path, int resolution) {
   const std::string bytes = read_file(path);
   return decode_image(bytes, path, resolution);

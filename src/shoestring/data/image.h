@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -31,6 +32,23 @@ at::Tensor decode_image(std::string_view bytes, const std::string& name, int res
 /// Throws shoestring::Error naming the file when it cannot be read, or when it
 /// is corrupt or in a format stb_image does not read (with stb's reason).
 at::Tensor load_image(const std::string& path, int resolution);
+
+/// Width and height, pixels, of the image file at `path`, from its header
+/// (stbi_info; nothing decoded). Throws shoestring::Error naming the file
+/// when it cannot be read or is not an image stb_image reads.
+std::pair<int, int> image_file_size(const std::string& path);
+
+/// Decodes an image (as decode_image: RGBA, alpha composited over white)
+/// and fits it into a bucket the way kohya's trim_and_resize_if_required
+/// (sd-scripts library/train_util.py) does: the whole image resized to
+/// resized_width x resized_height (stb_image_resize as decode_image; pixels
+/// copied when the size is unchanged), then the crop_width x crop_height
+/// window whose top-left is (crop_x, crop_y) in the resized image.
+/// Returns uint8 [3, crop_height, crop_width]. Throws shoestring::Error naming
+/// `name` when the bytes cannot be decoded or the window does not lie inside
+/// the resized image.
+at::Tensor decode_image_fitted(std::string_view bytes, const std::string& name, int resized_width, int resized_height,
+                               int crop_x, int crop_y, int crop_width, int crop_height);
 
 /// Writes an RGB uint8 image as PNG, atomically (encoded in memory with
 /// stbi_write_png_to_func, then written with write_bytes_atomic).

@@ -36,6 +36,18 @@ struct TrainConfig {
   int64_t keep_tokens = 0;                ///< leading tags never shuffled or dropped
   double caption_tag_dropout_rate = 0.0;  ///< probability of dropping each other tag
   int64_t max_caption_length = 16;        ///< tokens incl. <bos>
+  // kohya's datasets and aspect-ratio buckets (train/dataset_config.h; data/buckets.h); released models only.
+  std::string dataset_config;  ///< kohya's dataset TOML ("" = train_data_dir / in_json)
+  std::string in_json;         ///< kohya's fine-tuning metadata JSON, images in train_data_dir ("" = caption files)
+  bool enable_bucket = false;  ///< aspect-ratio buckets (kohya's defaults below)
+  int64_t min_bucket_reso = 256;
+  int64_t max_bucket_reso = 1024;
+  int64_t bucket_reso_steps = 64;
+  bool bucket_no_upscale = false;
+  std::string caption_extension = ".txt";  ///< caption file beside an image (kohya's default is ".caption")
+  int64_t dataset_repeats = 1;             ///< kohya's dataset_repeats: num_repeats of the main-config dataset
+  bool flip_aug = false;                   ///< also train on mirrored images
+  bool random_crop = false;                ///< random instead of centre crop (refused with cached latents)
 
   // ---- model ----
   /// A registered denoiser architecture (models/architecture.h,
@@ -110,17 +122,17 @@ struct TrainConfig {
       tokenizer_dir;  ///< folder with CLIP's vocab.json + merges.txt ("" = word tokenizer built from the captions)
   bool v_parameterization = false;  ///< LDM UNets: v-prediction target instead of epsilon (kohya's name)
   // ---- loss and noise options (kohya's names; train/diffusion_loss.h) ----
-  std::string loss_type = "l2";         ///< l2 | l1 | huber | smooth_l1
-  std::string huber_schedule = "snr";   ///< snr | exponential | constant (huber / smooth_l1)
-  double huber_c = 0.1;                 ///< Huber threshold (schedule parameter)
-  double huber_scale = 1.0;             ///< multiplies the constant / exponential threshold
-  double min_snr_gamma = 0.0;           ///< LDM UNets: min-SNR-gamma weighting; 0 = off
+  std::string loss_type = "l2";           ///< l2 | l1 | huber | smooth_l1
+  std::string huber_schedule = "snr";     ///< snr | exponential | constant (huber / smooth_l1)
+  double huber_c = 0.1;                   ///< Huber threshold (schedule parameter)
+  double huber_scale = 1.0;               ///< multiplies the constant / exponential threshold
+  double min_snr_gamma = 0.0;             ///< LDM UNets: min-SNR-gamma weighting; 0 = off
   bool debiased_estimation_loss = false;  ///< LDM UNets: 1/sqrt(SNR) (v: 1/(SNR+1)) weighting
-  double noise_offset = 0.0;            ///< LDM UNets: offset noise strength; 0 = off
-  double adaptive_noise_scale = 0.0;    ///< LDM UNets: + this x |latent mean| to noise_offset; 0 = off
+  double noise_offset = 0.0;              ///< LDM UNets: offset noise strength; 0 = off
+  double adaptive_noise_scale = 0.0;      ///< LDM UNets: + this x |latent mean| to noise_offset; 0 = off
   int64_t multires_noise_iterations = 0;  ///< LDM UNets: pyramid noise levels; 0 = off
   double multires_noise_discount = 0.3;   ///< LDM UNets: weight of level i is discount^i
-  int64_t clip_skip = 1;            ///< SD 1.x: use the output of the N-th last CLIP layer (kohya's name)
+  int64_t clip_skip = 1;                  ///< SD 1.x: use the output of the N-th last CLIP layer (kohya's name)
   // ---- LoRA (kohya's names; docs/lora.md) ----
   std::string network_module;             ///< "" (train every weight) | "networks.lora"
   int64_t network_dim = 4;                ///< LoRA rank

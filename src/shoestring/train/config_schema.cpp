@@ -8,6 +8,7 @@
 
 #include "shoestring/core/error.h"
 #include "shoestring/models/architecture.h"
+#include "shoestring/train/dataset_config.h"
 
 namespace shoestring {
 namespace config_detail {
@@ -38,6 +39,48 @@ const std::vector<Field>& schema() {
        0, 1},
       Field{"max_caption_length", &TrainConfig::max_caption_length, "caption tokens incl. <bos>", 2, 512}.with(
           kResumeValue),
+      Field{"dataset_config", &TrainConfig::dataset_config,
+            "kohya's dataset TOML ([general], [[datasets]], [[datasets.subsets]]; keys below under \"Dataset "
+            "config\"): replaces train_data_dir and in_json; main-config keys are its fallbacks, as in kohya"}
+          .with(kResumePath | kReleasedModelOnly),
+      Field{"in_json", &TrainConfig::in_json,
+            "kohya's fine-tuning metadata JSON ({image: {caption, tags}}; .jsonl lines with image_path): captions "
+            "and tags per image, image paths relative to train_data_dir"}
+          .with(kResumePath | kReleasedModelOnly),
+      Field{"enable_bucket", &TrainConfig::enable_bucket,
+            "aspect-ratio buckets as kohya's: each image trains at the bucket of nearest aspect ratio (area about "
+            "resolution^2), resized to cover it and centre-cropped; a batch never mixes buckets"}
+          .with(kResumeValue | kReleasedModelOnly),
+      Field{"min_bucket_reso", &TrainConfig::min_bucket_reso,
+            "smallest bucket side, pixels (rounded down to bucket_reso_steps)", 1, 16384}
+          .with(kResumeValue | kReleasedModelOnly),
+      Field{"max_bucket_reso", &TrainConfig::max_bucket_reso,
+            "largest bucket side, pixels (rounded up to bucket_reso_steps)", 1, 16384}
+          .with(kResumeValue | kReleasedModelOnly),
+      Field{"bucket_reso_steps", &TrainConfig::bucket_reso_steps,
+            "bucket sides are multiples of this (the model's latent grid must divide it)", 1, 4096}
+          .with(kResumeValue | kReleasedModelOnly),
+      Field{"bucket_no_upscale", &TrainConfig::bucket_no_upscale,
+            "buckets from each image's own size (shrunk to the resolution's area when larger, never enlarged); "
+            "min_bucket_reso / max_bucket_reso are then ignored, as in kohya"}
+          .with(kResumeValue | kReleasedModelOnly),
+      Field{"caption_extension", &TrainConfig::caption_extension,
+            "caption file of image a.png: a + caption_extension (kohya's own default is \".caption\"); for "
+            "train_data_dir with enable_bucket or in_json, and as the dataset_config fallback"}
+          .with(kResumeValue),
+      Field{"dataset_repeats", &TrainConfig::dataset_repeats,
+            "kohya's dataset_repeats: each image is this many entries per epoch (num_repeats of the main-config "
+            "dataset and the dataset_config fallback)",
+            1, 1e6}
+          .with(kResumeValue | kReleasedModelOnly),
+      Field{"flip_aug", &TrainConfig::flip_aug,
+            "also train on the horizontally mirrored image, drawn with probability 1/2 per use (the LDM families "
+            "encode both latents once)"}
+          .with(kResumeValue | kReleasedModelOnly),
+      Field{"random_crop", &TrainConfig::random_crop,
+            "crop buckets at a random instead of the centre offset; refused by the LDM families, which encode "
+            "latents once (kohya refuses it with cache_latents)"}
+          .with(kResumeValue | kReleasedModelOnly),
       Field{"model.architecture", &TrainConfig::architecture,
             "model architecture: the emoji example's tiny-unet, or a released one (docs/architectures.md)", -kInf, kInf,
             models::denoiser_architectures()}
@@ -214,8 +257,7 @@ const std::vector<Field>& schema() {
        "huber / smooth_l1 threshold parameter (kohya's default 0.1); in (0, 1] with the snr and exponential "
        "schedules",
        1e-6, 1e6},
-      {"huber_scale", &TrainConfig::huber_scale, "multiplies the constant and exponential huber thresholds", 1e-6,
-       1e6},
+      {"huber_scale", &TrainConfig::huber_scale, "multiplies the constant and exponential huber thresholds", 1e-6, 1e6},
       Field{"min_snr_gamma", &TrainConfig::min_snr_gamma,
             "min-SNR-gamma loss weighting (arXiv 2303.09556): min(SNR, gamma)/SNR, v-prediction min(SNR, "
             "gamma)/(SNR+1); 5 is the paper's value; 0 = off",
@@ -226,8 +268,8 @@ const std::vector<Field>& schema() {
             "1/(min(SNR, 1000)+1)"}
           .with(kReleasedModelOnly),
       Field{"noise_offset", &TrainConfig::noise_offset,
-            "offset noise: add this x a per-sample, per-channel normal to the noise (about 0.1 is common); 0 = off",
-            0, 10}
+            "offset noise: add this x a per-sample, per-channel normal to the noise (about 0.1 is common); 0 = off", 0,
+            10}
           .with(kReleasedModelOnly),
       Field{"adaptive_noise_scale", &TrainConfig::adaptive_noise_scale,
             "add this x |mean of the latent channel| to noise_offset, per sample (needs noise_offset); 0 = off", -10,
@@ -388,6 +430,7 @@ std::string config_reference_markdown() {
       "| `master` | `none`, `fp32` | keep an fp32 master copy of low-precision trainable weights |\n\n"
       "`mixed_precision`, `full_bf16`, `full_fp16` and `gradient_checkpointing` are shorthands that expand to\n"
       "rules placed before these.\n";
+  out += dataset_config_reference_markdown();
   return out;
 }
 

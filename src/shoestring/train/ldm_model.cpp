@@ -3,6 +3,7 @@
 // cache_text_encoder_outputs), the VAE and text encoders are then freed, and
 // the UNet trains on the DDPM epsilon (or v) objective. See training_model.h.
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <functional>
 #include <optional>
@@ -84,6 +85,10 @@ class LdmTrainingModel final : public TrainingModel {
     // text encoders, vector y) is what the UNet's y input says.
     unet_options_ = models::ldm_unet_options(arch, config.tiny);
     sdxl_ = unet_options_.adm_in_channels() > 0;
+    // Samples are drawn at the (first) dataset's resolution.
+    sample_size_ =
+        dataset.bucketed() ? dataset.dataset_resolution(0) : BucketReso{config.resolution, config.resolution};
+    for (int64_t i = 0; i < dataset.size() && dataset.bucketed(); ++i) has_flip_ = has_flip_ || dataset.flip_aug(i);
     check_resolution();
     if (base_) unet_prefix_ = detect_unet_prefix();
     if (source.check_module) {
@@ -109,9 +114,15 @@ class LdmTrainingModel final : public TrainingModel {
       if (base_) load_unet();
     }
     if (!source.quiet) {
-      spdlog::info("cached {} latents {} and {} text embeddings {} ({}); VAE and text encoders freed", latents_.size(0),
-                   format_shape(latents_.sizes().slice(1)), context_.size(0), format_shape(context_.sizes().slice(1)),
-                   format_bytes(latents_.nbytes() + context_.nbytes() + (y_.defined() ? y_.nbytes() : 0)));
+      int64_t bytes = context_.nbytes() + (pooled_.defined() ? pooled_.nbytes() : 0);
+      std::vector<std::string> shapes;
+      for (size_t b = 0; b < latents_.size(); ++b) {
+        bytes += latents_[b].nbytes() + (flipped_.empty() ? 0 : flipped_[b].nbytes());
+        shapes.push_back(fmt::format("{} x {}", latents_[b].size(0), format_shape(latents_[b].sizes().slice(1))));
+      }
+      spdlog::info("cached latents {}{} and {} text embeddings {} ({}); VAE and text encoders freed",
+                   fmt::join(shapes, ", "), flipped_.empty() ? "" : " (and their mirror images, flip_aug)",
+                   context_.size(0), format_shape(context_.sizes().slice(1)), format_bytes(bytes));
     }
   }
 
@@ -124,13 +135,38 @@ class LdmTrainingModel final : public TrainingModel {
 
   TrainBatch prepare(const std::vector<int64_t>& idx) override {
     const auto b = static_cast<int64_t>(idx.size());
+    if (b == 0) fail("internal: empty batch");
     at::Tensor index = torch::tensor(idx, torch::kInt64);
-    at::Tensor x0 = latents_.index_select(0, index).to(torch::kFloat32);
+    // The batch's bucket (a batch never mixes buckets: BatchSampler).
+    const int64_t bucket = dataset_.bucketed() ? dataset_.bucket_of(idx.front()) : 0;
+    std::vector<int64_t> latent_rows;
+    for (const int64_t i : idx) {
+      if (dataset_.bucketed() && dataset_.bucket_of(i) != bucket) {
+        fail("internal: images {} and {} of one batch are in different buckets", idx.front(), i);
+      }
+      latent_rows.push_back(latent_row_[static_cast<size_t>(i)]);
+    }
+    at::Tensor lrows = torch::tensor(latent_rows, torch::kInt64);
+    at::Tensor x0 = latents_[static_cast<size_t>(bucket)].index_select(0, lrows).to(torch::kFloat32);
+    // flip_aug: the mirror image's latents with probability 1/2 (kohya's
+    // flipped latents of cache_latents); drawn only when a subset flips.
+    std::vector<bool> flipped(static_cast<size_t>(b), false);
+    if (has_flip_) {
+      at::Tensor draw = torch::rand({b});
+      at::Tensor mirror = flipped_[static_cast<size_t>(bucket)].index_select(0, lrows).to(torch::kFloat32);
+      for (int64_t i = 0; i < b; ++i) {
+        flipped[static_cast<size_t>(i)] =
+            dataset_.flip_aug(idx[static_cast<size_t>(i)]) && draw[i].item<double>() < 0.5;
+        if (flipped[static_cast<size_t>(i)]) x0[i] = mirror[i];
+      }
+    }
     // Caption dropout: the empty caption's embedding (the last cached row).
     at::Tensor rows = caption_row_.index_select(0, index).clone();
     at::Tensor drop = torch::rand({b});
     for (int64_t i = 0; i < b; ++i) {
-      if (drop[i].item<double>() < config_.caption_dropout_rate) rows[i] = context_.size(0) - 1;
+      const int64_t image = idx[static_cast<size_t>(i)];
+      const double rate = dataset_.bucketed() ? dataset_.caption_dropout_rate(image) : config_.caption_dropout_rate;
+      if (drop[i].item<double>() < rate) rows[i] = context_.size(0) - 1;
     }
     at::Tensor eps = torch::randn_like(x0);
     // kohya's noise options (train/diffusion_loss.h), in its order.
@@ -141,7 +177,28 @@ class LdmTrainingModel final : public TrainingModel {
     at::Tensor x_t = schedule_.add_noise(x0, eps, t);
     at::Tensor target = config_.v_parameterization ? schedule_.v_target(x0, eps, t) : eps;
     at::Tensor context = context_.index_select(0, rows);
-    at::Tensor y = y_.defined() ? y_.index_select(0, rows) : at::Tensor();
+    at::Tensor y;
+    if (sdxl_) {
+      // SDXL's size conditioning per image, as kohya's: original (h, w), crop
+      // top-left (kohya's get_crop_ltrb; mirrored: left = width - right), target (h, w).
+      std::vector<double> sizes;
+      for (int64_t i = 0; i < b; ++i) {
+        const int64_t image = idx[static_cast<size_t>(i)];
+        if (!dataset_.bucketed()) {
+          const auto r = static_cast<double>(config_.resolution);
+          sizes.insert(sizes.end(), {r, r, 0.0, 0.0, r, r});
+          continue;
+        }
+        const ImageGeometry& g = dataset_.geometry(image);
+        const BucketReso target = dataset_.buckets()[static_cast<size_t>(bucket)].reso;
+        const double left =
+            flipped[static_cast<size_t>(i)] ? static_cast<double>(target.width) - g.crop_ltrb.right : g.crop_ltrb.left;
+        sizes.insert(sizes.end(), {static_cast<double>(g.original.height), static_cast<double>(g.original.width),
+                                   std::trunc(g.crop_ltrb.top), std::trunc(left), static_cast<double>(target.height),
+                                   static_cast<double>(target.width)});
+      }
+      y = sdxl_y(pooled_.index_select(0, rows), sizes);
+    }
     TrainBatch batch;
     batch.inputs = {x_t, t.to(torch::kFloat32), context, y};
     batch.target = target;
@@ -202,11 +259,16 @@ class LdmTrainingModel final : public TrainingModel {
                                                      std::shared_ptr<models::LdmUNetImpl>* unet = nullptr) const;
   void load_unet();
   void check_resolution() const;
+  /// SDXL's vector y [B, adm]: pooled [B, P] (fp32) beside the sinusoidal
+  /// embeddings of the 6 size values of each row (original h, w, crop top,
+  /// left, target h, w; `sizes` holds 6 x B), in the cache dtype.
+  at::Tensor sdxl_y(const at::Tensor& pooled, const std::vector<double>& sizes) const;
   void build_text_encoders();
   models::AutoencoderKL build_vae(bool for_decoding);
   void encode_captions();
   void encode_images();
-  /// Context [N, 77, D] and (SDXL) y [N, adm] of `captions`, in no-grad.
+  /// Context [N, 77, D] (cache dtype) and (SDXL) bigG's pooled output [N, P]
+  /// (fp32) of `captions`, in no-grad, in host memory.
   std::pair<at::Tensor, at::Tensor> encode_text(const std::vector<std::string>& captions);
   /// The tensors saved beside the UNet: VAE and text encoders (and anything
   /// else of the base file), under their single-file keys.
@@ -226,9 +288,15 @@ class LdmTrainingModel final : public TrainingModel {
   // Text encoders (freed after encode_captions) and their tokenizer.
   std::vector<models::ClipTextModel> text_encoders_;
   TextTokenizer tokenizer_;
-  // Caches: latents [N, 4, h, w]; context [U + 1, 77, D] and y [U + 1, adm]
-  // for U distinct captions plus the empty caption last; caption_row_ [N].
-  at::Tensor latents_, context_, y_, caption_row_;
+  // Caches: latents per bucket [n_b, 4, H/8, W/8] (one bucket of all N
+  // images without buckets), their mirror images with flip_aug, and each
+  // image's row in its bucket; context [U + 1, 77, D] and (SDXL) pooled
+  // [U + 1, P] for U distinct captions plus the empty caption last; caption_row_ [N].
+  std::vector<at::Tensor> latents_, flipped_;
+  std::vector<int64_t> latent_row_;
+  at::Tensor context_, pooled_, caption_row_;
+  BucketReso sample_size_;
+  bool has_flip_ = false;
   // Sample prompts: context/y of each prompt, then of "".
   at::Tensor sample_context_, sample_y_;
 };
@@ -285,6 +353,7 @@ void LdmTrainingModel::load_unet() {
 }
 
 void LdmTrainingModel::check_resolution() const {
+  if (dataset_.bucketed()) return;  // kohya datasets: check_training_datasets
   const int64_t r = config_.resolution;
   const int64_t levels = static_cast<int64_t>(unet_options_.channel_mult().size());
   const int64_t multiple = 8 * (int64_t{1} << (levels - 1));
@@ -374,16 +443,18 @@ std::pair<at::Tensor, at::Tensor> LdmTrainingModel::encode_text(const std::vecto
   auto l = text_encoders_[0]->forward(tokenizer_.encode(captions, ClipPadding::kEndOfText).to(device_), 2);
   auto g = text_encoders_[1]->forward(tokenizer_.encode(captions, ClipPadding::kZero).to(device_), 2);
   at::Tensor context = torch::cat(std::vector<at::Tensor>{l.hidden, g.hidden}, -1);
+  return {context.to(at::kCPU, cache_dtype), g.pooled.to(at::kCPU, torch::kFloat32)};
+}
+
+at::Tensor LdmTrainingModel::sdxl_y(const at::Tensor& pooled, const std::vector<double>& sizes) const {
+  const auto cache_dtype = storage_ == torch::kHalf ? torch::kFloat32 : storage_;
   const int64_t adm = unet_options_.adm_in_channels();
-  const int64_t per = (adm - g.pooled.size(1)) / 6;
-  const auto b = static_cast<int64_t>(captions.size());
-  const double r = static_cast<double>(config_.resolution);
-  // The dataset is centre-cropped and resized to the training resolution:
-  // original = target = (r, r), crop (0, 0) as kohya without bucketing.
-  at::Tensor sizes = torch::tensor({r, r, 0.0, 0.0, r, r}, torch::kFloat64).repeat({b}).to(device_);
-  at::Tensor size_emb = nn::timestep_embedding(sizes, per).view({b, 6 * per});
-  at::Tensor y = torch::cat(std::vector<at::Tensor>{g.pooled.to(torch::kFloat32), size_emb}, 1);
-  return {context.to(at::kCPU, cache_dtype), y.to(at::kCPU, cache_dtype)};
+  const int64_t per = (adm - pooled.size(1)) / 6;
+  const int64_t b = pooled.size(0);
+  if (static_cast<int64_t>(sizes.size()) != 6 * b) fail("internal: {} size values for {} rows", sizes.size(), b);
+  at::Tensor values = torch::tensor(sizes, torch::kFloat64);
+  at::Tensor size_emb = nn::timestep_embedding(values, per).view({b, 6 * per});
+  return torch::cat(std::vector<at::Tensor>{pooled.to(torch::kFloat32), size_emb}, 1).to(cache_dtype);
 }
 
 void LdmTrainingModel::encode_captions() {
@@ -409,10 +480,18 @@ void LdmTrainingModel::encode_captions() {
     if (y.defined()) ys.push_back(y);
   }
   context_ = torch::cat(contexts, 0);
-  if (!ys.empty()) y_ = torch::cat(ys, 0);
+  if (!ys.empty()) pooled_ = torch::cat(ys, 0);
   std::vector<std::string> prompts = config_.sample_prompts;
   prompts.push_back("");
-  std::tie(sample_context_, sample_y_) = encode_text(prompts);
+  at::Tensor sample_pooled;
+  std::tie(sample_context_, sample_pooled) = encode_text(prompts);
+  if (sdxl_) {
+    // Samples: original = target = the sample size, crop (0, 0).
+    const auto h = static_cast<double>(sample_size_.height), w = static_cast<double>(sample_size_.width);
+    std::vector<double> sizes;
+    for (int64_t i = 0; i < sample_pooled.size(0); ++i) sizes.insert(sizes.end(), {h, w, 0.0, 0.0, h, w});
+    sample_y_ = sdxl_y(sample_pooled, sizes);
+  }
 }
 
 models::AutoencoderKL LdmTrainingModel::build_vae(bool for_decoding) {
@@ -457,20 +536,36 @@ void LdmTrainingModel::encode_images() {
   vae->to(device_);
   ScopedMemoryCategory category(MemoryCategory::other);
   torch::NoGradGuard no_grad;
-  const int64_t n = dataset_.size();
-  const int64_t r = config_.resolution;
-  const int64_t chunk = std::max<int64_t>(1, (256 * 256 * 4) / (r * r));
-  std::vector<at::Tensor> parts;
   const auto cache_dtype = storage_ == torch::kHalf ? torch::kFloat32 : storage_;
-  for (int64_t i = 0; i < n; i += chunk) {
-    std::vector<int64_t> idx;
-    for (int64_t j = i; j < std::min(n, i + chunk); ++j) idx.push_back(j);
-    // The distribution's mean, scaled: deterministic latents (OneTrainer and
-    // kohya sample once instead; the difference is the VAE's tiny variance).
-    parts.push_back(
-        vae->encode_latents(dataset_.batch_images(idx).to(device_), /*sample=*/false).to(at::kCPU, cache_dtype));
+  // The images of each bucket (without buckets: all, at resolution^2).
+  std::vector<std::vector<int64_t>> groups;
+  latent_row_.assign(static_cast<size_t>(dataset_.size()), 0);
+  if (dataset_.bucketed()) {
+    for (const DatasetBucket& b : dataset_.buckets()) groups.push_back(b.images);
+  } else {
+    groups.emplace_back();
+    for (int64_t i = 0; i < dataset_.size(); ++i) groups.back().push_back(i);
   }
-  latents_ = torch::cat(parts, 0);
+  for (const std::vector<int64_t>& images : groups) {
+    const auto n = static_cast<int64_t>(images.size());
+    for (int64_t k = 0; k < n; ++k) latent_row_[static_cast<size_t>(images[static_cast<size_t>(k)])] = k;
+    const at::Tensor first = dataset_.batch_images({images.front()});
+    const int64_t pixels = first.size(2) * first.size(3);
+    const int64_t chunk = std::max<int64_t>(1, (256 * 256 * 4) / pixels);
+    std::vector<at::Tensor> parts, mirrored;
+    for (int64_t i = 0; i < n; i += chunk) {
+      const std::vector<int64_t> idx(images.begin() + i, images.begin() + std::min(n, i + chunk));
+      const at::Tensor pixels_in = dataset_.batch_images(idx).to(device_);
+      // The distribution's mean, scaled: deterministic latents (OneTrainer and
+      // kohya sample once instead; the difference is the VAE's tiny variance).
+      parts.push_back(vae->encode_latents(pixels_in, /*sample=*/false).to(at::kCPU, cache_dtype));
+      if (has_flip_) {
+        mirrored.push_back(vae->encode_latents(pixels_in.flip({3}), /*sample=*/false).to(at::kCPU, cache_dtype));
+      }
+    }
+    latents_.push_back(torch::cat(parts, 0));
+    if (has_flip_) flipped_.push_back(torch::cat(mirrored, 0));
+  }
 }
 
 at::Tensor LdmTrainingModel::sample(const SampleRequest& request) {
@@ -487,7 +582,7 @@ at::Tensor LdmTrainingModel::sample(const SampleRequest& request) {
   // Noise from a CPU generator per seed (the same on every device), then moved.
   const at::Device device = unet_->out_conv->weight.device();
   vae->to(device);
-  const int64_t h = config_.resolution / 8;
+  const int64_t h = sample_size_.height / 8, w = sample_size_.width / 8;
   std::vector<at::Tensor> images;
   for (const auto& prompt : request.prompts) {
     auto it = prompt_row.find(prompt);
@@ -495,7 +590,7 @@ at::Tensor LdmTrainingModel::sample(const SampleRequest& request) {
       fail("sample: prompt '{}' is not one of sample_prompts (encoded before training)", prompt);
     for (uint64_t seed : request.seeds) {
       auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-      at::Tensor x = torch::randn({1, 4, h, h}, gen, torch::kFloat32).to(device);
+      at::Tensor x = torch::randn({1, 4, h, w}, gen, torch::kFloat32).to(device);
       at::Tensor rows = torch::tensor({it->second, uncond}, torch::kInt64);
       at::Tensor context = sample_context_.index_select(0, rows).to(device, dtype);
       at::Tensor y = sample_y_.defined() ? sample_y_.index_select(0, rows).to(device, dtype) : at::Tensor();

@@ -22,6 +22,7 @@
 #include "shoestring/optim/factory.h"
 #include "shoestring/precision/compute_choice.h"
 #include "shoestring/precision/policy.h"
+#include "shoestring/train/dataset_config.h"
 #include "shoestring/train/device_precision.h"
 #include "shoestring/train/sampling.h"
 
@@ -110,8 +111,8 @@ void check_resume(const std::string& run_dir, const std::string& checkpoint_dir,
     if (!checkpoint_dir.empty() && now.train_batch_size != was.train_batch_size) {
       // Another world size with world x train_batch_size unchanged draws the
       // same images, noise and timesteps per micro-batch: allowed.
-      const int64_t was_world = load_training_state((fs::path(checkpoint_dir) / "state.safetensors").string())
-                                    .counters.world_size;
+      const int64_t was_world =
+          load_training_state((fs::path(checkpoint_dir) / "state.safetensors").string()).counters.world_size;
       if (was_world > 0 && was_world * was.train_batch_size == world * now.train_batch_size)
         compared.train_batch_size = was.train_batch_size;
     }
@@ -514,8 +515,9 @@ BatchSampler::Position resumed_data_position(const Run& run, const TrainingCount
           "was {} ({}); learning rate and schedule stay as configured (not rescaled); to keep {} images per step, "
           "set train_batch_size x gradient_accumulation_steps = {} per rank",
           run.world_size(), saved.world_size, file, now_global, now_shape, was_global, was_shape, was_global,
-          was_global % run.world_size() == 0 ? std::to_string(was_global / run.world_size())
-                                             : fmt::format("{} / {} (not a whole number)", was_global, run.world_size()));
+          was_global % run.world_size() == 0
+              ? std::to_string(was_global / run.world_size())
+              : fmt::format("{} / {} (not a whole number)", was_global, run.world_size()));
     }
   }
   if (was_rows != now_rows) {
@@ -538,6 +540,11 @@ std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions&
   run.run_dir = options.resume_dir.value_or(expand_path(config.output_dir));
   // Contradictions in the config fail before the run folder is touched.
   check_training_config(run.config);
+  std::vector<DatasetSpec> dataset_specs_of_run;  // kohya datasets (train/dataset_config.h), when used
+  if (uses_kohya_datasets(run.config)) {
+    dataset_specs_of_run = dataset_specs(run.config);
+    check_training_datasets(run.config, dataset_specs_of_run);
+  }
   const dist::LaunchEnvironment launch = join_process_group(run);
   if (run.writes_files()) {
     prepare_run_dir(run, options);
@@ -554,17 +561,48 @@ std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions&
   torch::manual_seed(static_cast<uint64_t>(c.seed));
 
   // ---- data ----
-  const std::string data_dir = expand_path(c.train_data_dir);
-  run.dataset = ImageCaptionDataset::load(data_dir, static_cast<int>(c.resolution), c.twemoji_categories);
-  if (!options.quiet) {
-    spdlog::info("dataset: {} images from {} ({} skipped; captions: {} missing, {} empty)", run.dataset.size(),
-                 data_dir, run.dataset.skipped().size(), run.dataset.caption_stats().missing,
-                 run.dataset.caption_stats().empty);
+  if (!dataset_specs_of_run.empty()) {
+    // kohya's datasets in aspect-ratio buckets: a batch is one bucket's.
+    run.dataset = ImageCaptionDataset::load_buckets(dataset_specs_of_run, static_cast<uint64_t>(c.seed));
+    std::vector<SamplerBucket> buckets = sampler_buckets(run.dataset);
+    int64_t entries = 0;
+    for (SamplerBucket& b : buckets) {
+      entries += static_cast<int64_t>(b.samples.size());
+      if (run.world_size() > 1) {
+        // Every rank trains on its rows of one global batch of the bucket.
+        if (b.batch_size != c.train_batch_size) {
+          fail("with {} processes every dataset's batch_size must equal train_batch_size ({}); a dataset has {}",
+               run.world_size(), c.train_batch_size, b.batch_size);
+        }
+        b.batch_size *= run.world_size();
+      }
+    }
+    if (!options.quiet) {
+      spdlog::info(
+          "dataset: {} images ({} with repeats) in {} bucket{} from {} dataset{} ({} skipped; captions: {} "
+          "missing, {} empty)",
+          run.dataset.size(), entries, run.dataset.buckets().size(), run.dataset.buckets().size() == 1 ? "" : "s",
+          dataset_specs_of_run.size(), dataset_specs_of_run.size() == 1 ? "" : "s", run.dataset.skipped().size(),
+          run.dataset.caption_stats().missing, run.dataset.caption_stats().empty);
+      for (const std::string& line : run.dataset.bucket_report()) spdlog::info("  {}", line);
+    }
+    // One process: a bucket's leftovers form a smaller last batch (kohya);
+    // several: they wait for the next epoch (every rank needs its rows).
+    run.sampler = std::make_unique<BatchSampler>(std::move(buckets), static_cast<uint64_t>(c.seed),
+                                                 /*partial_batches=*/run.world_size() == 1);
+  } else {
+    const std::string data_dir = expand_path(c.train_data_dir);
+    run.dataset = ImageCaptionDataset::load(data_dir, static_cast<int>(c.resolution), c.twemoji_categories);
+    if (!options.quiet) {
+      spdlog::info("dataset: {} images from {} ({} skipped; captions: {} missing, {} empty)", run.dataset.size(),
+                   data_dir, run.dataset.skipped().size(), run.dataset.caption_stats().missing,
+                   run.dataset.caption_stats().empty);
+    }
+    // Every rank draws the same global batches (world x train_batch_size) and
+    // trains on its own rows of each (train_step).
+    run.sampler = std::make_unique<BatchSampler>(run.dataset.size(), c.train_batch_size * run.world_size(),
+                                                 static_cast<uint64_t>(c.seed));
   }
-  // Every rank draws the same global batches (world x train_batch_size) and
-  // trains on its own rows of each (train_step).
-  run.sampler = std::make_unique<BatchSampler>(run.dataset.size(), c.train_batch_size * run.world_size(),
-                                               static_cast<uint64_t>(c.seed));
 
   // ---- model (base weights of a fine-tune / LoRA run: kohya's pretrained_model_name_or_path) ----
   {

@@ -5,10 +5,13 @@
 #include <spdlog/spdlog.h>
 
 #include "shoestring/core/error.h"
+#include "shoestring/data/dataset.h"
 #include "shoestring/io/safetensors.h"
 #include "shoestring/models/architecture.h"
+#include "shoestring/models/unet_ldm.h"
 #include "shoestring/precision/save_guard.h"
 #include "shoestring/train/config.h"
+#include "shoestring/train/dataset_config.h"
 #include "shoestring/train/training_model_impl.h"
 
 namespace shoestring {
@@ -46,13 +49,28 @@ void check_training_config(const TrainConfig& config) {
   const bool huber = config.loss_type == "huber" || config.loss_type == "smooth_l1";
   if (!huber && (config.huber_schedule != TrainConfig{}.huber_schedule || config.huber_c != TrainConfig{}.huber_c ||
                  config.huber_scale != TrainConfig{}.huber_scale))
-    spdlog::warn("huber_schedule, huber_c and huber_scale apply to loss_type huber or smooth_l1 only; loss_type = "
-                 "\"{}\" ignores them",
-                 config.loss_type);
+    spdlog::warn(
+        "huber_schedule, huber_c and huber_scale apply to loss_type huber or smooth_l1 only; loss_type = "
+        "\"{}\" ignores them",
+        config.loss_type);
   if (huber && config.huber_schedule != "constant" && !(config.huber_c > 0 && config.huber_c <= 1))
-    fail("huber_c = {} with huber_schedule = \"{}\": that schedule needs huber_c in (0, 1] (it is the threshold at "
-         "the noisiest timestep); use huber_schedule = \"constant\" for a fixed threshold of any size",
-         config.huber_c, config.huber_schedule);
+    fail(
+        "huber_c = {} with huber_schedule = \"{}\": that schedule needs huber_c in (0, 1] (it is the threshold at "
+        "the noisiest timestep); use huber_schedule = \"constant\" for a fixed threshold of any size",
+        config.huber_c, config.huber_schedule);
+  if (a.family == models::Family::tiny_unet && uses_kohya_datasets(config)) {
+    fail(
+        "{}: the emoji example's tiny-unet trains square images from train_data_dir only (its sample grids and "
+        "Twemoji layout are square); aspect-ratio buckets, dataset_config and in_json are for the released "
+        "architectures (model.architecture = \"sd15\", \"sdxl\", \"ssd1b\"); remove it",
+        !config.dataset_config.empty()                                ? "dataset_config"
+        : !config.in_json.empty()                                     ? "in_json"
+        : config.enable_bucket                                        ? "enable_bucket"
+        : config.flip_aug                                             ? "flip_aug"
+        : config.random_crop                                          ? "random_crop"
+        : config.caption_extension != TrainConfig{}.caption_extension ? "caption_extension"
+                                                                      : "dataset_repeats");
+  }
   if (a.family == models::Family::tiny_unet) {
     if (huber && config.huber_schedule != "constant")
       fail(
@@ -69,6 +87,43 @@ void check_training_config(const TrainConfig& config) {
         config.architecture, models::join_names(models::denoiser_architectures(/*trainable_only=*/true)));
   }
   warn_ignored_keys(config);
+}
+
+void check_training_datasets(const TrainConfig& config, const std::vector<DatasetSpec>& specs) {
+  const models::Architecture& a = models::find_architecture(config.architecture);
+  if (a.family != models::Family::ldm_unet) return;  // tiny-unet refuses kohya datasets in check_training_config
+  const models::LdmUNetOptions unet = models::ldm_unet_options(config.architecture, config.tiny);
+  const int64_t multiple = 8 * (int64_t{1} << (static_cast<int64_t>(unet.channel_mult().size()) - 1));
+  for (const DatasetSpec& d : specs) {
+    const BucketSettings& b = d.buckets;
+    if (b.enable_bucket && b.bucket_reso_steps % multiple != 0) {
+      fail(
+          "{}: bucket_reso_steps = {}: {} needs bucket sides that are multiples of {} pixels (VAE factor 8 x its "
+          "UNet downsamplings); use a multiple of {}",
+          d.where, b.bucket_reso_steps, config.architecture, multiple, multiple);
+    }
+    if (b.resolution.width % multiple != 0 || b.resolution.height % multiple != 0) {
+      fail(
+          "{}: resolution {}: {} needs a multiple of {} pixels on each side (VAE factor 8 x its UNet "
+          "downsamplings)",
+          d.where, to_string(b.resolution), config.architecture, multiple);
+    }
+    for (const DatasetSubset& s : d.subsets) {
+      if (s.random_crop) {
+        fail(
+            "{}: random_crop: model.architecture = \"{}\" encodes each image to latents once, before training, so "
+            "a crop cannot change per step (kohya refuses random_crop with cache_latents too); remove it",
+            s.where, config.architecture);
+      }
+      if (s.shuffle_caption || s.caption_tag_dropout_rate > 0) {
+        fail(
+            "{}: {}: model.architecture = \"{}\" encodes each caption once and caches the text-encoder output, "
+            "so it cannot change captions per step; remove it (kohya refuses it with cached text-encoder outputs "
+            "too)",
+            s.where, s.shuffle_caption ? "shuffle_caption" : "caption_tag_dropout_rate", config.architecture);
+      }
+    }
+  }
 }
 
 std::unique_ptr<TrainingModel> make_training_model(const TrainConfig& config, const ImageCaptionDataset& dataset,

@@ -35,6 +35,7 @@ namespace shoestring {
 
 struct TrainConfig;
 class ImageCaptionDataset;
+struct DatasetSpec;
 
 /// One micro-batch, prepared: the model's inputs (family-specific order) and
 /// the regression target (fp32, the shape of the model's output).
@@ -123,6 +124,14 @@ nn::LoraOptions lora_options(const TrainConfig& config);
 /// from a config (and model.tiny fits it), and warns about keys the family
 /// ignores. Throws shoestring::Error naming the key.
 void check_training_config(const TrainConfig& config);
+
+/// Checks, before any slow work, the kohya datasets of a run (train/dataset_config.h)
+/// against its family: the LDM families refuse random_crop (latents are
+/// encoded once; kohya refuses it with cache_latents), shuffle_caption and
+/// caption_tag_dropout_rate (cached text-encoder outputs), and bucket sizes
+/// their latent grid does not divide (bucket_reso_steps, or resolution without
+/// buckets). Throws shoestring::Error naming the dataset / subset and key.
+void check_training_datasets(const TrainConfig& config, const std::vector<DatasetSpec>& specs);
 
 /// Builds the family `config.architecture` names (check_training_config first), loads `source.pretrained`
 /// and prepares its data (for the LDM families: encodes every image and
