@@ -102,6 +102,11 @@ def make_rows(args, bf16_units):
         add("sdxl-512", "sdxl", 512, 1, "Adafactor", True, 2, 2, params_estimate=2567.5e6)
     if args.rows:
         wanted = set(args.rows.split(","))
+        known = sorted({r["name"] for r in rows})
+        unknown = sorted(wanted - set(known))
+        if unknown:
+            sys.exit(f"peer_step: unknown row(s) {', '.join(unknown)}{' with --quick' if args.quick else ''}; "
+                     f"rows: {', '.join(known)}")
         rows = [r for r in rows if r["name"] in wanted]
     for r in rows:
         if args.rounds:
@@ -179,6 +184,10 @@ def main():
     ap.add_argument("--build-dir", default=os.environ.get("SHOESTRING_BUILD_DIR", os.path.join(ROOT, "build")))
     ap.add_argument("--json", default="", help="append one JSON object per row to this file")
     args = ap.parse_args()
+    if args.rounds < 0:
+        ap.error(f"--rounds must be >= 1 (or 0 for the row's default), got {args.rounds}")
+    if args.steps != 0 and args.steps < 2:
+        ap.error(f"--steps must be >= 2 (the first step of each process is not counted), got {args.steps}")
     env = dict(os.environ)
     if not env.get("OMP_WAIT_POLICY"):
         env["OMP_WAIT_POLICY"] = "PASSIVE"  # what shoestring sets for itself; the peer gets the same
