@@ -40,9 +40,10 @@ constexpr int64_t kGrainSize = 32768;
 #define SHOESTRING_SR_TARGET_CLONES
 #endif
 
-SHOESTRING_SR_TARGET_CLONES
-void round_range_bf16(const uint32_t* __restrict in, uint16_t* __restrict out, int64_t n, uint64_t key,
-                      uint64_t first_index) {
+// One of the bit rules over a range, a block of random words at a time.
+template <uint16_t (*kRule)(uint32_t, uint32_t)>
+SHOESTRING_RANDOM16_INLINE void round_range(const uint32_t* __restrict in, uint16_t* __restrict out, int64_t n,
+                                            uint64_t key, uint64_t first_index) {
   Random16Block block;
   for (int64_t b = 0; b < n; b += kRandom16BlockSize) {
     const int64_t len = std::min(kRandom16BlockSize, n - b);
@@ -50,22 +51,21 @@ void round_range_bf16(const uint32_t* __restrict in, uint16_t* __restrict out, i
     const uint32_t* __restrict x = in + b;
     uint16_t* __restrict y = out + b;
 #pragma GCC ivdep
-    for (int64_t i = 0; i < len; ++i) y[i] = sr_bf16_from_fp32_bits(x[i], r[i]);
+    for (int64_t i = 0; i < len; ++i) y[i] = kRule(x[i], r[i]);
   }
+}
+
+// Non-template entry points: target_clones is not reliable on templates.
+SHOESTRING_SR_TARGET_CLONES
+void round_range_bf16(const uint32_t* __restrict in, uint16_t* __restrict out, int64_t n, uint64_t key,
+                      uint64_t first_index) {
+  round_range<sr_bf16_from_fp32_bits>(in, out, n, key, first_index);
 }
 
 SHOESTRING_SR_TARGET_CLONES
 void round_range_fp16(const uint32_t* __restrict in, uint16_t* __restrict out, int64_t n, uint64_t key,
                       uint64_t first_index) {
-  Random16Block block;
-  for (int64_t b = 0; b < n; b += kRandom16BlockSize) {
-    const int64_t len = std::min(kRandom16BlockSize, n - b);
-    const uint16_t* __restrict r = block.fill(key, first_index + static_cast<uint64_t>(b), len);
-    const uint32_t* __restrict x = in + b;
-    uint16_t* __restrict y = out + b;
-#pragma GCC ivdep
-    for (int64_t i = 0; i < len; ++i) y[i] = sr_fp16_from_fp32_bits(x[i], r[i]);
-  }
+  round_range<sr_fp16_from_fp32_bits>(in, out, n, key, first_index);
 }
 
 uint32_t float_bits(float x) {

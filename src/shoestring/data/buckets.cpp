@@ -10,6 +10,7 @@
 #include <fmt/format.h>
 
 #include "shoestring/core/error.h"
+#include "shoestring/data/random_draw.h"
 
 namespace shoestring {
 
@@ -223,15 +224,7 @@ CropOffset bucket_crop_offset(BucketReso resized, BucketReso bucket, bool random
   }
   std::seed_seq seq{static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)};
   std::mt19937_64 gen(seq);
-  auto uniform = [&gen](uint64_t bound) -> uint64_t {  // in [0, bound], by rejection
-    const uint64_t range = bound + 1;
-    const uint64_t limit = std::numeric_limits<uint64_t>::max() - std::numeric_limits<uint64_t>::max() % range;
-    uint64_t r;
-    do {
-      r = gen();
-    } while (r >= limit);
-    return r % range;
-  };
+  auto uniform = [&gen](uint64_t bound) { return uniform_up_to(gen, bound); };
   CropOffset o;
   const int64_t tx = resized.width - bucket.width, ty = resized.height - bucket.height;
   if (tx > 0) o.x = random_crop ? static_cast<int64_t>(uniform(static_cast<uint64_t>(tx))) : tx / 2;

@@ -18,6 +18,7 @@
 #include "shoestring/core/text.h"
 #include "shoestring/core/utf8.h"
 #include "shoestring/data/image.h"
+#include "shoestring/data/random_draw.h"
 #include "shoestring/io/atomic_file.h"
 
 namespace shoestring {
@@ -739,15 +740,7 @@ namespace {
 /// (std::uniform_int_distribution's output is implementation-defined).
 template <class T>
 void shuffle_in_place(std::vector<T>& v, std::mt19937_64& gen) {
-  auto uniform = [&gen](uint64_t bound) -> uint64_t {  // in [0, bound]
-    const uint64_t range = bound + 1;                  // bound < 2^63 here, no overflow
-    const uint64_t limit = std::numeric_limits<uint64_t>::max() - std::numeric_limits<uint64_t>::max() % range;
-    uint64_t r;
-    do {
-      r = gen();
-    } while (r >= limit);
-    return r % range;
-  };
+  auto uniform = [&gen](uint64_t bound) { return uniform_up_to(gen, bound); };
   for (int64_t i = static_cast<int64_t>(v.size()) - 1; i > 0; --i) {
     const auto j = static_cast<int64_t>(uniform(static_cast<uint64_t>(i)));
     std::swap(v[static_cast<size_t>(i)], v[static_cast<size_t>(j)]);

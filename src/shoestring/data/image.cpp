@@ -32,25 +32,36 @@ at::Tensor as_hwc(const at::Tensor& image, const std::string& what) {
   fail("{}: expected a uint8 image [H, W, 3] or [3, H, W], got shape [{}]", what, fmt::join(image.sizes(), ", "));
 }
 
+// The file's pixels as 8-bit RGBA (w x h), freed with stb's allocator.
+using RgbaPixels = std::unique_ptr<stbi_uc, void (*)(void*)>;
+
+// Decodes `bytes` (PNG, JPEG, ... as stb_image reads them) to RGBA; sets w, h.
+// Throws shoestring::Error naming `name` for files over 2 GiB and for what
+// stb cannot decode (with its reason).
+RgbaPixels decode_rgba(std::string_view bytes, const std::string& name, int& w, int& h) {
+  if (bytes.size() > static_cast<size_t>(std::numeric_limits<int>::max())) {
+    fail("image {}: file too large ({} bytes)", name, bytes.size());
+  }
+  int channels_in_file = 0;
+  RgbaPixels rgba(stbi_load_from_memory(reinterpret_cast<const stbi_uc*>(bytes.data()), static_cast<int>(bytes.size()),
+                                        &w, &h, &channels_in_file, 4),
+                  &stbi_image_free);
+  if (!rgba) {
+    const char* reason = stbi_failure_reason();
+    fail("cannot decode image {}: {}", name,
+         (reason && *reason) ? reason : "corrupt, truncated or unsupported image data");
+  }
+  return rgba;
+}
+
 }  // namespace
 
 at::Tensor decode_image(std::string_view bytes, const std::string& name, int resolution) {
   if (resolution < 1 || resolution > kMaxResolution) {
     fail("image {}: resolution {} is out of range, expected 1..{}", name, resolution, kMaxResolution);
   }
-  if (bytes.size() > static_cast<size_t>(std::numeric_limits<int>::max())) {
-    fail("image {}: file too large ({} bytes)", name, bytes.size());
-  }
-  int w = 0, h = 0, channels_in_file = 0;
-  std::unique_ptr<stbi_uc, void (*)(void*)> rgba(
-      stbi_load_from_memory(reinterpret_cast<const stbi_uc*>(bytes.data()), static_cast<int>(bytes.size()), &w, &h,
-                            &channels_in_file, 4),
-      &stbi_image_free);
-  if (!rgba) {
-    const char* reason = stbi_failure_reason();
-    fail("cannot decode image {}: {}", name,
-         (reason && *reason) ? reason : "corrupt, truncated or unsupported image data");
-  }
+  int w = 0, h = 0;
+  RgbaPixels rgba = decode_rgba(bytes, name, w, h);
   // Centre crop to a square, compositing alpha over white on the way.
   const int side = std::min(w, h);
   const int x0 = (w - side) / 2, y0 = (h - side) / 2;
@@ -98,19 +109,8 @@ at::Tensor decode_image_fitted(std::string_view bytes, const std::string& name, 
     fail("image {}: crop {}x{} at ({}, {}) does not lie inside the resized {}x{}", name, crop_width, crop_height,
          crop_x, crop_y, resized_width, resized_height);
   }
-  if (bytes.size() > static_cast<size_t>(std::numeric_limits<int>::max())) {
-    fail("image {}: file too large ({} bytes)", name, bytes.size());
-  }
-  int w = 0, h = 0, channels_in_file = 0;
-  std::unique_ptr<stbi_uc, void (*)(void*)> rgba(
-      stbi_load_from_memory(reinterpret_cast<const stbi_uc*>(bytes.data()), static_cast<int>(bytes.size()), &w, &h,
-                            &channels_in_file, 4),
-      &stbi_image_free);
-  if (!rgba) {
-    const char* reason = stbi_failure_reason();
-    fail("cannot decode image {}: {}", name,
-         (reason && *reason) ? reason : "corrupt, truncated or unsupported image data");
-  }
+  int w = 0, h = 0;
+  RgbaPixels rgba = decode_rgba(bytes, name, w, h);
   std::vector<uint8_t> rgb(static_cast<size_t>(w) * h * 3);
   for (size_t i = 0, n = static_cast<size_t>(w) * h; i < n; ++i) {
     const stbi_uc* src = rgba.get() + i * 4;
