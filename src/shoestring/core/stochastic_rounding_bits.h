@@ -90,6 +90,20 @@ SHOESTRING_HOST_DEVICE inline uint16_t sr_fp16_from_fp32_bits(uint32_t bits, uin
 #define SHOESTRING_RANDOM16_INLINE inline
 #endif
 
+// Put before a loop that reads a block's random words and writes a 16-bit
+// tensor: tells GCC's vectorizer the two do not overlap. GCC 12 cannot prove
+// it and gives up on the loop rather than check at run time. Clang checks at
+// run time by itself; it gets nothing, since it rejects GCC's pragma
+// (-Wunknown-pragmas) and its own `vectorize(assume_safety)` turns into an
+// error (-Wpass-failed) when a sanitizer build cannot vectorize the loop.
+#if defined(__clang__)
+#define SHOESTRING_LOOP_NO_ALIAS
+#elif defined(__GNUC__)
+#define SHOESTRING_LOOP_NO_ALIAS _Pragma("GCC ivdep")
+#else
+#define SHOESTRING_LOOP_NO_ALIAS
+#endif
+
 /// words + (first_index & 3) as w, with w[k] = counter_random16(key,
 /// first_index + k) for k in [0, n): one 64-bit hash per four elements, in a
 /// loop that vectorizes. `words` holds at least n + 8 entries. For CPU loops

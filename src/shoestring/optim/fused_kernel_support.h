@@ -120,7 +120,7 @@ SHOESTRING_ALWAYS_INLINE void store(bf16_bits* p, int64_t i, float x, uint32_t r
 // round stochastically into bf16, else every word reads 0 and nothing is
 // hashed. Kernels fill it per block of at most kRandom16BlockSize elements,
 // then index it by the element's position in the block. The element loop that
-// reads the words needs `#pragma GCC ivdep`: GCC cannot prove that the words
+// reads the words needs SHOESTRING_LOOP_NO_ALIAS: GCC cannot prove that the words
 // (uint16) do not alias the bf16 tensors it writes, and gives up on the loop
 // (seen with GCC 12 for the AVX2 clones) instead of checking at run time.
 template <typename T, Rounding R>
