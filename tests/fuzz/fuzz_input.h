@@ -56,8 +56,26 @@ inline void round_trip(const SafetensorsFile& file, const std::string& path) {
 /// for an accepted safetensors file of at most 64 KiB of data, checks that it
 /// round-trips (round_trip).
 /// Returns normally for an accepted file; throws what the reader throws
-/// (shoestring::Error for a refused one: anything else is a bug).
+/// (shoestring::Error for a refused one: anything else is a bug), after
+/// checking that the refusal names the file it refused (the project's rule
+/// for bad input): a message without the input's file name is a finding.
+inline void read_fuzz_input_unchecked(const uint8_t* data, size_t size, const std::filesystem::path& dir);
+
 inline void read_fuzz_input(const uint8_t* data, size_t size, const std::filesystem::path& dir) {
+  try {
+    read_fuzz_input_unchecked(data, size, dir);
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    // The files live in `dir`; an index names its shards, which may lie elsewhere.
+    if (what.find(dir.string()) == std::string::npos &&
+        what.find("model.safetensors.index.json") == std::string::npos) {
+      throw std::logic_error("a refusal that names no file: " + what);
+    }
+    throw;
+  }
+}
+
+inline void read_fuzz_input_unchecked(const uint8_t* data, size_t size, const std::filesystem::path& dir) {
   if (size == 0) return;
   const bool index = data[0] & 1;
   ++data, --size;

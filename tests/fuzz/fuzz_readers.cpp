@@ -1,9 +1,11 @@
 // libFuzzer target for the safetensors reader and the sharded-checkpoint
 // index reader (input layout: fuzz_input.h). Built with -DSHOESTRING_FUZZ=ON
 // and clang (scripts/fuzz.sh); ASan + UBSan catch memory errors and undefined
-// behaviour; the checks of fuzz_input.h (sizes, names, the round trip of an
-// accepted file) throw std::logic_error, and any exception other than
-// shoestring::Error is a finding (libFuzzer reports it as a crash).
+// behaviour. The assertions live in fuzz_input.h, shared with the regression
+// test: sizes and names of what was read, the round trip of an accepted file,
+// a refusal's message naming the file; a failed one throws std::logic_error,
+// and any exception other than shoestring::Error is a finding (libFuzzer
+// reports it as a crash).
 #include <unistd.h>
 
 #include <cstdint>

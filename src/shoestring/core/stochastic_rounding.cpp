@@ -50,7 +50,7 @@ SHOESTRING_RANDOM16_INLINE void round_range(const uint32_t* __restrict in, uint1
     const uint16_t* __restrict r = block.fill(key, first_index + static_cast<uint64_t>(b), len);
     const uint32_t* __restrict x = in + b;
     uint16_t* __restrict y = out + b;
-SHOESTRING_LOOP_NO_ALIAS
+    SHOESTRING_LOOP_NO_ALIAS
     for (int64_t i = 0; i < len; ++i) y[i] = kRule(x[i], r[i]);
   }
 }

@@ -224,11 +224,10 @@ CropOffset bucket_crop_offset(BucketReso resized, BucketReso bucket, bool random
   }
   std::seed_seq seq{static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)};
   std::mt19937_64 gen(seq);
-  auto uniform = [&gen](uint64_t bound) { return uniform_up_to(gen, bound); };
   CropOffset o;
   const int64_t tx = resized.width - bucket.width, ty = resized.height - bucket.height;
-  if (tx > 0) o.x = random_crop ? static_cast<int64_t>(uniform(static_cast<uint64_t>(tx))) : tx / 2;
-  if (ty > 0) o.y = random_crop ? static_cast<int64_t>(uniform(static_cast<uint64_t>(ty))) : ty / 2;
+  if (tx > 0) o.x = random_crop ? static_cast<int64_t>(uniform_up_to(gen, static_cast<uint64_t>(tx))) : tx / 2;
+  if (ty > 0) o.y = random_crop ? static_cast<int64_t>(uniform_up_to(gen, static_cast<uint64_t>(ty))) : ty / 2;
   return o;
 }
 

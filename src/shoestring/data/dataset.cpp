@@ -740,9 +740,8 @@ namespace {
 /// (std::uniform_int_distribution's output is implementation-defined).
 template <class T>
 void shuffle_in_place(std::vector<T>& v, std::mt19937_64& gen) {
-  auto uniform = [&gen](uint64_t bound) { return uniform_up_to(gen, bound); };
   for (int64_t i = static_cast<int64_t>(v.size()) - 1; i > 0; --i) {
-    const auto j = static_cast<int64_t>(uniform(static_cast<uint64_t>(i)));
+    const auto j = static_cast<int64_t>(uniform_up_to(gen, static_cast<uint64_t>(i)));
     std::swap(v[static_cast<size_t>(i)], v[static_cast<size_t>(j)]);
   }
 }

@@ -128,7 +128,7 @@ SHOESTRING_ALWAYS_INLINE void adafactor_apply_rows(const AdafactorApplyArgs& a, 
     for (int64_t j0 = 0; j0 < m; j0 += kRandom16BlockSize) {
       const int64_t len = std::min(kRandom16BlockSize, m - j0);
       p_words.fill(a.param_key, base + j0, len);
-SHOESTRING_LOOP_NO_ALIAS
+      SHOESTRING_LOOP_NO_ALIAS
       for (int64_t k = 0; k < len; ++k) {
         const int64_t j = j0 + k;
         const int64_t e = base + j;

@@ -27,7 +27,7 @@ SHOESTRING_ALWAYS_INLINE void adamw_range(const AdamWArgs& a, int64_t begin, int
     p_words.fill(a.param_key, b, len);
     m_words.fill(a.exp_avg_key, b, len);
     v_words.fill(a.exp_avg_sq_key, b, len);
-SHOESTRING_LOOP_NO_ALIAS
+    SHOESTRING_LOOP_NO_ALIAS
     for (int64_t k = 0; k < len; ++k) {
       const int64_t i = b + k;
       const float g = load(g_ptr, i) * a.grad_scale;
@@ -62,7 +62,7 @@ SHOESTRING_ALWAYS_INLINE void lion_range(const LionArgs& a, int64_t begin, int64
     const int64_t len = std::min(kRandom16BlockSize, end - b);
     p_words.fill(a.param_key, b, len);
     m_words.fill(a.exp_avg_key, b, len);
-SHOESTRING_LOOP_NO_ALIAS
+    SHOESTRING_LOOP_NO_ALIAS
     for (int64_t k = 0; k < len; ++k) {
       const int64_t i = b + k;
       const float g = load(g_ptr, i) * a.grad_scale;
