@@ -77,7 +77,8 @@ void register_sample(CLI::App& app) {
     req.cfg = args->cfg;
     at::Tensor images = generate_images(loaded.model, loaded.tokenizer, req);
     save_sample_grid(args->out, images, req);
-    spdlog::info("wrote {} ({} prompts x {} seeds)", args->out, req.prompts.size(), req.seeds.size());
+    spdlog::info("wrote {} ({} prompt{} x {} seed{})", args->out, req.prompts.size(),
+                 req.prompts.size() == 1 ? "" : "s", req.seeds.size(), req.seeds.size() == 1 ? "" : "s");
   });
 }
 

@@ -94,8 +94,8 @@ void Adafactor::update(size_t index, const at::Tensor& grad_in, double lr, int64
   const double wd = params_[index].weight_decay;
 
   // Fast path for factored tensors without a first moment (kohya's usual
-  // setting): three passes over the gradient and one over the weights
-  // (optim/fused_kernels.h) instead of the op chain's dozen, with no
+  // setting): two passes over the gradient, the second with the weights
+  // (optim/fused_kernels.h), instead of the op chain's dozen, with no
   // full-size temporary. Same formulas; sums are accumulated in double, so
   // results match the op chain to rounding, not bit for bit.
   auto fusable = [](const at::Tensor& x) {

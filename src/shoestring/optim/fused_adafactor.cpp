@@ -16,27 +16,37 @@ struct AdafactorSumArgs {
   const void* grad;
   int64_t n, m;
   float eps1;
-  const float* r_factor;  // pass 2 only
-  const float* c_factor;
+  float beta2t, one_minus_beta2t;
+  float* row_state;  // exp_avg_sq_row, [n]: updated in place, row by row
 };
 
-// Rows [r0, r1): pass 1 (kSecond = false: g^2 + eps1, row sums and column
-// partials) or pass 2 (true: ((r c) g)^2, total only).
-template <typename G, bool kSecond>
-SHOESTRING_ALWAYS_INLINE double adafactor_rows(const AdafactorSumArgs& a, int64_t r0, int64_t r1,
-                                               double* __restrict row_sum, double* __restrict col_sum,
-                                               float* __restrict col_part) {
+// Rows [r0, r1) in one pass over the gradient: each row's mean of g^2 + eps1
+// updates its exp_avg_sq_row entry R_i at once; the column sums of g^2 + eps1
+// go to col_sum, and the column sums of g^2 / R_i to wcol_sum (both [m],
+// double, added into per 64 rows from fp32 partials).
+//
+// The second sum is what makes a separate pass for the update's RMS
+// unnecessary: with U_ij = g_ij / sqrt(R_i C_j / mean(R)) (the factored
+// update before clipping, Shazeer & Stern 2018, Algorithm 4),
+//   sum_ij U_ij^2 = mean(R) * sum_j (sum_i g_ij^2 / R_i) / C_j,
+// and R_i is final as soon as row i has been read, while C_j only scales the
+// finished column sums. The row's squares are kept in an m-float buffer (in
+// cache) between the row sum and the weighted column sum.
+template <typename G>
+SHOESTRING_ALWAYS_INLINE void adafactor_rows(const AdafactorSumArgs& a, int64_t r0, int64_t r1,
+                                             double* __restrict col_sum, double* __restrict wcol_sum,
+                                             float* __restrict col_part, float* __restrict wcol_part,
+                                             float* __restrict sq) {
   const G* __restrict g_ptr = static_cast<const G*>(a.grad);
-  const float* __restrict c_factor = a.c_factor;
   const int64_t m = a.m;
-  double total = 0.0;
+  const float eps1 = a.eps1;
   int64_t rows_in_part = 0;
-  if (!kSecond) {
-    for (int64_t j = 0; j < m; ++j) col_part[j] = 0.0f;
+  for (int64_t j = 0; j < m; ++j) {
+    col_part[j] = 0.0f;
+    wcol_part[j] = 0.0f;
   }
   for (int64_t i = r0; i < r1; ++i) {
     const G* __restrict row = g_ptr + i * m;
-    const float r = kSecond ? a.r_factor[i] : 0.0f;
     double row_total = 0.0;
     int64_t j = 0;
     while (j < m) {
@@ -45,14 +55,10 @@ SHOESTRING_ALWAYS_INLINE double adafactor_rows(const AdafactorSumArgs& a, int64_
       for (; j + kLanes <= chunk_end; j += kLanes) {
         for (int k = 0; k < kLanes; ++k) {
           const float g = load(row, j + k);
-          float x;
-          if (kSecond) {
-            const float u = (r * c_factor[j + k]) * g;
-            x = u * u;
-          } else {
-            x = g * g + a.eps1;
-            col_part[j + k] += x;
-          }
+          const float g2 = g * g;
+          const float x = g2 + eps1;
+          sq[j + k] = g2;
+          col_part[j + k] += x;
           lane[k] += x;
         }
       }
@@ -60,49 +66,39 @@ SHOESTRING_ALWAYS_INLINE double adafactor_rows(const AdafactorSumArgs& a, int64_
       for (int k = 0; k < kLanes; ++k) part += lane[k];
       for (; j < chunk_end; ++j) {  // last < kLanes elements of the row
         const float g = load(row, j);
-        float x;
-        if (kSecond) {
-          const float u = (r * c_factor[j]) * g;
-          x = u * u;
-        } else {
-          x = g * g + a.eps1;
-          col_part[j] += x;
-        }
+        const float g2 = g * g;
+        const float x = g2 + eps1;
+        sq[j] = g2;
+        col_part[j] += x;
         part += x;
       }
       row_total += part;
     }
-    if (!kSecond) {
-      row_sum[i] = row_total;
-      if (++rows_in_part == kFlushTerms || i + 1 == r1) {
-        for (int64_t c = 0; c < m; ++c) {
-          col_sum[c] += col_part[c];
-          col_part[c] = 0.0f;
-        }
-        rows_in_part = 0;
+    const auto mean = static_cast<float>(row_total / static_cast<double>(m));
+    const float r_new = fma_f32(mean, a.one_minus_beta2t, a.row_state[i] * a.beta2t);
+    a.row_state[i] = r_new;
+    const float w = 1.0f / r_new;
+    for (int64_t c = 0; c < m; ++c) wcol_part[c] += w * sq[c];
+    if (++rows_in_part == kFlushTerms || i + 1 == r1) {
+      for (int64_t c = 0; c < m; ++c) {
+        col_sum[c] += col_part[c];
+        wcol_sum[c] += wcol_part[c];
+        col_part[c] = 0.0f;
+        wcol_part[c] = 0.0f;
       }
+      rows_in_part = 0;
     }
-    total += row_total;
   }
-  return total;
 }
 
-using AdafactorRowsFn = double (*)(const AdafactorSumArgs&, int64_t, int64_t, double*, double*, float*);
-SHOESTRING_FUSED_TARGET_CLONES double adafactor_sums_f32(const AdafactorSumArgs& a, int64_t r0, int64_t r1, double* rs,
-                                                         double* cs, float* cp) {
-  return adafactor_rows<float, false>(a, r0, r1, rs, cs, cp);
+using AdafactorRowsFn = void (*)(const AdafactorSumArgs&, int64_t, int64_t, double*, double*, float*, float*, float*);
+SHOESTRING_FUSED_TARGET_CLONES void adafactor_sums_f32(const AdafactorSumArgs& a, int64_t r0, int64_t r1, double* cs,
+                                                       double* ws, float* cp, float* wp, float* sq) {
+  adafactor_rows<float>(a, r0, r1, cs, ws, cp, wp, sq);
 }
-SHOESTRING_FUSED_TARGET_CLONES double adafactor_sums_b16(const AdafactorSumArgs& a, int64_t r0, int64_t r1, double* rs,
-                                                         double* cs, float* cp) {
-  return adafactor_rows<bf16_bits, false>(a, r0, r1, rs, cs, cp);
-}
-SHOESTRING_FUSED_TARGET_CLONES double adafactor_sq_f32(const AdafactorSumArgs& a, int64_t r0, int64_t r1, double* rs,
-                                                       double* cs, float* cp) {
-  return adafactor_rows<float, true>(a, r0, r1, rs, cs, cp);
-}
-SHOESTRING_FUSED_TARGET_CLONES double adafactor_sq_b16(const AdafactorSumArgs& a, int64_t r0, int64_t r1, double* rs,
-                                                       double* cs, float* cp) {
-  return adafactor_rows<bf16_bits, true>(a, r0, r1, rs, cs, cp);
+SHOESTRING_FUSED_TARGET_CLONES void adafactor_sums_b16(const AdafactorSumArgs& a, int64_t r0, int64_t r1, double* cs,
+                                                       double* ws, float* cp, float* wp, float* sq) {
+  adafactor_rows<bf16_bits>(a, r0, r1, cs, ws, cp, wp, sq);
 }
 
 struct AdafactorApplyArgs {
@@ -161,14 +157,20 @@ constexpr AdafactorApplyFn kAdafactorApply[6] = {adafactor_apply_f32_f32, adafac
 // Rows per parallel task: about kGrainSize elements.
 int64_t row_grain(int64_t m) { return std::max<int64_t>(1, kGrainSize / std::max<int64_t>(m, 1)); }
 
-}  // namespace
+// At most this many row chunks in the sums pass: each chunk keeps 2 m
+// doubles of column partials, added in chunk order afterwards, so their
+// number bounds that memory and that serial work (with chunks of
+// kGrainSize elements, they would take m / 2048 times the bytes of a bf16
+// gradient: half of it for a [100k, 1024] one).
+constexpr int64_t kMaxSumChunks = 64;
 
-namespace {
+// Rows per chunk of the sums pass: a function of the shape only.
+int64_t sum_chunk_rows(int64_t n, int64_t m) { return std::max(row_grain(m), (n + kMaxSumChunks - 1) / kMaxSumChunks); }
+
 // Splits rows [0, n) into tasks whose boundaries do not depend on the thread
-// count (fixed chunks of row_grain(m) rows), so sums are reproducible.
+// count (fixed chunks of `rows` rows), so sums are reproducible.
 template <typename F>
-void for_fixed_row_chunks(int64_t n, int64_t m, const F& f) {
-  const int64_t rows = row_grain(m);
+void for_fixed_row_chunks(int64_t n, int64_t rows, const F& f) {
   const int64_t chunks = (n + rows - 1) / rows;
   if (chunks == 1) {
     f(0, 0, n);
@@ -196,55 +198,48 @@ void fused_adafactor_factored_step(at::Tensor& param, const at::Tensor& grad, at
     }
   }
   const bool g_bf16 = grad.scalar_type() == at::kBFloat16;
-  const int64_t rows = row_grain(m);
+  const int64_t rows = sum_chunk_rows(n, m);
   const int64_t chunks = (n + rows - 1) / rows;
 
-  // Pass 1: row sums and per-chunk column sums (added in chunk order).
-  std::vector<double> row_sum(static_cast<size_t>(n));
-  std::vector<double> col_chunks(static_cast<size_t>(chunks * m), 0.0);
-  AdafactorSumArgs sa{grad.data_ptr(), n, m, static_cast<float>(s.eps1), nullptr, nullptr};
-  const AdafactorRowsFn sums = g_bf16 ? adafactor_sums_b16 : adafactor_sums_f32;
-  for_fixed_row_chunks(n, m, [&](int64_t c, int64_t r0, int64_t r1) {
-    std::vector<float> part(static_cast<size_t>(m));
-    sums(sa, r0, r1, row_sum.data(), col_chunks.data() + c * m, part.data());
-  });
-
-  // Second-moment factors (n + m numbers).
+  // Pass 1 (the only one before the weights): row state, column sums, and
+  // the sums that give the update's RMS; per-chunk column sums are added in
+  // chunk order, so the result does not depend on the thread count.
   const auto beta2t = static_cast<float>(s.beta2t);
   const auto one_minus_beta2t = static_cast<float>(1.0 - s.beta2t);
   float* row = exp_avg_sq_row.data_ptr<float>();
   float* col = exp_avg_sq_col.data_ptr<float>();
+  std::vector<double> col_chunks(static_cast<size_t>(2 * chunks * m), 0.0);  // [chunk][col sum | weighted]
+  AdafactorSumArgs sa{grad.data_ptr(), n, m, static_cast<float>(s.eps1), beta2t, one_minus_beta2t, row};
+  const AdafactorRowsFn sums = g_bf16 ? adafactor_sums_b16 : adafactor_sums_f32;
+  for_fixed_row_chunks(n, rows, [&](int64_t c, int64_t r0, int64_t r1) {
+    std::vector<float> scratch(static_cast<size_t>(3 * m));
+    double* out = col_chunks.data() + 2 * c * m;
+    sums(sa, r0, r1, out, out + m, scratch.data(), scratch.data() + m, scratch.data() + 2 * m);
+  });
+
+  // Second-moment factors (n + m numbers) and the update's RMS.
   double row_total = 0.0;
-  for (int64_t i = 0; i < n; ++i) {
-    const auto mean = static_cast<float>(row_sum[static_cast<size_t>(i)] / static_cast<double>(m));
-    row[i] = fma_f32(mean, one_minus_beta2t, row[i] * beta2t);
-    row_total += row[i];
-  }
+  for (int64_t i = 0; i < n; ++i) row_total += row[i];
+  double weighted = 0.0;  // sum_j (sum_i g_ij^2 / R_i) / C_j
   for (int64_t j = 0; j < m; ++j) {
-    double sum = 0.0;
-    for (int64_t c = 0; c < chunks; ++c) sum += col_chunks[static_cast<size_t>(c * m + j)];
+    double sum = 0.0, wsum = 0.0;
+    for (int64_t c = 0; c < chunks; ++c) {
+      sum += col_chunks[static_cast<size_t>(2 * c * m + j)];
+      wsum += col_chunks[static_cast<size_t>(2 * c * m + m + j)];
+    }
     const auto mean = static_cast<float>(sum / static_cast<double>(n));
     col[j] = fma_f32(mean, one_minus_beta2t, col[j] * beta2t);
+    weighted += wsum / static_cast<double>(col[j]);
   }
   const auto row_mean = static_cast<float>(row_total / static_cast<double>(n));
   std::vector<float> r_factor(static_cast<size_t>(n)), c_factor(static_cast<size_t>(m));
   for (int64_t i = 0; i < n; ++i) r_factor[static_cast<size_t>(i)] = 1.0f / sqrt_f32(row[i] / row_mean);
   for (int64_t j = 0; j < m; ++j) c_factor[static_cast<size_t>(j)] = 1.0f / sqrt_f32(col[j]);
-
-  // Pass 2: sum of squares of the unclipped update.
-  sa.r_factor = r_factor.data();
-  sa.c_factor = c_factor.data();
-  const AdafactorRowsFn squares = g_bf16 ? adafactor_sq_b16 : adafactor_sq_f32;
-  std::vector<double> chunk_sums(static_cast<size_t>(chunks), 0.0);
-  for_fixed_row_chunks(n, m, [&](int64_t c, int64_t r0, int64_t r1) {
-    chunk_sums[static_cast<size_t>(c)] = squares(sa, r0, r1, nullptr, nullptr, nullptr);
-  });
-  double sum_sq = 0.0;
-  for (double x : chunk_sums) sum_sq += x;
+  const double sum_sq = static_cast<double>(row_mean) * weighted;
   const double rms_u = std::sqrt(sum_sq / static_cast<double>(n * m));
   const double clip = std::max(1.0, rms_u / s.clip_threshold);
 
-  // Pass 3: the weights.
+  // Pass 2: the weights.
   AdafactorApplyArgs a;
   a.param = param.data_ptr();
   a.grad = grad.data_ptr();
@@ -258,7 +253,7 @@ void fused_adafactor_factored_step(at::Tensor& param, const at::Tensor& grad, at
   a.param_key = stream_key(keys.param);
   const int kind = param.scalar_type() == at::kFloat ? 0 : (keys.stochastic_rounding ? 1 : 2);
   const AdafactorApplyFn apply = kAdafactorApply[kind * 2 + (g_bf16 ? 1 : 0)];
-  for_fixed_row_chunks(n, m, [&](int64_t, int64_t r0, int64_t r1) { apply(a, r0, r1); });
+  for_fixed_row_chunks(n, row_grain(m), [&](int64_t, int64_t r0, int64_t r1) { apply(a, r0, r1); });
   bump_version(param);
   bump_version(exp_avg_sq_row);
   bump_version(exp_avg_sq_col);

@@ -157,16 +157,19 @@ struct FusedAdafactorScalars {
 /// One Adafactor step (Shazeer & Stern 2018, arXiv 1804.04235; semantics of
 /// optim/adafactor.h, i.e. transformers' Adafactor) for a factored tensor
 /// without first moment, with the gradient viewed as the row-major matrix
-/// g [n, m], in three passes over g and one over the weights, with no
-/// full-size temporary and no per-tensor libtorch op:
-///  1. row_sum[i] = sum_j (g_ij^2 + eps1), col_sum[j] = sum_i (...), each
-///     term rounded to fp32 as grad.square().add_(eps1), summed in fp32 lanes
-///     of at most 64 terms flushed into double;
-///     R <- fma(row_sum / m, 1 - beta2t, R beta2t), C likewise (fp32, the
-///     fused multiply-add of libtorch's add_(x, alpha));
-///     r_i = 1 / sqrt(R_i / mean(R)), c_j = 1 / sqrt(C_j) (fp32; mean in double);
-///  2. S = sum ((r_i c_j) g_ij)^2 (as pass 1), clip = max(1, sqrt(S / nm) / d);
-///  3. u = (((r_i c_j) g_ij) / clip) a_t; p <- (wd ? fma(p, -wd a_t, p) : p) - u,
+/// g [n, m], in two passes over g (the second together with the weights),
+/// with no full-size temporary and no per-tensor libtorch op:
+///  1. per row i: row_sum_i = sum_j (g_ij^2 + eps1), each term rounded to
+///     fp32 as grad.square().add_(eps1), summed in fp32 lanes of at most 64
+///     terms flushed into double; R_i <- fma(row_sum_i / m, 1 - beta2t,
+///     R_i beta2t) (fp32, the fused multiply-add of libtorch's add_(x,
+///     alpha)); then col_sum[j] += g_ij^2 + eps1 and W_j += g_ij^2 / R_i.
+///     After all rows: C_j likewise from col_sum; r_i = 1 / sqrt(R_i /
+///     mean(R)), c_j = 1 / sqrt(C_j) (fp32; mean in double); the sum of
+///     squares of the unclipped update is S = sum_ij (r_i c_j g_ij)^2 =
+///     mean(R) sum_j W_j / C_j (exact algebra; W_j summed in fp32 partials
+///     of 64 rows flushed into double), clip = max(1, sqrt(S / nm) / d);
+///  2. u = (((r_i c_j) g_ij) / clip) a_t; p <- (wd ? fma(p, -wd a_t, p) : p) - u,
 ///     stored fp32, or bf16 by stochastic rounding with keys.param (round to
 ///     nearest when !keys.stochastic_rounding).
 /// The sums are more accurate than libtorch's fp32 means, so results match
