@@ -121,7 +121,13 @@ TEST(DatasetBuckets, ImagesLandInTheReferenceBucketsAndAreCentreCropped) {
     for (size_t b = 1; b < ds.buckets().size(); ++b) EXPECT_LT(ds.buckets()[b - 1].reso, ds.buckets()[b].reso);
     EXPECT_EQ(ds.captions()[0], "caption 0");
     EXPECT_EQ(ds.captions()[1], "sks photo");  // no caption file: class_tokens, as kohya
-    EXPECT_EQ(ds.caption_stats().missing, 1);
+    EXPECT_EQ(ds.caption_stats().missing, 0);  // class_tokens captioned it
+    EXPECT_EQ(ds.caption_stats().class_tokens, 1);
+    spec.subsets[0].class_tokens.clear();
+    const ImageCaptionDataset uncaptioned = ImageCaptionDataset::load_buckets({spec}, 1);
+    EXPECT_EQ(uncaptioned.captions()[1], "");
+    EXPECT_EQ(uncaptioned.caption_stats().missing, 1);
+    EXPECT_EQ(uncaptioned.caption_stats().class_tokens, 0);
   }
   // steps 16: 48x32 trains at 32x32, not resized (scale 32 / 32), cropped 8 px
   // each side (kohya's (48 - 32) // 2): the red and blue bands are cut off.

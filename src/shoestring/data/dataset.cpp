@@ -656,8 +656,8 @@ ImageCaptionDataset ImageCaptionDataset::load_buckets(const std::vector<DatasetS
     ds.dropout_.push_back(it.subset->caption_dropout_rate);
     ds.random_crop_ = ds.random_crop_ || it.subset->random_crop;
     ar_error_sum += std::abs(it.choice.ar_error);
-    if (it.missing_caption) ++ds.caption_stats_.missing;
-    if (it.missing_caption && it.caption.empty()) missing.push_back(it.path);  // class_tokens fill the others
+    if (it.missing_caption && it.caption.empty()) missing.push_back(it.path);
+    if (it.missing_caption && !it.caption.empty()) ++ds.caption_stats_.class_tokens;
     if (it.empty_caption) empty.push_back(it.path);
     ds.captions_.push_back(std::move(it.caption));
     ds.paths_.push_back(std::move(it.path));
@@ -669,6 +669,7 @@ ImageCaptionDataset ImageCaptionDataset::load_buckets(const std::vector<DatasetS
   for (auto& r : rows) ds.bucket_images_.push_back(torch::stack(r, 0));
   for (const DatasetSpec& spec : specs) ds.resolutions_.push_back(spec.buckets.resolution);
   ds.mean_ar_error_ = ar_error_sum / static_cast<double>(ds.captions_.size());
+  ds.caption_stats_.missing = static_cast<int64_t>(missing.size());
   ds.caption_stats_.empty = static_cast<int64_t>(empty.size());
   warn_captions(specs.front().where, missing, "without a caption (no caption file, class_tokens or metadata caption)");
   warn_captions(specs.front().where, empty, "with an empty caption file");

@@ -82,8 +82,10 @@ struct DatasetWarning {
 /// How the captions of the loaded images came about (folder layout; the
 /// Twemoji layout builds every caption from emoji.json, so both stay 0).
 struct CaptionStats {
-  int64_t missing = 0;  ///< no caption file beside the image: caption "" (as kohya's sd-scripts)
-  int64_t empty = 0;    ///< a caption file whose first line is empty or only whitespace: caption ""
+  int64_t missing =
+      0;  ///< no caption file (nor metadata caption, nor class_tokens): caption "" (as kohya's sd-scripts)
+  int64_t class_tokens = 0;  ///< no caption file, captioned by the subset's class_tokens (kohya's DreamBooth rule)
+  int64_t empty = 0;         ///< a caption file whose first line is empty or only whitespace: caption ""
 };
 
 /// In-memory image/caption dataset; images stored as uint8 [N, 3, R, R]

@@ -580,10 +580,11 @@ std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions&
     if (!options.quiet) {
       spdlog::info(
           "dataset: {} images ({} with repeats) in {} bucket{} from {} dataset{} ({} skipped; captions: {} "
-          "missing, {} empty)",
+          "missing, {} empty, {} from class_tokens)",
           run.dataset.size(), entries, run.dataset.buckets().size(), run.dataset.buckets().size() == 1 ? "" : "s",
           dataset_specs_of_run.size(), dataset_specs_of_run.size() == 1 ? "" : "s", run.dataset.skipped().size(),
-          run.dataset.caption_stats().missing, run.dataset.caption_stats().empty);
+          run.dataset.caption_stats().missing, run.dataset.caption_stats().empty,
+          run.dataset.caption_stats().class_tokens);
       for (const std::string& line : run.dataset.bucket_report()) spdlog::info("  {}", line);
     }
     // One process: a bucket's leftovers form a smaller last batch (kohya);
