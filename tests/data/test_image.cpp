@@ -4,6 +4,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <set>
 
 #include <unistd.h>
@@ -156,6 +157,41 @@ TEST(Image, CorruptAndMissingFilesThrowNamingTheFile) {
   }
   EXPECT_THROW(shoestring::decode_image("not an image", "text", 8), Error);
   EXPECT_THROW(shoestring::load_image(kGrinning, 0), Error);
+}
+
+// A PNG header announcing 60000 x 60000 RGB pixels (PNG spec: signature, then
+// the IHDR chunk: big-endian width and height): stb_image refuses it as too
+// large, then tries its other readers and would report "unknown image type";
+// the error gives the size instead.
+TEST(Image, OversizedPngNamesItsSize) {
+  std::string png("\x89PNG\r\n\x1a\n", 8);
+  png += std::string("\0\0\0\x0d", 4) + "IHDR";
+  for (uint32_t side : {60000u, 60000u}) {
+    for (int shift = 24; shift >= 0; shift -= 8) png += static_cast<char>((side >> shift) & 0xFF);
+  }
+  png += std::string("\x08\x02\0\0\0", 5) + std::string(4, '\0');  // 8-bit RGB, CRC not checked by stb
+  for (const auto& call : std::vector<std::function<void()>>{
+           [&] { shoestring::decode_image(png, "huge.png", 8); },
+           [&] {
+             const std::filesystem::path path = std::filesystem::temp_directory_path() / "shoestring_huge_test.png";
+             {
+               std::ofstream out(path, std::ios::binary);
+               out << png;
+             }
+             struct Remove {
+               std::filesystem::path p;
+               ~Remove() { std::filesystem::remove(p); }
+             } remove{path};
+             shoestring::image_file_size(path.string());
+           }}) {
+    try {
+      call();
+      FAIL() << "no error for a 60000x60000 PNG";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("60000x60000"), std::string::npos) << e.what();
+      EXPECT_EQ(std::string(e.what()).find("unknown image type"), std::string::npos) << e.what();
+    }
+  }
 }
 
 TEST(Image, SavePngRoundTrip) {

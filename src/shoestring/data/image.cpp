@@ -3,6 +3,7 @@
 #include "shoestring/data/image.h"
 
 #include <cctype>
+#include <cstring>
 #include <memory>
 
 #include <stb_image.h>
@@ -35,6 +36,30 @@ at::Tensor as_hwc(const at::Tensor& image, const std::string& what) {
 // The file's pixels as 8-bit RGBA (w x h), freed with stb's allocator.
 using RgbaPixels = std::unique_ptr<stbi_uc, void (*)(void*)>;
 
+// Why stb_image could not read `bytes`: its own reason, except for a PNG
+// whose header gives a size over stb's limit (2^30 bytes of decoded pixels),
+// for which stb tries every other format after the PNG reader's "too large"
+// and reports "unknown image type".
+std::string stb_failure(std::string_view bytes, const char* fallback) {
+  static constexpr unsigned char kPng[8] = {0x89, 'P', 'N', 'G', '\r', '\n', 0x1A, '\n'};
+  if (bytes.size() >= 24 && std::memcmp(bytes.data(), kPng, 8) == 0 && bytes.substr(12, 4) == "IHDR") {
+    const auto be32 = [&](size_t at) {
+      uint32_t v = 0;
+      for (size_t i = 0; i < 4; ++i) v = (v << 8) | static_cast<unsigned char>(bytes[at + i]);
+      return v;
+    };
+    const uint64_t w = be32(16), h = be32(20);
+    if (w * h * 4 > (uint64_t{1} << 30)) {
+      return fmt::format(
+          "a {}x{} PNG is larger than stb_image decodes (at most 2^30 bytes of pixels, e.g. 16384x16384 RGBA); "
+          "downscale it",
+          w, h);
+    }
+  }
+  const char* reason = stbi_failure_reason();
+  return (reason && *reason) ? reason : fallback;
+}
+
 // Decodes `bytes` (PNG, JPEG, ... as stb_image reads them) to RGBA; sets w, h.
 // Throws shoestring::Error naming `name` for files over 2 GiB and for what
 // stb cannot decode (with its reason).
@@ -46,11 +71,8 @@ RgbaPixels decode_rgba(std::string_view bytes, const std::string& name, int& w, 
   RgbaPixels rgba(stbi_load_from_memory(reinterpret_cast<const stbi_uc*>(bytes.data()), static_cast<int>(bytes.size()),
                                         &w, &h, &channels_in_file, 4),
                   &stbi_image_free);
-  if (!rgba) {
-    const char* reason = stbi_failure_reason();
-    fail("cannot decode image {}: {}", name,
-         (reason && *reason) ? reason : "corrupt, truncated or unsupported image data");
-  }
+  if (!rgba)
+    fail("cannot decode image {}: {}", name, stb_failure(bytes, "corrupt, truncated or unsupported image data"));
   return rgba;
 }
 
@@ -92,8 +114,7 @@ std::pair<int, int> image_file_size(const std::string& path) {
   if (bytes.size() > static_cast<size_t>(std::numeric_limits<int>::max()) ||
       !stbi_info_from_memory(reinterpret_cast<const stbi_uc*>(bytes.data()), static_cast<int>(bytes.size()), &w, &h,
                              &c)) {
-    const char* reason = stbi_failure_reason();
-    fail("cannot read the size of image {}: {}", path, (reason && *reason) ? reason : "not an image stb_image reads");
+    fail("cannot read the size of image {}: {}", path, stb_failure(bytes, "not an image stb_image reads"));
   }
   return {w, h};
 }

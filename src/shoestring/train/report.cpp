@@ -158,8 +158,15 @@ TrainSummary RunReport::finish(int64_t last_step) {
                summary.final_loss);
   spdlog::info("peak memory {} (per category peaks: {})", format_bytes(run_peak_total_), by_category(run_peaks_));
   if (summary.skipped_images > 0) {
-    spdlog::warn("{} unreadable images were skipped:", summary.skipped_images);
-    for (const auto& sk : run_.dataset.skipped()) spdlog::warn("  {}: {}", sk.path, sk.reason);
+    spdlog::warn("{} image{} skipped:", summary.skipped_images, summary.skipped_images == 1 ? " was" : "s were");
+    for (const auto& sk : run_.dataset.skipped()) {
+      // most reasons already start with the file's path
+      if (sk.reason.rfind(sk.path, 0) == 0) {
+        spdlog::warn("  {}", sk.reason);
+      } else {
+        spdlog::warn("  {}: {}", sk.path, sk.reason);
+      }
+    }
   }
   spdlog::info("final weights {}/{}; samples {}", run_.run_dir,
                run_.lora_only() ? "lora.safetensors" : "model.safetensors", summary.last_sample);
