@@ -92,6 +92,7 @@ struct TrainConfig {
   int64_t lr_warmup_steps = 0;
   int64_t train_batch_size = 1;
   int64_t max_train_steps = 1600;
+  int64_t max_train_epochs = 0;  ///< kohya's: sets max_train_steps to epochs x steps per epoch (0 = off)
   double max_train_minutes = 0;  ///< wall-time budget of a run's first invocation; sizes max_train_steps (0 = off)
   int64_t gradient_accumulation_steps = 1;
   double max_grad_norm = 1.0;  ///< 0 disables clipping
@@ -144,6 +145,9 @@ struct TrainConfig {
   // ---- output ----
   std::string output_dir = "runs/emoji";
   int64_t save_every_n_steps = 0;    ///< 0: only at the end
+  int64_t save_every_n_epochs = 0;   ///< a checkpoint at the end of every Nth epoch (0: none)
+  int64_t save_last_n_steps = 0;     ///< keep step checkpoints of the last N steps only (0: keep all)
+  int64_t save_last_n_epochs = 0;    ///< keep the last N epoch checkpoints only (0: keep all)
   int64_t sample_every_n_steps = 0;  ///< 0: only at the end
   std::vector<std::string> sample_prompts = {"grinning face", "blue heart", "pile of poo", "ghost"};
   int64_t sample_seeds = 4;  ///< columns of the sample grid
