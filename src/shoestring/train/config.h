@@ -48,6 +48,8 @@ struct TrainConfig {
   int64_t dataset_repeats = 1;             ///< kohya's dataset_repeats: num_repeats of the main-config dataset
   bool flip_aug = false;                   ///< also train on mirrored images
   bool random_crop = false;                ///< random instead of centre crop (refused with cached latents)
+  int64_t max_train_images = 0;            ///< a seeded subset of this many images (0 = every image)
+  int64_t max_train_images_seed = 0;       ///< seed of that subset (independent of `seed`)
 
   // ---- model ----
   /// A registered denoiser architecture (models/architecture.h,

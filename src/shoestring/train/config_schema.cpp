@@ -81,6 +81,15 @@ const std::vector<Field>& schema() {
             "crop buckets at a random instead of the centre offset; refused by the LDM families, which encode "
             "latents once (kohya refuses it with cache_latents)"}
           .with(kResumeValue | kReleasedModelOnly),
+      Field{"max_train_images", &TrainConfig::max_train_images,
+            "train on a seeded subset of this many of the dataset's images, for quick experiments (the same "
+            "max_train_images_seed picks the same images; a larger count keeps the smaller one's); 0 = every image",
+            0, 1e12}
+          .with(kResumeValue),
+      Field{"max_train_images_seed", &TrainConfig::max_train_images_seed,
+            "seed of the max_train_images subset (independent of seed, so runs of several seeds share a subset)", 0,
+            9.0e18}
+          .with(kResumeValue),
       Field{"model.architecture", &TrainConfig::architecture,
             "model architecture: the emoji example's tiny-unet, or a released one (docs/architectures.md)", -kInf, kInf,
             models::denoiser_architectures()}

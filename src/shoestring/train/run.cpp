@@ -618,9 +618,10 @@ std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions&
   torch::manual_seed(static_cast<uint64_t>(c.seed));
 
   // ---- data ----
+  const DatasetSelection selection{c.max_train_images, static_cast<uint64_t>(c.max_train_images_seed)};
   if (!dataset_specs_of_run.empty()) {
     // kohya's datasets in aspect-ratio buckets: a batch is one bucket's.
-    run.dataset = ImageCaptionDataset::load_buckets(dataset_specs_of_run, static_cast<uint64_t>(c.seed));
+    run.dataset = ImageCaptionDataset::load_buckets(dataset_specs_of_run, static_cast<uint64_t>(c.seed), selection);
     std::vector<SamplerBucket> buckets = sampler_buckets(run.dataset);
     int64_t entries = 0;
     for (SamplerBucket& b : buckets) {
@@ -649,7 +650,7 @@ std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions&
                                                  /*partial_batches=*/run.world_size() == 1);
   } else {
     const std::string data_dir = expand_path(c.train_data_dir);
-    run.dataset = ImageCaptionDataset::load(data_dir, static_cast<int>(c.resolution), c.twemoji_categories);
+    run.dataset = ImageCaptionDataset::load(data_dir, static_cast<int>(c.resolution), c.twemoji_categories, selection);
     if (!options.quiet) {
       spdlog::info("dataset: {} images from {} ({} skipped; captions: {} missing, {} empty)", run.dataset.size(),
                    data_dir, run.dataset.skipped().size(), run.dataset.caption_stats().missing,
@@ -661,6 +662,11 @@ std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions&
                                                  static_cast<uint64_t>(c.seed));
   }
 
+  if (c.max_train_images > 0 && !options.quiet) {
+    spdlog::info("max_train_images = {} (max_train_images_seed = {}): {} of the {} images listed, {} loaded",
+                 c.max_train_images, c.max_train_images_seed, std::min(c.max_train_images, run.dataset.listed_images()),
+                 run.dataset.listed_images(), run.dataset.size());
+  }
   apply_epochs(run, options.quiet);  // max_train_epochs, save_every_n_epochs
 
   // ---- model (base weights of a fine-tune / LoRA run: kohya's pretrained_model_name_or_path) ----
