@@ -226,6 +226,9 @@ TEST(Epochs, RunTrainsEpochsAndKeepsTheLastCheckpoints) {
   write_bytes_atomic((fs::path(out) / "checkpoints" / ".step-000001.removing" / "state.safetensors").string(), "x");
   TrainRunOptions resume = shoestring::testing::quiet();
   resume.resume_dir = out;
+  // As recorded (4 epochs), the run is complete.
+  const std::string done = error_of([&] { train(load_config(out + "/config.toml"), resume); });
+  EXPECT_NE(done.find("already at step"), std::string::npos) << done;
   const TrainSummary more = train(load_config(out + "/config.toml", {"max_train_epochs=6"}), resume);
   EXPECT_EQ(more.first_step, 4 * per_epoch + 1);
   EXPECT_EQ(more.last_step, kohya_steps(6, batches, 2));

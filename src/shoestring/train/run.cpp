@@ -136,7 +136,7 @@ void check_resume(const std::string& run_dir, const std::string& checkpoint_dir,
   }
   // "step-000123" (checkpoint folders are named by step_name()).
   // With max_train_epochs the step count is known once the dataset is
-  // loaded: setup_run checks it after restoring the checkpoint.
+  // loaded: setup_run checks it then (after apply_epochs).
   const std::string name = fs::path(checkpoint_dir).filename().string();
   if (name.rfind("step-", 0) == 0 && now.max_train_epochs == 0)
     refuse_if_finished(run_dir, std::strtoll(name.c_str() + 5, nullptr, 10), now.max_train_steps);
@@ -668,6 +668,11 @@ std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions&
                  run.dataset.listed_images(), run.dataset.size());
   }
   apply_epochs(run, options.quiet);  // max_train_epochs, save_every_n_epochs
+  if (c.max_train_epochs > 0 && !run.resume_from.empty()) {
+    // The step count is known now: a finished run is refused before the model is built (check_resume could not).
+    if (const auto step = step_of_folder(fs::path(run.resume_from).filename().string()))
+      refuse_if_finished(run.run_dir, *step, c.max_train_steps);
+  }
 
   // ---- model (base weights of a fine-tune / LoRA run: kohya's pretrained_model_name_or_path) ----
   {
