@@ -309,3 +309,40 @@ TEST(DatasetConfig, AFolderWithoutRepeatsFoldersLoadsAsBefore) {
   EXPECT_TRUE(specs[0].subsets[0].recursive);
   EXPECT_FALSE(has_repeats_folders("/nonexistent/shoestring"));
 }
+
+// An epoch counts repeats, as kohya's: a tiny SDXL run over repeats folders
+// trains max_train_epochs x ceil(batches / accumulation) steps, where a
+// bucket of n entries (images x repeats) makes ceil(n / batch_size) batches
+// (kohya's BucketManager, one process).
+TEST(DatasetConfig, TinySdxlTrainsEpochsOfRepeatsFolders) {
+  const std::string out = shoestring::testing::fresh_temp_dir("test_dataset_config", "repeat_epochs");
+  const fs::path data = fs::path(out + "_data");
+  fs::remove_all(data);
+  fs::create_directories(data / "3_sks dog");
+  fs::create_directories(data / "1_dog");
+  for (int i = 0; i < 2; ++i) write_image(data / "3_sks dog" / fmt::format("d{}.png", i), 64, 64, i);
+  write_image(data / "1_dog" / "c.png", 64, 64, 3);
+  TrainConfig c = parse_config(fmt::format("train_data_dir = \"{}\"\n"
+                                           "resolution = 64\n"
+                                           "train_batch_size = 2\n"
+                                           "max_train_epochs = 2\n"
+                                           "learning_rate = 2e-3\n"
+                                           "seed = 5\n"
+                                           "num_threads = 1\n"
+                                           "sample_prompts = [\"sks dog\"]\n"
+                                           "sample_seeds = 1\n"
+                                           "sample_steps = 2\n"
+                                           "output_dir = \"{}\"\n"
+                                           "[model]\narchitecture = \"sdxl\"\ntiny = true\n",
+                                           data.string(), out),
+                               "repeat_epochs.toml");
+  const int64_t entries = 2 * 3 + 1 * 1;  // one bucket (no enable_bucket): every image at 64 x 64
+  const int64_t batches = (entries + c.train_batch_size - 1) / c.train_batch_size;
+  const int64_t steps =
+      c.max_train_epochs * ((batches + c.gradient_accumulation_steps - 1) / c.gradient_accumulation_steps);
+  const auto summary = train(c, shoestring::testing::quiet());
+  EXPECT_EQ(summary.last_step, steps);
+  EXPECT_EQ(shoestring::testing::losses_of(summary.run_dir + "/metrics.jsonl").size(), static_cast<size_t>(steps));
+  fs::remove_all(data);
+  fs::remove_all(out);
+}
