@@ -34,6 +34,8 @@ TEST(TrainingState, RoundTripsCountersAndTensorGroups) {
   s.counters.loss_scale = 32768.0;
   s.counters.loss_scale_growth_tracker = 7;
   s.counters.precision_upcast = {"unet.mid", "unet.out"};
+  s.counters.epoch_end = 3;
+  s.counters.step_checkpoint = false;
   s.optimizer = {{"w.exp_avg", torch::arange(6, torch::kFloat32)}};
   s.ema = {{"w", torch::ones({2, 3})}};
   s.master = {{"w", torch::full({3}, 0.5)}};
@@ -65,6 +67,13 @@ TEST(TrainingState, RoundTripsCountersAndTensorGroups) {
   EXPECT_EQ(r.counters.loss_scale_growth_tracker, 7);
   EXPECT_EQ(r.counters.precision_upcast, s.counters.precision_upcast);
   EXPECT_FALSE(r.counters.fused_previous_grad_norm.has_value());
+  EXPECT_EQ(r.counters.epoch_end, 3);
+  EXPECT_FALSE(r.counters.step_checkpoint);
+  // What retention reads, from the header alone.
+  const TrainingCounters header = load_training_counters(path);
+  EXPECT_EQ(header.step, 12);
+  EXPECT_EQ(header.epoch_end, 3);
+  EXPECT_FALSE(header.step_checkpoint);
   ASSERT_EQ(r.optimizer.size(), 1u);
   EXPECT_EQ(r.optimizer[0].first, "w.exp_avg");
   EXPECT_TRUE(torch::equal(r.optimizer[0].second, s.optimizer[0].second));
@@ -97,6 +106,8 @@ TEST(TrainingState, OlderFilesLoadAndBrokenOnesAreNamed) {
   const nlohmann::json minimal = {{"step", 3}, {"optimizer_step_count", 3}, {"data_epoch", 0}, {"data_index", 3}};
   write(minimal);
   EXPECT_EQ(load_training_state(path).counters.micro_steps, 0);
+  EXPECT_EQ(load_training_state(path).counters.epoch_end, 0);  // a step checkpoint, as every older one
+  EXPECT_TRUE(load_training_state(path).counters.step_checkpoint);
   auto no_step = minimal;
   no_step.erase("data_index");
   write(no_step);

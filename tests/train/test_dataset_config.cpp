@@ -210,3 +210,139 @@ batch_size = 2
   EXPECT_TRUE(fs::exists(summary.last_sample));
   fs::remove_all(data);
 }
+
+// kohya's folder names (config_util.py, extract_dreambooth_params): the name
+// split at '_', the first part the repeats, the rest joined by '_' the class
+// tokens; anything else is no repeats folder.
+TEST(DatasetConfig, ParsesKohyasRepeatsFolderNames) {
+  struct Good {
+    const char* name;
+    int64_t repeats;
+    const char* tokens;
+  };
+  for (const Good& g :
+       {Good{"10_sks dog", 10, "sks dog"}, Good{"10_sks_dog", 10, "sks_dog"}, Good{"3", 3, ""}, Good{"0_x", 0, "x"},
+        Good{"007_a b", 7, "a b"}, Good{"10_", 10, ""}, Good{"1_ünïcode", 1, "ünïcode"}}) {
+    const std::optional<RepeatsFolderName> p = parse_repeats_folder_name(g.name);
+    ASSERT_TRUE(p) << g.name;
+    EXPECT_EQ(p->num_repeats, g.repeats) << g.name;
+    EXPECT_EQ(p->class_tokens, g.tokens) << g.name;
+  }
+  for (const char* bad : {"sks dog", "_10", "10sks", "x_10", "-1_a", "+1_a", " 10_a", ""}) {
+    EXPECT_FALSE(parse_repeats_folder_name(bad)) << bad;
+  }
+  const std::string big = error_of([] { parse_repeats_folder_name("99999999_x"); });
+  EXPECT_NE(big.find("99999999_x"), std::string::npos) << big;
+}
+
+TEST(DatasetConfig, RepeatsFoldersBecomeOneSubsetEach) {
+  const fs::path dir = shoestring::testing::fresh_temp_dir("test_dataset_config", "repeats");
+  fs::create_directories(dir / "10_sks dog");
+  fs::create_directories(dir / "2_cat" / "nested");  // not listed: kohya's glob is not recursive
+  fs::create_directories(dir / ".hidden");
+  write_image(dir / "10_sks dog" / "a.png", 40, 32, 1);
+  write_image(dir / "10_sks dog" / "b.png", 32, 40, 2);
+  write_text(dir / "10_sks dog" / "b.txt", "a photo of sks dog");
+  write_image(dir / "2_cat" / "c.png", 32, 32, 3);
+  write_image(dir / "2_cat" / "nested" / "d.png", 32, 32, 4);
+  const TrainConfig c = sdxl_main(fmt::format("train_data_dir = \"{}\"\n", dir.string()));
+  EXPECT_TRUE(has_repeats_folders(dir.string()));
+  EXPECT_TRUE(uses_kohya_datasets(c));
+  const std::vector<DatasetSpec> specs = dataset_specs(c);
+  ASSERT_EQ(specs.size(), 1u);
+  ASSERT_EQ(specs[0].subsets.size(), 2u);  // in name order
+  EXPECT_EQ(specs[0].subsets[0].image_dir, (dir / "10_sks dog").string());
+  EXPECT_EQ(specs[0].subsets[0].num_repeats, 10);
+  EXPECT_EQ(specs[0].subsets[0].class_tokens, "sks dog");
+  EXPECT_FALSE(specs[0].subsets[0].recursive);
+  EXPECT_EQ(specs[0].subsets[1].num_repeats, 2);
+  EXPECT_EQ(specs[0].subsets[1].class_tokens, "cat");
+
+  // Loaded: class tokens caption the image without a caption file, and each
+  // image is num_repeats entries of an epoch.
+  const ImageCaptionDataset ds = ImageCaptionDataset::load_buckets(specs, 1);
+  ASSERT_EQ(ds.size(), 3);
+  int64_t want_entries = 0;
+  for (int64_t i = 0; i < ds.size(); ++i) {
+    const bool dog = ds.paths()[static_cast<size_t>(i)].find("10_sks dog") != std::string::npos;
+    EXPECT_EQ(ds.num_repeats(i), dog ? 10 : 2);
+    want_entries += ds.num_repeats(i);
+  }
+  int64_t entries = 0;
+  for (const SamplerBucket& b : sampler_buckets(ds)) entries += static_cast<int64_t>(b.samples.size());
+  EXPECT_EQ(entries, 10 * 2 + 2 * 1);
+  EXPECT_EQ(entries, want_entries);
+  const auto& caps = ds.captions();
+  EXPECT_NE(std::find(caps.begin(), caps.end(), "sks dog"), caps.end());             // a.png: no caption file
+  EXPECT_NE(std::find(caps.begin(), caps.end(), "a photo of sks dog"), caps.end());  // b.txt
+  EXPECT_NE(std::find(caps.begin(), caps.end(), "cat"), caps.end());
+
+  // A folder of another name is an error naming it and the expected form.
+  fs::create_directories(dir / "dogs");
+  const std::string bad = error_of([&] { dataset_specs(c); });
+  EXPECT_NE(bad.find((dir / "dogs").string()), std::string::npos) << bad;
+  EXPECT_NE(bad.find("<repeats>_<class tokens>"), std::string::npos) << bad;
+  fs::remove_all(dir / "dogs");
+  // So is an image in no subfolder, and dataset_repeats, which the names contradict.
+  write_image(dir / "loose.png", 32, 32, 5);
+  const std::string loose = error_of([&] { dataset_specs(c); });
+  EXPECT_NE(loose.find((dir / "loose.png").string()), std::string::npos) << loose;
+  fs::remove(dir / "loose.png");
+  const std::string repeats = error_of(
+      [&] { dataset_specs(sdxl_main(fmt::format("train_data_dir = \"{}\"\ndataset_repeats = 3\n", dir.string()))); });
+  EXPECT_NE(repeats.find("dataset_repeats"), std::string::npos) << repeats;
+  // The emoji model refuses the layout, naming it.
+  const std::string tiny = error_of(
+      [&] { check_training_config(parse_config(fmt::format("train_data_dir = \"{}\"\n", dir.string()), "t.toml")); });
+  EXPECT_NE(tiny.find("<repeats>_<class tokens>"), std::string::npos) << tiny;
+  fs::remove_all(dir);
+}
+
+TEST(DatasetConfig, AFolderWithoutRepeatsFoldersLoadsAsBefore) {
+  const std::string folder = std::string(SHOESTRING_TEST_DATA) + "/folder";  // has nested/, no <n>_ folder
+  EXPECT_FALSE(has_repeats_folders(folder));
+  const TrainConfig c = sdxl_main(fmt::format("train_data_dir = \"{}\"\n", folder));
+  EXPECT_FALSE(uses_kohya_datasets(c));
+  const TrainConfig b = sdxl_main(fmt::format("train_data_dir = \"{}\"\nenable_bucket = true\n", folder));
+  const std::vector<DatasetSpec> specs = dataset_specs(b);
+  ASSERT_EQ(specs[0].subsets.size(), 1u);
+  EXPECT_TRUE(specs[0].subsets[0].recursive);
+  EXPECT_FALSE(has_repeats_folders("/nonexistent/shoestring"));
+}
+
+// An epoch counts repeats, as kohya's: a tiny SDXL run over repeats folders
+// trains max_train_epochs x ceil(batches / accumulation) steps, where a
+// bucket of n entries (images x repeats) makes ceil(n / batch_size) batches
+// (kohya's BucketManager, one process).
+TEST(DatasetConfig, TinySdxlTrainsEpochsOfRepeatsFolders) {
+  const std::string out = shoestring::testing::fresh_temp_dir("test_dataset_config", "repeat_epochs");
+  const fs::path data = fs::path(out + "_data");
+  fs::remove_all(data);
+  fs::create_directories(data / "3_sks dog");
+  fs::create_directories(data / "1_dog");
+  for (int i = 0; i < 2; ++i) write_image(data / "3_sks dog" / fmt::format("d{}.png", i), 64, 64, i);
+  write_image(data / "1_dog" / "c.png", 64, 64, 3);
+  TrainConfig c = parse_config(fmt::format("train_data_dir = \"{}\"\n"
+                                           "resolution = 64\n"
+                                           "train_batch_size = 2\n"
+                                           "max_train_epochs = 2\n"
+                                           "learning_rate = 2e-3\n"
+                                           "seed = 5\n"
+                                           "num_threads = 1\n"
+                                           "sample_prompts = [\"sks dog\"]\n"
+                                           "sample_seeds = 1\n"
+                                           "sample_steps = 2\n"
+                                           "output_dir = \"{}\"\n"
+                                           "[model]\narchitecture = \"sdxl\"\ntiny = true\n",
+                                           data.string(), out),
+                               "repeat_epochs.toml");
+  const int64_t entries = 2 * 3 + 1 * 1;  // one bucket (no enable_bucket): every image at 64 x 64
+  const int64_t batches = (entries + c.train_batch_size - 1) / c.train_batch_size;
+  const int64_t steps =
+      c.max_train_epochs * ((batches + c.gradient_accumulation_steps - 1) / c.gradient_accumulation_steps);
+  const auto summary = train(c, shoestring::testing::quiet());
+  EXPECT_EQ(summary.last_step, steps);
+  EXPECT_EQ(shoestring::testing::losses_of(summary.run_dir + "/metrics.jsonl").size(), static_cast<size_t>(steps));
+  fs::remove_all(data);
+  fs::remove_all(out);
+}

@@ -29,7 +29,8 @@ void register_train(CLI::App& app) {
   cmd->add_option("config", args->config, "run config (TOML); optional with --resume, which reads RUN_DIR/config.toml");
   cmd->add_option("--set", args->sets, "override a config key: --set learning_rate=2e-4 (repeatable)")
       ->allow_extra_args(false);
-  cmd->add_option("--max-steps", args->max_steps, "override max_train_steps (cumulative across resumes)")
+  cmd->add_option("--max-steps", args->max_steps,
+                  "override max_train_steps (cumulative across resumes; clears max_train_epochs, which would set it)")
       ->check(CLI::Range(int64_t{1}, int64_t{1000000000000}));
   cmd->add_option("--output-dir", args->output_dir, "override output_dir (the run folder)");
   cmd->add_option("--resume", args->resume, "continue the run in RUN_DIR from its latest checkpoint");
@@ -41,7 +42,11 @@ void register_train(CLI::App& app) {
     // Checked first, naming the flag: a device the machine lacks fails before any work.
     if (device_flag->count() > 0) resolve_device(args->device, "--device");  // "" too: an error
     std::vector<std::string> sets = args->sets;
-    if (args->max_steps > 0) sets.push_back(fmt::format("max_train_steps={}", args->max_steps));
+    if (args->max_steps > 0) {
+      // The command line wins over max_train_epochs too (which would size max_train_steps again).
+      sets.push_back(fmt::format("max_train_steps={}", args->max_steps));
+      sets.push_back("max_train_epochs=0");
+    }
     TrainRunOptions options;
     std::string config_path = args->config;
     if (!args->resume.empty()) {

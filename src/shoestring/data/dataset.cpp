@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <map>
+#include <numeric>
 #include <random>
 #include <set>
 #include <sstream>
@@ -175,10 +176,37 @@ void warn_captions(const std::string& source, const std::vector<std::string>& pa
                paths.size() > kShown ? fmt::format(" and {} more", paths.size() - kShown) : std::string());
 }
 
+/// Keeps the DatasetSelection's subset of `items` (all of them without one), in their order.
+template <class T>
+void keep_selected(std::vector<T>& items, const DatasetSelection& selection) {
+  if (selection.max_images <= 0 || selection.max_images >= static_cast<int64_t>(items.size())) return;
+  std::vector<T> kept;
+  for (const int64_t i : seeded_subset(static_cast<int64_t>(items.size()), selection.max_images, selection.seed))
+    kept.push_back(std::move(items[static_cast<size_t>(i)]));
+  items = std::move(kept);
+}
+
 }  // namespace
 
+std::vector<int64_t> seeded_subset(int64_t n, int64_t count, uint64_t seed) {
+  if (n < 0 || count < 0) fail("seeded subset: n ({}) and count ({}) must be >= 0", n, count);
+  count = std::min(count, n);
+  std::vector<int64_t> order(static_cast<size_t>(n));
+  std::iota(order.begin(), order.end(), int64_t{0});
+  std::seed_seq seq{static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)};
+  std::mt19937_64 gen(seq);
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t j = i + static_cast<int64_t>(uniform_up_to(gen, static_cast<uint64_t>(n - 1 - i)));
+    std::swap(order[static_cast<size_t>(i)], order[static_cast<size_t>(j)]);
+  }
+  order.resize(static_cast<size_t>(count));
+  std::sort(order.begin(), order.end());
+  return order;
+}
+
 ImageCaptionDataset ImageCaptionDataset::load_twemoji(const std::string& root, int resolution,
-                                                      const std::vector<std::string>& categories) {
+                                                      const std::vector<std::string>& categories,
+                                                      const DatasetSelection& selection) {
   const std::string json_path = (fs::path(root) / "emoji.json").string();
   nlohmann::json entries;
   try {
@@ -255,10 +283,11 @@ ImageCaptionDataset ImageCaptionDataset::load_twemoji(const std::string& root, i
            fmt::join(seen_categories, "\", \""));
     }
   }
-  return decode_all(std::move(candidates), resolution, root);
+  return decode_all(std::move(candidates), resolution, root, selection);
 }
 
-ImageCaptionDataset ImageCaptionDataset::load_folder(const std::string& dir, int resolution) {
+ImageCaptionDataset ImageCaptionDataset::load_folder(const std::string& dir, int resolution,
+                                                     const DatasetSelection& selection) {
   std::error_code ec;
   if (!fs::is_directory(dir, ec)) fail("dataset folder {}: not a directory", dir);
   const fs::path root_canonical = fs::canonical(dir, ec);
@@ -300,13 +329,14 @@ ImageCaptionDataset ImageCaptionDataset::load_folder(const std::string& dir, int
     c.empty_caption = has_caption && c.caption.empty();
     candidates.push_back(std::move(c));
   }
-  ImageCaptionDataset ds = decode_all(std::move(candidates), resolution, dir);
+  ImageCaptionDataset ds = decode_all(std::move(candidates), resolution, dir, selection);
   ds.warnings_ = std::move(walk.warnings());
   return ds;
 }
 
 ImageCaptionDataset ImageCaptionDataset::load(const std::string& path, int resolution,
-                                              const std::vector<std::string>& twemoji_categories) {
+                                              const std::vector<std::string>& twemoji_categories,
+                                              const DatasetSelection& selection) {
   std::error_code ec;
   const fs::path p(path);
   if (!fs::exists(p, ec)) {
@@ -317,7 +347,7 @@ ImageCaptionDataset ImageCaptionDataset::load(const std::string& path, int resol
         path);
   }
   if (fs::is_regular_file(p, ec) && p.filename() == "emoji.json") {
-    return load_twemoji(p.parent_path().string(), resolution, twemoji_categories);
+    return load_twemoji(p.parent_path().string(), resolution, twemoji_categories, selection);
   }
   if (!fs::is_directory(p, ec)) {
     fail(
@@ -325,19 +355,21 @@ ImageCaptionDataset ImageCaptionDataset::load(const std::string& path, int resol
         ".txt captions)",
         path);
   }
-  if (fs::is_regular_file(p / "emoji.json", ec)) return load_twemoji(path, resolution, twemoji_categories);
+  if (fs::is_regular_file(p / "emoji.json", ec)) return load_twemoji(path, resolution, twemoji_categories, selection);
   if (!twemoji_categories.empty()) {
     fail(
         "dataset folder {}: twemoji_categories applies to the Twemoji layout (a folder with emoji.json) only; "
         "this folder has none",
         path);
   }
-  return load_folder(path, resolution);
+  return load_folder(path, resolution, selection);
 }
 
 ImageCaptionDataset ImageCaptionDataset::decode_all(std::vector<Candidate> candidates, int resolution,
-                                                    const std::string& source) {
+                                                    const std::string& source, const DatasetSelection& selection) {
   if (resolution < 1) fail("dataset {}: resolution must be >= 1, got {}", source, resolution);
+  const auto listed = static_cast<int64_t>(candidates.size());
+  keep_selected(candidates, selection);
   const int64_t n = static_cast<int64_t>(candidates.size());
   auto all = at::empty({n, 3, resolution, resolution}, at::kByte);
   std::vector<std::string> reasons(static_cast<size_t>(n));
@@ -361,6 +393,7 @@ ImageCaptionDataset ImageCaptionDataset::decode_all(std::vector<Candidate> candi
 
   ImageCaptionDataset ds;
   ds.resolution_ = resolution;
+  ds.listed_ = listed;
   std::vector<int64_t> keep;
   std::vector<std::string> missing, empty;
   for (int64_t i = 0; i < n; ++i) {
@@ -547,7 +580,8 @@ void list_metadata_subset(const DatasetSubset& sub, size_t spec, std::vector<Buc
 
 }  // namespace
 
-ImageCaptionDataset ImageCaptionDataset::load_buckets(const std::vector<DatasetSpec>& specs_in, uint64_t seed) {
+ImageCaptionDataset ImageCaptionDataset::load_buckets(const std::vector<DatasetSpec>& specs_in, uint64_t seed,
+                                                      const DatasetSelection& selection) {
   if (specs_in.empty()) fail("datasets: none given");
   std::vector<DatasetSpec> specs = specs_in;
   std::vector<BucketItem> items;
@@ -570,6 +604,8 @@ ImageCaptionDataset ImageCaptionDataset::load_buckets(const std::vector<DatasetS
       }
     }
   }
+  const auto listed = static_cast<int64_t>(items.size());
+  keep_selected(items, selection);
   // Sizes from the headers.
   const auto n = static_cast<int64_t>(items.size());
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
@@ -616,6 +652,7 @@ ImageCaptionDataset ImageCaptionDataset::load_buckets(const std::vector<DatasetS
   });
 
   ImageCaptionDataset ds;
+  ds.listed_ = listed;
   std::vector<std::string> missing, empty;
   std::vector<std::vector<at::Tensor>> rows;
   std::map<std::pair<size_t, BucketReso>, int64_t> bucket_id;

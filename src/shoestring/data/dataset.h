@@ -88,6 +88,23 @@ struct CaptionStats {
   int64_t empty = 0;         ///< a caption file whose first line is empty or only whitespace: caption ""
 };
 
+/// A seeded subset of a dataset's images, for quick experiments on part of it
+/// (the config's max_train_images, max_train_images_seed).
+struct DatasetSelection {
+  int64_t max_images = 0;  ///< keep this many of the images listed (0 = every one)
+  uint64_t seed = 0;       ///< which ones (seeded_subset)
+};
+
+/// `count` distinct indices of [0, n), ascending (all of them when count >=
+/// n): the first `count` positions of a forward Fisher-Yates shuffle of
+/// [0, n) (position i swapped with i + a draw in [0, n - 1 - i]) driven by
+/// std::mt19937_64 seeded through std::seed_seq{seed lo32, seed hi32}, with
+/// the bounded draws of data/random_draw.h (the same on every platform).
+/// Each index is in the subset with probability count / n; the same seed
+/// gives the same subset, and the subset of a smaller count is contained in
+/// that of a larger one. Throws shoestring::Error for n < 0 or count < 0.
+std::vector<int64_t> seeded_subset(int64_t n, int64_t count, uint64_t seed);
+
 /// In-memory image/caption dataset; images stored as uint8 [N, 3, R, R]
 /// (RGB, alpha composited over white, centre-cropped and resized: see
 /// decode_image in image.h).
@@ -109,8 +126,12 @@ class ImageCaptionDataset {
   /// Throws shoestring::Error naming the file and entry/key when emoji.json is
   /// unreadable or malformed, when a category of `categories` names none of
   /// the file's (listing those), or when no image loads.
+  /// `selection` keeps a seeded subset of the images listed (after
+  /// `categories`), chosen before any is decoded; one of them that then does
+  /// not load is skipped as usual, so a dataset may hold fewer.
   static ImageCaptionDataset load_twemoji(const std::string& root, int resolution,
-                                          const std::vector<std::string>& categories = {});
+                                          const std::vector<std::string>& categories = {},
+                                          const DatasetSelection& selection = {});
 
   /// kohya-ss layout: a folder searched recursively (names starting with '.'
   /// ignored, paths sorted) for images (.png .jpg .jpeg .bmp .gif .tga, any
@@ -133,7 +154,9 @@ class ImageCaptionDataset {
   /// Throws shoestring::Error if `dir` is not a folder or cannot be listed, if
   /// no image loads, or if a caption file is not valid UTF-8 (RFC 3629),
   /// naming the file and the byte offset (kohya stops on it too).
-  static ImageCaptionDataset load_folder(const std::string& dir, int resolution);
+  /// `selection` keeps a seeded subset of the images listed, as load_twemoji.
+  static ImageCaptionDataset load_folder(const std::string& dir, int resolution,
+                                         const DatasetSelection& selection = {});
 
   /// Picks the layout: `path`/emoji.json present (or `path` is an emoji.json
   /// file) -> load_twemoji, else a folder -> load_folder. Throws
@@ -141,7 +164,8 @@ class ImageCaptionDataset {
   /// fetch the emoji dataset (scripts/fetch_twemoji.sh), or if
   /// `twemoji_categories` is not empty and `path` is not the Twemoji layout.
   static ImageCaptionDataset load(const std::string& path, int resolution,
-                                  const std::vector<std::string>& twemoji_categories = {});
+                                  const std::vector<std::string>& twemoji_categories = {},
+                                  const DatasetSelection& selection = {});
 
   /// kohya's datasets with aspect-ratio buckets (library/train_util.py
   /// BaseDataset.make_buckets): for each spec, its subsets' images (in subset
@@ -160,7 +184,11 @@ class ImageCaptionDataset {
   /// metadata file that cannot be read, a malformed metadata entry (unknown
   /// key, wrong type), an image of a metadata file that does not exist,
   /// invalid UTF-8 captions, bad bucket settings, no image at all.
-  static ImageCaptionDataset load_buckets(const std::vector<DatasetSpec>& specs, uint64_t seed);
+  /// `selection` keeps a seeded subset of the images listed over all specs
+  /// (in the order above), chosen before their sizes are read; each keeps its
+  /// subset's num_repeats.
+  static ImageCaptionDataset load_buckets(const std::vector<DatasetSpec>& specs, uint64_t seed,
+                                          const DatasetSelection& selection = {});
 
   /// True for a dataset made by load_buckets.
   bool bucketed() const { return !buckets_.empty(); }
@@ -191,6 +219,9 @@ class ImageCaptionDataset {
 
   /// Number of images N.
   int64_t size() const { return static_cast<int64_t>(captions_.size()); }
+  /// Images listed before a DatasetSelection kept its subset (loaded or
+  /// skipped; size() + skipped().size() without a selection).
+  int64_t listed_images() const { return listed_; }
   /// Side R of the square images, pixels (0 for a bucketed dataset).
   int resolution() const { return resolution_; }
   /// N captions, aligned with images().
@@ -226,9 +257,11 @@ class ImageCaptionDataset {
     bool empty_caption = false;    ///< the caption file's first line is blank
   };
   /// Decodes candidates in parallel (at::parallel_for); failures go to skipped().
-  static ImageCaptionDataset decode_all(std::vector<Candidate> candidates, int resolution, const std::string& source);
+  static ImageCaptionDataset decode_all(std::vector<Candidate> candidates, int resolution, const std::string& source,
+                                        const DatasetSelection& selection);
 
   int resolution_ = 0;
+  int64_t listed_ = 0;
   // load_buckets only:
   std::vector<DatasetBucket> buckets_;
   std::vector<at::Tensor> bucket_images_;

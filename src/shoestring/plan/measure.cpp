@@ -31,7 +31,11 @@ Measurement measure_training(TrainConfig config, int64_t steps) {
   fs::remove_all(dir);
   config.output_dir = dir.string();
   config.max_train_steps = steps;
+  config.max_train_epochs = 0;  // would size max_train_steps again
   config.save_every_n_steps = 0;
+  config.save_every_n_epochs = 0;
+  config.save_last_n_steps = 0;
+  config.save_last_n_epochs = 0;
   config.sample_every_n_steps = 0;
   config.sample_steps = 1;
   config.sample_seeds = 1;

@@ -131,7 +131,9 @@ nlohmann::json counters_to_json(const TrainingCounters& c) {
           {"fused_previous_grad_norm", optional(c.fused_previous_grad_norm)},
           {"world_size", c.world_size},
           {"train_batch_size", c.train_batch_size},
-          {"gradient_accumulation_steps", c.gradient_accumulation_steps}};
+          {"gradient_accumulation_steps", c.gradient_accumulation_steps},
+          {"epoch_end", c.epoch_end},
+          {"step_checkpoint", c.step_checkpoint}};
 }
 
 TrainingCounters counters_from_json(const nlohmann::json& j, const std::string& source) {
@@ -158,6 +160,8 @@ TrainingCounters counters_from_json(const nlohmann::json& j, const std::string& 
     c.world_size = j.value("world_size", int64_t{0});
     c.train_batch_size = j.value("train_batch_size", int64_t{0});
     c.gradient_accumulation_steps = j.value("gradient_accumulation_steps", int64_t{0});
+    c.epoch_end = j.value("epoch_end", int64_t{0});
+    c.step_checkpoint = j.value("step_checkpoint", true);
     if (j.contains("precision_upcast")) c.precision_upcast = j["precision_upcast"].get<std::vector<std::string>>();
     if (j.contains("fused_previous_grad_norm") && j["fused_previous_grad_norm"].is_number()) {
       c.fused_previous_grad_norm = j["fused_previous_grad_norm"].get<double>();
@@ -179,8 +183,9 @@ void save_training_state(const std::string& path, const TrainingState& state) {
   save_safetensors(path, tensors, {{"training_state", counters_to_json(state.counters).dump()}});
 }
 
-TrainingState load_training_state(const std::string& path) {
-  auto file = SafetensorsFile::open(path);
+namespace {
+
+TrainingCounters counters_of(const SafetensorsFile& file) {
   auto it = file.metadata().find("training_state");
   if (it == file.metadata().end()) fail("{}: missing 'training_state' metadata", file.path());
   nlohmann::json meta;
@@ -189,8 +194,17 @@ TrainingState load_training_state(const std::string& path) {
   } catch (const nlohmann::json::exception& e) {
     fail("{}: 'training_state' metadata is not valid JSON: {}", file.path(), e.what());
   }
+  return counters_from_json(meta, file.path());
+}
+
+}  // namespace
+
+TrainingCounters load_training_counters(const std::string& path) { return counters_of(SafetensorsFile::open(path)); }
+
+TrainingState load_training_state(const std::string& path) {
+  auto file = SafetensorsFile::open(path);
   TrainingState state;
-  state.counters = counters_from_json(meta, file.path());
+  state.counters = counters_of(file);
   const std::pair<const char*, std::vector<std::pair<std::string, at::Tensor>>*> groups[] = {
       {"optimizer.", &state.optimizer}, {"ema.", &state.ema}, {"master.", &state.master}};
   for (const auto& info : file.tensors()) {

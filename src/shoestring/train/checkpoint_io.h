@@ -144,6 +144,12 @@ struct TrainingCounters {
   int64_t world_size = 0;
   int64_t train_batch_size = 0;
   int64_t gradient_accumulation_steps = 0;
+  /// What the checkpoint was saved for (train/epochs.h, CheckpointRecord), read
+  /// by retention: "epoch_end", the epoch save_every_n_epochs saved it at the
+  /// end of (0 = none), and "step_checkpoint", saved by save_every_n_steps or
+  /// as the run's last step (older files: true).
+  int64_t epoch_end = 0;
+  bool step_checkpoint = true;
 };
 
 /// Everything state.safetensors holds: the counters and the optimizer, EMA
@@ -169,5 +175,10 @@ void save_training_state(const std::string& path, const TrainingState& state);
 /// "training_state" metadata, a missing required counter, a tensor outside
 /// the four groups, or no "rng.cpu".
 TrainingState load_training_state(const std::string& path);
+
+/// The counters of a file written by save_training_state, from its header
+/// alone (no tensor is read). Throws shoestring::Error as load_training_state
+/// for the metadata.
+TrainingCounters load_training_counters(const std::string& path);
 
 }  // namespace shoestring

@@ -216,6 +216,19 @@ void validate(const TrainConfig& c, const std::string& source) {
     fail("{}: {}", source, e.what());
   }
   if (c.sample_prompts.empty()) fail("{}: sample_prompts must hold at least one prompt", source);
+  // kohya's retention keys thin out the checkpoints of a cadence; without it they have nothing to act on.
+  if (c.save_last_n_steps > 0 && c.save_every_n_steps == 0) {
+    fail(
+        "{}: save_last_n_steps = {} needs save_every_n_steps (it keeps the checkpoints saved every N steps of the "
+        "last save_last_n_steps steps)",
+        source, c.save_last_n_steps);
+  }
+  if (c.save_last_n_epochs > 0 && c.save_every_n_epochs == 0) {
+    fail(
+        "{}: save_last_n_epochs = {} needs save_every_n_epochs (it keeps the last N of the checkpoints saved every "
+        "N epochs)",
+        source, c.save_last_n_epochs);
+  }
   if (c.zero_stage > 2) {
     fail(
         "{}: zero_stage = {} is not implemented yet (stage 3, sharded parameters, is planned); use zero_stage = 2 "

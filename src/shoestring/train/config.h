@@ -48,6 +48,8 @@ struct TrainConfig {
   int64_t dataset_repeats = 1;             ///< kohya's dataset_repeats: num_repeats of the main-config dataset
   bool flip_aug = false;                   ///< also train on mirrored images
   bool random_crop = false;                ///< random instead of centre crop (refused with cached latents)
+  int64_t max_train_images = 0;            ///< a seeded subset of this many images (0 = every image)
+  int64_t max_train_images_seed = 0;       ///< seed of that subset (independent of `seed`)
 
   // ---- model ----
   /// A registered denoiser architecture (models/architecture.h,
@@ -92,6 +94,7 @@ struct TrainConfig {
   int64_t lr_warmup_steps = 0;
   int64_t train_batch_size = 1;
   int64_t max_train_steps = 1600;
+  int64_t max_train_epochs = 0;  ///< kohya's: sets max_train_steps to epochs x steps per epoch (0 = off)
   double max_train_minutes = 0;  ///< wall-time budget of a run's first invocation; sizes max_train_steps (0 = off)
   int64_t gradient_accumulation_steps = 1;
   double max_grad_norm = 1.0;  ///< 0 disables clipping
@@ -144,6 +147,9 @@ struct TrainConfig {
   // ---- output ----
   std::string output_dir = "runs/emoji";
   int64_t save_every_n_steps = 0;    ///< 0: only at the end
+  int64_t save_every_n_epochs = 0;   ///< a checkpoint at the end of every Nth epoch (0: none)
+  int64_t save_last_n_steps = 0;     ///< keep step checkpoints of the last N steps only (0: keep all)
+  int64_t save_last_n_epochs = 0;    ///< keep the last N epoch checkpoints only (0: keep all)
   int64_t sample_every_n_steps = 0;  ///< 0: only at the end
   std::vector<std::string> sample_prompts = {"grinning face", "blue heart", "pile of poo", "ghost"};
   int64_t sample_seeds = 4;  ///< columns of the sample grid

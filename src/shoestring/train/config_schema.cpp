@@ -81,6 +81,15 @@ const std::vector<Field>& schema() {
             "crop buckets at a random instead of the centre offset; refused by the LDM families, which encode "
             "latents once (kohya refuses it with cache_latents)"}
           .with(kResumeValue | kReleasedModelOnly),
+      Field{"max_train_images", &TrainConfig::max_train_images,
+            "train on a seeded subset of this many of the dataset's images, for quick experiments (the same "
+            "max_train_images_seed picks the same images; a larger count keeps the smaller one's); 0 = every image",
+            0, 1e12}
+          .with(kResumeValue),
+      Field{"max_train_images_seed", &TrainConfig::max_train_images_seed,
+            "seed of the max_train_images subset (independent of seed, so runs of several seeds share a subset)", 0,
+            9.0e18}
+          .with(kResumeValue),
       Field{"model.architecture", &TrainConfig::architecture,
             "model architecture: the emoji example's tiny-unet, or a released one (docs/architectures.md)", -kInf, kInf,
             models::denoiser_architectures()}
@@ -173,6 +182,11 @@ const std::vector<Field>& schema() {
       {"lr_warmup_steps", &TrainConfig::lr_warmup_steps, "linear warmup length in optimizer steps", 0, 1e12},
       Field{"train_batch_size", &TrainConfig::train_batch_size, "images per micro-batch", 1, 65536}.with(kResumeValue),
       {"max_train_steps", &TrainConfig::max_train_steps, "optimizer steps to train", 1, 1e12},
+      {"max_train_epochs", &TrainConfig::max_train_epochs,
+       "train this many epochs (kohya's: max_train_steps becomes epochs x ceil(batches per epoch / "
+       "gradient_accumulation_steps), an epoch counting each image num_repeats times; overrides max_train_steps, "
+       "as in kohya; --max-steps clears it); 0 = off",
+       0, 1e9},
       {"max_train_minutes", &TrainConfig::max_train_minutes,
        "wall-time budget (minutes) of the whole train command: after timing the first steps, max_train_steps "
        "becomes what fits (never more), recorded in the run's config.toml (0 = off)",
@@ -305,6 +319,17 @@ const std::vector<Field>& schema() {
       {"output_dir", &TrainConfig::output_dir, "run folder"},
       {"save_every_n_steps", &TrainConfig::save_every_n_steps,
        "checkpoint cadence in optimizer steps (0 = only at the end)", 0, 1e12},
+      {"save_every_n_epochs", &TrainConfig::save_every_n_epochs,
+       "also checkpoint at the end of every Nth epoch (epoch e ends at step e x steps per epoch; 0 = never)", 0, 1e12},
+      {"save_last_n_steps", &TrainConfig::save_last_n_steps,
+       "keep only the step checkpoints (save_every_n_steps, the last step) of the last N steps, deleting older "
+       "ones after each new checkpoint is committed, as kohya's; never the newest or the one latest.json names "
+       "(0 = keep all)",
+       0, 1e12},
+      {"save_last_n_epochs", &TrainConfig::save_last_n_epochs,
+       "keep only the last N epoch checkpoints (save_every_n_epochs), deleting older ones after each new "
+       "checkpoint is committed, as kohya's; a checkpoint that is also a kept step checkpoint stays (0 = keep all)",
+       0, 1e12},
       {"sample_every_n_steps", &TrainConfig::sample_every_n_steps,
        "sample-grid cadence in optimizer steps (0 = only at the end)", 0, 1e12},
       {"sample_prompts", &TrainConfig::sample_prompts, "prompts of the sample grid (one row each)"},

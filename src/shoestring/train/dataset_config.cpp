@@ -2,6 +2,7 @@
 #include "shoestring/train/dataset_config.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <filesystem>
 #include <limits>
@@ -287,12 +288,108 @@ DatasetSpec make_spec(const Chain& chain, const std::string& where) {
   return d;
 }
 
+constexpr const char* kRepeatsForm =
+    "<repeats>_<class tokens>, e.g. \"10_sks dog\" (each image of it 10 entries per epoch, captioned \"sks dog\" "
+    "without a caption file)";
+
+/// The subfolders of `dir`, not hidden, sorted by name.
+std::vector<std::filesystem::path> subfolders(const std::string& dir) {
+  namespace fs = std::filesystem;
+  std::vector<fs::path> out;
+  std::error_code ec;
+  fs::directory_iterator it(dir, ec);
+  if (ec) return out;
+  for (; it != fs::directory_iterator(); it.increment(ec)) {
+    if (ec) break;
+    const std::string name = it->path().filename().string();
+    if (!name.empty() && name[0] != '.' && it->is_directory(ec)) out.push_back(it->path());
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+/// kohya's DreamBooth layout of train_data_dir: one subset per "<repeats>_<class tokens>" subfolder.
+std::vector<DatasetSubset> repeats_folder_subsets(const std::string& dir, const TrainConfig& c, const Chain& chain) {
+  namespace fs = std::filesystem;
+  std::vector<fs::path> folders = subfolders(dir);
+  std::string example;
+  for (const fs::path& f : folders) {
+    if (parse_repeats_folder_name(f.filename().string())) {
+      example = f.filename().string();
+      break;
+    }
+  }
+  const std::string layout = fmt::format(
+      "train_data_dir {} is in kohya's DreamBooth layout (its subfolder \"{}\" is named <repeats>_<class tokens>)", dir,
+      example);
+  if (c.dataset_repeats != TrainConfig{}.dataset_repeats) {
+    fail("{}, whose folder names give the repeats; dataset_repeats = {} contradicts them: remove it", layout,
+         c.dataset_repeats);
+  }
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    std::string ext = e.path().extension().string();
+    std::transform(ext.begin(), ext.end(), ext.begin(), [](unsigned char ch) { return std::tolower(ch); });
+    const bool image = ext == ".png" || ext == ".jpg" || ext == ".jpeg" || ext == ".bmp" || ext == ".gif" ||
+                       ext == ".tga" || ext == ".webp";
+    if (!name.empty() && name[0] != '.' && image && e.is_regular_file(ec)) {
+      fail("{}: image {} is in no subfolder, so it has no repeats (kohya ignores it); move it into a folder named {}",
+           layout, e.path().string(), kRepeatsForm);
+    }
+  }
+  std::vector<DatasetSubset> out;
+  for (const fs::path& f : folders) {
+    const std::string name = f.filename().string();
+    const std::optional<RepeatsFolderName> parsed = parse_repeats_folder_name(name);
+    if (!parsed) {
+      fail("{}, so every subfolder must be: {} is not (expected {}); rename it, or move it out of train_data_dir",
+           layout, f.string(), kRepeatsForm);
+    }
+    DatasetSubset s = make_subset(chain, fmt::format("main config: train_data_dir {}", f.string()));
+    s.image_dir = f.string();
+    s.num_repeats = parsed->num_repeats;
+    s.class_tokens = parsed->class_tokens;
+    s.recursive = false;  // kohya's glob_images: the folder's own files
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
 }  // namespace
+
+std::optional<RepeatsFolderName> parse_repeats_folder_name(const std::string& name) {
+  size_t digits = 0;
+  while (digits < name.size() && name[digits] >= '0' && name[digits] <= '9') ++digits;
+  if (digits == 0 || (digits < name.size() && name[digits] != '_')) return std::nullopt;
+  constexpr int64_t kMaxRepeats = 1000000;  // num_repeats' range (dataset_keys)
+  RepeatsFolderName out;
+  for (size_t i = 0; i < digits; ++i) {
+    out.num_repeats = out.num_repeats * 10 + (name[i] - '0');
+    if (out.num_repeats > kMaxRepeats) {
+      fail("folder \"{}\": {} repeats is more than {} (num_repeats' range)", name, name.substr(0, digits), kMaxRepeats);
+    }
+  }
+  out.class_tokens = digits < name.size() ? name.substr(digits + 1) : std::string();
+  return out;
+}
+
+bool has_repeats_folders(const std::string& dir) {
+  for (const auto& f : subfolders(dir)) {
+    try {
+      if (parse_repeats_folder_name(f.filename().string())) return true;
+    } catch (const Error&) {
+      return true;  // in the layout, with repeats out of range: dataset_specs says so
+    }
+  }
+  return false;
+}
 
 bool uses_kohya_datasets(const TrainConfig& c) {
   const TrainConfig d;
   return !c.dataset_config.empty() || !c.in_json.empty() || c.enable_bucket || c.flip_aug || c.random_crop ||
-         c.caption_extension != d.caption_extension || c.dataset_repeats != d.dataset_repeats;
+         c.caption_extension != d.caption_extension || c.dataset_repeats != d.dataset_repeats ||
+         has_repeats_folders(expand_path(c.train_data_dir));
 }
 
 std::vector<DatasetSpec> parse_dataset_config(const std::string& toml_text, const std::string& source,
@@ -401,6 +498,10 @@ std::vector<DatasetSpec> dataset_specs(const TrainConfig& c) {
         "in_json, flip_aug, random_crop, caption_extension and dataset_repeats need kohya's layout (images with "
         "caption files)",
         s.image_dir);
+  }
+  if (s.metadata_file.empty() && has_repeats_folders(s.image_dir)) {
+    spec.subsets = repeats_folder_subsets(s.image_dir, c, chain);
+    return {spec};
   }
   s.recursive = true;
   if (!s.metadata_file.empty()) s.where = "main config: in_json";

@@ -5,6 +5,7 @@
 // bucket keys. Each key of the dataset TOML is declared once here (level,
 // type, meaning); docs/config.md lists them (config_reference_markdown).
 #pragma once
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -13,10 +14,33 @@
 
 namespace shoestring {
 
+/// kohya's DreamBooth folder name "<repeats>_<class tokens>", as
+/// library/config_util.py's generate_dreambooth_subsets_config_by_subdirs
+/// (extract_dreambooth_params) reads it.
+struct RepeatsFolderName {
+  int64_t num_repeats = 0;   ///< the leading number
+  std::string class_tokens;  ///< the rest after the first '_' ("" for a name of digits only)
+};
+
+/// Parses a folder name as kohya splits it: name.split("_"), the first part
+/// the repeats, the others joined by '_' the class tokens ("10_sks dog" ->
+/// 10, "sks dog"; "10_sks_dog" -> 10, "sks_dog"; "3" -> 3, ""). The repeats
+/// must be decimal digits only (kohya's int() also takes a sign or spaces).
+/// nullopt when the name does not start so (kohya ignores such a folder with
+/// a warning; shoestring refuses it, see dataset_specs). Throws
+/// shoestring::Error naming the folder for repeats above 1e6 (num_repeats' range).
+std::optional<RepeatsFolderName> parse_repeats_folder_name(const std::string& name);
+
+/// True when `dir` (an existing folder) has a subfolder, not hidden, whose
+/// name parse_repeats_folder_name reads: kohya's DreamBooth layout of
+/// train_data_dir. False for anything else, a missing `dir` included.
+bool has_repeats_folders(const std::string& dir);
+
 /// True when `config` trains on kohya datasets (ImageCaptionDataset::load_buckets):
-/// dataset_config or in_json set, or enable_bucket, flip_aug, random_crop,
-/// caption_extension or dataset_repeats away from their defaults. Otherwise
-/// the run loads train_data_dir square (ImageCaptionDataset::load).
+/// dataset_config or in_json set, enable_bucket, flip_aug, random_crop,
+/// caption_extension or dataset_repeats away from their defaults, or a
+/// train_data_dir in kohya's DreamBooth layout (has_repeats_folders).
+/// Otherwise the run loads train_data_dir square (ImageCaptionDataset::load).
 bool uses_kohya_datasets(const TrainConfig& config);
 
 /// The datasets of `config`. With dataset_config: the TOML's datasets, each
@@ -27,8 +51,15 @@ bool uses_kohya_datasets(const TrainConfig& config);
 /// flip_aug, random_crop, shuffle_caption, keep_tokens, caption_dropout_rate,
 /// caption_tag_dropout_rate; then kohya's defaults). Paths expand as
 /// expand_path and are taken from the working directory, as kohya takes them.
-/// Else one dataset of train_data_dir (recursive, as load_folder) with
-/// in_json as its metadata file when set.
+/// Else one dataset of train_data_dir: with in_json, its metadata file;
+/// without, in kohya's DreamBooth layout (has_repeats_folders), one subset
+/// per subfolder "<repeats>_<class tokens>" (its own files, not recursive,
+/// num_repeats and class_tokens from the name, in name order; kohya's
+/// generate_dreambooth_subsets_config_by_subdirs), else one subset of the
+/// whole folder (recursive, as load_folder). In that layout a subfolder of
+/// another name, an image directly in train_data_dir (kohya ignores both) or
+/// dataset_repeats away from 1 (the names give the repeats) are errors
+/// naming the folder / file and the expected form.
 /// Throws shoestring::Error naming the file, the table
 /// (datasets[i].subsets[j]) and the key: unreadable file, TOML syntax error,
 /// unknown key (with the nearest valid one), a kohya key shoestring does not

@@ -1,7 +1,11 @@
 #include "shoestring/train/run.h"
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <map>
+#include <optional>
 #include <set>
 
 #include <spdlog/spdlog.h>
@@ -131,8 +135,10 @@ void check_resume(const std::string& run_dir, const std::string& checkpoint_dir,
                    fmt::join(changed, "; "));
   }
   // "step-000123" (checkpoint folders are named by step_name()).
+  // With max_train_epochs the step count is known once the dataset is
+  // loaded: setup_run checks it then (after apply_epochs).
   const std::string name = fs::path(checkpoint_dir).filename().string();
-  if (name.rfind("step-", 0) == 0)
+  if (name.rfind("step-", 0) == 0 && now.max_train_epochs == 0)
     refuse_if_finished(run_dir, std::strtoll(name.c_str() + 5, nullptr, 10), now.max_train_steps);
 }
 
@@ -528,6 +534,57 @@ BatchSampler::Position resumed_data_position(const Run& run, const TrainingCount
   return p;
 }
 
+/// kohya's "num train images * repeats": "20 images x 10 repeats + 5 images x
+/// 1 repeat = 205 entries" (repeats from the largest; square datasets: 1 each).
+std::string entries_text(const ImageCaptionDataset& dataset, int64_t entries) {
+  std::map<int64_t, int64_t, std::greater<>> images_of;  // repeats -> images
+  for (int64_t i = 0; i < dataset.size(); ++i) ++images_of[dataset.bucketed() ? dataset.num_repeats(i) : 1];
+  std::vector<std::string> parts;
+  for (const auto& [repeats, images] : images_of) {
+    parts.push_back(
+        fmt::format("{} image{} x {} repeat{}", images, images == 1 ? "" : "s", repeats, repeats == 1 ? "" : "s"));
+  }
+  return fmt::format("{} = {} entries", fmt::join(parts, " + "), entries);
+}
+
+/// Epochs (train/epochs.h): the run's steps_per_epoch, and max_train_epochs
+/// turned into max_train_steps as kohya's train_network.py does (epochs win
+/// over max_train_steps; the log says so).
+void apply_epochs(Run& run, bool quiet) {
+  TrainConfig& c = run.config;
+  const int64_t batches = run.sampler->batches_per_epoch();
+  run.steps_per_epoch = steps_per_epoch(batches, c.gradient_accumulation_steps);
+  if (c.max_train_epochs == 0 && c.save_every_n_epochs == 0) return;
+  const int64_t configured_steps = c.max_train_steps;
+  if (c.max_train_epochs > 0) c.max_train_steps = steps_for_epochs(c.max_train_epochs, run.steps_per_epoch);
+  if (quiet) return;
+  const std::string per_epoch =
+      fmt::format("epochs: {} per epoch; {} batches / gradient_accumulation_steps {} = {} steps per epoch",
+                  entries_text(run.dataset, run.sampler->dataset_size()), batches, c.gradient_accumulation_steps,
+                  run.steps_per_epoch);
+  if (c.max_train_epochs > 0) {
+    spdlog::info("{}; {} epoch{} = {} steps (max_train_epochs overrides max_train_steps = {}, as in kohya)", per_epoch,
+                 c.max_train_epochs, c.max_train_epochs == 1 ? "" : "s", c.max_train_steps, configured_steps);
+  } else {
+    spdlog::info("{}", per_epoch);
+  }
+  if (batches % c.gradient_accumulation_steps != 0) {
+    spdlog::info(
+        "epochs: {} batches are not a multiple of gradient_accumulation_steps {}: the last step of each epoch also "
+        "takes the first {} micro-batch(es) of the next (kohya's sums only the {} left); epoch e still ends at step "
+        "e x {}",
+        batches, c.gradient_accumulation_steps, c.gradient_accumulation_steps - batches % c.gradient_accumulation_steps,
+        batches % c.gradient_accumulation_steps, run.steps_per_epoch);
+  }
+}
+
+/// "step-000123" -> 123 (checkpoint folders are named by step_name()); nullopt for any other name.
+std::optional<int64_t> step_of_folder(const std::string& name) {
+  if (name.size() <= 5 || name.rfind("step-", 0) != 0) return std::nullopt;
+  if (!std::all_of(name.begin() + 5, name.end(), [](char ch) { return ch >= '0' && ch <= '9'; })) return std::nullopt;
+  return std::strtoll(name.c_str() + 5, nullptr, 10);
+}
+
 }  // namespace
 
 std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions& options) {
@@ -561,9 +618,10 @@ std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions&
   torch::manual_seed(static_cast<uint64_t>(c.seed));
 
   // ---- data ----
+  const DatasetSelection selection{c.max_train_images, static_cast<uint64_t>(c.max_train_images_seed)};
   if (!dataset_specs_of_run.empty()) {
     // kohya's datasets in aspect-ratio buckets: a batch is one bucket's.
-    run.dataset = ImageCaptionDataset::load_buckets(dataset_specs_of_run, static_cast<uint64_t>(c.seed));
+    run.dataset = ImageCaptionDataset::load_buckets(dataset_specs_of_run, static_cast<uint64_t>(c.seed), selection);
     std::vector<SamplerBucket> buckets = sampler_buckets(run.dataset);
     int64_t entries = 0;
     for (SamplerBucket& b : buckets) {
@@ -593,7 +651,7 @@ std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions&
                                                  /*partial_batches=*/run.world_size() == 1);
   } else {
     const std::string data_dir = expand_path(c.train_data_dir);
-    run.dataset = ImageCaptionDataset::load(data_dir, static_cast<int>(c.resolution), c.twemoji_categories);
+    run.dataset = ImageCaptionDataset::load(data_dir, static_cast<int>(c.resolution), c.twemoji_categories, selection);
     if (!options.quiet) {
       spdlog::info("dataset: {} images from {} ({} skipped; captions: {} missing, {} empty)", run.dataset.size(),
                    data_dir, run.dataset.skipped().size(), run.dataset.caption_stats().missing,
@@ -603,6 +661,18 @@ std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions&
     // trains on its own rows of each (train_step).
     run.sampler = std::make_unique<BatchSampler>(run.dataset.size(), c.train_batch_size * run.world_size(),
                                                  static_cast<uint64_t>(c.seed));
+  }
+
+  if (c.max_train_images > 0 && !options.quiet) {
+    spdlog::info("max_train_images = {} (max_train_images_seed = {}): {} of the {} images listed, {} loaded",
+                 c.max_train_images, c.max_train_images_seed, std::min(c.max_train_images, run.dataset.listed_images()),
+                 run.dataset.listed_images(), run.dataset.size());
+  }
+  apply_epochs(run, options.quiet);  // max_train_epochs, save_every_n_epochs
+  if (c.max_train_epochs > 0 && !run.resume_from.empty()) {
+    // The step count is known now: a finished run is refused before the model is built (check_resume could not).
+    if (const auto step = step_of_folder(fs::path(run.resume_from).filename().string()))
+      refuse_if_finished(run.run_dir, *step, c.max_train_steps);
   }
 
   // ---- model (base weights of a fine-tune / LoRA run: kohya's pretrained_model_name_or_path) ----
@@ -694,6 +764,7 @@ std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions&
 
 void set_max_train_steps(Run& run, int64_t steps, const std::string& why) {
   run.config.max_train_steps = steps;
+  run.config.max_train_epochs = 0;  // the sized count is the run's now, on resume too
   write_bytes_atomic((fs::path(run.run_dir) / "config.toml").string(), to_toml(run.config));
   spdlog::info("{}", why);
 }
@@ -749,6 +820,9 @@ std::string write_checkpoint(Run& run, int64_t step) {
   counters.world_size = run.world_size();
   counters.train_batch_size = run.config.train_batch_size;
   counters.gradient_accumulation_steps = run.config.gradient_accumulation_steps;
+  const SaveSchedule schedule = save_schedule(run);
+  counters.epoch_end = schedule.saved_epoch(step);  // what retention reads (remove_expired_checkpoints)
+  counters.step_checkpoint = schedule.step_checkpoint(step);
   const GradientPathState path_state = run.gradients->state();
   if (path_state.loss_scale) {
     counters.loss_scale = path_state.loss_scale;
@@ -769,6 +843,76 @@ std::string write_checkpoint(Run& run, int64_t step) {
 
 void commit_checkpoint(Run& run, const std::string& dir, int64_t step) {
   set_latest_checkpoint(run.run_dir, dir, step);
+}
+
+SaveSchedule save_schedule(const Run& run) {
+  SaveSchedule s;
+  s.save_every_n_steps = run.config.save_every_n_steps;
+  s.save_every_n_epochs = run.config.save_every_n_epochs;
+  s.steps_per_epoch = run.steps_per_epoch;
+  s.max_train_steps = run.config.max_train_steps;
+  return s;
+}
+
+void remove_expired_checkpoints(Run& run, int64_t step) {
+  const TrainConfig& c = run.config;
+  if (c.save_last_n_steps == 0 && c.save_last_n_epochs == 0) return;
+  const fs::path root = fs::path(run.run_dir) / "checkpoints";
+  auto remove_folder = [](const fs::path& dir) {
+    std::error_code ec;
+    fs::remove_all(dir, ec);
+    if (ec) spdlog::warn("retention: cannot remove {}: {}", dir.string(), ec.message());
+    return !ec;
+  };
+  std::vector<CheckpointRecord> records;
+  std::map<int64_t, fs::path> folders;
+  std::error_code ec;
+  std::vector<fs::path> leftovers;
+  for (const auto& e : fs::directory_iterator(root, ec)) {
+    const std::string name = e.path().filename().string();
+    if (e.is_symlink() || !e.is_directory()) continue;
+    // .step-NNNNNN.removing: a removal interrupted before it finished.
+    const std::string tail = ".removing";
+    if (name.size() > 1 + tail.size() && name[0] == '.' &&
+        name.compare(name.size() - tail.size(), tail.size(), tail) == 0 &&
+        step_of_folder(name.substr(1, name.size() - 1 - tail.size()))) {
+      leftovers.push_back(e.path());
+      continue;
+    }
+    const std::optional<int64_t> s = step_of_folder(name);
+    if (!s) continue;
+    const fs::path state = e.path() / "state.safetensors";
+    if (!fs::exists(state)) continue;  // not a complete checkpoint (or not ours): kept
+    try {
+      const TrainingCounters counters = load_training_counters(state.string());
+      records.push_back({*s, counters.epoch_end, counters.step_checkpoint});
+      folders.emplace(*s, e.path());
+    } catch (const Error& err) {
+      spdlog::warn("retention: keeping {}: {}", e.path().string(), err.what());
+    }
+  }
+  if (ec) spdlog::warn("retention: cannot list {}: {}", root.string(), ec.message());
+  for (const fs::path& p : leftovers) remove_folder(p);
+  std::set<int64_t> protected_steps{step};
+  try {
+    // The checkpoint a resume reads (the one just committed, unless that failed).
+    if (auto latest = step_of_folder(fs::path(latest_checkpoint_dir(run.run_dir)).filename().string()))
+      protected_steps.insert(*latest);
+  } catch (const Error&) {
+  }
+  const RetentionPolicy policy{c.save_last_n_steps, c.save_last_n_epochs};
+  for (const int64_t s : expired_checkpoints(records, step, policy, protected_steps)) {
+    const fs::path dir = folders.at(s);
+    const fs::path doomed = root / fmt::format(".{}.removing", dir.filename().string());
+    fs::rename(dir, doomed, ec);
+    if (ec) {
+      spdlog::warn("retention: cannot move {} aside to remove it: {}", dir.string(), ec.message());
+      continue;
+    }
+    if (remove_folder(doomed))
+      spdlog::info("removed old checkpoint {} (save_last_n_steps = {}, save_last_n_epochs = {})", dir.string(),
+                   c.save_last_n_steps, c.save_last_n_epochs);
+  }
 }
 
 int64_t restore_checkpoint(Run& run, const std::string& dir) {

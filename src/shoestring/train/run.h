@@ -32,6 +32,7 @@
 #include "shoestring/train/checkpoint_io.h"
 #include "shoestring/train/config.h"
 #include "shoestring/train/ema.h"
+#include "shoestring/train/epochs.h"
 #include "shoestring/train/trainer.h"
 #include "shoestring/train/training_model.h"
 
@@ -68,6 +69,9 @@ struct Run {
   std::unique_ptr<GradientPath> gradients;               ///< owns the optimizer
   std::unique_ptr<EMA> ema;
   TrainingCounters counters;
+  /// Optimizer steps of one epoch of `sampler` (train/epochs.h, kohya's
+  /// ceil(batches / gradient_accumulation_steps)): where epochs end.
+  int64_t steps_per_epoch = 1;
   nlohmann::json predicted_memory;  ///< TrainRunOptions::predict_memory's answer (null without one)
   int threads = 0;
   size_t precision_rules = 0;
@@ -116,9 +120,24 @@ std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions&
 
 /// Sets the run's max_train_steps to `steps` (the time budget's sizing,
 /// train/time_budget.h), logs `why` and rewrites the run's config.toml, so
-/// that `--resume` goes on to the same last step. Throws shoestring::Error
-/// on I/O failure.
+/// that `--resume` goes on to the same last step (max_train_epochs, which
+/// would size it again, is cleared). Throws shoestring::Error on I/O failure.
 void set_max_train_steps(Run& run, int64_t steps, const std::string& why);
+
+/// When `run` saves checkpoints (train/epochs.h): its save_every_n_steps,
+/// save_every_n_epochs, steps_per_epoch and max_train_steps.
+SaveSchedule save_schedule(const Run& run);
+
+/// Retention (save_last_n_steps, save_last_n_epochs; train/epochs.h,
+/// expired_checkpoints), called on rank 0 after the checkpoint of `step` is
+/// committed: removes the checkpoints/step-NNNNNN folders whose reasons to be
+/// kept have expired, as their state.safetensors counters record them
+/// (epoch_end, step_checkpoint), never that of `step` nor the one
+/// latest.json names. A folder is first renamed to .step-NNNNNN.removing,
+/// then removed, so an interrupted removal never leaves a torn step-NNNNNN
+/// folder; leftovers of one are removed at the next call. Folders whose
+/// state cannot be read are kept. Failures are warnings: training goes on.
+void remove_expired_checkpoints(Run& run, int64_t step);
 
 /// True when `run`'s checkpoints are sharded (ZeRO stage 1 or 2 on several
 /// ranks; train/checkpoint_io.h): each rank writes its optimizer shard.

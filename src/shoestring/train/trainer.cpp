@@ -273,7 +273,7 @@ TrainSummary train(const TrainConfig& config, const TrainRunOptions& options) {
       set_max_train_steps(*run, *sized, budget.explanation());  // max_train_minutes
     }
     const bool last = step == c.max_train_steps;
-    const bool saves = every(c.save_every_n_steps, step) || last;
+    const bool saves = save_schedule(*run).due(step);  // save_every_n_steps / _epochs, the last step
     const bool samples = every(c.sample_every_n_steps, step) || last;
     if (!saves && !samples) continue;
     if (saves) write_checkpoint_shards(*run, step);  // ZeRO on several ranks: each rank its optimizer shard
@@ -286,7 +286,10 @@ TrainSummary train(const TrainConfig& config, const TrainRunOptions& options) {
       // step is written, and a run is complete when latest.json names its
       // last step. Killed before, a run resumes from its previous checkpoint
       // (or starts over) and writes it all again, the same bytes.
-      if (!checkpoint.empty()) commit_checkpoint(*run, checkpoint, step);
+      if (!checkpoint.empty()) {
+        commit_checkpoint(*run, checkpoint, step);
+        remove_expired_checkpoints(*run, step);  // save_last_n_steps / _epochs: once the new one counts
+      }
     });
   }
   return report.finish(step);

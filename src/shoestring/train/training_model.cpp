@@ -69,7 +69,9 @@ void check_training_config(const TrainConfig& config) {
         : config.flip_aug                                             ? "flip_aug"
         : config.random_crop                                          ? "random_crop"
         : config.caption_extension != TrainConfig{}.caption_extension ? "caption_extension"
-                                                                      : "dataset_repeats");
+        : config.dataset_repeats != TrainConfig{}.dataset_repeats     ? "dataset_repeats"
+                                                                      : "train_data_dir's <repeats>_<class tokens> "
+                                                                        "subfolders (kohya's DreamBooth layout)");
   }
   if (a.family == models::Family::tiny_unet) {
     if (huber && config.huber_schedule != "constant")
