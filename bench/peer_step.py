@@ -14,7 +14,8 @@ Same work on both sides: the architecture and its parameter count, random inputs
 16 caption tokens of width 256), MSE of the fp32 output against the latent input, backward, the
 optimizer (Adafactor with kohya's arguments or AdamW, lr 1e-5), gradient checkpointing per ResBlock
 and transformer block, the same intra-op thread count (every CPU of the affinity mask) and the same
-OMP_WAIT_POLICY (PASSIVE unless set, as shoestring sets it for itself). bf16 rows (bf16 weights with
+OMP_WAIT_POLICY and GOMP_SPINCOUNT (PASSIVE and 3000 unless set, as shoestring sets them for itself:
+core/threads.h). bf16 rows (bf16 weights with
 stochastic rounding) run only where /proc/cpuinfo has avx512_bf16 or amx_bf16; rows whose weights and
 gradients would not fit in MemAvailable are skipped with the reason printed.
 
@@ -57,6 +58,8 @@ def cpu_line():
     present = [n for n in names if n in flags] or ["none"]
     bf16 = "avx512_bf16" in flags or "amx_bf16" in flags
     wait = os.environ.get("OMP_WAIT_POLICY") or "default (spinning)"
+    if os.environ.get("GOMP_SPINCOUNT"):
+        wait += f", GOMP_SPINCOUNT {os.environ['GOMP_SPINCOUNT']}"
     return f"CPU: {model} | features: {' '.join(present)} | bf16 units: {'yes' if bf16 else 'no'} | " \
            f"OpenMP wait {wait}", bf16
 
@@ -190,8 +193,11 @@ def main():
         ap.error(f"--steps must be >= 2 (the first step of each process is not counted), got {args.steps}")
     env = dict(os.environ)
     if not env.get("OMP_WAIT_POLICY"):
-        env["OMP_WAIT_POLICY"] = "PASSIVE"  # what shoestring sets for itself; the peer gets the same
-        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        # what shoestring sets for itself (core/threads.h); the peer gets the same
+        for key, value in (("OMP_WAIT_POLICY", "PASSIVE"), ("GOMP_SPINCOUNT", "3000")):
+            if not env.get(key):
+                env[key] = value
+                os.environ[key] = value
     line, bf16_units = cpu_line()
     print(line, flush=True)
     threads = len(os.sched_getaffinity(0))

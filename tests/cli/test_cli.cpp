@@ -47,15 +47,22 @@ TEST(Cli, TrainSampleInspectFlow) {
   std::string cfg = write_config();
   std::string out = temp_path("run");
   fs::remove_all(out);
-  Result t = run("train " + cfg + " --output-dir " + out + " --set seed=4");
+  // Without OpenMP settings of the user's, the CLI re-executes itself with
+  // PASSIVE and a bounded spin count (core/threads.h).
+  Result t = shoestring::testing::run_cli("train " + cfg + " --output-dir " + out + " --set seed=4",
+                                          "env -u OMP_WAIT_POLICY -u GOMP_SPINCOUNT");
   ASSERT_EQ(t.code, 0) << t.output;
+  EXPECT_NE(t.output.find("OpenMP wait PASSIVE, GOMP_SPINCOUNT 3000)"), std::string::npos) << t.output;
   EXPECT_NE(t.output.find("step 1 measured peak"), std::string::npos) << t.output;
   EXPECT_NE(t.output.find("step 3/3"), std::string::npos) << t.output;
   EXPECT_TRUE(fs::exists(out + "/model.safetensors"));
 
   // Resume further; the step counter continues.
-  Result r = run("train --resume " + out + " --max-steps 5");
+  // A spin count the user set is kept.
+  Result r = shoestring::testing::run_cli("train --resume " + out + " --max-steps 5",
+                                          "env -u OMP_WAIT_POLICY GOMP_SPINCOUNT=77");
   ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("OpenMP wait PASSIVE, GOMP_SPINCOUNT 77)"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("resumed from"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("step 5/5"), std::string::npos) << r.output;
 

@@ -31,14 +31,18 @@ void prefer_passive_omp_wait(char** argv) {
   const char* set = std::getenv("OMP_WAIT_POLICY");
   if (set != nullptr && *set != '\0') return;
   if (setenv("OMP_WAIT_POLICY", "PASSIVE", 1) != 0) return;
+  setenv("GOMP_SPINCOUNT", kOmpSpinCount, 0);  // a value the user set is kept
   execv("/proc/self/exe", argv);
   // execv returned: it failed. Carry on with libgomp's default; the variable
   // now set only affects children, which is what the user would get anyway.
 }
 
-const char* omp_wait_policy() {
+std::string omp_wait_policy() {
   const char* v = std::getenv("OMP_WAIT_POLICY");
-  return v != nullptr && *v != '\0' ? v : "default (spinning)";
+  std::string policy = v != nullptr && *v != '\0' ? v : "default (spinning)";
+  const char* spin = std::getenv("GOMP_SPINCOUNT");
+  if (spin != nullptr && *spin != '\0') policy += std::string(", GOMP_SPINCOUNT ") + spin;
+  return policy;
 }
 
 void configure_allocator() {

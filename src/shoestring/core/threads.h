@@ -14,6 +14,7 @@
 // from bench/train_step (`--json` prints the machine line too).
 #pragma once
 #include <cstdint>
+#include <string>
 
 namespace shoestring {
 
@@ -21,19 +22,34 @@ namespace shoestring {
 /// CPUs in this process's affinity mask. Returns the count set.
 int configure_threads(int64_t requested);
 
-/// Makes libgomp's idle workers sleep instead of spinning, for a program's
-/// main(): libgomp reads OMP_WAIT_POLICY once, when it is loaded, so when the
-/// variable is unset this sets it to PASSIVE and re-executes the running
-/// binary (/proc/self/exe) with the same `argv`. A value the user set, any
-/// non-empty value, is kept (libgomp ignores values it does not know). Returns normally (without re-executing) when the variable
-/// was already set or when the re-execution fails; never throws.
-/// Why: with 2 cores, libgomp's spinning workers compete with OpenBLAS's own
-/// threads and with every other process (see the measurement above).
+/// GOMP_SPINCOUNT set beside PASSIVE (when unset): an idle worker spins this
+/// many times (libgomp's busy-wait loop, roughly 0.1 ms) before it sleeps.
+/// libgomp uses an explicit GOMP_SPINCOUNT whatever OMP_WAIT_POLICY says
+/// (env.c); with PASSIVE alone the spin count is 0, so every parallel region
+/// wakes its workers through futex calls. Measured on a 2-core Xeon (Sapphire
+/// Rapids, AVX-512 BF16, quiet machine, build/bench/model_step, emoji model,
+/// batch 32): bf16 0.255 -> 0.175 s/step, fp32 0.235 -> 0.198 s/step; the
+/// SDXL-shaped optimizer steps of bench/optimizer_memory (1680 tensors, two
+/// parallel regions each) 1.7-2.8x faster (fp32 AdamW 118 -> 68 ms,
+/// Adafactor 212 -> 77 ms). With a busy process on one of the two cores,
+/// 3000 and 0 were alike (fp32 0.56 vs 0.66 s/step, bf16 1.1 vs 1.05), unlike
+/// unbounded spinning (see above).
+inline constexpr const char* kOmpSpinCount = "3000";
+
+/// Makes libgomp's idle workers sleep instead of spinning for long, for a
+/// program's main(): libgomp reads OMP_WAIT_POLICY once, when it is loaded, so
+/// when the variable is unset this sets it to PASSIVE (and GOMP_SPINCOUNT to
+/// kOmpSpinCount unless set) and re-executes the running binary
+/// (/proc/self/exe) with the same `argv`. A value the user set, any
+/// non-empty value, is kept (libgomp ignores values it does not know). Returns normally (without re-executing) when the
+/// variable was already set or when the re-execution fails; never throws. Why: with 2 cores, libgomp's spinning workers
+/// compete with OpenBLAS's own threads and with every other process (see the measurement above).
 void prefer_passive_omp_wait(char** argv);
 
 /// The OpenMP wait policy in effect for this process: the value of
-/// OMP_WAIT_POLICY, or "default (spinning)" when it is unset.
-const char* omp_wait_policy();
+/// OMP_WAIT_POLICY, or "default (spinning)" when it is unset, followed by
+/// ", GOMP_SPINCOUNT N" when that is set.
+std::string omp_wait_policy();
 
 /// Keeps freed tensor memory in the process between training steps instead of
 /// returning it to the kernel and faulting it in again, zeroed, next step:
