@@ -129,7 +129,11 @@ void check_resume(const std::string& run_dir, const std::string& checkpoint_dir,
     }
     // What may change on resume (as kohya's --resume allows) is said, since
     // config.toml is rewritten with the new values.
-    const std::vector<std::string> changed = changed_keys(was, now);
+    // With max_train_epochs the step count comes from the epochs (the
+    // recorded max_train_steps is the resolved one): not a change by itself.
+    TrainConfig now_resolved = now;
+    if (now.max_train_epochs > 0) now_resolved.max_train_steps = was.max_train_steps;
+    const std::vector<std::string> changed = changed_keys(was, now_resolved);
     if (!changed.empty())
       spdlog::warn("--resume {}: from here on the run trains with changed settings: {}", run_dir,
                    fmt::join(changed, "; "));
