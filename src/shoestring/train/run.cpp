@@ -47,6 +47,13 @@ namespace {
 
 std::string step_name(int64_t step) { return fmt::format("step-{:06d}", step); }
 
+/// "step-000123" -> 123 (checkpoint folders are named by step_name); nullopt for any other name.
+std::optional<int64_t> step_of_folder(const std::string& name) {
+  if (name.size() <= 5 || name.rfind("step-", 0) != 0) return std::nullopt;
+  if (!std::all_of(name.begin() + 5, name.end(), [](char ch) { return ch >= '0' && ch <= '9'; })) return std::nullopt;
+  return std::strtoll(name.c_str() + 5, nullptr, 10);
+}
+
 /// The EMA weights swapped into the model for the lifetime of this object
 /// (nothing without EMA); the trained weights come back even when sampling
 /// or saving throws.
@@ -138,12 +145,10 @@ void check_resume(const std::string& run_dir, const std::string& checkpoint_dir,
       spdlog::warn("--resume {}: from here on the run trains with changed settings: {}", run_dir,
                    fmt::join(changed, "; "));
   }
-  // "step-000123" (checkpoint folders are named by step_name()).
   // With max_train_epochs the step count is known once the dataset is
   // loaded: setup_run checks it then (after apply_epochs).
-  const std::string name = fs::path(checkpoint_dir).filename().string();
-  if (name.rfind("step-", 0) == 0 && now.max_train_epochs == 0)
-    refuse_if_finished(run_dir, std::strtoll(name.c_str() + 5, nullptr, 10), now.max_train_steps);
+  const auto step = step_of_folder(fs::path(checkpoint_dir).filename().string());
+  if (step && now.max_train_epochs == 0) refuse_if_finished(run_dir, *step, now.max_train_steps);
 }
 
 /// Removes the temporaries that writes interrupted by a crash or kill left
@@ -580,13 +585,6 @@ void apply_epochs(Run& run, bool quiet) {
         batches, c.gradient_accumulation_steps, c.gradient_accumulation_steps - batches % c.gradient_accumulation_steps,
         batches % c.gradient_accumulation_steps, run.steps_per_epoch);
   }
-}
-
-/// "step-000123" -> 123 (checkpoint folders are named by step_name()); nullopt for any other name.
-std::optional<int64_t> step_of_folder(const std::string& name) {
-  if (name.size() <= 5 || name.rfind("step-", 0) != 0) return std::nullopt;
-  if (!std::all_of(name.begin() + 5, name.end(), [](char ch) { return ch >= '0' && ch <= '9'; })) return std::nullopt;
-  return std::strtoll(name.c_str() + 5, nullptr, 10);
 }
 
 }  // namespace
