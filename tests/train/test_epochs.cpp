@@ -172,6 +172,73 @@ TEST(Epochs, RetentionNeverRemovesTheNewestOrTheProtected) {
   EXPECT_EQ(expired_checkpoints(both, 40, {0, 1}, {}), (std::vector<int64_t>{20}));
 }
 
+// A run resumed with more steps or epochs keeps the checkpoints one
+// uninterrupted run of its length keeps: the first invocation's last step is
+// seen as the longer schedule would have saved it (retention_view), or
+// superseded by the new last step.
+TEST(Epochs, RetentionAcrossAResumeMatchesOneRun) {
+  struct Case {
+    int64_t every_steps, every_epochs, last_n_steps, last_n_epochs, per_epoch, first_max, max;
+  };
+  const std::vector<Case> cases = {{0, 1, 0, 2, 1, 5, 9},   {0, 1, 0, 2, 3, 15, 33}, {0, 2, 0, 2, 1, 5, 9},
+                                   {0, 2, 0, 1, 2, 10, 12}, {3, 0, 0, 0, 1, 5, 10},  {3, 0, 4, 0, 1, 5, 10},
+                                   {3, 0, 4, 0, 1, 6, 10},  {2, 1, 3, 2, 2, 8, 14},  {5, 2, 6, 1, 3, 9, 30},
+                                   {0, 1, 0, 3, 1, 2, 3},   {4, 0, 4, 0, 1, 7, 8}};
+  for (const Case& k : cases) {
+    SaveSchedule first{k.every_steps, k.every_epochs, k.per_epoch, k.first_max};
+    SaveSchedule longer{k.every_steps, k.every_epochs, k.per_epoch, k.max};
+    const RetentionPolicy policy{k.last_n_steps, k.last_n_epochs};
+    const bool retains = policy.save_last_n_steps > 0 || policy.save_last_n_epochs > 0;
+    std::vector<CheckpointRecord> kept;
+    auto save_and_expire = [&](const SaveSchedule& schedule, int64_t step) {
+      CheckpointRecord r{step, schedule.saved_epoch(step), schedule.step_checkpoint(step)};
+      r.run_last = step == schedule.max_train_steps;
+      kept.push_back(r);
+      if (!retains) return;  // as remove_expired_checkpoints: no retention keys, nothing removed
+      std::vector<CheckpointRecord> seen;
+      for (const CheckpointRecord& c : kept) seen.push_back(retention_view(c, schedule, step));
+      const std::vector<int64_t> gone = expired_checkpoints(seen, step, policy, {step});
+      std::vector<CheckpointRecord> next;
+      for (const CheckpointRecord& c : kept) {
+        if (std::find(gone.begin(), gone.end(), c.step) == gone.end()) next.push_back(c);
+      }
+      kept = next;
+    };
+    for (int64_t step = 1; step <= first.max_train_steps; ++step) {
+      if (first.due(step)) save_and_expire(first, step);
+    }
+    for (int64_t step = first.max_train_steps + 1; step <= longer.max_train_steps; ++step) {
+      if (longer.due(step)) save_and_expire(longer, step);
+    }
+    std::set<int64_t> resumed, one_run;
+    for (const CheckpointRecord& r : kept) resumed.insert(r.step);
+    if (retains) {
+      for (const CheckpointRecord& r : simulate(longer, policy, [](int64_t, const auto&) {})) one_run.insert(r.step);
+    } else {
+      // No retention: every checkpoint either invocation saved stays.
+      for (int64_t step = 1; step <= longer.max_train_steps; ++step) {
+        if (step <= first.max_train_steps ? first.due(step) : longer.due(step)) one_run.insert(step);
+      }
+    }
+    EXPECT_EQ(resumed, one_run) << "every " << k.every_steps << " steps / " << k.every_epochs << " epochs, last "
+                                << k.last_n_steps << " steps / " << k.last_n_epochs << " epochs, " << k.per_epoch
+                                << " steps per epoch, " << k.first_max << " then " << k.max << " steps";
+  }
+  // The view itself: the earlier last step becomes the epoch checkpoint the
+  // longer schedule saves there; off every cadence, it is superseded only by
+  // the new last step; this run's own last step is unchanged.
+  CheckpointRecord last{5, 0, true};
+  last.run_last = true;
+  const CheckpointRecord as_epoch = retention_view(last, SaveSchedule{0, 1, 1, 9}, 6);
+  EXPECT_EQ(as_epoch.epoch_end, 5);
+  EXPECT_FALSE(as_epoch.step_checkpoint);
+  EXPECT_FALSE(as_epoch.superseded);
+  EXPECT_FALSE(retention_view(last, SaveSchedule{0, 2, 1, 9}, 8).superseded);
+  EXPECT_TRUE(retention_view(last, SaveSchedule{0, 2, 1, 9}, 9).superseded);
+  EXPECT_FALSE(retention_view(last, SaveSchedule{0, 1, 1, 5}, 5).superseded);
+  EXPECT_EQ(retention_view(last, SaveSchedule{0, 1, 1, 5}, 5).epoch_end, 0);
+}
+
 TEST(Epochs, RetentionKeysNeedTheirCadence) {
   const std::string a = error_of([] { parse_config("save_last_n_steps = 3\n", "r.toml"); });
   EXPECT_NE(a.find("r.toml"), std::string::npos) << a;
@@ -229,12 +296,13 @@ TEST(Epochs, RunTrainsEpochsAndKeepsTheLastCheckpoints) {
   // As recorded (4 epochs), the run is complete.
   const std::string done = error_of([&] { train(load_config(out + "/config.toml"), resume); });
   EXPECT_NE(done.find("already at step"), std::string::npos) << done;
+  EXPECT_NE(done.find("raise max_train_epochs"), std::string::npos) << done;
   const TrainSummary more = train(load_config(out + "/config.toml", {"max_train_epochs=6"}), resume);
   EXPECT_EQ(more.first_step, 4 * per_epoch + 1);
   EXPECT_EQ(more.last_step, kohya_steps(6, batches, 2));
-  // Epoch 5 saves and epoch 2's checkpoint goes (the last 2 epoch checkpoints
-  // are 3 and 5); step 4 x per_epoch, the first invocation's last step, is a
-  // step checkpoint, which save_last_n_steps (off) would thin out.
-  EXPECT_EQ(folders(), (std::set<int64_t>{3 * per_epoch, 4 * per_epoch, 5 * per_epoch, 6 * per_epoch}));
+  // The first invocation's last step (epoch 4) counts as the epoch 4
+  // checkpoint the longer run saves: the folders are those of one 6-epoch run.
+  EXPECT_EQ(folders(), expected(6));
+  EXPECT_EQ(folders(), (std::set<int64_t>{4 * per_epoch, 5 * per_epoch, 6 * per_epoch}));
   fs::remove_all(out);
 }

@@ -133,7 +133,8 @@ nlohmann::json counters_to_json(const TrainingCounters& c) {
           {"train_batch_size", c.train_batch_size},
           {"gradient_accumulation_steps", c.gradient_accumulation_steps},
           {"epoch_end", c.epoch_end},
-          {"step_checkpoint", c.step_checkpoint}};
+          {"step_checkpoint", c.step_checkpoint},
+          {"run_last", c.run_last}};
 }
 
 TrainingCounters counters_from_json(const nlohmann::json& j, const std::string& source) {
@@ -162,6 +163,7 @@ TrainingCounters counters_from_json(const nlohmann::json& j, const std::string& 
     c.gradient_accumulation_steps = j.value("gradient_accumulation_steps", int64_t{0});
     c.epoch_end = j.value("epoch_end", int64_t{0});
     c.step_checkpoint = j.value("step_checkpoint", true);
+    c.run_last = j.value("run_last", false);
     if (j.contains("precision_upcast")) c.precision_upcast = j["precision_upcast"].get<std::vector<std::string>>();
     if (j.contains("fused_previous_grad_norm") && j["fused_previous_grad_norm"].is_number()) {
       c.fused_previous_grad_norm = j["fused_previous_grad_norm"].get<double>();
@@ -254,8 +256,9 @@ void save_optimizer_shard(const std::string& path, const std::vector<std::pair<s
                           int rank, int world, int64_t step) {
   std::vector<NamedTensor> tensors;
   for (const auto& [name, t] : optimizer) tensors.push_back({"optimizer." + name, t, std::nullopt});
-  save_safetensors(path, tensors,
-                   {{"rank", std::to_string(rank)}, {"world_size", std::to_string(world)}, {"step", std::to_string(step)}});
+  save_safetensors(
+      path, tensors,
+      {{"rank", std::to_string(rank)}, {"world_size", std::to_string(world)}, {"step", std::to_string(step)}});
 }
 
 void write_checkpoint_index(const std::string& dir, int64_t step, int world, int zero_stage) {
@@ -272,7 +275,8 @@ void write_checkpoint_index(const std::string& dir, int64_t step, int world, int
     if (!ours) stale.push_back(e.path());
   }
   for (const fs::path& p : stale) {
-    if (!fs::remove(p, ec) && ec) fail("cannot remove {} (a shard of another world size): {}", p.string(), ec.message());
+    if (!fs::remove(p, ec) && ec)
+      fail("cannot remove {} (a shard of another world size): {}", p.string(), ec.message());
   }
   std::vector<std::pair<std::string, int>> files;  // (file, rank that wrote it)
   for (const char* replicated : {"model.safetensors", "lora.safetensors"}) {
@@ -310,7 +314,8 @@ void remove_sharded_files(const std::string& dir) {
     if (name == kCheckpointIndexFile || is_optimizer_shard_name(name)) stale.push_back(e.path());
   }
   for (const fs::path& p : stale) {
-    if (!fs::remove(p, ec) && ec) fail("cannot remove {} (a stale part of a sharded checkpoint): {}", p.string(), ec.message());
+    if (!fs::remove(p, ec) && ec)
+      fail("cannot remove {} (a stale part of a sharded checkpoint): {}", p.string(), ec.message());
   }
 }
 

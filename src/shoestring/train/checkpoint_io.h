@@ -147,9 +147,11 @@ struct TrainingCounters {
   /// What the checkpoint was saved for (train/epochs.h, CheckpointRecord), read
   /// by retention: "epoch_end", the epoch save_every_n_epochs saved it at the
   /// end of (0 = none), and "step_checkpoint", saved by save_every_n_steps or
-  /// as the run's last step (older files: true).
+  /// as the run's last step (older files: true), and "run_last", saved as
+  /// the last step of the invocation that wrote it (older files: false).
   int64_t epoch_end = 0;
   bool step_checkpoint = true;
+  bool run_last = false;
 };
 
 /// Everything state.safetensors holds: the counters and the optimizer, EMA

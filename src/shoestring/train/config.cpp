@@ -219,15 +219,15 @@ void validate(const TrainConfig& c, const std::string& source) {
   // kohya's retention keys thin out the checkpoints of a cadence; without it they have nothing to act on.
   if (c.save_last_n_steps > 0 && c.save_every_n_steps == 0) {
     fail(
-        "{}: save_last_n_steps = {} needs save_every_n_steps (it keeps the checkpoints saved every N steps of the "
-        "last save_last_n_steps steps)",
-        source, c.save_last_n_steps);
+        "{}: save_last_n_steps = {} needs save_every_n_steps: of the checkpoints saved every save_every_n_steps "
+        "steps, it keeps those of the last {} steps",
+        source, c.save_last_n_steps, c.save_last_n_steps);
   }
   if (c.save_last_n_epochs > 0 && c.save_every_n_epochs == 0) {
     fail(
-        "{}: save_last_n_epochs = {} needs save_every_n_epochs (it keeps the last N of the checkpoints saved every "
-        "N epochs)",
-        source, c.save_last_n_epochs);
+        "{}: save_last_n_epochs = {} needs save_every_n_epochs: of the checkpoints saved every "
+        "save_every_n_epochs epochs, it keeps the last {}",
+        source, c.save_last_n_epochs, c.save_last_n_epochs);
   }
   if (c.zero_stage > 2) {
     fail(

@@ -39,6 +39,19 @@ bool SaveSchedule::step_checkpoint(int64_t step) const {
   return step == max_train_steps || (save_every_n_steps > 0 && step % save_every_n_steps == 0);
 }
 
+CheckpointRecord retention_view(const CheckpointRecord& record, const SaveSchedule& schedule, int64_t current_step) {
+  if (!record.run_last || record.step >= schedule.max_train_steps) return record;
+  CheckpointRecord seen = record;
+  seen.run_last = false;
+  seen.epoch_end = schedule.saved_epoch(record.step);
+  seen.step_checkpoint = schedule.save_every_n_steps > 0 && record.step % schedule.save_every_n_steps == 0;
+  if (seen.epoch_end == 0 && !seen.step_checkpoint) {
+    seen.step_checkpoint = true;
+    seen.superseded = current_step >= schedule.max_train_steps;
+  }
+  return seen;
+}
+
 std::vector<int64_t> expired_checkpoints(const std::vector<CheckpointRecord>& existing, int64_t current_step,
                                          const RetentionPolicy& policy, const std::set<int64_t>& protected_steps) {
   // The epochs of the epoch checkpoints up to the current one, newest first:
@@ -57,6 +70,10 @@ std::vector<int64_t> expired_checkpoints(const std::vector<CheckpointRecord>& ex
   std::vector<int64_t> out;
   for (const CheckpointRecord& r : existing) {
     if (r.step >= current_step || protected_steps.count(r.step)) continue;
+    if (r.superseded) {
+      out.push_back(r.step);
+      continue;
+    }
     if (!r.step_checkpoint && r.epoch_end == 0) continue;  // saved for no reason we know: kept
     const bool step_expired =
         !r.step_checkpoint || (policy.save_last_n_steps > 0 && r.step < current_step - policy.save_last_n_steps);

@@ -63,7 +63,22 @@ struct CheckpointRecord {
   int64_t step = 0;             ///< its optimizer step
   int64_t epoch_end = 0;        ///< the epoch it was saved at the end of (save_every_n_epochs), 0 = none
   bool step_checkpoint = true;  ///< saved by save_every_n_steps or as a run's last step
+  bool run_last = false;        ///< saved as the last step of the invocation that wrote it
+  bool superseded = false;      ///< removed whatever the policy (retention_view)
 };
+
+/// How retention sees `record` when this invocation's schedule is
+/// `schedule` and its checkpoint of `current_step` was just written. A
+/// checkpoint an earlier invocation saved as its last step (run_last), before
+/// this one resumed with more steps or epochs and trained past it, is seen as
+/// `schedule` would have saved it: an epoch checkpoint where
+/// save_every_n_epochs saves its epoch, a step checkpoint where
+/// save_every_n_steps saves its step, so that a resumed run keeps the
+/// checkpoints one uninterrupted run would. Where neither saves it, this
+/// run's last checkpoint supersedes it (as kohya overwrites its final file on
+/// the next run): `superseded` once current_step is schedule.max_train_steps,
+/// a step checkpoint until then. Any other record is returned unchanged.
+CheckpointRecord retention_view(const CheckpointRecord& record, const SaveSchedule& schedule, int64_t current_step);
 
 /// kohya's retention keys (0 = keep every checkpoint of that kind).
 struct RetentionPolicy {
@@ -85,9 +100,10 @@ struct RetentionPolicy {
 /// save_last_n_steps, as an epoch checkpoint when save_last_n_epochs > 0 and
 /// save_last_n_epochs newer epoch checkpoints exist (a folder saved for both
 /// reasons, which kohya writes as two files, stays while either keeps it).
-/// Never removed: `current_step` and every step of `protected_steps` (the
-/// checkpoint latest.json names, which a resume needs), nor checkpoints
-/// after current_step.
+/// A `superseded` record goes whatever the policy. Never removed:
+/// `current_step` and every step of `protected_steps` (the checkpoint
+/// latest.json names, which a resume needs), nor checkpoints after
+/// current_step.
 std::vector<int64_t> expired_checkpoints(const std::vector<CheckpointRecord>& existing, int64_t current_step,
                                          const RetentionPolicy& policy, const std::set<int64_t>& protected_steps);
 

@@ -94,9 +94,17 @@ void truncate_metrics(const std::string& path, int64_t keep_through) {
 /// Refuses to go on with a run already at `step` >= max_train_steps: at
 /// max_train_steps it is complete (its final files were written before
 /// latest.json named its last step; see train()); beyond it, the config
-/// asks for fewer steps than the run has.
-void refuse_if_finished(const std::string& run_dir, int64_t step, int64_t max_train_steps) {
+/// asks for fewer steps than the run has. `max_train_epochs` > 0: the step
+/// count came from it, and the refusal says to raise it.
+void refuse_if_finished(const std::string& run_dir, int64_t step, int64_t max_train_steps, int64_t max_train_epochs) {
   if (step < max_train_steps) return;
+  if (max_train_epochs > 0) {
+    fail(
+        "run '{}' is already at step {} >= max_train_steps {} (max_train_epochs = {}; it is complete: its final "
+        "files are in the run folder); raise max_train_epochs (--set max_train_epochs=N) or pass --max-steps N with "
+        "N > {} to train further",
+        run_dir, step, max_train_steps, max_train_epochs, step);
+  }
   if (step > max_train_steps) {
     fail(
         "run '{}' is at step {}, beyond max_train_steps {}: a run does not go back; pass --max-steps N with N > {} "
@@ -148,7 +156,7 @@ void check_resume(const std::string& run_dir, const std::string& checkpoint_dir,
   // With max_train_epochs the step count is known once the dataset is
   // loaded: setup_run checks it then (after apply_epochs).
   const auto step = step_of_folder(fs::path(checkpoint_dir).filename().string());
-  if (step && now.max_train_epochs == 0) refuse_if_finished(run_dir, *step, now.max_train_steps);
+  if (step && now.max_train_epochs == 0) refuse_if_finished(run_dir, *step, now.max_train_steps, 0);
 }
 
 /// Removes the temporaries that writes interrupted by a crash or kill left
@@ -545,15 +553,19 @@ BatchSampler::Position resumed_data_position(const Run& run, const TrainingCount
 
 /// kohya's "num train images * repeats": "20 images x 10 repeats + 5 images x
 /// 1 repeat = 205 entries" (repeats from the largest; square datasets: 1 each).
+/// "1 image", "2 images": `n`, then `one` when n is 1, else `many`.
+std::string count_of(int64_t n, const char* one, const char* many) {
+  return fmt::format("{} {}", n, n == 1 ? one : many);
+}
+
 std::string entries_text(const ImageCaptionDataset& dataset, int64_t entries) {
   std::map<int64_t, int64_t, std::greater<>> images_of;  // repeats -> images
   for (int64_t i = 0; i < dataset.size(); ++i) ++images_of[dataset.bucketed() ? dataset.num_repeats(i) : 1];
   std::vector<std::string> parts;
   for (const auto& [repeats, images] : images_of) {
-    parts.push_back(
-        fmt::format("{} image{} x {} repeat{}", images, images == 1 ? "" : "s", repeats, repeats == 1 ? "" : "s"));
+    parts.push_back(count_of(images, "image", "images") + " x " + count_of(repeats, "repeat", "repeats"));
   }
-  return fmt::format("{} = {} entries", fmt::join(parts, " + "), entries);
+  return fmt::format("{} = {}", fmt::join(parts, " + "), count_of(entries, "entry", "entries"));
 }
 
 /// Epochs (train/epochs.h): the run's steps_per_epoch, and max_train_epochs
@@ -568,12 +580,13 @@ void apply_epochs(Run& run, bool quiet) {
   if (c.max_train_epochs > 0) c.max_train_steps = steps_for_epochs(c.max_train_epochs, run.steps_per_epoch);
   if (quiet) return;
   const std::string per_epoch =
-      fmt::format("epochs: {} per epoch; {} batches / gradient_accumulation_steps {} = {} steps per epoch",
-                  entries_text(run.dataset, run.sampler->dataset_size()), batches, c.gradient_accumulation_steps,
-                  run.steps_per_epoch);
+      fmt::format("epochs: {} per epoch; {} / gradient_accumulation_steps {} = {} per epoch",
+                  entries_text(run.dataset, run.sampler->dataset_size()), count_of(batches, "batch", "batches"),
+                  c.gradient_accumulation_steps, count_of(run.steps_per_epoch, "step", "steps"));
   if (c.max_train_epochs > 0) {
-    spdlog::info("{}; {} epoch{} = {} steps (max_train_epochs overrides max_train_steps = {}, as in kohya)", per_epoch,
-                 c.max_train_epochs, c.max_train_epochs == 1 ? "" : "s", c.max_train_steps, configured_steps);
+    spdlog::info("{}; {} = {} (max_train_epochs overrides max_train_steps = {}, as in kohya)", per_epoch,
+                 count_of(c.max_train_epochs, "epoch", "epochs"), count_of(c.max_train_steps, "step", "steps"),
+                 configured_steps);
   } else {
     spdlog::info("{}", per_epoch);
   }
@@ -661,20 +674,31 @@ std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions&
     }
     // Every rank draws the same global batches (world x train_batch_size) and
     // trains on its own rows of each (train_step).
+    const int64_t global_batch = c.train_batch_size * run.world_size();
+    if (run.dataset.size() < global_batch) {
+      fail(
+          "{}: {} image{} loaded{}, fewer than train_batch_size {}{}: no full batch can be formed (the emoji "
+          "model trains full batches only); lower train_batch_size{}",
+          data_dir, run.dataset.size(), run.dataset.size() == 1 ? "" : "s",
+          c.max_train_images > 0 ? fmt::format(" (max_train_images = {})", c.max_train_images) : "", c.train_batch_size,
+          run.world_size() > 1 ? fmt::format(" x {} ranks = {}", run.world_size(), global_batch) : "",
+          c.max_train_images > 0 ? " or raise max_train_images" : " or add images");
+    }
     run.sampler = std::make_unique<BatchSampler>(run.dataset.size(), c.train_batch_size * run.world_size(),
                                                  static_cast<uint64_t>(c.seed));
   }
 
   if (c.max_train_images > 0 && !options.quiet) {
-    spdlog::info("max_train_images = {} (max_train_images_seed = {}): {} of the {} images listed, {} loaded",
+    spdlog::info("max_train_images = {} (max_train_images_seed = {}): {} of the {} images listed, {} loaded{}",
                  c.max_train_images, c.max_train_images_seed, std::min(c.max_train_images, run.dataset.listed_images()),
-                 run.dataset.listed_images(), run.dataset.size());
+                 run.dataset.listed_images(), run.dataset.size(),
+                 c.max_train_images >= run.dataset.listed_images() ? " (the whole dataset: it has no more)" : "");
   }
   apply_epochs(run, options.quiet);  // max_train_epochs, save_every_n_epochs
   if (c.max_train_epochs > 0 && !run.resume_from.empty()) {
     // The step count is known now: a finished run is refused before the model is built (check_resume could not).
     if (const auto step = step_of_folder(fs::path(run.resume_from).filename().string()))
-      refuse_if_finished(run.run_dir, *step, c.max_train_steps);
+      refuse_if_finished(run.run_dir, *step, c.max_train_steps, c.max_train_epochs);
   }
 
   // ---- model (base weights of a fine-tune / LoRA run: kohya's pretrained_model_name_or_path) ----
@@ -744,7 +768,7 @@ std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions&
   const std::string metrics_path = (fs::path(run.run_dir) / "metrics.jsonl").string();
   if (!run.resume_from.empty()) {
     const int64_t step = restore_checkpoint(run, run.resume_from);
-    refuse_if_finished(run.run_dir, step, c.max_train_steps);
+    refuse_if_finished(run.run_dir, step, c.max_train_steps, c.max_train_epochs);
   }
   // The run folder always records the config that is running (a resume may
   // have raised max_train_steps), first: a run killed from here on can be
@@ -825,6 +849,7 @@ std::string write_checkpoint(Run& run, int64_t step) {
   const SaveSchedule schedule = save_schedule(run);
   counters.epoch_end = schedule.saved_epoch(step);  // what retention reads (remove_expired_checkpoints)
   counters.step_checkpoint = schedule.step_checkpoint(step);
+  counters.run_last = step == schedule.max_train_steps;
   const GradientPathState path_state = run.gradients->state();
   if (path_state.loss_scale) {
     counters.loss_scale = path_state.loss_scale;
@@ -866,6 +891,7 @@ void remove_expired_checkpoints(Run& run, int64_t step) {
     if (ec) spdlog::warn("retention: cannot remove {}: {}", dir.string(), ec.message());
     return !ec;
   };
+  const SaveSchedule schedule = save_schedule(run);
   std::vector<CheckpointRecord> records;
   std::map<int64_t, fs::path> folders;
   std::error_code ec;
@@ -887,7 +913,9 @@ void remove_expired_checkpoints(Run& run, int64_t step) {
     if (!fs::exists(state)) continue;  // not a complete checkpoint (or not ours): kept
     try {
       const TrainingCounters counters = load_training_counters(state.string());
-      records.push_back({*s, counters.epoch_end, counters.step_checkpoint});
+      CheckpointRecord record{*s, counters.epoch_end, counters.step_checkpoint};
+      record.run_last = counters.run_last;
+      records.push_back(retention_view(record, schedule, step));
       folders.emplace(*s, e.path());
     } catch (const Error& err) {
       spdlog::warn("retention: keeping {}: {}", e.path().string(), err.what());

@@ -63,15 +63,16 @@ void check_training_config(const TrainConfig& config) {
         "{}: the emoji example's tiny-unet trains square images from train_data_dir only (its sample grids and "
         "Twemoji layout are square); aspect-ratio buckets, dataset_config and in_json are for the released "
         "architectures (model.architecture = \"sd15\", \"sdxl\", \"ssd1b\"); remove it",
-        !config.dataset_config.empty()                                ? "dataset_config"
+        !config.dataset_config.empty()                                ? std::string("dataset_config")
         : !config.in_json.empty()                                     ? "in_json"
         : config.enable_bucket                                        ? "enable_bucket"
         : config.flip_aug                                             ? "flip_aug"
         : config.random_crop                                          ? "random_crop"
         : config.caption_extension != TrainConfig{}.caption_extension ? "caption_extension"
         : config.dataset_repeats != TrainConfig{}.dataset_repeats     ? "dataset_repeats"
-                                                                      : "train_data_dir's <repeats>_<class tokens> "
-                                                                        "subfolders (kohya's DreamBooth layout)");
+                                                                      : "train_data_dir " + config.train_data_dir +
+                                                                        "'s <repeats>_<class tokens> subfolders "
+                                                                        "(kohya's DreamBooth layout)");
   }
   if (a.family == models::Family::tiny_unet) {
     if (huber && config.huber_schedule != "constant")
