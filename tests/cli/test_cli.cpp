@@ -71,6 +71,13 @@ TEST(Cli, TrainSampleInspectFlow) {
       run("sample " + out + "/model.safetensors --prompt \"red heart\" --prompt sun --steps 2 --count 2 --out " + png);
   ASSERT_EQ(s.code, 0) << s.output;
   EXPECT_TRUE(fs::exists(png));
+  // SD options on the emoji model are refused by name.
+  Result e = run("sample " + out + "/model.safetensors --prompt sun --sampler euler --out " + png);
+  EXPECT_NE(e.code, 0);
+  EXPECT_NE(e.output.find("--sampler applies to SD 1.5 / SDXL / SSD-1B"), std::string::npos) << e.output;
+  Result bad = run("sample " + out + "/model.safetensors --prompt sun --sampler heun --out " + png);
+  EXPECT_NE(bad.code, 0);
+  EXPECT_NE(bad.output.find("dpmpp_2m"), std::string::npos) << bad.output;
 
   Result i = run("inspect " + out + "/model.safetensors --json");
   ASSERT_EQ(i.code, 0) << i.output;

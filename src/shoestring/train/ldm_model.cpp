@@ -227,22 +227,26 @@ class LdmTrainingModel final : public TrainingModel {
   std::map<std::string, std::string> metadata(int64_t step) const override {
     const std::string& a = config_.architecture;
     const std::string& spec = models::find_architecture(a).modelspec_architecture;
-    return {{"format", "shoestring"},
-            {"architecture", a},
-            {"tiny", config_.tiny ? "true" : "false"},
-            {"layout", "ldm"},
-            {"step", std::to_string(step)},
-            {"config_hash", config_hash(config_)},
-            {"objective", config_.v_parameterization ? "v_prediction" : "epsilon"},
-            {"dtype", config_.full_bf16   ? "bf16"
-                      : config_.full_fp16 ? "fp16"
-                                          : "fp32"},
-            // Stability's model-spec fields, as kohya writes them.
-            {"modelspec.sai_model_spec", "1.0.0"},
-            {"modelspec.architecture", spec},
-            {"modelspec.implementation", "https://github.com/Stability-AI/generative-models"},
-            {"modelspec.title", fmt::format("{} step {}", fs::path(config_.output_dir).filename().string(), step)},
-            {"modelspec.prediction_type", config_.v_parameterization ? "v" : "epsilon"}};
+    std::map<std::string, std::string> meta = {
+        {"format", "shoestring"},
+        {"architecture", a},
+        {"tiny", config_.tiny ? "true" : "false"},
+        {"layout", "ldm"},
+        {"step", std::to_string(step)},
+        {"config_hash", config_hash(config_)},
+        {"objective", config_.v_parameterization ? "v_prediction" : "epsilon"},
+        {"dtype", config_.full_bf16   ? "bf16"
+                  : config_.full_fp16 ? "fp16"
+                                      : "fp32"},
+        // Stability's model-spec fields, as kohya writes them.
+        {"modelspec.sai_model_spec", "1.0.0"},
+        {"modelspec.architecture", spec},
+        {"modelspec.implementation", "https://github.com/Stability-AI/generative-models"},
+        {"modelspec.title", fmt::format("{} step {}", fs::path(config_.output_dir).filename().string(), step)},
+        {"modelspec.prediction_type", config_.v_parameterization ? "v" : "epsilon"}};
+    // A tiny run's word tokenizer (built from its captions): `shoestring sample` needs it.
+    if (tokenizer_.words) meta["tokenizer"] = tokenizer_.words->to_json().dump();
+    return meta;
   }
 
   void save_final(const std::string& path, int64_t step, bool storage_dtype) override;

@@ -288,9 +288,9 @@ TinyUNetCheckpoint load_tiny_unet_checkpoint(const std::string& path, at::Device
   auto arch = file.metadata().find("architecture");
   if (arch != file.metadata().end() && arch->second != models::kTinyUNet) {
     fail(
-        "{}: a {} checkpoint; `shoestring sample` draws from the emoji example's tiny-unet only — for {} the "
-        "trainer writes sample grids during training (sample_prompts, sample_every_n_steps), and the file loads "
-        "in ComfyUI / A1111 as it is",
+        "{}: a {} checkpoint; `shoestring sample` draws from the emoji example's tiny-unet and from single-file "
+        "SD 1.5 / SDXL / SSD-1B checkpoints (UNet, VAE and text encoders in one file, as RUN_DIR/model.safetensors); "
+        "for {} the trainer writes sample grids during training (sample_prompts, sample_every_n_steps)",
         file.path(), arch->second, arch->second);
   }
   TinyUNetCheckpoint out;

@@ -1,0 +1,155 @@
+#include "shoestring/train/ldm_components.h"
+
+#include <spdlog/spdlog.h>
+#include <torch/torch.h>
+
+#include "shoestring/core/error.h"
+#include "shoestring/nn/timestep.h"
+#include "shoestring/train/checkpoint_io.h"
+
+namespace shoestring {
+
+namespace {
+
+constexpr const char* kVaePrefix = "first_stage_model.";
+constexpr int64_t kTextLength = 77;
+
+bool starts_with(const std::string& s, const std::string& p) { return s.compare(0, p.size(), p) == 0; }
+
+/// Runs `build` with libtorch's global CPU generator seeded by `seed`,
+/// restoring it after: random frozen parts are reproducible and leave the
+/// caller's random stream where it was.
+template <class F>
+auto with_seed(uint64_t seed, F&& build) {
+  at::Tensor saved = cpu_rng_state();
+  torch::manual_seed(seed);
+  auto result = build();
+  set_cpu_rng_state(saved);
+  return result;
+}
+
+}  // namespace
+
+at::Tensor LdmTokenizer::encode(const std::vector<std::string>& captions, ClipPadding pad) const {
+  if (clip) return clip->encode_batch(captions, kTextLength, pad);
+  if (words) return words->encode_batch(captions);
+  fail("internal: LDM text encoding without a tokenizer");
+}
+
+std::vector<models::ClipTextModel> build_ldm_text_encoders(const models::LdmUNetOptions& unet, bool tiny,
+                                                           const WeightFiles* files, uint64_t seed, int64_t clip_skip,
+                                                           const LdmTokenizer& tokenizer,
+                                                           const std::string& architecture) {
+  const int64_t context_dim = unet.context_dim();
+  const int64_t adm = unet.adm_in_channels();
+  const bool sdxl = adm > 0;
+  std::vector<models::ClipTextOptions> opts;
+  std::vector<std::string> prefixes;
+  if (!sdxl) {
+    opts.push_back(tiny ? models::ClipTextOptions::clip_l().tiny(context_dim) : models::ClipTextOptions::clip_l());
+    prefixes.push_back(models::kSd15ClipPrefix);
+  } else {
+    // CLIP-L (768) + OpenCLIP bigG (1280) = context 2048; tiny: 48 + 16 = 64.
+    const int64_t g = tiny ? 16 : 1280;
+    opts.push_back(tiny ? models::ClipTextOptions::clip_l().tiny(context_dim - g) : models::ClipTextOptions::clip_l());
+    opts.push_back(tiny ? models::ClipTextOptions::clip_g().tiny(g) : models::ClipTextOptions::clip_g());
+    prefixes.push_back(models::kSdxlClipLPrefix);
+    prefixes.push_back(models::kSdxlClipGPrefix);
+    if ((adm - g) % 6 != 0 || adm <= g) fail("internal: adm_in_channels {} does not fit pooled {} + 6 sizes", adm, g);
+  }
+  bool from_file = false;
+  if (files) {
+    for (const auto& n : files->names()) from_file = from_file || starts_with(n, prefixes[0]);
+    if (!from_file) {
+      fail("{}: holds no text encoder (no '{}*' keys); {} needs the checkpoint's CLIP text encoder{}", files->path(),
+           prefixes[0], architecture, sdxl ? "s" : "");
+    }
+  } else if (!tiny) {
+    fail("internal: {} text encoders without a checkpoint", architecture);
+  }
+  if (clip_skip > opts[0].layers()) {
+    fail("clip_skip = {}: the text encoder has {} layers (clip_skip counts layers from the last, 1 = the last)",
+         clip_skip, opts[0].layers());
+  }
+  if (sdxl && clip_skip != 1) {
+    spdlog::warn("clip_skip = {} is ignored for {}: SDXL conditions on both encoders' penultimate layers", clip_skip,
+                 architecture);
+  }
+  if (tokenizer.clip && tokenizer.clip->vocab_size() > opts[0].vocab_size()) {
+    fail("the CLIP tokenizer (vocab.json) has ids up to {}, but the text encoder's vocabulary has {} entries",
+         tokenizer.clip->vocab_size() - 1, opts[0].vocab_size());
+  }
+  std::vector<models::ClipTextModel> out;
+  for (size_t i = 0; i < opts.size(); ++i) {
+    models::ClipTextModel te = with_seed(seed + 101 + i, [&] {
+      nn::LayerInit init;
+      init.initialize = !from_file;
+      return models::ClipTextModel(opts[i].init(init));
+    });
+    if (from_file) models::load_clip_text_weights(*te, *files, prefixes[i]);
+    te->eval();
+    out.push_back(te);
+  }
+  return out;
+}
+
+std::pair<at::Tensor, at::Tensor> encode_ldm_text(std::vector<models::ClipTextModel>& encoders,
+                                                  const LdmTokenizer& tokenizer,
+                                                  const std::vector<std::string>& captions, int64_t clip_skip,
+                                                  at::Device device, at::ScalarType dtype) {
+  torch::NoGradGuard no_grad;
+  if (encoders.size() == 1) {
+    at::Tensor ids = tokenizer.encode(captions, ClipPadding::kEndOfText).to(device);
+    auto out = encoders[0]->forward(ids, clip_skip);
+    return {out.hidden_normed.to(at::kCPU, dtype), at::Tensor()};
+  }
+  if (encoders.size() != 2) fail("internal: {} LDM text encoders", encoders.size());
+  auto l = encoders[0]->forward(tokenizer.encode(captions, ClipPadding::kEndOfText).to(device), 2);
+  auto g = encoders[1]->forward(tokenizer.encode(captions, ClipPadding::kZero).to(device), 2);
+  at::Tensor context = torch::cat(std::vector<at::Tensor>{l.hidden, g.hidden}, -1);
+  return {context.to(at::kCPU, dtype), g.pooled.to(at::kCPU, torch::kFloat32)};
+}
+
+at::Tensor sdxl_vector_y(const at::Tensor& pooled, const std::vector<double>& sizes, int64_t adm_in_channels,
+                         at::ScalarType dtype) {
+  const int64_t per = (adm_in_channels - pooled.size(1)) / 6;
+  const int64_t b = pooled.size(0);
+  if (static_cast<int64_t>(sizes.size()) != 6 * b) fail("internal: {} size values for {} rows", sizes.size(), b);
+  at::Tensor values = torch::tensor(sizes, torch::kFloat64);
+  at::Tensor size_emb = nn::timestep_embedding(values, per).view({b, 6 * per});
+  return torch::cat(std::vector<at::Tensor>{pooled.to(torch::kFloat32), size_emb}, 1).to(dtype);
+}
+
+models::AutoencoderKL build_ldm_vae(bool sdxl, bool tiny, const WeightFiles* files, bool bare_keys_allowed,
+                                    uint64_t seed) {
+  models::VaeOptions o;
+  o.scaling_factor(sdxl ? 0.13025 : 0.18215);
+  if (tiny) o = o.tiny();
+  bool has = false, prefixed = false;
+  if (files) {
+    for (const auto& n : files->names()) {
+      if (starts_with(n, kVaePrefix)) prefixed = has = true;
+    }
+    if (bare_keys_allowed) has = true;
+    if (!has) fail("{}: holds no VAE (no '{}*' keys)", files->path(), kVaePrefix);
+  } else if (!tiny) {
+    fail("internal: a VAE without a checkpoint");
+  }
+  models::AutoencoderKL vae = with_seed(seed + 100, [&] {
+    nn::LayerInit init;
+    init.initialize = !has;
+    return models::AutoencoderKL(o.init(init));
+  });
+  if (has) {
+    LoadWeightsOptions lo;
+    lo.key_map = [prefixed](const std::string& key) -> std::string {
+      if (!prefixed) return key;
+      return starts_with(key, kVaePrefix) ? key.substr(std::string(kVaePrefix).size()) : "";
+    };
+    load_weights(*vae, *files, lo);
+  }
+  vae->eval();
+  return vae;
+}
+
+}  // namespace shoestring

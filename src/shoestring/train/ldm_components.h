@@ -1,0 +1,77 @@
+// The frozen parts of the released LDM checkpoints (SD 1.5, SDXL, SSD-1B)
+// beside their UNet: the CLIP text encoders with their tokenizer, SDXL's
+// vector conditioning y, and the VAE, built from a single-file checkpoint
+// (ComfyUI / A1111 key layout) or, for tiny test variants without one,
+// randomly initialised from a seed. Used by `shoestring sample`
+// (train/ldm_sampling.h).
+//
+// Conditioning as Stability's configs define it: SD 1.x (v1-inference.yaml)
+// conditions on CLIP ViT-L/14's last hidden state after the final layer norm
+// (kohya's clip_skip picks an earlier layer); SDXL (sd_xl_base.yaml) on the
+// penultimate hidden states of CLIP ViT-L and OpenCLIP bigG concatenated
+// (768 + 1280 = 2048) and on y = [bigG's pooled output, sinusoidal
+// embeddings of original size (h, w), crop (top, left), target size (h, w)].
+#pragma once
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+#include "shoestring/data/clip_tokenizer.h"
+#include "shoestring/data/tokenizer.h"
+#include "shoestring/io/weight_files.h"
+#include "shoestring/models/clip_text.h"
+#include "shoestring/models/unet_ldm.h"
+#include "shoestring/models/vae.h"
+
+namespace shoestring {
+
+/// Token ids of the text encoders: CLIP's BPE, or (tiny variants trained
+/// without tokenizer_dir) the word tokenizer built from the captions.
+struct LdmTokenizer {
+  std::optional<ClipTokenizer> clip;
+  std::optional<WordTokenizer> words;
+  /// int64 [B, 77]. Throws shoestring::Error when neither is set.
+  at::Tensor encode(const std::vector<std::string>& captions, ClipPadding pad) const;
+};
+
+/// The text encoders a UNet with `unet`'s options conditions on (one for SD
+/// 1.x, two for SDXL / SSD-1B; `tiny`: the test-sized ones), loaded from
+/// `files` under their single-file prefixes (models/clip_text.h), or randomly
+/// initialised from `seed` + 101 + i when `files` is null (tiny only), in
+/// eval mode, float32, on the CPU. Throws shoestring::Error when the file
+/// holds no text encoder (naming the file and the prefix), when clip_skip
+/// exceeds the encoder's layers, or when the tokenizer's vocabulary is larger
+/// than the encoder's; warns that clip_skip is ignored for SDXL.
+std::vector<models::ClipTextModel> build_ldm_text_encoders(const models::LdmUNetOptions& unet, bool tiny,
+                                                           const WeightFiles* files, uint64_t seed, int64_t clip_skip,
+                                                           const LdmTokenizer& tokenizer,
+                                                           const std::string& architecture);
+
+/// Context [N, 77, D] (in `dtype`, host memory) and, for SDXL, bigG's pooled
+/// output [N, P] (float32, host memory; undefined otherwise) of `captions`,
+/// computed in no-grad on `device` with the encoders of
+/// build_ldm_text_encoders.
+std::pair<at::Tensor, at::Tensor> encode_ldm_text(std::vector<models::ClipTextModel>& encoders,
+                                                  const LdmTokenizer& tokenizer,
+                                                  const std::vector<std::string>& captions, int64_t clip_skip,
+                                                  at::Device device, at::ScalarType dtype);
+
+/// SDXL's y [B, adm] in `dtype`: pooled [B, P] beside the sinusoidal
+/// embeddings ((adm - P) / 6 channels each) of the 6 size values of each row
+/// (original h, w, crop top, left, target h, w; `sizes` holds 6 x B). Throws
+/// shoestring::Error when sizes does not hold 6 x B values.
+at::Tensor sdxl_vector_y(const at::Tensor& pooled, const std::vector<double>& sizes, int64_t adm_in_channels,
+                         at::ScalarType dtype);
+
+/// The VAE (scaling factor 0.13025 for SDXL, 0.18215 otherwise; `tiny`: the
+/// test-sized one), loaded from `files` (its keys under first_stage_model.,
+/// or bare keys when `bare_keys_allowed`, a separate VAE file), or randomly
+/// initialised from `seed` + 100 when `files` is null (tiny only); eval
+/// mode, float32, CPU. Throws shoestring::Error when the file holds no VAE.
+models::AutoencoderKL build_ldm_vae(bool sdxl, bool tiny, const WeightFiles* files, bool bare_keys_allowed,
+                                    uint64_t seed);
+
+}  // namespace shoestring
