@@ -11,6 +11,7 @@
 #include "shoestring/core/error.h"
 #include "shoestring/train/ddpm.h"
 #include "shoestring/train/samplers.h"
+#include "shoestring/train/sampling.h"
 
 using namespace shoestring;
 
@@ -174,4 +175,24 @@ TEST(Samplers, LevelsFollowKDiffusion) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("euler_a"), std::string::npos) << e.what();
   }
+}
+
+TEST(Samplers, SamplePromptsTakeKohyasInlineOptions) {
+  // kohya's sample_images syntax: the prompt, then " --" options.
+  const SamplePrompt p = parse_sample_prompt("a red heart --n blurry, dark --w 512 --h 768 --s 20 --l 6.5 --d 42", "p");
+  EXPECT_EQ(p.prompt, "a red heart");
+  EXPECT_EQ(p.negative, "blurry, dark");
+  EXPECT_EQ(p.width, 512);
+  EXPECT_EQ(p.height, 768);
+  EXPECT_EQ(p.steps, 20);
+  EXPECT_DOUBLE_EQ(p.cfg.value_or(0), 6.5);
+  EXPECT_EQ(p.seed.value_or(0), 42u);
+  SampleRequest r;
+  r.seeds = {0, 1, 2};
+  EXPECT_EQ(row_seeds(p, r), (std::vector<uint64_t>{42, 43, 44}));
+  EXPECT_EQ(parse_sample_prompt("plain", "p").prompt, "plain");
+  EXPECT_THROW(parse_sample_prompt("x --q 3", "p"), Error);
+  EXPECT_THROW(parse_sample_prompt("x --s abc", "p"), Error);
+  EXPECT_THROW(parse_sample_prompt("x --s 3 --s 4", "p"), Error);
+  EXPECT_THROW(parse_sample_prompt("x --l nan", "p"), Error);
 }

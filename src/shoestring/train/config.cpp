@@ -16,6 +16,7 @@
 #include "shoestring/nn/lora.h"
 #include "shoestring/optim/factory.h"
 #include "shoestring/train/config_schema.h"
+#include "shoestring/train/sampling.h"
 
 namespace shoestring {
 
@@ -216,6 +217,19 @@ void validate(const TrainConfig& c, const std::string& source) {
     fail("{}: {}", source, e.what());
   }
   if (c.sample_prompts.empty()) fail("{}: sample_prompts must hold at least one prompt", source);
+  std::optional<std::pair<int64_t, int64_t>> sample_size;
+  for (size_t i = 0; i < c.sample_prompts.size(); ++i) {
+    const std::string where = fmt::format("{}: sample_prompts[{}]", source, i);
+    const SamplePrompt p = parse_sample_prompt(c.sample_prompts[i], where);
+    const std::pair<int64_t, int64_t> size{p.width, p.height};
+    if (sample_size && *sample_size != size) {
+      fail(
+          "{}: --w {} --h {} differs from an earlier prompt's --w {} --h {}: the rows of one sample grid share a "
+          "size (0 = the run's)",
+          where, p.width, p.height, sample_size->first, sample_size->second);
+    }
+    sample_size = size;
+  }
   // kohya's retention keys thin out the checkpoints of a cadence; without it they have nothing to act on.
   if (c.save_last_n_steps > 0 && c.save_every_n_steps == 0) {
     fail(

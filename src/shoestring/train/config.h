@@ -155,6 +155,8 @@ struct TrainConfig {
   int64_t sample_seeds = 4;  ///< columns of the sample grid
   int64_t sample_steps = 30;
   double sample_cfg = 4.0;
+  std::string sample_sampler =
+      "ddim";                      ///< LDM UNets: ddim | euler | euler_a | dpmpp_2m (train/samplers.h), kohya's aliases
   int64_t log_every_n_steps = 10;  ///< progress line cadence when not on a TTY
   int64_t num_threads = 0;         ///< 0: libtorch default
   /// "auto" | "cpu" | "cuda" | "cuda:N" (core/device.h): where the model, its

@@ -332,11 +332,22 @@ const std::vector<Field>& schema() {
        0, 1e12},
       {"sample_every_n_steps", &TrainConfig::sample_every_n_steps,
        "sample-grid cadence in optimizer steps (0 = only at the end)", 0, 1e12},
-      {"sample_prompts", &TrainConfig::sample_prompts, "prompts of the sample grid (one row each)"},
+      {"sample_prompts", &TrainConfig::sample_prompts,
+       "prompts of the sample grid (one row each), with kohya's inline options: \"PROMPT --n NEGATIVE --w W --h H "
+       "--s STEPS --l CFG --d SEED\" (--n, --w, --h: LDM UNets only; the rows of one grid share --w / --h)"},
       {"sample_seeds", &TrainConfig::sample_seeds, "seeds per prompt (grid columns)", 1, 64},
       {"sample_steps", &TrainConfig::sample_steps, "sampler steps (Euler for tiny-unet, DDIM for the LDM UNets)", 1,
        1000},
       {"sample_cfg", &TrainConfig::sample_cfg, "classifier-free guidance scale", 0, 100},
+      Field{"sample_sampler",
+            &TrainConfig::sample_sampler,
+            "LDM UNets' sampler for the sample grids (train/samplers.h): ddim (kohya's default), euler, euler_a, "
+            "dpmpp_2m; kohya's k_euler, k_euler_a and dpmsolver++ name the same; the emoji model always integrates "
+            "its flow with Euler",
+            -kInf,
+            kInf,
+            {"ddim", "euler", "euler_a", "dpmpp_2m", "k_euler", "k_euler_a", "dpmsolver++"}}
+          .with(kReleasedModelOnly),
       {"log_every_n_steps", &TrainConfig::log_every_n_steps, "progress line cadence (no TTY)", 1, 1e9},
       {"num_threads", &TrainConfig::num_threads,
        "intra-op threads (0 = every CPU this process may use, divided among the ranks on this machine)", 0, 1024},

@@ -29,6 +29,9 @@
 #include "shoestring/train/config.h"
 #include "shoestring/train/ddpm.h"
 #include "shoestring/train/diffusion_loss.h"
+#include "shoestring/train/ldm_sampling.h"
+#include "shoestring/train/samplers.h"
+#include "shoestring/train/sampling.h"
 #include "shoestring/train/training_model_impl.h"
 
 namespace shoestring {
@@ -263,6 +266,8 @@ class LdmTrainingModel final : public TrainingModel {
                                                      std::shared_ptr<models::LdmUNetImpl>* unet = nullptr) const;
   void load_unet();
   void check_resolution() const;
+  /// Refuses a sample size the UNet cannot take, naming the prompt.
+  void check_sample_size(int64_t height, int64_t width, const std::string& prompt) const;
   /// SDXL's vector y [B, adm]: pooled [B, P] (fp32) beside the sinusoidal
   /// embeddings of the 6 size values of each row (original h, w, crop top,
   /// left, target h, w; `sizes` holds 6 x B), in the cache dtype.
@@ -301,8 +306,10 @@ class LdmTrainingModel final : public TrainingModel {
   at::Tensor context_, pooled_, caption_row_;
   BucketReso sample_size_;
   bool has_flip_ = false;
-  // Sample prompts: context/y of each prompt, then of "".
-  at::Tensor sample_context_, sample_y_;
+  // Sample prompts and their negatives: context [T, 77, D] and (SDXL) pooled
+  // [T, P] of each distinct text, and its row.
+  at::Tensor sample_context_, sample_pooled_;
+  std::map<std::string, int64_t> sample_row_;
 };
 
 std::shared_ptr<torch::nn::Module> LdmTrainingModel::build_unet_root(const nn::LayerInit& init,
@@ -391,7 +398,11 @@ void LdmTrainingModel::build_text_encoders() {
     tokenizer_.clip.emplace(ClipTokenizer::load(expand_path(config_.tokenizer_dir)));
   } else if (config_.tiny) {
     std::vector<std::string> texts = dataset_.captions();
-    texts.insert(texts.end(), config_.sample_prompts.begin(), config_.sample_prompts.end());
+    for (size_t i = 0; i < config_.sample_prompts.size(); ++i) {
+      const SamplePrompt p = parse_sample_prompt(config_.sample_prompts[i], fmt::format("sample_prompts[{}]", i));
+      texts.push_back(p.prompt);
+      texts.push_back(p.negative);
+    }
     tokenizer_.words.emplace(WordTokenizer::build(texts, kTextLength));
   } else {
     fail(
@@ -485,17 +496,15 @@ void LdmTrainingModel::encode_captions() {
   }
   context_ = torch::cat(contexts, 0);
   if (!ys.empty()) pooled_ = torch::cat(ys, 0);
-  std::vector<std::string> prompts = config_.sample_prompts;
-  prompts.push_back("");
-  at::Tensor sample_pooled;
-  std::tie(sample_context_, sample_pooled) = encode_text(prompts);
-  if (sdxl_) {
-    // Samples: original = target = the sample size, crop (0, 0).
-    const auto h = static_cast<double>(sample_size_.height), w = static_cast<double>(sample_size_.width);
-    std::vector<double> sizes;
-    for (int64_t i = 0; i < sample_pooled.size(0); ++i) sizes.insert(sizes.end(), {h, w, 0.0, 0.0, h, w});
-    sample_y_ = sdxl_y(sample_pooled, sizes);
+  // Sample prompts and their negatives (kohya's --n; "" by default), each text once.
+  std::vector<std::string> texts;
+  for (size_t i = 0; i < config_.sample_prompts.size(); ++i) {
+    const SamplePrompt p = parse_sample_prompt(config_.sample_prompts[i], fmt::format("sample_prompts[{}]", i));
+    for (const std::string& t : {p.prompt, p.negative}) {
+      if (sample_row_.emplace(t, static_cast<int64_t>(texts.size())).second) texts.push_back(t);
+    }
   }
+  std::tie(sample_context_, sample_pooled_) = encode_text(texts);
 }
 
 models::AutoencoderKL LdmTrainingModel::build_vae(bool for_decoding) {
@@ -574,46 +583,60 @@ void LdmTrainingModel::encode_images() {
 
 at::Tensor LdmTrainingModel::sample(const SampleRequest& request) {
   if (request.prompts.empty() || request.seeds.empty()) fail("sample: no prompts or no seeds");
-  // Prompts were encoded before the text encoders were freed.
-  std::map<std::string, int64_t> prompt_row;
-  for (size_t i = 0; i < config_.sample_prompts.size(); ++i) prompt_row.emplace(config_.sample_prompts[i], i);
-  const int64_t uncond = sample_context_.size(0) - 1;
   const bool was_training = root_->is_training();
   root_->eval();
   torch::NoGradGuard no_grad;
-  models::AutoencoderKL vae = build_vae(true);
   const auto dtype = nn::value_dtype(unet_->out_conv->weight);
-  // Noise from a CPU generator per seed (the same on every device), then moved.
   const at::Device device = unet_->out_conv->weight.device();
+  const SamplerKind sampler = parse_sampler(config_.sample_sampler, "sample_sampler");
+  // Prompts were encoded before the text encoders were freed.
+  std::vector<at::Tensor> latents;
+  int64_t height = 0, width = 0;
+  for (size_t i = 0; i < request.prompts.size(); ++i) {
+    const SamplePrompt p = parse_sample_prompt(request.prompts[i], fmt::format("sample prompt {}", i + 1));
+    const auto cond = sample_row_.find(p.prompt), negative = sample_row_.find(p.negative);
+    if (cond == sample_row_.end() || negative == sample_row_.end())
+      fail("sample: prompt '{}' is not one of sample_prompts (encoded before training)", request.prompts[i]);
+    // The rows of one grid share a size (the config's check): --w / --h, else the dataset's.
+    height = p.height > 0 ? p.height : sample_size_.height;
+    width = p.width > 0 ? p.width : sample_size_.width;
+    check_sample_size(height, width, request.prompts[i]);
+    const double cfg = p.cfg.value_or(request.cfg);
+    std::vector<int64_t> rows{cond->second};
+    if (cfg != 1.0) rows.push_back(negative->second);
+    const at::Tensor index = torch::tensor(rows, torch::kInt64);
+    at::Tensor y;
+    if (sdxl_) {
+      // original = target = the sample size, crop (0, 0).
+      const auto h = static_cast<double>(height), w = static_cast<double>(width);
+      std::vector<double> sizes;
+      for (size_t k = 0; k < rows.size(); ++k) sizes.insert(sizes.end(), {h, w, 0.0, 0.0, h, w});
+      y = sdxl_y(sample_pooled_.index_select(0, index), sizes).to(device, dtype);
+    }
+    const int64_t steps = p.steps > 0 ? p.steps : request.steps;
+    latents.push_back(sample_ldm_latents(*unet_, sample_context_.index_select(0, index).to(device, dtype), y, cfg,
+                                         row_seeds(p, request), height, width, sampler,
+                                         sampling_levels(schedule_, sampler, steps), config_.v_parameterization));
+  }
+  models::AutoencoderKL vae = build_vae(true);
   vae->to(device);
-  const int64_t h = sample_size_.height / 8, w = sample_size_.width / 8;
   std::vector<at::Tensor> images;
-  for (const auto& prompt : request.prompts) {
-    auto it = prompt_row.find(prompt);
-    if (it == prompt_row.end())
-      fail("sample: prompt '{}' is not one of sample_prompts (encoded before training)", prompt);
-    for (uint64_t seed : request.seeds) {
-      auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-      at::Tensor x = torch::randn({1, 4, h, w}, gen, torch::kFloat32).to(device);
-      at::Tensor rows = torch::tensor({it->second, uncond}, torch::kInt64);
-      at::Tensor context = sample_context_.index_select(0, rows).to(device, dtype);
-      at::Tensor y = sample_y_.defined() ? sample_y_.index_select(0, rows).to(device, dtype) : at::Tensor();
-      const std::vector<int64_t> ts = schedule_.ddim_timesteps(request.steps);
-      for (size_t k = 0; k < ts.size(); ++k) {
-        const int64_t t = ts[k];
-        const int64_t t_prev = k + 1 < ts.size() ? ts[k + 1] : -1;
-        at::Tensor in = torch::cat({x, x}, 0);
-        at::Tensor out = unet_->forward(in.to(dtype), torch::full({2}, static_cast<double>(t), x.options()), context, y)
-                             .to(torch::kFloat32);
-        if (config_.v_parameterization) out = schedule_.eps_from_v(in, out, t);
-        at::Tensor eps = out[1] + request.cfg * (out[0] - out[1]);
-        x = schedule_.ddim_step(x, eps.unsqueeze(0), t, t_prev);
-      }
-      images.push_back(vae->decode_latents(x).to(at::kCPU, torch::kFloat32));
+  for (const at::Tensor& z : latents) {
+    for (int64_t k = 0; k < z.size(0); ++k) {
+      images.push_back(vae->decode_latents(z.slice(0, k, k + 1).to(device)).to(at::kCPU, torch::kFloat32));
     }
   }
   if (was_training) root_->train();
   return samples_to_uint8(torch::cat(images, 0), request);
+}
+
+void LdmTrainingModel::check_sample_size(int64_t height, int64_t width, const std::string& prompt) const {
+  const int64_t levels = static_cast<int64_t>(unet_options_.channel_mult().size());
+  const int64_t multiple = 8 * (int64_t{1} << (levels - 1));
+  if (height % multiple != 0 || width % multiple != 0) {
+    fail("sample prompt '{}': {} x {} px; {} needs multiples of {} pixels (VAE factor 8 x {} UNet downsamplings)",
+         prompt, width, height, config_.architecture, multiple, levels - 1);
+  }
 }
 
 std::vector<std::pair<std::string, at::Tensor>> LdmTrainingModel::companion_tensors() {

@@ -1,6 +1,7 @@
 #include "shoestring/train/ldm_sampling.h"
 
 #include <filesystem>
+#include <map>
 #include <optional>
 
 #include <nlohmann/json.hpp>
@@ -14,6 +15,7 @@
 #include "shoestring/core/utf8.h"
 #include "shoestring/io/weight_files.h"
 #include "shoestring/models/architecture.h"
+#include "shoestring/nn/fp8_storage.h"
 #include "shoestring/nn/key_layout.h"
 #include "shoestring/nn/lora.h"
 #include "shoestring/precision/compute_choice.h"
@@ -118,21 +120,69 @@ void check_unet_lora(const std::string& path) {
 
 }  // namespace
 
+at::Tensor sample_ldm_latents(models::LdmUNetImpl& unet, const at::Tensor& context, const at::Tensor& y, double cfg,
+                              const std::vector<uint64_t>& seeds, int64_t height, int64_t width, SamplerKind sampler,
+                              const std::vector<NoiseLevel>& levels, bool v_prediction) {
+  const bool guided = cfg != 1.0;
+  const int64_t g = context.size(0);
+  if (g != (guided ? 2 : 1)) fail("internal: {} conditioning rows for cfg {}", g, cfg);
+  torch::NoGradGuard no_grad;
+  const at::Tensor& weight = unet.out_conv->weight;
+  const at::ScalarType dtype = nn::value_dtype(weight);
+  const at::Device device = weight.device();
+  std::vector<at::Tensor> out;
+  for (const uint64_t s : seeds) {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(s);
+    at::Tensor noise = torch::randn({1, 4, height / 8, width / 8}, gen, torch::kFloat32).to(device);
+    auto step_gen = at::make_generator<at::CPUGeneratorImpl>(s + 1);
+    DenoiseFn denoise = [&](const at::Tensor& x, const NoiseLevel& level) {
+      at::Tensor in = model_input(x, level.sigma);
+      if (guided) in = torch::cat({in, in}, 0);
+      at::Tensor t = torch::full({g}, level.timestep, x.options());
+      at::Tensor eps = unet.forward(in.to(dtype), t, context, y).to(torch::kFloat32);
+      if (guided) eps = (eps[1] + cfg * (eps[0] - eps[1])).unsqueeze(0);
+      return denoised_from_output(x, eps, level.sigma, v_prediction);
+    };
+    out.push_back(run_sampler(sampler, denoise, noise, levels, &step_gen).to(at::kCPU));
+  }
+  return torch::cat(out, 0);
+}
+
 bool is_ldm_checkpoint(const std::string& path) { return find_ldm_unet(WeightFiles::open(path)).has_value(); }
 
 LdmSamples sample_ldm_checkpoint(const std::string& path, const LdmSampleRequest& request) {
   const SampleRequest& req = request.images;
   if (req.prompts.empty() || req.seeds.empty()) fail("sample: no prompts or no seeds given");
-  std::vector<std::string> texts = req.prompts;
-  texts.push_back(request.negative_prompt);
-  for (size_t i = 0; i < texts.size(); ++i) {
-    const size_t bad = utf8_error_offset(texts[i]);
+  {
+    const size_t bad = utf8_error_offset(request.negative_prompt);
     if (bad != std::string_view::npos) {
-      fail("sample: {} is not valid UTF-8 (byte {}): '{}'",
-           i + 1 < texts.size() ? fmt::format("prompt {}", i + 1) : std::string("the negative prompt"), bad,
-           printable(texts[i]));
+      fail("sample: the negative prompt is not valid UTF-8 (byte {}): '{}'", bad, printable(request.negative_prompt));
     }
   }
+  std::vector<SamplePrompt> prompts;
+  for (size_t i = 0; i < req.prompts.size(); ++i) {
+    const size_t bad = utf8_error_offset(req.prompts[i]);
+    if (bad != std::string_view::npos) {
+      fail("sample: prompt {} is not valid UTF-8 (byte {}): '{}'", i + 1, bad, printable(req.prompts[i]));
+    }
+    prompts.push_back(parse_sample_prompt(req.prompts[i], fmt::format("prompt {}", i + 1)));
+    if (prompts.back().negative.empty()) prompts.back().negative = request.negative_prompt;
+    const SamplePrompt& p = prompts.back();
+    if (i > 0 && (p.width != prompts[0].width || p.height != prompts[0].height)) {
+      fail("prompt {}: --w {} --h {} differs from prompt 1's --w {} --h {}: the rows of one grid share a size", i + 1,
+           p.width, p.height, prompts[0].width, prompts[0].height);
+    }
+  }
+  // Every text to encode once: prompts, then negatives.
+  std::vector<std::string> texts;
+  std::map<std::string, int64_t> text_row;
+  auto row_of = [&](const std::string& t) {
+    auto [it, added] = text_row.emplace(t, static_cast<int64_t>(texts.size()));
+    if (added) texts.push_back(t);
+    return it->second;
+  };
+  for (const SamplePrompt& p : prompts) row_of(p.prompt);
+  for (const SamplePrompt& p : prompts) row_of(p.negative);
   const WeightFiles file = WeightFiles::open(path);
   const std::optional<FoundUNet> found = find_ldm_unet(file);
   if (!found) {
@@ -162,8 +212,14 @@ LdmSamples sample_ldm_checkpoint(const std::string& path, const LdmSampleRequest
   }
   const int64_t default_size = found->tiny ? (sdxl ? 32 : 64) : (sdxl ? 1024 : 512);
   const int64_t run_size = run ? run->resolution : 0;
-  out.width = request.width > 0 ? request.width : run_size > 0 ? run_size : default_size;
-  out.height = request.height > 0 ? request.height : run_size > 0 ? run_size : default_size;
+  out.width = prompts[0].width > 0 ? prompts[0].width
+              : request.width > 0  ? request.width
+              : run_size > 0       ? run_size
+                                   : default_size;
+  out.height = prompts[0].height > 0 ? prompts[0].height
+               : request.height > 0  ? request.height
+               : run_size > 0        ? run_size
+                                     : default_size;
   const int64_t levels = static_cast<int64_t>(unet_options.channel_mult().size());
   const int64_t multiple = 8 * (int64_t{1} << (levels - 1));
   if (out.width % multiple != 0 || out.height % multiple != 0) {
@@ -265,29 +321,17 @@ LdmSamples sample_ldm_checkpoint(const std::string& path, const LdmSampleRequest
     root->eval();
     torch::NoGradGuard no_grad;
     const DdpmSchedule schedule = DdpmSchedule::stable_diffusion();
-    const std::vector<NoiseLevel> levels_of_run = sampling_levels(schedule, request.sampler, req.steps);
-    const int64_t negative = context.size(0) - 1;
-    const bool guided = req.cfg != 1.0;
-    for (size_t p = 0; p < req.prompts.size(); ++p) {
-      at::Tensor rows = guided ? torch::tensor({static_cast<int64_t>(p), negative}, torch::kInt64)
-                               : torch::tensor({static_cast<int64_t>(p)}, torch::kInt64);
-      const at::Tensor ctx = context.index_select(0, rows).to(request.device, dtype);
-      const at::Tensor yy = y.defined() ? y.index_select(0, rows).to(request.device, dtype) : at::Tensor();
-      const int64_t n = rows.size(0);
-      for (uint64_t s : req.seeds) {
-        auto gen = at::make_generator<at::CPUGeneratorImpl>(s);
-        at::Tensor noise = torch::randn({1, 4, out.height / 8, out.width / 8}, gen, torch::kFloat32).to(request.device);
-        auto step_gen = at::make_generator<at::CPUGeneratorImpl>(s + 1);
-        DenoiseFn denoise = [&](const at::Tensor& x, const NoiseLevel& level) {
-          at::Tensor in = model_input(x, level.sigma);
-          if (guided) in = torch::cat({in, in}, 0);
-          at::Tensor t = torch::full({n}, level.timestep, x.options());
-          at::Tensor eps = unet->forward(in.to(dtype), t, ctx, yy).to(torch::kFloat32);
-          if (guided) eps = (eps[1] + req.cfg * (eps[0] - eps[1])).unsqueeze(0);
-          return denoised_from_output(x, eps, level.sigma, out.v_prediction);
-        };
-        latents.push_back(run_sampler(request.sampler, denoise, noise, levels_of_run, &step_gen).to(at::kCPU));
-      }
+    for (const SamplePrompt& p : prompts) {
+      const double cfg = p.cfg.value_or(req.cfg);
+      const int64_t steps = p.steps > 0 ? p.steps : req.steps;
+      std::vector<int64_t> rows{text_row.at(p.prompt)};
+      if (cfg != 1.0) rows.push_back(text_row.at(p.negative));
+      const at::Tensor index = torch::tensor(rows, torch::kInt64);
+      const at::Tensor ctx = context.index_select(0, index).to(request.device, dtype);
+      const at::Tensor yy = y.defined() ? y.index_select(0, index).to(request.device, dtype) : at::Tensor();
+      latents.push_back(sample_ldm_latents(*unet, ctx, yy, cfg, row_seeds(p, req), out.height, out.width,
+                                           request.sampler, sampling_levels(schedule, request.sampler, steps),
+                                           out.v_prediction));
     }
   }
 
@@ -298,7 +342,11 @@ LdmSamples sample_ldm_checkpoint(const std::string& path, const LdmSampleRequest
                                               /*bare_keys_allowed=*/vae_file && vae_files == &*vae_file, seed);
     vae->to(request.device);
     torch::NoGradGuard no_grad;
-    for (const at::Tensor& z : latents) images.push_back(vae->decode_latents(z.to(request.device)).to(at::kCPU));
+    for (const at::Tensor& z : latents) {
+      for (int64_t i = 0; i < z.size(0); ++i) {
+        images.push_back(vae->decode_latents(z.slice(0, i, i + 1).to(request.device)).to(at::kCPU));
+      }
+    }
   }
   out.images = samples_to_uint8(torch::cat(images, 0).to(torch::kFloat32), req);
   return out;

@@ -14,8 +14,8 @@
 
 #include <ATen/ATen.h>
 
-#include "shoestring/train/sampling.h"
 #include "shoestring/train/samplers.h"
+#include "shoestring/train/sampling.h"
 
 namespace shoestring {
 
@@ -25,9 +25,11 @@ namespace shoestring {
 /// v_parameterization), then from the file's metadata, then from the
 /// architecture's defaults (512 px for SD 1.5, 1024 for SDXL / SSD-1B).
 struct LdmSampleRequest {
-  SampleRequest images;          ///< prompts, seeds, steps, cfg (the grid: prompts x seeds)
-  std::string negative_prompt;   ///< the unconditional prompt of classifier-free guidance
-  int64_t width = 0;             ///< pixels; a multiple of the UNet's (8 x 2^(levels-1))
+  /// prompts (with kohya's inline --n --w --h --s --l --d, parse_sample_prompt, which override the fields
+  /// here for their row), seeds, steps, cfg (the grid: prompts x seeds)
+  SampleRequest images;
+  std::string negative_prompt;  ///< the unconditional prompt of classifier-free guidance
+  int64_t width = 0;            ///< pixels; a multiple of the UNet's (8 x 2^(levels-1))
   int64_t height = 0;
   SamplerKind sampler = SamplerKind::ddim;
   /// kohya LoRA files (UNet modules, lora_unet_*) merged with their multiplier.
@@ -47,6 +49,23 @@ struct LdmSamples {
   bool v_prediction = false;
   std::string unet_dtype;  ///< the UNet's compute dtype ("fp32", "bf16", "fp16")
 };
+
+namespace models {
+class LdmUNetImpl;
+}
+
+/// Draws one latent per seed, float32 [S, 4, height / 8, width / 8] on the
+/// CPU, with `unet` (eval mode, no-grad; its weights' dtype and device) and
+/// `sampler` over `levels` (sampling_levels): noise of seed s drawn on the
+/// CPU, euler_a's per-step noise from a generator seeded s + 1. `context`
+/// [G, 77, D] and (SDXL) `y` [G, adm] hold the prompt's conditioning first
+/// and, when cfg != 1 (G = 2), the negative prompt's second; guidance
+/// combines the two outputs as uncond + cfg (cond - uncond).
+/// `v_prediction`: the UNet predicts v instead of epsilon. Throws
+/// shoestring::Error when G does not fit cfg.
+at::Tensor sample_ldm_latents(models::LdmUNetImpl& unet, const at::Tensor& context, const at::Tensor& y, double cfg,
+                              const std::vector<uint64_t>& seeds, int64_t height, int64_t width, SamplerKind sampler,
+                              const std::vector<NoiseLevel>& levels, bool v_prediction);
 
 /// Whether `path` holds an LDM UNet of a trainable architecture (sd15,
 /// sdxl, ssd1b; from its metadata or its tensor names and shapes).

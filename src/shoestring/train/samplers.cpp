@@ -22,6 +22,10 @@ constexpr SamplerName kSamplers[] = {{SamplerKind::ddim, "ddim"},
 }  // namespace
 
 SamplerKind parse_sampler(const std::string& name, const std::string& what) {
+  // kohya's sample_sampler names of the same algorithms (train_util.py get_my_scheduler).
+  if (name == "k_euler") return SamplerKind::euler;
+  if (name == "k_euler_a") return SamplerKind::euler_a;
+  if (name == "dpmsolver++") return SamplerKind::dpmpp_2m;
   std::string known;
   for (const SamplerName& s : kSamplers) {
     if (name == s.name) return s.kind;

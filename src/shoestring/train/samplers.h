@@ -38,8 +38,11 @@ namespace shoestring {
 /// The sampling algorithms `shoestring sample --sampler` accepts.
 enum class SamplerKind { ddim, euler, euler_a, dpmpp_2m };
 
-/// "ddim", "euler", "euler_a", "dpmpp_2m". Throws shoestring::Error for any
-/// other name, listing the accepted ones; `what` names the option.
+/// "ddim", "euler", "euler_a", "dpmpp_2m", and kohya's sample_sampler names
+/// of the same algorithms, "k_euler", "k_euler_a", "dpmsolver++"
+/// (diffusers' DPMSolverMultistepScheduler, second order). Throws
+/// shoestring::Error for any other name, listing the accepted ones; `what`
+/// names the option.
 SamplerKind parse_sampler(const std::string& name, const std::string& what);
 /// The name parse_sampler accepts for `kind`.
 const char* sampler_name(SamplerKind kind);

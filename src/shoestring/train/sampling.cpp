@@ -1,5 +1,8 @@
 #include "shoestring/train/sampling.h"
 
+#include <cmath>
+#include <set>
+
 #include <torch/torch.h>
 
 #include "shoestring/core/error.h"
@@ -12,12 +15,89 @@
 
 namespace shoestring {
 
+SamplePrompt parse_sample_prompt(const std::string& text, const std::string& where) {
+  SamplePrompt out;
+  std::vector<std::string> parts;
+  size_t from = 0;
+  for (size_t at = text.find(" --"); at != std::string::npos; at = text.find(" --", from)) {
+    parts.push_back(text.substr(from, at - from));
+    from = at + 3;
+  }
+  parts.push_back(text.substr(from));
+  out.prompt = parts[0];
+  auto trim = [](std::string v) {
+    const size_t b = v.find_first_not_of(' ');
+    if (b == std::string::npos) return std::string();
+    return v.substr(b, v.find_last_not_of(' ') - b + 1);
+  };
+  std::set<std::string> seen;
+  for (size_t i = 1; i < parts.size(); ++i) {
+    const std::string& part = parts[i];
+    const size_t space = part.find(' ');
+    const std::string option = part.substr(0, space);
+    const std::string value = space == std::string::npos ? std::string() : trim(part.substr(space + 1));
+    const std::string known = "--n negative prompt, --w width, --h height, --s steps, --l guidance scale, --d seed";
+    if (option != "n" && option != "w" && option != "h" && option != "s" && option != "l" && option != "d") {
+      fail("{}: '--{}' is not a sample prompt option (kohya's: {}); prompt: '{}'", where, option, known,
+           printable(text));
+    }
+    if (!seen.insert(option).second) fail("{}: --{} is given twice; prompt: '{}'", where, option, printable(text));
+    if (option == "n") {
+      out.negative = value;
+      continue;
+    }
+    auto number = [&](double lo, double hi, bool integer) {
+      size_t used = 0;
+      double v = 0;
+      try {
+        v = std::stod(value, &used);
+      } catch (const std::exception&) {
+        used = 0;
+      }
+      if (value.empty() || used != value.size() || !std::isfinite(v) || v < lo || v > hi ||
+          (integer && v != std::floor(v))) {
+        fail("{}: --{} expects {} in [{}, {}], got '{}'; prompt: '{}'", where, option,
+             integer ? "an integer" : "a number", lo, hi, printable(value), printable(text));
+      }
+      return v;
+    };
+    if (option == "w") out.width = static_cast<int64_t>(number(8, 8192, true));
+    if (option == "h") out.height = static_cast<int64_t>(number(8, 8192, true));
+    if (option == "s") out.steps = static_cast<int64_t>(number(1, 1000, true));
+    if (option == "l") out.cfg = number(0, 100, false);
+    if (option == "d") out.seed = static_cast<uint64_t>(number(0, 4611686018427387904.0, true));
+  }
+  out.prompt = trim(out.prompt);
+  if (out.prompt.empty() && parts.size() > 1) fail("{}: no prompt before its options: '{}'", where, printable(text));
+  return out;
+}
+
+std::vector<uint64_t> row_seeds(const SamplePrompt& prompt, const SampleRequest& request) {
+  if (!prompt.seed) return request.seeds;
+  std::vector<uint64_t> seeds;
+  for (size_t i = 0; i < request.seeds.size(); ++i) seeds.push_back(*prompt.seed + i);
+  return seeds;
+}
+
 at::Tensor generate_images(TinyUNetModel& model, const WordTokenizer& tokenizer, const SampleRequest& request) {
   if (request.prompts.empty() || request.seeds.empty()) fail("sampling: no prompts or no seeds given");
+  std::vector<SamplePrompt> prompts;
   for (size_t i = 0; i < request.prompts.size(); ++i) {
     const size_t bad = utf8_error_offset(request.prompts[i]);
     if (bad != std::string_view::npos) {
       fail("sampling: prompt {} is not valid UTF-8 (byte {}): '{}'", i + 1, bad, printable(request.prompts[i]));
+    }
+    prompts.push_back(parse_sample_prompt(request.prompts[i], fmt::format("sample prompt {}", i + 1)));
+    const SamplePrompt& p = prompts.back();
+    if (!p.negative.empty() || p.width > 0 || p.height > 0) {
+      fail(
+          "sample prompt {}: --{} applies to the LDM UNets; the emoji model samples square images at its training "
+          "resolution and guides with the empty caption: '{}'",
+          i + 1,
+          !p.negative.empty() ? "n"
+          : p.width > 0       ? "w"
+                              : "h",
+          printable(request.prompts[i]));
     }
   }
   torch::NoGradGuard no_grad;
@@ -28,37 +108,34 @@ at::Tensor generate_images(TinyUNetModel& model, const WordTokenizer& tokenizer,
   // Noise is drawn on the CPU (the same images whatever the device), then moved.
   const at::Device device = module_device(*model);
 
-  std::vector<std::string> captions;
-  std::vector<at::Tensor> noises;
-  for (const auto& prompt : request.prompts) {
-    for (uint64_t seed : request.seeds) {
-      captions.push_back(prompt);
-      auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-      noises.push_back(torch::randn({1, c, r, r}, gen, torch::kFloat32));
-    }
-  }
-  const int64_t n = static_cast<int64_t>(captions.size());
-  const bool guided = request.cfg != 1.0;
-  const int64_t chunk = std::max<int64_t>(1, request.max_batch / (guided ? 2 : 1));
   std::vector<at::Tensor> outputs;
-  for (int64_t start = 0; start < n; start += chunk) {
-    int64_t end = std::min(n, start + chunk);
-    std::vector<std::string> caps(captions.begin() + start, captions.begin() + end);
-    at::Tensor noise = torch::cat(std::vector<at::Tensor>(noises.begin() + start, noises.begin() + end)).to(device);
-    at::Tensor cond = tokenizer.encode_batch(caps).to(device);
-    at::Tensor tokens = cond;
-    if (guided) {
-      std::vector<std::string> empty(caps.size(), "");
-      tokens = torch::cat({cond, tokenizer.encode_batch(empty).to(device)});
+  for (const SamplePrompt& p : prompts) {
+    const double cfg = p.cfg.value_or(request.cfg);
+    const int64_t steps = p.steps > 0 ? p.steps : request.steps;
+    const bool guided = cfg != 1.0;
+    const std::vector<uint64_t> seeds = row_seeds(p, request);
+    const auto n = static_cast<int64_t>(seeds.size());
+    const int64_t chunk = std::max<int64_t>(1, request.max_batch / (guided ? 2 : 1));
+    for (int64_t start = 0; start < n; start += chunk) {
+      const int64_t end = std::min(n, start + chunk);
+      std::vector<at::Tensor> noises;
+      for (int64_t k = start; k < end; ++k) {
+        auto gen = at::make_generator<at::CPUGeneratorImpl>(seeds[static_cast<size_t>(k)]);
+        noises.push_back(torch::randn({1, c, r, r}, gen, torch::kFloat32));
+      }
+      at::Tensor noise = torch::cat(noises).to(device);
+      at::Tensor tokens = tokenizer.encode_batch(std::vector<std::string>(end - start, p.prompt)).to(device);
+      if (guided) {
+        tokens = torch::cat({tokens, tokenizer.encode_batch(std::vector<std::string>(end - start, "")).to(device)});
+      }
+      VelocityFn velocity = [&](const at::Tensor& x, const at::Tensor& t) {
+        if (!guided) return model->forward(x, t, tokens).to(torch::kFloat32);
+        at::Tensor v = model->forward(torch::cat({x, x}), torch::cat({t, t}), tokens).to(torch::kFloat32);
+        auto parts = v.chunk(2);
+        return parts[1] + cfg * (parts[0] - parts[1]);
+      };
+      outputs.push_back(sample_euler(velocity, noise, steps));
     }
-    const double cfg = request.cfg;
-    VelocityFn velocity = [&](const at::Tensor& x, const at::Tensor& t) {
-      if (!guided) return model->forward(x, t, tokens).to(torch::kFloat32);
-      at::Tensor v = model->forward(torch::cat({x, x}), torch::cat({t, t}), tokens).to(torch::kFloat32);
-      auto parts = v.chunk(2);
-      return parts[1] + cfg * (parts[0] - parts[1]);
-    };
-    outputs.push_back(sample_euler(velocity, noise, request.steps));
   }
   if (was_training) model->train();
   return samples_to_uint8(torch::cat(outputs).cpu(), request);

@@ -2,6 +2,7 @@
 // the flow-matching ODE with classifier-free guidance (see flow_matching.h),
 // and the sample grid written during training and by `shoestring sample`.
 #pragma once
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -22,13 +23,40 @@ struct SampleRequest {
   int64_t max_batch = 64;       ///< images per forward pass (memory bound)
 };
 
+/// One line of sample_prompts with kohya's inline options (sd-scripts
+/// library/train_util.py, sample_images: "PROMPT --n NEGATIVE --w W --h H
+/// --s STEPS --l CFG --d SEED", split at " --"), each overriding the run's
+/// default for that prompt's row of the grid.
+struct SamplePrompt {
+  std::string prompt;            ///< the text before the first " --"
+  std::string negative;          ///< --n: the unconditional prompt of guidance ("" by default)
+  int64_t width = 0;             ///< --w: pixels (0 = the run's)
+  int64_t height = 0;            ///< --h
+  int64_t steps = 0;             ///< --s (0 = sample_steps)
+  std::optional<double> cfg;     ///< --l: guidance scale (default sample_cfg)
+  std::optional<uint64_t> seed;  ///< --d: the row's first seed; columns use seed, seed + 1, ...
+};
+
+/// Parses `text` as above. Throws shoestring::Error naming `where` (e.g.
+/// "sample_prompts[2]"), the option and what was expected for an option
+/// other than n, w, h, s, l, d (kohya ignores others silently), a value that
+/// is not a number in range (w, h in [8, 8192], s in [1, 1000], l finite in
+/// [0, 100], d in [0, 2^62]), an option given twice, or an empty prompt.
+SamplePrompt parse_sample_prompt(const std::string& text, const std::string& where);
+
+/// The seeds of `prompt`'s row: request.seeds, or --d S, S + 1, ... (as many).
+std::vector<uint64_t> row_seeds(const SamplePrompt& prompt, const SampleRequest& request);
+
 /// Generates prompts.size() x seeds.size() images, row-major by prompt.
 /// Returns uint8 [P*S, 3, R, R] with R the model's training resolution.
 /// The model is put in eval mode for the duration and restored after; runs
 /// under no-grad; does not touch libtorch's global RNG (noise comes from a
-/// generator per seed). Throws shoestring::Error for an empty request, a
-/// prompt that is not valid UTF-8 (naming it and the byte), or when the model
-/// produced a non-finite value (see samples_to_uint8).
+/// generator per seed). Each prompt may carry kohya's --s, --l and --d
+/// (parse_sample_prompt); --n, --w and --h are refused (the emoji model is
+/// square and guides with the empty caption). Throws shoestring::Error for an
+/// empty request, a prompt that is not valid UTF-8 (naming it and the byte),
+/// a bad inline option, or when the model produced a non-finite value (see
+/// samples_to_uint8).
 /// Runs on the model's device (module_device); noise is drawn on the CPU and
 /// moved, so a seed gives the same starting noise on every device; the
 /// result is on the CPU.

@@ -12,6 +12,7 @@
 #include "shoestring/precision/save_guard.h"
 #include "shoestring/train/config.h"
 #include "shoestring/train/dataset_config.h"
+#include "shoestring/train/sampling.h"
 #include "shoestring/train/training_model_impl.h"
 
 namespace shoestring {
@@ -82,6 +83,18 @@ void check_training_config(const TrainConfig& config) {
           config.loss_type, config.huber_schedule,
           config.huber_schedule == TrainConfig{}.huber_schedule ? " (the default, as kohya's)" : "");
     if (config.tiny) fail("model.tiny applies to released architectures; tiny-unet is sized by model.base_channels");
+    for (size_t i = 0; i < config.sample_prompts.size(); ++i) {
+      const SamplePrompt p = parse_sample_prompt(config.sample_prompts[i], fmt::format("sample_prompts[{}]", i));
+      if (!p.negative.empty() || p.width > 0 || p.height > 0) {
+        fail(
+            "sample_prompts[{}] = \"{}\": --{} applies to the LDM UNets; the emoji model samples square images at "
+            "its training resolution and guides with the empty caption",
+            i, config.sample_prompts[i],
+            !p.negative.empty() ? "n"
+            : p.width > 0       ? "w"
+                                : "h");
+      }
+    }
   } else if (!a.trainable_from_config) {
     fail(
         "model.architecture = \"{}\": training it from a config is not supported yet (its latent encoder — the "
