@@ -12,13 +12,13 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "../error_testing.h"
 #include "shoestring/core/error.h"
 #include "shoestring/data/image.h"
 #include "shoestring/io/safetensors.h"
 #include "shoestring/train/config.h"
 #include "shoestring/train/ldm_sampling.h"
 #include "shoestring/train/trainer.h"
-#include "../error_testing.h"
 #include "train_testing.h"
 
 namespace fs = std::filesystem;
@@ -35,25 +35,10 @@ const std::string& trained_run(const std::string& arch) {
   auto it = runs.find(arch);
   if (it != runs.end()) return it->second;
   const std::string out = shoestring::testing::fresh_temp_dir("test_ldm_sampling", arch);
-  const int resolution = arch == "sd15" ? 64 : 32;
-  const std::string text = fmt::format(
-      "train_data_dir = \"{}/twemoji\"\n"
-      "resolution = {}\n"
-      "train_batch_size = 4\n"
-      "max_train_steps = 2\n"
-      "save_every_n_steps = 1\n"
-      "learning_rate = 2e-3\n"
-      "seed = 5\n"
-      "num_threads = 1\n"
-      "sample_prompts = [\"red heart\"]\n"
-      "sample_seeds = 1\n"
-      "sample_steps = 2\n"
-      "output_dir = \"{}\"\n"
-      "[model]\n"
-      "architecture = \"{}\"\n"
-      "tiny = true\n",
-      SHOESTRING_TEST_DATA, resolution, out, arch);
-  train(parse_config(text, arch + ".toml"), shoestring::testing::quiet());
+  TrainConfig c = shoestring::testing::tiny_ldm_config(arch, out);
+  c.max_train_steps = 2;
+  c.save_every_n_steps = 1;
+  train(c, shoestring::testing::quiet());
   return runs.emplace(arch, out).first->second;
 }
 
@@ -155,7 +140,8 @@ TEST_P(LdmSampling, RefusesWhatDoesNotFit) {
 
   // A LoRA with text-encoder modules is refused by name before any work.
   const std::string lora = run + "/te.safetensors";
-  save_safetensors(lora, {{"lora_te_text_model_encoder_layers_0_mlp_fc1.lora_down.weight", torch::zeros({4, 8}), std::nullopt}});
+  save_safetensors(
+      lora, {{"lora_te_text_model_encoder_layers_0_mlp_fc1.lora_down.weight", torch::zeros({4, 8}), std::nullopt}});
   r = request_of("red heart", SamplerKind::ddim);
   r.loras = {{lora, 1.0}};
   const std::string te = error_of([&] { sample_ldm_checkpoint(file, r); });

@@ -11,6 +11,7 @@
 
 #include <torch/torch.h>
 
+#include "../error_testing.h"
 #include "shoestring/core/error.h"
 #include "shoestring/io/safetensors.h"
 #include "shoestring/io/weight_files.h"
@@ -19,7 +20,6 @@
 #include "shoestring/train/config.h"
 #include "shoestring/train/ddpm.h"
 #include "shoestring/train/trainer.h"
-#include "../error_testing.h"
 #include "train_testing.h"
 
 namespace fs = std::filesystem;
@@ -32,28 +32,7 @@ namespace {
 std::string temp_dir(const std::string& name) { return shoestring::testing::fresh_temp_dir("test_ldm", name); }
 
 TrainConfig ldm_config(const std::string& arch, const std::string& out, const std::string& extra = "") {
-  // sd15 has three UNet downsamplings (x8 VAE): 64 px -> 8x8 latents;
-  // sdxl/ssd1b have two: 32 px -> 4x4 latents.
-  const int resolution = arch == "sd15" ? 64 : 32;
-  std::string text = fmt::format(
-      "train_data_dir = \"{}/twemoji\"\n"
-      "resolution = {}\n"
-      "train_batch_size = 4\n"
-      "max_train_steps = 8\n"
-      "learning_rate = 2e-3\n"
-      "caption_dropout_rate = 0.0\n"
-      "seed = 5\n"
-      "num_threads = 1\n"
-      "sample_prompts = [\"red heart\"]\n"
-      "sample_seeds = 1\n"
-      "sample_steps = 2\n"
-      "output_dir = \"{}\"\n"
-      "{}"
-      "[model]\n"
-      "architecture = \"{}\"\n"
-      "tiny = true\n",
-      SHOESTRING_TEST_DATA, resolution, out, extra, arch);
-  return parse_config(text, arch + ".toml");
+  return shoestring::testing::tiny_ldm_config(arch, out, extra);
 }
 
 std::vector<double> run_losses(const std::string& run_dir) { return losses_of(run_dir + "/metrics.jsonl"); }
@@ -386,8 +365,8 @@ TEST(LdmTraining, KohyaLossOptionsTrainFinite) {
   }
   auto error_for = [&](const std::string& extra, const std::string& arch = "sd15") {
     return shoestring::testing::error_of([&] {
-      TrainConfig c = arch == "sd15" ? ldm_config("sd15", temp_dir("loss_bad"), extra)
-                                     : parse_config(extra, "emoji.toml");
+      TrainConfig c =
+          arch == "sd15" ? ldm_config("sd15", temp_dir("loss_bad"), extra) : parse_config(extra, "emoji.toml");
       c.max_train_steps = 1;
       train(c, quiet());
     });
@@ -397,8 +376,7 @@ TEST(LdmTraining, KohyaLossOptionsTrainFinite) {
     // Refused before the run folder is written (a rerun with a fixed value then starts afresh).
     const std::string out = temp_dir("loss_bad_huber");
     const std::string e = shoestring::testing::error_of([&] {
-      train(ldm_config("sd15", out, "loss_type = \"huber\"\nhuber_schedule = \"exponential\"\nhuber_c = 2\n"),
-            quiet());
+      train(ldm_config("sd15", out, "loss_type = \"huber\"\nhuber_schedule = \"exponential\"\nhuber_c = 2\n"), quiet());
     });
     EXPECT_NE(e.find("(0, 1]"), std::string::npos) << e;
     EXPECT_FALSE(fs::exists(fs::path(out) / "metrics.jsonl"));

@@ -69,4 +69,31 @@ inline TrainConfig tiny_emoji_config(const std::string& out, const std::string& 
   return parse_config(text, "tiny.toml");
 }
 
+/// A tiny `arch` (sd15, sdxl, ssd1b) run of 8 steps on the Twemoji fixture,
+/// with `extra` TOML lines before [model].
+inline TrainConfig tiny_ldm_config(const std::string& arch, const std::string& out, const std::string& extra = "") {
+  // sd15 has three UNet downsamplings (x8 VAE): 64 px -> 8x8 latents;
+  // sdxl/ssd1b have two: 32 px -> 4x4 latents.
+  const int resolution = arch == "sd15" ? 64 : 32;
+  std::string text = fmt::format(
+      "train_data_dir = \"{}/twemoji\"\n"
+      "resolution = {}\n"
+      "train_batch_size = 4\n"
+      "max_train_steps = 8\n"
+      "learning_rate = 2e-3\n"
+      "caption_dropout_rate = 0.0\n"
+      "seed = 5\n"
+      "num_threads = 1\n"
+      "sample_prompts = [\"red heart\"]\n"
+      "sample_seeds = 1\n"
+      "sample_steps = 2\n"
+      "output_dir = \"{}\"\n"
+      "{}"
+      "[model]\n"
+      "architecture = \"{}\"\n"
+      "tiny = true\n",
+      SHOESTRING_TEST_DATA, resolution, out, extra, arch);
+  return parse_config(text, arch + ".toml");
+}
+
 }  // namespace shoestring::testing

@@ -29,6 +29,7 @@
 #include "shoestring/train/config.h"
 #include "shoestring/train/ddpm.h"
 #include "shoestring/train/diffusion_loss.h"
+#include "shoestring/train/ldm_components.h"
 #include "shoestring/train/ldm_sampling.h"
 #include "shoestring/train/samplers.h"
 #include "shoestring/train/sampling.h"
@@ -44,30 +45,6 @@ constexpr const char* kVaePrefix = "first_stage_model.";
 constexpr int64_t kTextLength = 77;
 
 bool starts_with(const std::string& s, const std::string& p) { return s.compare(0, p.size(), p) == 0; }
-
-/// Runs `build` with libtorch's global CPU generator seeded by `seed` and
-/// restores the generator after, so randomly initialised frozen parts (tiny
-/// variants without a checkpoint) are reproducible and do not shift the
-/// training run's random stream.
-template <class F>
-auto with_seed(uint64_t seed, F&& build) {
-  at::Tensor saved = cpu_rng_state();
-  torch::manual_seed(seed);
-  auto result = build();
-  set_cpu_rng_state(saved);
-  return result;
-}
-
-/// Tokenizer of the text encoders: CLIP's BPE (tokenizer_dir) or, for tiny
-/// variants without one, a word tokenizer over the captions.
-struct TextTokenizer {
-  std::optional<ClipTokenizer> clip;
-  std::optional<WordTokenizer> words;
-  at::Tensor encode(const std::vector<std::string>& captions, ClipPadding pad) const {
-    if (clip) return clip->encode_batch(captions, kTextLength, pad);
-    return words->encode_batch(captions);
-  }
-};
 
 class LdmTrainingModel final : public TrainingModel {
  public:
@@ -296,7 +273,7 @@ class LdmTrainingModel final : public TrainingModel {
   std::string unet_prefix_;
   // Text encoders (freed after encode_captions) and their tokenizer.
   std::vector<models::ClipTextModel> text_encoders_;
-  TextTokenizer tokenizer_;
+  LdmTokenizer tokenizer_;
   // Caches: latents per bucket [n_b, 4, H/8, W/8] (one bucket of all N
   // images without buckets), their mirror images with flip_aug, and each
   // image's row in its bucket; context [U + 1, 77, D] and (SDXL) pooled
@@ -375,24 +352,6 @@ void LdmTrainingModel::check_resolution() const {
 }
 
 void LdmTrainingModel::build_text_encoders() {
-  const int64_t context_dim = unet_options_.context_dim();
-  const int64_t adm = unet_options_.adm_in_channels();
-  std::vector<models::ClipTextOptions> opts;
-  std::vector<std::string> prefixes;
-  if (!sdxl_) {
-    opts.push_back(config_.tiny ? models::ClipTextOptions::clip_l().tiny(context_dim)
-                                : models::ClipTextOptions::clip_l());
-    prefixes.push_back(models::kSd15ClipPrefix);
-  } else {
-    // SDXL: CLIP-L (768) + OpenCLIP bigG (1280) = context 2048; tiny: 48 + 16 = 64.
-    const int64_t g = config_.tiny ? 16 : 1280;
-    opts.push_back(config_.tiny ? models::ClipTextOptions::clip_l().tiny(context_dim - g)
-                                : models::ClipTextOptions::clip_l());
-    opts.push_back(config_.tiny ? models::ClipTextOptions::clip_g().tiny(g) : models::ClipTextOptions::clip_g());
-    prefixes.push_back(models::kSdxlClipLPrefix);
-    prefixes.push_back(models::kSdxlClipGPrefix);
-    if ((adm - g) % 6 != 0 || adm <= g) fail("internal: adm_in_channels {} does not fit pooled {} + 6 sizes", adm, g);
-  }
   // The tokenizer: CLIP's BPE when given; a word tokenizer only for tiny runs.
   if (!config_.tokenizer_dir.empty()) {
     tokenizer_.clip.emplace(ClipTokenizer::load(expand_path(config_.tokenizer_dir)));
@@ -411,65 +370,24 @@ void LdmTrainingModel::build_text_encoders() {
         "comfy/sd1_tokenizer, or a diffusers model's tokenizer/ folder)",
         config_.architecture);
   }
-  bool from_file = false;
-  if (base_) {
-    for (const auto& n : base_->names()) from_file = from_file || starts_with(n, prefixes[0]);
-  }
-  if (!from_file && base_) {
-    // Only a tiny run without any base file starts from random text encoders.
-    fail("{}: holds no text encoder (no '{}*' keys); {} needs the checkpoint's CLIP text encoder{}", base_->path(),
-         prefixes[0], config_.architecture, sdxl_ ? "s" : "");
-  }
-  if (config_.clip_skip > opts[0].layers()) {
-    fail("clip_skip = {}: the text encoder has {} layers (clip_skip counts layers from the last, 1 = the last)",
-         config_.clip_skip, opts[0].layers());
-  }
-  if (sdxl_ && config_.clip_skip != 1) {
-    spdlog::warn("clip_skip = {} is ignored for {}: SDXL conditions on both encoders' penultimate layers",
-                 config_.clip_skip, config_.architecture);
-  }
-  if (tokenizer_.clip && tokenizer_.clip->vocab_size() > opts[0].vocab_size()) {
-    fail("tokenizer_dir '{}': vocab.json has ids up to {}, but the text encoder's vocabulary has {} entries",
-         config_.tokenizer_dir, tokenizer_.clip->vocab_size() - 1, opts[0].vocab_size());
-  }
-  for (size_t i = 0; i < opts.size(); ++i) {
-    models::ClipTextModel te = with_seed(static_cast<uint64_t>(config_.seed) + 101 + i, [&] {
-      nn::LayerInit init;
-      init.initialize = !from_file;
-      return models::ClipTextModel(opts[i].init(init));
-    });
-    if (from_file) models::load_clip_text_weights(*te, *base_, prefixes[i]);
-    te->eval();
-    text_encoders_.push_back(te);
+  try {
+    text_encoders_ = build_ldm_text_encoders(unet_options_, config_.tiny, base_ ? &*base_ : nullptr,
+                                             static_cast<uint64_t>(config_.seed), config_.clip_skip, tokenizer_,
+                                             config_.architecture);
+  } catch (const Error& e) {
+    if (!tokenizer_.clip || std::string(e.what()).find("vocab.json") == std::string::npos) throw;
+    fail("tokenizer_dir '{}': {}", config_.tokenizer_dir, e.what());
   }
 }
 
 std::pair<at::Tensor, at::Tensor> LdmTrainingModel::encode_text(const std::vector<std::string>& captions) {
-  torch::NoGradGuard no_grad;
   const auto cache_dtype = storage_ == torch::kHalf ? torch::kFloat32 : storage_;
-  if (!sdxl_) {
-    at::Tensor ids = tokenizer_.encode(captions, ClipPadding::kEndOfText).to(device_);
-    auto out = text_encoders_[0]->forward(ids, config_.clip_skip);
-    return {out.hidden_normed.to(at::kCPU, cache_dtype), at::Tensor()};
-  }
-  // SDXL (sgm sd_xl_base.yaml): penultimate hidden states of both encoders,
-  // concatenated; y = [bigG pooled, emb(orig h, w), emb(crop top, left),
-  // emb(target h, w)], each size value by a sinusoidal embedding.
-  auto l = text_encoders_[0]->forward(tokenizer_.encode(captions, ClipPadding::kEndOfText).to(device_), 2);
-  auto g = text_encoders_[1]->forward(tokenizer_.encode(captions, ClipPadding::kZero).to(device_), 2);
-  at::Tensor context = torch::cat(std::vector<at::Tensor>{l.hidden, g.hidden}, -1);
-  return {context.to(at::kCPU, cache_dtype), g.pooled.to(at::kCPU, torch::kFloat32)};
+  return encode_ldm_text(text_encoders_, tokenizer_, captions, config_.clip_skip, device_, cache_dtype);
 }
 
 at::Tensor LdmTrainingModel::sdxl_y(const at::Tensor& pooled, const std::vector<double>& sizes) const {
   const auto cache_dtype = storage_ == torch::kHalf ? torch::kFloat32 : storage_;
-  const int64_t adm = unet_options_.adm_in_channels();
-  const int64_t per = (adm - pooled.size(1)) / 6;
-  const int64_t b = pooled.size(0);
-  if (static_cast<int64_t>(sizes.size()) != 6 * b) fail("internal: {} size values for {} rows", sizes.size(), b);
-  at::Tensor values = torch::tensor(sizes, torch::kFloat64);
-  at::Tensor size_emb = nn::timestep_embedding(values, per).view({b, 6 * per});
-  return torch::cat(std::vector<at::Tensor>{pooled.to(torch::kFloat32), size_emb}, 1).to(cache_dtype);
+  return sdxl_vector_y(pooled, sizes, unet_options_.adm_in_channels(), cache_dtype);
 }
 
 void LdmTrainingModel::encode_captions() {
@@ -508,40 +426,20 @@ void LdmTrainingModel::encode_captions() {
 }
 
 models::AutoencoderKL LdmTrainingModel::build_vae(bool for_decoding) {
-  models::VaeOptions o;
-  o.scaling_factor(sdxl_ ? 0.13025 : 0.18215);
-  if (config_.tiny) o = o.tiny();
+  (void)for_decoding;
   std::optional<WeightFiles> vae_file;
   if (!config_.vae.empty()) vae_file.emplace(WeightFiles::open(expand_path(config_.vae)));
   const WeightFiles* files = vae_file ? &*vae_file : base_ ? &*base_ : nullptr;
-  bool has = false, prefixed = false;
-  if (files) {
-    for (const auto& n : files->names()) {
-      if (starts_with(n, kVaePrefix)) prefixed = has = true;
-    }
-    if (vae_file) has = true;  // a VAE file may hold bare keys
+  if (!files && !config_.tiny) {
+    fail("(none): holds no VAE (no '{}*' keys); set vae = FILE to a VAE safetensors", kVaePrefix);
   }
-  if (!has && (files || !config_.tiny)) {
-    // Only a tiny run without any base file starts from a random VAE.
-    fail("{}: holds no VAE (no '{}*' keys); set vae = FILE to a VAE safetensors", files ? files->path() : "(none)",
-         kVaePrefix);
+  try {
+    // A separate VAE file may hold bare keys.
+    return build_ldm_vae(sdxl_, config_.tiny, files, vae_file.has_value(), static_cast<uint64_t>(config_.seed));
+  } catch (const Error& e) {
+    if (std::string(e.what()).find("holds no VAE") == std::string::npos) throw;
+    fail("{}; set vae = FILE to a VAE safetensors", e.what());
   }
-  models::AutoencoderKL vae = with_seed(static_cast<uint64_t>(config_.seed) + 100, [&] {
-    nn::LayerInit init;
-    init.initialize = !has;
-    return models::AutoencoderKL(o.init(init));
-  });
-  if (has) {
-    LoadWeightsOptions lo;
-    lo.key_map = [prefixed](const std::string& key) -> std::string {
-      if (!prefixed) return key;
-      return starts_with(key, kVaePrefix) ? key.substr(std::string(kVaePrefix).size()) : "";
-    };
-    load_weights(*vae, *files, lo);
-  }
-  (void)for_decoding;
-  vae->eval();
-  return vae;
 }
 
 void LdmTrainingModel::encode_images() {

@@ -153,18 +153,10 @@ bool is_ldm_checkpoint(const std::string& path) { return find_ldm_unet(WeightFil
 LdmSamples sample_ldm_checkpoint(const std::string& path, const LdmSampleRequest& request) {
   const SampleRequest& req = request.images;
   if (req.prompts.empty() || req.seeds.empty()) fail("sample: no prompts or no seeds given");
-  {
-    const size_t bad = utf8_error_offset(request.negative_prompt);
-    if (bad != std::string_view::npos) {
-      fail("sample: the negative prompt is not valid UTF-8 (byte {}): '{}'", bad, printable(request.negative_prompt));
-    }
-  }
+  require_utf8_prompt(request.negative_prompt, "the negative prompt");
   std::vector<SamplePrompt> prompts;
   for (size_t i = 0; i < req.prompts.size(); ++i) {
-    const size_t bad = utf8_error_offset(req.prompts[i]);
-    if (bad != std::string_view::npos) {
-      fail("sample: prompt {} is not valid UTF-8 (byte {}): '{}'", i + 1, bad, printable(req.prompts[i]));
-    }
+    require_utf8_prompt(req.prompts[i], fmt::format("prompt {}", i + 1));
     prompts.push_back(parse_sample_prompt(req.prompts[i], fmt::format("prompt {}", i + 1)));
     if (prompts.back().negative.empty()) prompts.back().negative = request.negative_prompt;
     const SamplePrompt& p = prompts.back();

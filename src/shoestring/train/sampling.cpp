@@ -72,6 +72,11 @@ SamplePrompt parse_sample_prompt(const std::string& text, const std::string& whe
   return out;
 }
 
+void require_utf8_prompt(const std::string& text, const std::string& what) {
+  const size_t bad = utf8_error_offset(text);
+  if (bad != std::string_view::npos) fail("sample: {} is not valid UTF-8 (byte {}): '{}'", what, bad, printable(text));
+}
+
 std::vector<uint64_t> row_seeds(const SamplePrompt& prompt, const SampleRequest& request) {
   if (!prompt.seed) return request.seeds;
   std::vector<uint64_t> seeds;
@@ -83,10 +88,7 @@ at::Tensor generate_images(TinyUNetModel& model, const WordTokenizer& tokenizer,
   if (request.prompts.empty() || request.seeds.empty()) fail("sampling: no prompts or no seeds given");
   std::vector<SamplePrompt> prompts;
   for (size_t i = 0; i < request.prompts.size(); ++i) {
-    const size_t bad = utf8_error_offset(request.prompts[i]);
-    if (bad != std::string_view::npos) {
-      fail("sampling: prompt {} is not valid UTF-8 (byte {}): '{}'", i + 1, bad, printable(request.prompts[i]));
-    }
+    require_utf8_prompt(request.prompts[i], fmt::format("prompt {}", i + 1));
     prompts.push_back(parse_sample_prompt(request.prompts[i], fmt::format("sample prompt {}", i + 1)));
     const SamplePrompt& p = prompts.back();
     if (!p.negative.empty() || p.width > 0 || p.height > 0) {

@@ -44,6 +44,10 @@ struct SamplePrompt {
 /// [0, 100], d in [0, 2^62]), an option given twice, or an empty prompt.
 SamplePrompt parse_sample_prompt(const std::string& text, const std::string& where);
 
+/// Throws shoestring::Error "sample: WHAT is not valid UTF-8 (byte N): 'TEXT'"
+/// (TEXT escaped, core/text.h printable) unless `text` is valid UTF-8.
+void require_utf8_prompt(const std::string& text, const std::string& what);
+
 /// The seeds of `prompt`'s row: request.seeds, or --d S, S + 1, ... (as many).
 std::vector<uint64_t> row_seeds(const SamplePrompt& prompt, const SampleRequest& request);
 
