@@ -168,8 +168,8 @@ TrainSummary RunReport::finish(int64_t last_step) {
       }
     }
   }
-  spdlog::info("final weights {}/{}; samples {}", run_.run_dir,
-               run_.lora_only() ? "lora.safetensors" : "model.safetensors", summary.last_sample);
+  spdlog::info("final weights {}/{}; samples {}; report {}/report.html", run_.run_dir,
+               run_.lora_only() ? "lora.safetensors" : "model.safetensors", summary.last_sample, run_.run_dir);
   return summary;
 }
 
