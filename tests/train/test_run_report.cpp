@@ -8,6 +8,7 @@
 #include <stb_image.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
@@ -26,6 +27,7 @@
 #include "shoestring/core/error.h"
 #include "shoestring/data/image.h"
 #include "shoestring/io/atomic_file.h"
+#include "shoestring/io/tensorboard_events.h"
 #include "shoestring/train/run_report_html.h"
 #include "shoestring/train/trainer.h"
 #include "train_testing.h"
@@ -355,6 +357,56 @@ TEST(RunReport, TrainingWritesItAndAResumeRedrawsEveryStep) {
   ASSERT_EQ(lp.series.at("loss").size(), 6u);
   for (size_t i = 0; i < 6; ++i) EXPECT_NEAR(lp.series.at("loss")[i].second, losses[i], 2e-3 * losses[i]) << i;
   EXPECT_EQ(count_of(html, "<img class=\"sample-grid\""), 3u);
+  fs::remove_all(a.run_dir);
+}
+
+/// The event files of RUN_DIR/logs, oldest first (their names start with the Unix time, then host and pid).
+std::vector<std::string> event_files(const std::string& run_dir) {
+  std::vector<std::string> out;
+  for (const auto& e : fs::directory_iterator(fs::path(run_dir) / "logs")) out.push_back(e.path().string());
+  std::sort(out.begin(), out.end(), [](const std::string& a, const std::string& b) {
+    return fs::last_write_time(a) < fs::last_write_time(b);
+  });
+  return out;
+}
+
+/// The bytes of a Summary.Value{tag, simple_value} as event_scalars encodes them.
+std::string scalar_bytes(const std::string& tag, float v) {
+  std::string out = "\x0a" + std::string(1, static_cast<char>(tag.size())) + tag + "\x15";
+  out.append(reinterpret_cast<const char*>(&v), 4);
+  return out;
+}
+
+// log_with = "tensorboard": each step's metrics as scalars in RUN_DIR/logs,
+// the loss equal to metrics.jsonl's (as a float); a resume opens a second
+// file that starts with SessionLog START at its first step.
+TEST(RunReport, TensorBoardEventsFollowTheMetrics) {
+  TrainConfig c = shoestring::testing::tiny_emoji_config(temp_dir("tensorboard"));
+  c.max_train_steps = 3;
+  c.log_with = "tensorboard";
+  const TrainSummary a = train(c, shoestring::testing::quiet());
+  auto files = event_files(a.run_dir);
+  ASSERT_EQ(files.size(), 1u);
+  auto records = read_tfrecords(files[0]);
+  ASSERT_EQ(records.size(), 4u);  // file_version + 3 steps
+  EXPECT_NE(records[0].find("brain.Event:2"), std::string::npos);
+  auto losses = shoestring::testing::losses_of(a.run_dir + "/metrics.jsonl");
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_NE(records[i + 1].find(scalar_bytes("train/loss", static_cast<float>(losses[i]))), std::string::npos) << i;
+    EXPECT_NE(records[i + 1].find(std::string("\x10") + static_cast<char>(i + 1)), std::string::npos);  // step
+    EXPECT_NE(records[i + 1].find("memory/peak_activations_MiB"), std::string::npos);
+  }
+  TrainRunOptions resume = shoestring::testing::quiet();
+  resume.resume_dir = a.run_dir;
+  c.max_train_steps = 5;
+  train(c, resume);
+  files = event_files(a.run_dir);
+  ASSERT_EQ(files.size(), 2u);
+  records = read_tfrecords(files[1]);
+  ASSERT_EQ(records.size(), 4u);  // file_version, START at step 4, steps 4 and 5
+  EXPECT_NE(records[1].find(std::string("\x10\x04\x3a\x02\x08\x01", 6)), std::string::npos);
+  losses = shoestring::testing::losses_of(a.run_dir + "/metrics.jsonl");
+  EXPECT_NE(records[3].find(scalar_bytes("train/loss", static_cast<float>(losses[4]))), std::string::npos);
   fs::remove_all(a.run_dir);
 }
 

@@ -156,6 +156,9 @@ struct TrainConfig {
   int64_t sample_steps = 30;
   double sample_cfg = 4.0;
   int64_t log_every_n_steps = 10;  ///< progress line cadence when not on a TTY
+  /// "" | "tensorboard" (kohya's name): also write TensorBoard event files
+  /// into RUN_DIR/logs/ (train/tensorboard.h)
+  std::string log_with = "";
   int64_t num_threads = 0;         ///< 0: libtorch default
   /// "auto" | "cpu" | "cuda" | "cuda:N" (core/device.h): where the model, its
   /// gradients and optimizer state live; the dataset and caches stay in host memory.
