@@ -168,7 +168,7 @@ TEST(RunReportText, HtmlEscapeWritesReferencesAndRepairsUtf8) {
   EXPECT_EQ(html_escape("a & \"b\" 'c'"), "a &amp; &quot;b&quot; &#39;c&#39;");
   EXPECT_EQ(html_escape("caf\xc3\xa9 \xf0\x9f\x98\x80"), "caf\xc3\xa9 \xf0\x9f\x98\x80");  // UTF-8 kept
   EXPECT_EQ(html_escape("x\xff y"), "x\xef\xbf\xbd y");                                   // not UTF-8: U+FFFD
-  EXPECT_EQ(html_escape(std::string("a\x1b[0m\tb\n", 9)), "a\\x1b[0m\tb\n");
+  EXPECT_EQ(html_escape(std::string("a\x1b[0m\tb\n", 8)), "a\\x1b[0m\tb\n");
 }
 
 TEST(RunReportText, EmaIsTheProgressLinesSmoothing) {
