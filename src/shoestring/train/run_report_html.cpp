@@ -250,7 +250,8 @@ std::string render_summary(const RunReportInputs& in) {
     const double smoothed = ema_smooth(losses).back();
     row("steps", fmt::format("{} to {} ({} records)", step_of(m.front()), step_of(m.back()), m.size()));
     row("loss", fmt::format("{:.4g} (last, raw), {:.4g} (EMA 0.95)", losses.back(), smoothed));
-    row("training time", fmt::format("{:.1f} min over the recorded steps ({:.3f} s/step, {:.1f} images/s)",
+    row("step time", fmt::format("{:.1f} min in the recorded steps ({:.3f} s/step, {:.1f} images/s; sampling and "
+                                 "saving not included)",
                                      seconds / 60, seconds / static_cast<double>(m.size()),
                                      seconds > 0 ? images / seconds : 0.0));
     row("peak memory", format_bytes(static_cast<int64_t>(peak)));
