@@ -15,6 +15,7 @@ PKGS=(
   libfmt-dev libspdlog-dev          # logs
   libgtest-dev libgmock-dev libbenchmark-dev
   clang libclang-rt-14-dev          # libFuzzer + sanitizer runtimes (scripts/fuzz.sh; a Recommends of clang)
+  chromium                          # headless render test of report.html (tests/train/test_run_report.cpp; ~25 s, 122 MB)
 )
 
 missing=()

@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <limits>
 #include <set>
 
@@ -342,4 +343,27 @@ TEST(Cli, InspectArchitectureAndDetection) {
   EXPECT_EQ(dd["architectures"][0]["architecture"], "vae");
   EXPECT_EQ(dd["architectures"][0]["missing"][0], "decoder.conv_out.bias");
   fs::remove(file);
+}
+
+// `shoestring report RUN_DIR` redraws a run folder's report.html (as after a
+// crash: the run's own file removed); a folder without metrics.jsonl is refused.
+TEST(Cli, ReportRedrawsARunFolder) {
+  const fs::path dir = temp_path("report_run");
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  std::ofstream(dir / "metrics.jsonl") << "{\"step\":1,\"loss\":0.5,\"lr\":0.001}\n{\"step\":2,\"loss\":0.4,\"lr\":0.001}\n";
+  std::ofstream(dir / "config.toml") << "learning_rate = 0.001\n";
+  Result r = run("report " + dir.string() + " --max-points 10");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("wrote " + (dir / "report.html").string()), std::string::npos) << r.output;
+  std::ifstream in(dir / "report.html");
+  const std::string html((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_NE(html.find("<svg class=\"plot\" id=\"plot-loss\""), std::string::npos);
+  EXPECT_NE(html.find("redrawn by `shoestring report`"), std::string::npos);
+  Result none = run("report " + temp_path("report_none"));
+  EXPECT_EQ(none.code, 1);
+  EXPECT_NE(none.output.find("not a run folder"), std::string::npos) << none.output;
+  Result bad = run("report " + dir.string() + " --max-points 2");
+  EXPECT_NE(bad.code, 0);
+  fs::remove_all(dir);
 }

@@ -28,4 +28,7 @@ void register_convert(CLI::App& app);
 /// `shoestring consolidate RUN_DIR/checkpoints/step-N OUT.safetensors [--dtype keep|fp32|bf16|fp16] [--force]`
 void register_consolidate(CLI::App& app);
 
+/// `shoestring report RUN_DIR [--max-points N] [--max-grids N]` (rewrites RUN_DIR/report.html)
+void register_report(CLI::App& app);
+
 }  // namespace shoestring::cli

@@ -1,4 +1,4 @@
-// The `shoestring` command line: train, sample, inspect, plan, convert, launch, consolidate.
+// The `shoestring` command line: train, sample, inspect, plan, convert, launch, consolidate, report.
 #include <algorithm>
 #include <string>
 #include <vector>
@@ -25,6 +25,7 @@ int main(int argc, char** argv) {
   shoestring::cli::register_convert(app);
   shoestring::cli::register_launch(app);
   shoestring::cli::register_consolidate(app);
+  shoestring::cli::register_report(app);
   spdlog::set_pattern("[%H:%M:%S] %^%l%$ %v");
   // A first word that is no command: CLI11 would only say "A subcommand is required".
   std::vector<std::string> names;

@@ -158,6 +158,9 @@ struct TrainConfig {
   std::string sample_sampler =
       "ddim";                      ///< LDM UNets: ddim | euler | euler_a | dpmpp_2m (train/samplers.h), kohya's aliases
   int64_t log_every_n_steps = 10;  ///< progress line cadence when not on a TTY
+  /// "" | "tensorboard" (kohya's name): also write TensorBoard event files
+  /// into RUN_DIR/logs/ (train/tensorboard.h)
+  std::string log_with = "";
   int64_t num_threads = 0;         ///< 0: libtorch default
   /// "auto" | "cpu" | "cuda" | "cuda:N" (core/device.h): where the model, its
   /// gradients and optimizer state live; the dataset and caches stay in host memory.

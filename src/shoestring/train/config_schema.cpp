@@ -349,6 +349,12 @@ const std::vector<Field>& schema() {
             {"ddim", "euler", "euler_a", "dpmpp_2m", "k_euler", "k_euler_a", "dpmsolver++"}}
           .with(kReleasedModelOnly),
       {"log_every_n_steps", &TrainConfig::log_every_n_steps, "progress line cadence (no TTY)", 1, 1e9},
+      Field{"log_with", &TrainConfig::log_with,
+            "\"tensorboard\": also write each step's metrics as TensorBoard event files into RUN_DIR/logs/ "
+            "(`tensorboard --logdir RUN_DIR/logs`); \"\": metrics.jsonl and report.html only",
+            -kInf,
+            kInf,
+            {"", "tensorboard"}},
       {"num_threads", &TrainConfig::num_threads,
        "intra-op threads (0 = every CPU this process may use, divided among the ranks on this machine)", 0, 1024},
       {"device", &TrainConfig::device,

@@ -9,6 +9,7 @@
 
 #include "shoestring/core/error.h"
 #include "shoestring/core/units.h"
+#include "shoestring/io/tensorboard_events.h"
 #include "shoestring/train/run.h"
 
 namespace shoestring {
@@ -51,7 +52,17 @@ RunReport::RunReport(const Run& run, const TrainRunOptions& options)
       metrics_(run.writes_files() ? open_metrics(run.run_dir)
                                   : std::unique_ptr<std::FILE, int (*)(std::FILE*)>(nullptr, &std::fclose)),
       smoothed_(std::nan("")),
-      start_(Clock::now()) {}
+      start_(Clock::now()) {
+  if (run.writes_files() && run.config.log_with == "tensorboard") {
+    events_ = std::make_unique<EventFileWriter>((fs::path(run.run_dir) / "logs").string());
+    // A resume redoes the steps after its checkpoint: TensorBoard drops the
+    // earlier files' events from here on.
+    if (start_step_ > 0) events_->write(event_session_start(wall_time_now(), start_step_ + 1));
+    if (!options.quiet) spdlog::info("TensorBoard events: {}", events_->path());
+  }
+}
+
+RunReport::~RunReport() = default;
 
 void RunReport::step(const StepRecord& r) {
   const MemoryLedger& ledger = MemoryLedger::global();
@@ -77,6 +88,21 @@ void RunReport::step(const StepRecord& r) {
   if (metrics_) {  // rank 0 of a data-parallel run, or the single process
     std::fwrite(line.data(), 1, line.size(), metrics_.get());
     std::fflush(metrics_.get());
+  }
+  if (events_) {  // the record's values as scalars; bytes as MiB
+    std::vector<std::pair<std::string, float>> values = {
+        {"train/loss", static_cast<float>(r.loss)},
+        {"train/lr", static_cast<float>(r.lr)},
+        {"train/grad_norm", static_cast<float>(r.grad_norm)},
+        {"train/images_per_second", static_cast<float>(r.images / r.seconds)},
+        {"train/seconds_per_step", static_cast<float>(r.seconds)},
+        {"memory/peak_MiB", static_cast<float>(static_cast<double>(ledger.peak_total()) / (1 << 20))}};
+    for (int cat = 0; cat < kNumMemoryCategories; ++cat) {
+      const auto category = static_cast<MemoryCategory>(cat);
+      values.emplace_back(fmt::format("memory/peak_{}_MiB", to_string(category)),
+                          static_cast<float>(static_cast<double>(ledger.peak_bytes(category)) / (1 << 20)));
+    }
+    events_->write(event_scalars(wall_time_now(), r.step, values));
   }
   if (options_.on_step) options_.on_step(rec);
 
@@ -168,8 +194,8 @@ TrainSummary RunReport::finish(int64_t last_step) {
       }
     }
   }
-  spdlog::info("final weights {}/{}; samples {}", run_.run_dir,
-               run_.lora_only() ? "lora.safetensors" : "model.safetensors", summary.last_sample);
+  spdlog::info("final weights {}/{}; samples {}; report {}/report.html", run_.run_dir,
+               run_.lora_only() ? "lora.safetensors" : "model.safetensors", summary.last_sample, run_.run_dir);
   return summary;
 }
 

@@ -1,5 +1,6 @@
 // What a run tells its user while and after it trains: one metrics.jsonl
-// record per optimizer step (with the memory ledger's peaks by category), the
+// record per optimizer step (with the memory ledger's peaks by category; the
+// same scalars as TensorBoard events with log_with = "tensorboard"), the
 // progress line (it/s, ETA, smoothed loss, peak memory; redrawn in place on a
 // TTY, every log_every_n_steps lines otherwise), the first step's measured
 // peak next to the planner's prediction, and the summary of train().
@@ -19,6 +20,7 @@
 namespace shoestring {
 
 struct Run;
+class EventFileWriter;
 
 /// One optimizer step as reported.
 struct StepRecord {
@@ -31,12 +33,15 @@ struct StepRecord {
   bool skipped = false;  ///< non-finite: the update was not applied
 };
 
-/// Writes metrics.jsonl and the progress line of one run invocation and
-/// gathers its summary. Throws shoestring::Error when metrics.jsonl cannot
-/// be opened for appending.
+/// Writes metrics.jsonl (and, with log_with = "tensorboard", the same
+/// values as TensorBoard scalars into RUN_DIR/logs/, io/tensorboard_events.h)
+/// and the progress line of one run invocation and gathers its summary.
+/// Throws shoestring::Error when metrics.jsonl or the event file cannot be
+/// opened for appending.
 class RunReport {
  public:
   RunReport(const Run& run, const TrainRunOptions& options);
+  ~RunReport();
   RunReport(const RunReport&) = delete;
   RunReport& operator=(const RunReport&) = delete;
 
@@ -57,6 +62,7 @@ class RunReport {
   const bool tty_;
   const int64_t start_step_;  ///< the step the run resumed at (0: fresh)
   std::unique_ptr<std::FILE, int (*)(std::FILE*)> metrics_;
+  std::unique_ptr<EventFileWriter> events_;  ///< log_with = "tensorboard" (rank 0)
   std::array<int64_t, kNumMemoryCategories> run_peaks_{};
   int64_t run_peak_total_ = 0;
   std::vector<double> losses_;

@@ -178,7 +178,8 @@ void remove_stale_temporaries_of(const std::string& run_dir, bool quiet) {
   };
   const fs::path root(run_dir);
   StaleTemporaries stale = remove_temporaries(
-      run_dir, any_of({"config.toml", "metrics.jsonl", "model.safetensors", "lora.safetensors", ".write_probe"}));
+      run_dir, any_of({"config.toml", "metrics.jsonl", "model.safetensors", "lora.safetensors", "report.html",
+                       ".write_probe"}));
   auto add = [&stale](StaleTemporaries more) {
     stale.paths.insert(stale.paths.end(), more.paths.begin(), more.paths.end());
     stale.bytes += more.bytes;

@@ -18,6 +18,7 @@
 #include "shoestring/train/report.h"
 #include "shoestring/train/run.h"
 #include "shoestring/train/diffusion_loss.h"
+#include "shoestring/train/run_report_html.h"
 #include "shoestring/train/time_budget.h"
 
 namespace shoestring {
@@ -226,6 +227,17 @@ void sample(Run& run, RunReport& report, int64_t step) {
   if (run.overflow) run.overflow->set_enabled(true);
 }
 
+/// Rewrites RUN_DIR/report.html (train/run_report_html.h) from the run
+/// folder's files; a failure is a warning (the page is a by-product:
+/// training and saving go on, `shoestring report RUN_DIR` redraws it).
+void update_report(const Run& run) {
+  try {
+    write_run_report(run.run_dir, report_machine_line(run.device.str(), run.threads, run.world_size()));
+  } catch (const std::exception& e) {
+    spdlog::warn("no report.html: {}", e.what());
+  }
+}
+
 bool every(int64_t n, int64_t step) { return n > 0 && step % n == 0; }
 
 /// Runs `write` (checkpoint, samples, final files of `step`) on rank 0
@@ -264,6 +276,7 @@ TrainSummary train(const TrainConfig& config, const TrainRunOptions& options) {
   RunReport report(*run, rank_options);
   int64_t step = run->counters.step;
   TimeBudget budget(c, step, started);
+  if (!run->resume_from.empty() && run->writes_files()) update_report(*run);  // the earlier invocations' steps
   while (step < c.max_train_steps) {
     ++step;
     MemoryLedger::global().reset_peaks();
@@ -282,6 +295,7 @@ TrainSummary train(const TrainConfig& config, const TrainRunOptions& options) {
       if (saves) checkpoint = write_checkpoint(*run, step);  // sharded: indexed last
       if (samples) sample(*run, report, step);
       if (last) save_final_files(*run, step);  // EMA weights when EMA is on
+      update_report(*run);                     // the steps so far and the grids
       // latest.json moves last: a checkpoint counts once everything of its
       // step is written, and a run is complete when latest.json names its
       // last step. Killed before, a run resumes from its previous checkpoint
