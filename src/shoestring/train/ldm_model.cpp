@@ -748,38 +748,45 @@ void LdmTrainingModel::cache_captions(bool quiet) {
   // The distinct texts missing, in order.
   std::vector<std::string> texts = unique;
   texts.insert(texts.end(), prompts.begin(), prompts.end());
-  std::vector<std::string> missing_text, missing_key;
+  // Captions first, then sample prompts, in chunks as encode_captions makes
+  // them (the same rows encoded together: the same bits as in memory).
+  std::vector<std::string> missing_text[2], missing_key[2];
   std::set<std::string> distinct;
   for (size_t i = 0; i < all.size(); ++i) {
     if (!distinct.insert(all[i]).second || text_cache_->contains(all[i])) continue;
-    missing_text.push_back(texts[i]);
-    missing_key.push_back(all[i]);
+    const size_t phase = i < unique.size() ? 0 : 1;
+    missing_text[phase].push_back(texts[i]);
+    missing_key[phase].push_back(all[i]);
   }
-  if (!missing_text.empty()) {
+  const size_t missing = missing_key[0].size() + missing_key[1].size();
+  if (missing > 0) {
     load_text_encoders();
     for (auto& te : text_encoders_) te->to(device_);
     std::vector<CacheEntry> pending;
     int64_t pending_bytes = 0;
     const size_t chunk = 16;  // as encode_captions
-    for (size_t i = 0; i < missing_text.size(); i += chunk) {
-      const size_t end = std::min(missing_text.size(), i + chunk);
-      std::vector<std::string> part(missing_text.begin() + static_cast<std::ptrdiff_t>(i),
-                                    missing_text.begin() + static_cast<std::ptrdiff_t>(end));
-      auto [context, pooled] = encode_text(part);
-      for (size_t j = i; j < end; ++j) {
-        const auto r = static_cast<int64_t>(j - i);
-        CacheEntry e{missing_key[j], {{"context", context[r]}}};
-        if (pooled.defined()) e.tensors.emplace_back("pooled", pooled[r]);
-        pending_bytes += context[r].nbytes();
-        pending.push_back(std::move(e));
+    for (size_t phase = 0; phase < 2; ++phase) {
+      const std::vector<std::string>& part_texts = missing_text[phase];
+      for (size_t i = 0; i < part_texts.size(); i += chunk) {
+        const size_t end = std::min(part_texts.size(), i + chunk);
+        std::vector<std::string> part(part_texts.begin() + static_cast<std::ptrdiff_t>(i),
+                                      part_texts.begin() + static_cast<std::ptrdiff_t>(end));
+        auto [context, pooled] = encode_text(part);
+        for (size_t j = i; j < end; ++j) {
+          const auto r = static_cast<int64_t>(j - i);
+          CacheEntry e{missing_key[phase][j], {{"context", context[r]}}};
+          if (pooled.defined()) e.tensors.emplace_back("pooled", pooled[r]);
+          pending_bytes += context[r].nbytes();
+          pending.push_back(std::move(e));
+        }
+        write_pending(*text_cache_, pending, pending_bytes, /*flush=*/false);
       }
-      write_pending(*text_cache_, pending, pending_bytes, /*flush=*/false);
     }
     write_pending(*text_cache_, pending, pending_bytes, /*flush=*/true);
     text_encoders_.clear();
   }
   cache_stats_.text_entries = static_cast<int64_t>(distinct.size());
-  cache_stats_.text_encoded = static_cast<int64_t>(missing_key.size());
+  cache_stats_.text_encoded = static_cast<int64_t>(missing);
   if (!quiet) {
     spdlog::info("text cache: {} of {} entries encoded, {} reused ({})", cache_stats_.text_encoded,
                  cache_stats_.text_entries, cache_stats_.text_entries - cache_stats_.text_encoded,
