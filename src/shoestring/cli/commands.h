@@ -11,6 +11,8 @@ namespace shoestring::cli {
 
 /// `shoestring train CONFIG [--set k=v]... [--max-steps N] [--output-dir DIR] [--resume RUN_DIR]`
 void register_train(CLI::App& app);
+/// `shoestring cache CONFIG [--set k=v]... [--device D]` (an LDM config's disk caches, train/ldm_cache.h)
+void register_cache(CLI::App& app);
 /// `shoestring sample CHECKPOINT --prompt TEXT... [--steps N] [--cfg X] [--seed S] --out FILE.png`
 void register_sample(CLI::App& app);
 /// `shoestring inspect FILE.safetensors [--json]` or `shoestring inspect --arch NAME [--tiny] [--json]`

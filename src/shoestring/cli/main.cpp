@@ -1,4 +1,5 @@
-// The `shoestring` command line: train, sample, inspect, plan, convert, launch, consolidate, report.
+// The `shoestring` command line: train, cache, sample, inspect, plan, convert, launch, consolidate,
+// report.
 #include <algorithm>
 #include <string>
 #include <vector>
@@ -19,6 +20,7 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   app.set_version_flag("--version", "shoestring 0.1.0");
   shoestring::cli::register_train(app);
+  shoestring::cli::register_cache(app);
   shoestring::cli::register_sample(app);
   shoestring::cli::register_inspect(app);
   shoestring::cli::register_plan(app);

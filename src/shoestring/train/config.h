@@ -50,6 +50,10 @@ struct TrainConfig {
   bool random_crop = false;                ///< random instead of centre crop (refused with cached latents)
   int64_t max_train_images = 0;            ///< a seeded subset of this many images (0 = every image)
   int64_t max_train_images_seed = 0;       ///< seed of that subset (independent of `seed`)
+  // Caches on disk (train/ldm_cache.h; kohya's names); released models only.
+  bool cache_latents_to_disk = false;               ///< VAE latents as safetensors shards in cache_dir/latents
+  bool cache_text_encoder_outputs_to_disk = false;  ///< text-encoder outputs in cache_dir/text
+  std::string cache_dir;  ///< "" = .shoestring-cache beside the dataset (ldm_cache_dir)
 
   // ---- model ----
   /// A registered denoiser architecture (models/architecture.h,

@@ -90,6 +90,19 @@ const std::vector<Field>& schema() {
             "seed of the max_train_images subset (independent of seed, so runs of several seeds share a subset)", 0,
             9.0e18}
           .with(kResumeValue),
+      Field{"cache_latents_to_disk", &TrainConfig::cache_latents_to_disk,
+            "LDM architectures: keep the VAE latents as safetensors shards in cache_dir/latents, keyed by image "
+            "content, VAE weights, bucket, crop, flip and dtype; a later run (or `shoestring cache`) encodes only "
+            "what changed, and training reads them a batch at a time (docs/datasets.md)"}
+          .with(kReleasedModelOnly),
+      Field{"cache_text_encoder_outputs_to_disk", &TrainConfig::cache_text_encoder_outputs_to_disk,
+            "LDM architectures: keep the text-encoder outputs (per distinct caption and sample prompt) in "
+            "cache_dir/text, keyed by the caption's tokens, the encoders' weights, clip_skip and dtype"}
+          .with(kReleasedModelOnly),
+      Field{"cache_dir", &TrainConfig::cache_dir,
+            "folder of the disk caches; \"\" = .shoestring-cache in train_data_dir (beside the dataset_config file "
+            "when one is set), where kohya keeps its .npz files: beside the images"}
+          .with(kReleasedModelOnly),
       Field{"model.architecture", &TrainConfig::architecture,
             "model architecture: the emoji example's tiny-unet, or a released one (docs/architectures.md)", -kInf, kInf,
             models::denoiser_architectures()}

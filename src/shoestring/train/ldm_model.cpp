@@ -12,12 +12,15 @@
 #include <spdlog/spdlog.h>
 #include <torch/torch.h>
 
+#include "shoestring/core/content_hash.h"
 #include "shoestring/core/error.h"
 #include "shoestring/core/memory_ledger.h"
 #include "shoestring/core/units.h"
 #include "shoestring/data/clip_tokenizer.h"
 #include "shoestring/data/dataset.h"
 #include "shoestring/data/tokenizer.h"
+#include "shoestring/io/safetensors.h"
+#include "shoestring/io/tensor_cache.h"
 #include "shoestring/io/weight_files.h"
 #include "shoestring/models/architecture.h"
 #include "shoestring/models/clip_text.h"
@@ -29,6 +32,7 @@
 #include "shoestring/train/config.h"
 #include "shoestring/train/ddpm.h"
 #include "shoestring/train/diffusion_loss.h"
+#include "shoestring/train/ldm_cache.h"
 #include "shoestring/train/ldm_components.h"
 #include "shoestring/train/ldm_sampling.h"
 #include "shoestring/train/samplers.h"
@@ -43,6 +47,9 @@ namespace {
 constexpr const char* kUNetPrefix = "model.diffusion_model.";
 constexpr const char* kVaePrefix = "first_stage_model.";
 constexpr int64_t kTextLength = 77;
+// Disk caches: a shard is written once it holds this many entries or bytes.
+constexpr size_t kShardEntries = 256;
+constexpr int64_t kShardBytes = int64_t{64} << 20;
 
 bool starts_with(const std::string& s, const std::string& p) { return s.compare(0, p.size(), p) == 0; }
 
@@ -80,10 +87,24 @@ class LdmTrainingModel final : public TrainingModel {
 
     // ---- frozen parts first, one at a time, each freed after use, so the
     // run never holds them beside the UNet: text encoders, then the VAE ----
-    build_text_encoders();
-    encode_captions();
+    const bool text_on_disk = config.cache_text_encoder_outputs_to_disk || source.encode_only;
+    const bool latents_on_disk = config.cache_latents_to_disk || source.encode_only;
+    if (text_on_disk || latents_on_disk) cache_stats_.dir = ldm_cache_dir(config);
+    build_tokenizer();
+    if (text_on_disk) {
+      cache_captions(source.quiet);
+    } else {
+      load_text_encoders();
+      encode_captions();
+    }
     text_encoders_.clear();
-    encode_images();
+    if (latents_on_disk) {
+      cache_images(source.quiet);
+    } else {
+      encode_images();
+    }
+    if (source.cache_stats) *source.cache_stats = cache_stats_;
+    if (source.encode_only) return;
 
     // ---- the UNet, built directly in its storage dtype, then loaded ----
     {
@@ -93,7 +114,7 @@ class LdmTrainingModel final : public TrainingModel {
       root_ = build_unet_root(init, &unet_);
       if (base_) load_unet();
     }
-    if (!source.quiet) {
+    if (!source.quiet && !latent_cache_ && !text_cache_) {
       int64_t bytes = context_.nbytes() + (pooled_.defined() ? pooled_.nbytes() : 0);
       std::vector<std::string> shapes;
       for (size_t b = 0; b < latents_.size(); ++b) {
@@ -103,6 +124,12 @@ class LdmTrainingModel final : public TrainingModel {
       spdlog::info("cached latents {}{} and {} text embeddings {} ({}); VAE and text encoders freed",
                    fmt::join(shapes, ", "), flipped_.empty() ? "" : " (and their mirror images, flip_aug)",
                    context_.size(0), format_shape(context_.sizes().slice(1)), format_bytes(bytes));
+    } else if (!source.quiet) {
+      spdlog::info("{} read from disk a batch at a time ({}); VAE and text encoders freed",
+                   latent_cache_ && text_cache_ ? "latents and text embeddings"
+                   : latent_cache_              ? "latents (text embeddings in memory)"
+                                                : "text embeddings (latents in memory)",
+                   cache_stats_.dir);
     }
   }
 
@@ -119,21 +146,34 @@ class LdmTrainingModel final : public TrainingModel {
     at::Tensor index = torch::tensor(idx, torch::kInt64);
     // The batch's bucket (a batch never mixes buckets: BatchSampler).
     const int64_t bucket = dataset_.bucketed() ? dataset_.bucket_of(idx.front()) : 0;
-    std::vector<int64_t> latent_rows;
     for (const int64_t i : idx) {
       if (dataset_.bucketed() && dataset_.bucket_of(i) != bucket) {
         fail("internal: images {} and {} of one batch are in different buckets", idx.front(), i);
       }
-      latent_rows.push_back(latent_row_[static_cast<size_t>(i)]);
     }
-    at::Tensor lrows = torch::tensor(latent_rows, torch::kInt64);
-    at::Tensor x0 = latents_[static_cast<size_t>(bucket)].index_select(0, lrows).to(torch::kFloat32);
+    // Latents [B, 4, h, w] (fp32) and, with flip_aug, their mirror images'.
+    at::Tensor x0, mirror;
+    if (latent_cache_) {
+      std::vector<at::Tensor> rows_x0, rows_mirror;
+      for (const int64_t i : idx) {
+        std::vector<at::Tensor> entry = latent_cache_->read(latent_key_[static_cast<size_t>(i)]);
+        rows_x0.push_back(entry[0]);
+        rows_mirror.push_back(entry.size() > 1 ? entry[1] : entry[0]);  // no mirror: never drawn
+      }
+      x0 = torch::stack(rows_x0).to(torch::kFloat32);
+      if (has_flip_) mirror = torch::stack(rows_mirror).to(torch::kFloat32);
+    } else {
+      std::vector<int64_t> latent_rows;
+      for (const int64_t i : idx) latent_rows.push_back(latent_row_[static_cast<size_t>(i)]);
+      at::Tensor lrows = torch::tensor(latent_rows, torch::kInt64);
+      x0 = latents_[static_cast<size_t>(bucket)].index_select(0, lrows).to(torch::kFloat32);
+      if (has_flip_) mirror = flipped_[static_cast<size_t>(bucket)].index_select(0, lrows).to(torch::kFloat32);
+    }
     // flip_aug: the mirror image's latents with probability 1/2 (kohya's
     // flipped latents of cache_latents); drawn only when a subset flips.
     std::vector<bool> flipped(static_cast<size_t>(b), false);
     if (has_flip_) {
       at::Tensor draw = torch::rand({b});
-      at::Tensor mirror = flipped_[static_cast<size_t>(bucket)].index_select(0, lrows).to(torch::kFloat32);
       for (int64_t i = 0; i < b; ++i) {
         flipped[static_cast<size_t>(i)] =
             dataset_.flip_aug(idx[static_cast<size_t>(i)]) && draw[i].item<double>() < 0.5;
@@ -146,7 +186,7 @@ class LdmTrainingModel final : public TrainingModel {
     for (int64_t i = 0; i < b; ++i) {
       const int64_t image = idx[static_cast<size_t>(i)];
       const double rate = dataset_.bucketed() ? dataset_.caption_dropout_rate(image) : config_.caption_dropout_rate;
-      if (drop[i].item<double>() < rate) rows[i] = context_.size(0) - 1;
+      if (drop[i].item<double>() < rate) rows[i] = caption_rows_ - 1;
     }
     at::Tensor eps = torch::randn_like(x0);
     // kohya's noise options (train/diffusion_loss.h), in its order.
@@ -156,7 +196,21 @@ class LdmTrainingModel final : public TrainingModel {
     at::Tensor t = schedule_.sample_timesteps(b);
     at::Tensor x_t = schedule_.add_noise(x0, eps, t);
     at::Tensor target = config_.v_parameterization ? schedule_.v_target(x0, eps, t) : eps;
-    at::Tensor context = context_.index_select(0, rows);
+    at::Tensor context, pooled;
+    if (text_cache_) {
+      // Text embeddings of the batch's rows, read from the disk cache.
+      std::vector<at::Tensor> contexts, pools;
+      for (int64_t i = 0; i < b; ++i) {
+        std::vector<at::Tensor> entry = text_cache_->read(text_key_[static_cast<size_t>(rows[i].item<int64_t>())]);
+        contexts.push_back(entry[0]);
+        if (sdxl_) pools.push_back(entry.at(1));
+      }
+      context = torch::stack(contexts);
+      if (sdxl_) pooled = torch::stack(pools);
+    } else {
+      context = context_.index_select(0, rows);
+      if (sdxl_) pooled = pooled_.index_select(0, rows);
+    }
     at::Tensor y;
     if (sdxl_) {
       // SDXL's size conditioning per image, as kohya's: original (h, w), crop
@@ -177,7 +231,7 @@ class LdmTrainingModel final : public TrainingModel {
                                    std::trunc(g.crop_ltrb.top), std::trunc(left), static_cast<double>(target.height),
                                    static_cast<double>(target.width)});
       }
-      y = sdxl_y(pooled_.index_select(0, rows), sizes);
+      y = sdxl_y(pooled, sizes);
     }
     TrainBatch batch;
     batch.inputs = {x_t, t.to(torch::kFloat32), context, y};
@@ -249,10 +303,25 @@ class LdmTrainingModel final : public TrainingModel {
   /// embeddings of the 6 size values of each row (original h, w, crop top,
   /// left, target h, w; `sizes` holds 6 x B), in the cache dtype.
   at::Tensor sdxl_y(const at::Tensor& pooled, const std::vector<double>& sizes) const;
-  void build_text_encoders();
+  /// The text encoders' tokenizer (tokenizer_dir, or a tiny run's words).
+  void build_tokenizer();
+  /// Builds text_encoders_ (build_tokenizer first) and loads their weights.
+  void load_text_encoders();
+  /// The identity of the text encoders' weights, one per encoder (cache keys).
+  std::vector<std::string> text_encoder_identities() const;
   models::AutoencoderKL build_vae(bool for_decoding);
   void encode_captions();
   void encode_images();
+  /// The distinct texts of the sample prompts and their negatives, each
+  /// given its row in sample_row_.
+  std::vector<std::string> sample_texts();
+  /// The disk caches (train/ldm_cache.h): key every entry the run needs,
+  /// verify what the cache holds, encode what is missing shard by shard,
+  /// keep only the keys in memory (prepare reads a batch at a time).
+  void cache_captions(bool quiet);
+  void cache_images(bool quiet);
+  /// The identity of the VAE's weights (cache keys).
+  std::string vae_identity();
   /// Context [N, 77, D] (cache dtype) and (SDXL) bigG's pooled output [N, P]
   /// (fp32) of `captions`, in no-grad, in host memory.
   std::pair<at::Tensor, at::Tensor> encode_text(const std::vector<std::string>& captions);
@@ -281,6 +350,12 @@ class LdmTrainingModel final : public TrainingModel {
   std::vector<at::Tensor> latents_, flipped_;
   std::vector<int64_t> latent_row_;
   at::Tensor context_, pooled_, caption_row_;
+  int64_t caption_rows_ = 0;  // U + 1 (the empty caption is row U)
+  // Disk caches (cache_latents_to_disk / cache_text_encoder_outputs_to_disk):
+  // the key of each image's latents and of each caption row's embeddings.
+  std::optional<TensorCache> latent_cache_, text_cache_;
+  std::vector<std::string> latent_key_, text_key_;
+  LdmCacheStats cache_stats_;
   BucketReso sample_size_;
   bool has_flip_ = false;
   // Sample prompts and their negatives: context [T, 77, D] and (SDXL) pooled
@@ -351,7 +426,7 @@ void LdmTrainingModel::check_resolution() const {
   }
 }
 
-void LdmTrainingModel::build_text_encoders() {
+void LdmTrainingModel::build_tokenizer() {
   // The tokenizer: CLIP's BPE when given; a word tokenizer only for tiny runs.
   if (!config_.tokenizer_dir.empty()) {
     tokenizer_.clip.emplace(ClipTokenizer::load(expand_path(config_.tokenizer_dir)));
@@ -370,6 +445,9 @@ void LdmTrainingModel::build_text_encoders() {
         "comfy/sd1_tokenizer, or a diffusers model's tokenizer/ folder)",
         config_.architecture);
   }
+}
+
+void LdmTrainingModel::load_text_encoders() {
   try {
     text_encoders_ = build_ldm_text_encoders(unet_options_, config_.tiny, base_ ? &*base_ : nullptr,
                                              static_cast<uint64_t>(config_.seed), config_.clip_skip, tokenizer_,
@@ -403,6 +481,7 @@ void LdmTrainingModel::encode_captions() {
   }
   unique.push_back("");  // caption dropout
   caption_row_ = torch::tensor(rows, torch::kInt64);
+  caption_rows_ = static_cast<int64_t>(unique.size());
   std::vector<at::Tensor> contexts, ys;
   const size_t chunk = 16;
   for (size_t i = 0; i < unique.size(); i += chunk) {
@@ -414,15 +493,34 @@ void LdmTrainingModel::encode_captions() {
   }
   context_ = torch::cat(contexts, 0);
   if (!ys.empty()) pooled_ = torch::cat(ys, 0);
+  std::tie(sample_context_, sample_pooled_) = encode_text(sample_texts());
+}
+
+std::vector<std::string> LdmTrainingModel::sample_texts() {
   // Sample prompts and their negatives (kohya's --n; "" by default), each text once.
   std::vector<std::string> texts;
+  sample_row_.clear();
   for (size_t i = 0; i < config_.sample_prompts.size(); ++i) {
     const SamplePrompt p = parse_sample_prompt(config_.sample_prompts[i], fmt::format("sample_prompts[{}]", i));
     for (const std::string& t : {p.prompt, p.negative}) {
       if (sample_row_.emplace(t, static_cast<int64_t>(texts.size())).second) texts.push_back(t);
     }
   }
-  std::tie(sample_context_, sample_pooled_) = encode_text(texts);
+  return texts;
+}
+
+std::vector<std::string> LdmTrainingModel::text_encoder_identities() const {
+  const std::vector<std::string> prefixes =
+      sdxl_ ? std::vector<std::string>{models::kSdxlClipLPrefix, models::kSdxlClipGPrefix}
+            : std::vector<std::string>{models::kSd15ClipPrefix};
+  std::vector<std::string> out;
+  for (size_t i = 0; i < prefixes.size(); ++i) {
+    // build_ldm_text_encoders: from the base file, else (tiny) seeded random init.
+    out.push_back(base_ ? "file:" + weights_identity(*base_, prefixes[i], cache_stats_.dir)
+                        : fmt::format("random seed {} tiny {}", config_.seed + 101 + static_cast<int64_t>(i),
+                                      config_.architecture));
+  }
+  return out;
 }
 
 models::AutoencoderKL LdmTrainingModel::build_vae(bool for_decoding) {
@@ -476,6 +574,237 @@ void LdmTrainingModel::encode_images() {
     }
     latents_.push_back(torch::cat(parts, 0));
     if (has_flip_) flipped_.push_back(torch::cat(mirrored, 0));
+  }
+}
+
+namespace {
+
+/// The cache dtype's format name (part of the keys).
+std::string dtype_name(torch::Dtype d) { return to_string(st_dtype_of(d)); }
+
+/// Writes `pending` as one shard when it has grown past a shard's size (or,
+/// with `flush`, whatever it holds), and empties it.
+void write_pending(TensorCache& cache, std::vector<CacheEntry>& pending, int64_t& pending_bytes, bool flush) {
+  if (pending.empty() || (!flush && pending.size() < kShardEntries && pending_bytes < kShardBytes)) return;
+  cache.write_shard(pending);
+  pending.clear();
+  pending_bytes = 0;
+}
+
+void log_cache_open(const TensorCache& cache, const CacheVerifyReport& report, const char* what, bool quiet,
+                    std::vector<std::string>& problems) {
+  if (!quiet) {
+    for (const std::string& n : cache.notes()) spdlog::info("{} cache: {}", what, n);
+  }
+  for (const std::string& p : report.problems) {
+    spdlog::warn("{} cache: {}; its entries are encoded again", what, p);
+    problems.push_back(p);
+  }
+}
+
+}  // namespace
+
+std::string LdmTrainingModel::vae_identity() {
+  const std::string scale = sdxl_ ? "0.13025" : "0.18215";
+  if (!config_.vae.empty()) {
+    WeightFiles f = WeightFiles::open(expand_path(config_.vae));
+    bool prefixed = false;
+    for (const auto& n : f.names()) prefixed = prefixed || starts_with(n, kVaePrefix);
+    return "file:" + weights_identity(f, prefixed ? kVaePrefix : "", cache_stats_.dir) + " scale " + scale;
+  }
+  if (base_) return "file:" + weights_identity(*base_, kVaePrefix, cache_stats_.dir) + " scale " + scale;
+  // A tiny run without weights: the VAE is build_vae's seeded random init.
+  return fmt::format("random seed {} tiny {} scale {}", config_.seed + 100, config_.architecture, scale);
+}
+
+void LdmTrainingModel::cache_captions(bool quiet) {
+  ScopedMemoryCategory category(MemoryCategory::other);
+  const auto cache_dtype = storage_ == torch::kHalf ? torch::kFloat32 : storage_;
+  // Caption rows as encode_captions makes them: distinct captions, then "".
+  std::vector<std::string> unique;
+  std::map<std::string, int64_t> row;
+  std::vector<int64_t> rows;
+  for (const auto& c : dataset_.captions()) {
+    auto [it, inserted] = row.emplace(c, static_cast<int64_t>(unique.size()));
+    if (inserted) unique.push_back(c);
+    rows.push_back(it->second);
+  }
+  unique.push_back("");  // caption dropout
+  caption_row_ = torch::tensor(rows, torch::kInt64);
+  caption_rows_ = static_cast<int64_t>(unique.size());
+  const std::vector<std::string> prompts = sample_texts();
+
+  // What a text entry depends on: the encoders' weights, clip_skip, dtype and
+  // the token ids each encoder is fed.
+  // A base file without text encoders: build_ldm_text_encoders' error.
+  bool has_text_encoder = !base_;
+  for (const auto& n : base_ ? base_->names() : std::vector<std::string>{}) {
+    has_text_encoder = has_text_encoder || starts_with(n, sdxl_ ? models::kSdxlClipLPrefix : models::kSd15ClipPrefix);
+  }
+  if (!has_text_encoder) load_text_encoders();
+  std::string encoders;
+  for (const std::string& id : text_encoder_identities()) encoders += id + ";";
+  const int64_t skip = sdxl_ ? 2 : config_.clip_skip;
+  const std::string head = fmt::format("{}|text|{}|{}|clip_skip {}|{}|ids:", kLdmCacheVersion,
+                                       sdxl_ ? "sdxl" : "sd", encoders, skip, dtype_name(cache_dtype));
+  auto key_of = [&](const std::string& text) {
+    std::string canonical = head;
+    std::vector<ClipPadding> pads = {ClipPadding::kEndOfText};
+    if (sdxl_) pads.push_back(ClipPadding::kZero);
+    for (ClipPadding pad : pads) {
+      const at::Tensor ids = tokenizer_.encode({text}, pad).to(torch::kInt64).contiguous();
+      canonical.append(static_cast<const char*>(ids.data_ptr()), static_cast<size_t>(ids.nbytes()));
+    }
+    return content_key128(canonical);
+  };
+  text_key_.clear();
+  for (const std::string& t : unique) text_key_.push_back(key_of(t));
+  std::vector<std::string> sample_keys;
+  for (const std::string& p : prompts) sample_keys.push_back(key_of(p));
+
+  text_cache_.emplace(TensorCache::open((fs::path(cache_stats_.dir) / "text").string(), "text"));
+  std::vector<std::string> all = text_key_;
+  all.insert(all.end(), sample_keys.begin(), sample_keys.end());
+  const CacheVerifyReport report = text_cache_->verify(all);
+  log_cache_open(*text_cache_, report, "text", quiet, cache_stats_.problems);
+  // The distinct texts missing, in order.
+  std::vector<std::string> texts = unique;
+  texts.insert(texts.end(), prompts.begin(), prompts.end());
+  // Captions first, then sample prompts, in chunks as encode_captions makes
+  // them (the same rows encoded together: the same bits as in memory).
+  std::vector<std::string> missing_text[2], missing_key[2];
+  std::set<std::string> distinct;
+  for (size_t i = 0; i < all.size(); ++i) {
+    if (!distinct.insert(all[i]).second || text_cache_->contains(all[i])) continue;
+    const size_t phase = i < unique.size() ? 0 : 1;
+    missing_text[phase].push_back(texts[i]);
+    missing_key[phase].push_back(all[i]);
+  }
+  const size_t missing = missing_key[0].size() + missing_key[1].size();
+  if (missing > 0) {
+    load_text_encoders();
+    for (auto& te : text_encoders_) te->to(device_);
+    std::vector<CacheEntry> pending;
+    int64_t pending_bytes = 0;
+    const size_t chunk = 16;  // as encode_captions
+    for (size_t phase = 0; phase < 2; ++phase) {
+      const std::vector<std::string>& part_texts = missing_text[phase];
+      for (size_t i = 0; i < part_texts.size(); i += chunk) {
+        const size_t end = std::min(part_texts.size(), i + chunk);
+        std::vector<std::string> part(part_texts.begin() + static_cast<std::ptrdiff_t>(i),
+                                      part_texts.begin() + static_cast<std::ptrdiff_t>(end));
+        auto [context, pooled] = encode_text(part);
+        for (size_t j = i; j < end; ++j) {
+          const auto r = static_cast<int64_t>(j - i);
+          CacheEntry e{missing_key[phase][j], {{"context", context[r]}}};
+          if (pooled.defined()) e.tensors.emplace_back("pooled", pooled[r]);
+          pending_bytes += context[r].nbytes();
+          pending.push_back(std::move(e));
+        }
+        write_pending(*text_cache_, pending, pending_bytes, /*flush=*/false);
+      }
+    }
+    write_pending(*text_cache_, pending, pending_bytes, /*flush=*/true);
+    text_encoders_.clear();
+  }
+  cache_stats_.text_entries = static_cast<int64_t>(distinct.size());
+  cache_stats_.text_encoded = static_cast<int64_t>(missing);
+  if (!quiet) {
+    spdlog::info("text cache: {} of {} entries encoded, {} reused ({})", cache_stats_.text_encoded,
+                 cache_stats_.text_entries, cache_stats_.text_entries - cache_stats_.text_encoded,
+                 text_cache_->dir());
+  }
+  // Sample prompts stay in memory (a few rows, in sample_row_'s order).
+  std::vector<at::Tensor> contexts, pools;
+  for (const std::string& k : sample_keys) {
+    std::vector<at::Tensor> entry = text_cache_->read(k);
+    contexts.push_back(entry[0]);
+    if (sdxl_) pools.push_back(entry.at(1));
+  }
+  if (!contexts.empty()) sample_context_ = torch::stack(contexts);
+  if (!pools.empty()) sample_pooled_ = torch::stack(pools);
+}
+
+void LdmTrainingModel::cache_images(bool quiet) {
+  ScopedMemoryCategory category(MemoryCategory::other);
+  torch::NoGradGuard no_grad;
+  const auto cache_dtype = storage_ == torch::kHalf ? torch::kFloat32 : storage_;
+  // What a latent entry depends on: the image file's bytes, how it was
+  // fitted to its training size, the VAE, flip and dtype.
+  const std::string head = fmt::format("{}|latent|vae {}|{}", kLdmCacheVersion, vae_identity(), dtype_name(cache_dtype));
+  const int64_t n = dataset_.size();
+  latent_key_.assign(static_cast<size_t>(n), "");
+  for (int64_t i = 0; i < n; ++i) {
+    std::string geometry;
+    if (dataset_.bucketed()) {
+      const ImageGeometry& g = dataset_.geometry(i);
+      const BucketReso reso = dataset_.buckets()[static_cast<size_t>(dataset_.bucket_of(i))].reso;
+      geometry = fmt::format("bucket {}x{} resized {}x{} crop {},{}", reso.width, reso.height, g.resized.width,
+                             g.resized.height, g.crop.x, g.crop.y);
+    } else {
+      geometry = fmt::format("square {}", dataset_.resolution());
+    }
+    const std::string& path = dataset_.paths()[static_cast<size_t>(i)];
+    latent_key_[static_cast<size_t>(i)] = content_key128(fmt::format(
+        "{}|image {}|{}|flip {}", head, file_content_key(path), geometry, dataset_.flip_aug(i) ? 1 : 0));
+  }
+  latent_cache_.emplace(TensorCache::open((fs::path(cache_stats_.dir) / "latents").string(), "latents"));
+  const CacheVerifyReport report = latent_cache_->verify(latent_key_);
+  log_cache_open(*latent_cache_, report, "latent", quiet, cache_stats_.problems);
+
+  // The images of each bucket (as encode_images groups them) whose entry is missing.
+  std::vector<std::vector<int64_t>> groups;
+  if (dataset_.bucketed()) {
+    for (const DatasetBucket& b : dataset_.buckets()) groups.push_back(b.images);
+  } else {
+    groups.emplace_back();
+    for (int64_t i = 0; i < n; ++i) groups.back().push_back(i);
+  }
+  std::set<std::string> distinct(latent_key_.begin(), latent_key_.end()), queued;
+  int64_t encoded = 0;
+  std::optional<models::AutoencoderKL> vae;
+  std::vector<CacheEntry> pending;
+  int64_t pending_bytes = 0;
+  for (const std::vector<int64_t>& images : groups) {
+    std::vector<int64_t> missing;
+    for (const int64_t i : images) {
+      const std::string& key = latent_key_[static_cast<size_t>(i)];
+      if (!latent_cache_->contains(key) && queued.insert(key).second) missing.push_back(i);
+    }
+    if (missing.empty()) continue;
+    if (!vae) {
+      vae.emplace(build_vae(false));
+      (*vae)->to(device_);
+    }
+    const at::Tensor first = dataset_.batch_images({images.front()});
+    const int64_t pixels = first.size(2) * first.size(3);
+    const int64_t chunk = std::max<int64_t>(1, (256 * 256 * 4) / pixels);  // as encode_images
+    const auto m = static_cast<int64_t>(missing.size());
+    for (int64_t i = 0; i < m; i += chunk) {
+      const std::vector<int64_t> idx(missing.begin() + i, missing.begin() + std::min(m, i + chunk));
+      const at::Tensor pixels_in = dataset_.batch_images(idx).to(device_);
+      const at::Tensor latents = (*vae)->encode_latents(pixels_in, /*sample=*/false).to(at::kCPU, cache_dtype);
+      bool any_flip = false;
+      for (const int64_t k : idx) any_flip = any_flip || dataset_.flip_aug(k);
+      at::Tensor mirrored;
+      if (any_flip) mirrored = (*vae)->encode_latents(pixels_in.flip({3}), /*sample=*/false).to(at::kCPU, cache_dtype);
+      for (size_t r = 0; r < idx.size(); ++r) {
+        const auto rr = static_cast<int64_t>(r);
+        CacheEntry e{latent_key_[static_cast<size_t>(idx[r])], {{"latent", latents[rr]}}};
+        if (dataset_.flip_aug(idx[r])) e.tensors.emplace_back("flipped", mirrored[rr]);
+        pending_bytes += latents[rr].nbytes() * static_cast<int64_t>(e.tensors.size());
+        pending.push_back(std::move(e));
+        ++encoded;
+      }
+      write_pending(*latent_cache_, pending, pending_bytes, /*flush=*/false);
+    }
+  }
+  write_pending(*latent_cache_, pending, pending_bytes, /*flush=*/true);
+  cache_stats_.latent_entries = static_cast<int64_t>(distinct.size());
+  cache_stats_.latents_encoded = encoded;
+  if (!quiet) {
+    spdlog::info("latent cache: {} of {} entries encoded, {} reused ({})", encoded, cache_stats_.latent_entries,
+                 cache_stats_.latent_entries - encoded, latent_cache_->dir());
   }
 }
 
@@ -559,7 +888,7 @@ std::vector<std::pair<std::string, at::Tensor>> LdmTrainingModel::companion_tens
     for (const auto& [n, t] : module_tensors(*vae)) out.emplace_back(kVaePrefix + n, t);
   }
   if (!base_) {
-    build_text_encoders();
+    load_text_encoders();
     const std::vector<std::string> prefixes =
         sdxl_ ? std::vector<std::string>{models::kSdxlClipLPrefix, models::kSdxlClipGPrefix}
               : std::vector<std::string>{models::kSd15ClipPrefix};

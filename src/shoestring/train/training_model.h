@@ -36,6 +36,7 @@ namespace shoestring {
 struct TrainConfig;
 class ImageCaptionDataset;
 struct DatasetSpec;
+struct LdmCacheStats;
 
 /// One micro-batch, prepared: the model's inputs (family-specific order) and
 /// the regression target (fp32, the shape of the model's output).
@@ -63,6 +64,12 @@ struct ModelSource {
   /// metadata (e.g. the emoji tokenizer) from it.
   std::string resume_dir;
   bool quiet = false;
+  /// LDM families: bring the disk caches (train/ldm_cache.h) up to date and
+  /// stop, building no UNet (`shoestring cache`); the model returned is then
+  /// only good for destruction.
+  bool encode_only = false;
+  /// LDM families: filled with what the disk caches held and did (when set).
+  LdmCacheStats* cache_stats = nullptr;
   /// When set, families whose construction does slow work (the LDM ones
   /// encode the dataset) call it first, with a meta-device copy of the module
   /// tree (named as module() will be) and its LoRA components; the run checks

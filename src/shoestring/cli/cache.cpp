@@ -1,0 +1,48 @@
+// `shoestring cache CONFIG [--set key=value]... [--device D]`: encode an LDM
+// config's dataset into its disk caches (train/ldm_cache.h) without training.
+#include <filesystem>
+
+#include <CLI/CLI.hpp>
+#include <spdlog/spdlog.h>
+
+#include "shoestring/cli/commands.h"
+#include "shoestring/core/device.h"
+#include "shoestring/core/error.h"
+#include "shoestring/train/config.h"
+#include "shoestring/train/ldm_cache.h"
+
+namespace shoestring::cli {
+namespace fs = std::filesystem;
+
+void register_cache(CLI::App& app) {
+  struct Args {
+    std::string config;
+    std::vector<std::string> sets;
+    std::string device;
+  };
+  auto args = std::make_shared<Args>();
+  CLI::App* cmd = app.add_subcommand(
+      "cache", "encode an LDM config's images and captions into its disk caches (latents, text-encoder outputs)");
+  cmd->add_option("config", args->config, "run config (TOML)")->required();
+  cmd->add_option("--set", args->sets, "override a config key: --set cache_dir=/data/cache (repeatable)")
+      ->allow_extra_args(false);
+  CLI::Option* device_flag =
+      cmd->add_option("--device", args->device, "where to encode: auto, cpu, cuda, cuda:N (overrides the config's)");
+  cmd->callback([args, device_flag] {
+    if (device_flag->count() > 0) resolve_device(args->device, "--device");
+    if (!fs::exists(args->config)) fail("config file '{}' does not exist", args->config);
+    if (fs::is_directory(args->config)) fail("config '{}' is a directory, expected a TOML file", args->config);
+    TrainConfig config = load_config(args->config, args->sets);
+    if (device_flag->count() > 0) config.device = args->device;
+    const LdmCacheStats stats = build_ldm_caches(config);
+    if (!stats.problems.empty()) {
+      spdlog::warn("{} damaged shard{} replaced (listed above)", stats.problems.size(),
+                   stats.problems.size() == 1 ? "" : "s");
+    }
+    fmt::print("cache {}: latents {} encoded, {} reused; text {} encoded, {} reused\n", stats.dir,
+               stats.latents_encoded, stats.latent_entries - stats.latents_encoded, stats.text_encoded,
+               stats.text_entries - stats.text_encoded);
+  });
+}
+
+}  // namespace shoestring::cli

@@ -1,0 +1,382 @@
+#include "shoestring/io/tensor_cache.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <list>
+#include <set>
+
+#include <nlohmann/json.hpp>
+
+#include "shoestring/core/content_hash.h"
+#include "shoestring/core/error.h"
+
+namespace shoestring {
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr const char* kFormat = "shoestring.tensor_cache";
+constexpr int kVersion = 1;
+constexpr const char* kEntriesKey = "shoestring.cache_entries";
+constexpr const char* kKindKey = "shoestring.cache_kind";
+constexpr size_t kOpenShards = 4;  // shards kept mapped by read()
+
+bool ends_with(const std::string& s, const std::string& e) {
+  return s.size() >= e.size() && s.compare(s.size() - e.size(), e.size(), e) == 0;
+}
+bool starts_with(const std::string& s, const std::string& p) { return s.compare(0, p.size(), p) == 0; }
+
+bool plain_name(const std::string& s) {
+  if (s.empty()) return false;
+  return std::all_of(s.begin(), s.end(), [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_'; });
+}
+
+/// The writer and sequence number of a shard file name "<writer>-NNNNNN.safetensors".
+bool parse_shard_name(const std::string& name, std::string* writer, int64_t* seq) {
+  if (!ends_with(name, ".safetensors")) return false;
+  const std::string stem = name.substr(0, name.size() - std::string(".safetensors").size());
+  const size_t dash = stem.rfind('-');
+  if (dash == std::string::npos || dash == 0 || dash + 1 == stem.size()) return false;
+  const std::string digits = stem.substr(dash + 1);
+  if (!std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; }) || digits.size() > 12)
+    return false;
+  *writer = stem.substr(0, dash);
+  *seq = std::stoll(digits);
+  return true;
+}
+
+void hash_into(uint64_t& h, const void* p, size_t n) { h = content_hash64(p, n, h); }
+
+}  // namespace
+
+uint64_t cache_entry_checksum(const std::vector<std::pair<std::string, at::Tensor>>& tensors) {
+  uint64_t h = 0x63616368655f7631ull;
+  for (const auto& [name, t] : tensors) {
+    const at::Tensor c = t.is_contiguous() && t.device().is_cpu() ? t : t.contiguous().cpu();
+    const std::string dtype = to_string(st_dtype_of(c.scalar_type()));
+    const std::vector<int64_t> shape(c.sizes().begin(), c.sizes().end());
+    hash_into(h, name.data(), name.size());
+    hash_into(h, dtype.data(), dtype.size());
+    hash_into(h, shape.data(), shape.size() * sizeof(int64_t));
+    hash_into(h, c.data_ptr(), static_cast<size_t>(c.nbytes()));
+  }
+  return h;
+}
+
+struct TensorCache::State {
+  struct Entry {
+    size_t shard = 0;
+    std::vector<std::string> names;
+    uint64_t checksum = 0;
+  };
+  struct Shard {
+    std::string file;    // name inside dir
+    std::string writer;  // who wrote it
+    std::vector<std::string> keys;
+    std::map<std::string, Entry> entries;  // as its manifest / metadata lists them
+    bool dropped = false;
+  };
+  std::string dir, kind, writer;
+  std::unique_ptr<FolderLock> lock;
+  std::vector<Shard> shards;
+  std::map<std::string, Entry> index;
+  std::vector<std::string> notes;
+  int64_t next_seq = 1;
+  // read(): least recently used shard mappings, newest first.
+  mutable std::list<std::pair<size_t, SafetensorsFile>> mapped;
+
+  std::string path_of(const Shard& s) const { return (fs::path(dir) / s.file).string(); }
+  std::string manifest_path(const std::string& w) const { return (fs::path(dir) / ("manifest-" + w + ".json")).string(); }
+
+  static nlohmann::json entries_json(const std::map<std::string, Entry>& entries) {
+    nlohmann::json out = nlohmann::json::object();
+    for (const auto& [key, e] : entries) out[key] = {{"checksum", hex64(e.checksum)}, {"tensors", e.names}};
+    return out;
+  }
+
+  /// Parses an "entries" object of a manifest or shard; `where` names it in errors.
+  static std::map<std::string, Entry> parse_entries(const nlohmann::json& j, const std::string& where) {
+    if (!j.is_object()) fail("{}: \"entries\" must be an object of key -> {{checksum, tensors}}", where);
+    std::map<std::string, Entry> out;
+    for (const auto& [key, v] : j.items()) {
+      if (!plain_name(key)) fail("{}: entry key '{}' is not a plain name", where, key);
+      if (!v.is_object() || !v.contains("checksum") || !v["checksum"].is_string() || !v.contains("tensors") ||
+          !v["tensors"].is_array()) {
+        fail("{}: entry '{}' must hold \"checksum\" (16 hex digits) and \"tensors\" (names)", where, key);
+      }
+      Entry e;
+      if (!parse_hex64(v["checksum"].get<std::string>(), &e.checksum))
+        fail("{}: entry '{}': checksum '{}' is not 16 hex digits", where, key, v["checksum"].get<std::string>());
+      for (const auto& n : v["tensors"]) {
+        if (!n.is_string() || !plain_name(n.get<std::string>()))
+          fail("{}: entry '{}': tensor names must be plain names", where, key);
+        e.names.push_back(n.get<std::string>());
+      }
+      if (e.names.empty()) fail("{}: entry '{}' names no tensors", where, key);
+      out.emplace(key, std::move(e));
+    }
+    return out;
+  }
+
+  void add_shard(Shard s) {
+    const size_t i = shards.size();
+    for (auto& [key, e] : s.entries) {
+      e.shard = i;
+      s.keys.push_back(key);
+      index[key] = e;  // a later shard's copy wins
+    }
+    shards.push_back(std::move(s));
+  }
+
+  void write_manifest() const {
+    nlohmann::json list = nlohmann::json::array();
+    for (const Shard& s : shards) {
+      if (s.writer != writer || s.dropped) continue;
+      list.push_back({{"file", s.file}, {"entries", entries_json(s.entries)}});
+    }
+    nlohmann::json m = {{"format", kFormat}, {"version", kVersion}, {"kind", kind}, {"writer", writer},
+                        {"shards", list}};
+    write_bytes_atomic(manifest_path(writer), m.dump(1) + "\n");
+  }
+
+  void drop(size_t i, bool delete_file) {
+    Shard& s = shards[i];
+    s.dropped = true;
+    for (const std::string& key : s.keys) {
+      auto it = index.find(key);
+      if (it != index.end() && it->second.shard == i) index.erase(it);
+    }
+    mapped.remove_if([i](const auto& m) { return m.first == i; });
+    if (delete_file && s.writer == writer && !writer.empty()) {
+      std::error_code ec;
+      fs::remove(path_of(s), ec);
+      write_manifest();
+    }
+  }
+
+  const SafetensorsFile& mapping(size_t i) const {
+    for (auto it = mapped.begin(); it != mapped.end(); ++it) {
+      if (it->first == i) {
+        mapped.splice(mapped.begin(), mapped, it);
+        return mapped.front().second;
+      }
+    }
+    mapped.emplace_front(i, SafetensorsFile::open(path_of(shards[i])));
+    while (mapped.size() > kOpenShards) mapped.pop_back();
+    return mapped.front().second;
+  }
+};
+
+TensorCache::TensorCache(std::unique_ptr<State> s) : s_(std::move(s)) {}
+TensorCache::TensorCache(TensorCache&&) noexcept = default;
+TensorCache& TensorCache::operator=(TensorCache&&) noexcept = default;
+TensorCache::~TensorCache() = default;
+
+TensorCache TensorCache::open(const std::string& dir, const std::string& kind, const std::string& writer) {
+  auto s = std::make_unique<State>();
+  s->dir = dir;
+  s->kind = kind;
+  s->writer = writer;
+  if (!writer.empty() && !plain_name(writer)) fail("tensor cache {}: writer name '{}' is not a plain name", dir, writer);
+  if (!writer.empty()) {
+    ensure_writable_dir(dir);
+    s->lock = std::make_unique<FolderLock>(dir, ".lock-" + writer);
+    const std::string own_prefix = writer + "-";
+    const std::string own_manifest = "manifest-" + writer + ".json";
+    StaleTemporaries stale = remove_temporaries(dir, [&](const std::string& name) {
+      return name == own_manifest || name == ".write_probe" ||
+             (starts_with(name, own_prefix) && ends_with(name, ".safetensors"));
+    });
+    for (const std::string& p : stale.paths)
+      s->notes.push_back(fmt::format("removed {} (left by an interrupted write)", p));
+  } else if (!fs::is_directory(dir)) {
+    return TensorCache(std::move(s));  // nothing cached yet
+  }
+
+  // Every writer's manifest, in name order.
+  std::vector<std::string> manifests, shard_files;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if (!e.is_regular_file()) continue;
+    if (starts_with(name, "manifest-") && ends_with(name, ".json")) manifests.push_back(name);
+    std::string w;
+    int64_t seq = 0;
+    if (parse_shard_name(name, &w, &seq)) {
+      shard_files.push_back(name);
+      if (w == writer) s->next_seq = std::max(s->next_seq, seq + 1);
+    }
+  }
+  if (ec) fail("tensor cache {}: cannot list the folder: {}", dir, ec.message());
+  std::sort(manifests.begin(), manifests.end());
+  std::sort(shard_files.begin(), shard_files.end());
+  std::set<std::string> listed;
+  for (const std::string& name : manifests) {
+    const std::string path = (fs::path(dir) / name).string();
+    nlohmann::json m;
+    try {
+      m = nlohmann::json::parse(read_file(path));
+    } catch (const nlohmann::json::exception& e) {
+      fail("{}: not valid JSON ({}); delete the file to let the cache adopt its shards again", path, e.what());
+    }
+    if (!m.is_object() || m.value("format", "") != kFormat)
+      fail("{}: \"format\" must be \"{}\" (not a shoestring cache manifest)", path, kFormat);
+    if (!m.contains("version") || m["version"] != kVersion)
+      fail("{}: \"version\" {} is not {} (written by another shoestring version)", path, m.value("version", 0),
+           kVersion);
+    if (m.value("kind", "") != kind)
+      fail("{}: key \"kind\" is \"{}\", expected \"{}\" (another cache's folder)", path, m.value("kind", ""), kind);
+    const std::string w = name.substr(9, name.size() - 9 - 5);
+    if (!m.contains("shards") || !m["shards"].is_array()) fail("{}: key \"shards\" must be an array", path);
+    for (size_t i = 0; i < m["shards"].size(); ++i) {
+      const nlohmann::json& sh = m["shards"][i];
+      const std::string where = fmt::format("{}: shards[{}]", path, i);
+      if (!sh.is_object() || !sh.contains("file") || !sh["file"].is_string())
+        fail("{}: needs \"file\" (a shard name)", where);
+      State::Shard shard;
+      shard.file = sh["file"].get<std::string>();
+      std::string fw;
+      int64_t seq = 0;
+      if (!parse_shard_name(shard.file, &fw, &seq) || fw != w)
+        fail("{}: \"file\" '{}' is not a shard of writer '{}' (<writer>-NNNNNN.safetensors)", where, shard.file, w);
+      shard.writer = w;
+      shard.entries = State::parse_entries(sh.value("entries", nlohmann::json()), where);
+      listed.insert(shard.file);
+      s->add_shard(std::move(shard));
+    }
+  }
+  // Shards written by a process killed before its manifest: their own
+  // metadata lists their entries.
+  bool adopted_own = false;
+  for (const std::string& name : shard_files) {
+    if (listed.count(name)) continue;
+    const std::string path = (fs::path(dir) / name).string();
+    std::string w;
+    int64_t seq = 0;
+    parse_shard_name(name, &w, &seq);
+    try {
+      SafetensorsFile f = SafetensorsFile::open(path);
+      const auto& meta = f.metadata();
+      auto kind_it = meta.find(kKindKey);
+      auto entries_it = meta.find(kEntriesKey);
+      if (kind_it == meta.end() || entries_it == meta.end())
+        fail("{}: no \"{}\" metadata (not a cache shard)", path, kEntriesKey);
+      if (kind_it->second != kind) continue;  // another cache's shard: leave it alone
+      State::Shard shard;
+      shard.file = name;
+      shard.writer = w;
+      shard.entries = State::parse_entries(nlohmann::json::parse(entries_it->second), path);
+      s->notes.push_back(fmt::format("adopted {} ({} entries; its manifest update was interrupted)", path,
+                                     shard.entries.size()));
+      adopted_own = adopted_own || w == writer;
+      s->add_shard(std::move(shard));
+    } catch (const std::exception& e) {
+      // Unreadable and never listed: not trusted, not read.
+      s->notes.push_back(fmt::format("ignored {}: {}", path, e.what()));
+      if (!writer.empty() && w == writer) {
+        fs::remove(path, ec);
+        s->notes.back() += " (deleted)";
+      }
+    }
+  }
+  if (adopted_own && !writer.empty()) s->write_manifest();
+  return TensorCache(std::move(s));
+}
+
+const std::string& TensorCache::dir() const { return s_->dir; }
+int64_t TensorCache::size() const { return static_cast<int64_t>(s_->index.size()); }
+bool TensorCache::contains(const std::string& key) const { return s_->index.count(key) > 0; }
+std::string TensorCache::shard_of(const std::string& key) const {
+  auto it = s_->index.find(key);
+  return it == s_->index.end() ? std::string() : s_->path_of(s_->shards[it->second.shard]);
+}
+const std::vector<std::string>& TensorCache::notes() const { return s_->notes; }
+
+CacheVerifyReport TensorCache::verify(const std::vector<std::string>& keys) {
+  CacheVerifyReport report;
+  std::set<size_t> holding;
+  for (const std::string& key : keys) {
+    auto it = s_->index.find(key);
+    if (it != s_->index.end()) holding.insert(it->second.shard);
+  }
+  for (const size_t i : holding) {
+    const State::Shard& shard = s_->shards[i];
+    const std::string path = s_->path_of(shard);
+    std::string problem;
+    try {
+      SafetensorsFile f = SafetensorsFile::open(path);
+      auto kind_it = f.metadata().find(kKindKey);
+      if (kind_it == f.metadata().end() || kind_it->second != s_->kind)
+        fail("{}: not a \"{}\" cache shard (metadata {})", path, s_->kind, kKindKey);
+      for (const std::string& key : shard.keys) {
+        const State::Entry& e = shard.entries.at(key);
+        std::vector<std::pair<std::string, at::Tensor>> tensors;
+        for (const std::string& n : e.names) tensors.emplace_back(n, f.get(key + "." + n));
+        if (cache_entry_checksum(tensors) != e.checksum)
+          fail("{}: entry {} does not match its checksum (the file is corrupt)", path, key);
+        ++report.entries_checked;
+      }
+    } catch (const std::exception& e) {
+      problem = e.what();
+    }
+    ++report.shards_checked;
+    if (!problem.empty()) {
+      report.problems.push_back(problem);
+      s_->drop(i, /*delete_file=*/true);
+    }
+  }
+  return report;
+}
+
+void TensorCache::write_shard(const std::vector<CacheEntry>& entries) {
+  if (s_->writer.empty()) fail("tensor cache {}: opened read-only, cannot write a shard", s_->dir);
+  if (entries.empty()) return;
+  State::Shard shard;
+  shard.file = fmt::format("{}-{:06d}.safetensors", s_->writer, s_->next_seq);
+  shard.writer = s_->writer;
+  std::vector<NamedTensor> named;
+  for (const CacheEntry& entry : entries) {
+    if (!plain_name(entry.key)) fail("tensor cache {}: entry key '{}' is not a plain name", s_->dir, entry.key);
+    if (entry.tensors.empty()) fail("tensor cache {}: entry {} has no tensors", s_->dir, entry.key);
+    if (shard.entries.count(entry.key)) fail("tensor cache {}: entry {} given twice", s_->dir, entry.key);
+    State::Entry e;
+    for (const auto& [name, t] : entry.tensors) {
+      if (!plain_name(name))
+        fail("tensor cache {}: entry {}: tensor name '{}' is not a plain name", s_->dir, entry.key, name);
+      e.names.push_back(name);
+      named.push_back({entry.key + "." + name, t.contiguous().cpu(), std::nullopt});
+    }
+    e.checksum = cache_entry_checksum(entry.tensors);
+    shard.entries.emplace(entry.key, std::move(e));
+  }
+  const std::map<std::string, std::string> meta = {{kKindKey, s_->kind},
+                                                   {kEntriesKey, State::entries_json(shard.entries).dump()}};
+  save_safetensors(s_->path_of(shard), named, meta);
+  ++s_->next_seq;
+  s_->add_shard(std::move(shard));
+  s_->write_manifest();
+}
+
+std::vector<at::Tensor> TensorCache::read(const std::string& key) const {
+  auto it = s_->index.find(key);
+  if (it == s_->index.end()) fail("tensor cache {}: no entry {}", s_->dir, key);
+  const State::Entry& e = it->second;
+  const std::string path = s_->path_of(s_->shards[e.shard]);
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  try {
+    const SafetensorsFile& f = s_->mapping(e.shard);
+    for (const std::string& n : e.names) tensors.emplace_back(n, f.get(key + "." + n).clone());
+  } catch (const Error& err) {
+    fail("{}: entry {} cannot be read ({}); run `shoestring cache CONFIG` to encode it again", path, key, err.what());
+  }
+  if (cache_entry_checksum(tensors) != e.checksum) {
+    fail("{}: entry {} does not match its checksum (the file changed after it was verified); run `shoestring cache "
+         "CONFIG` to encode it again",
+         path, key);
+  }
+  std::vector<at::Tensor> out;
+  for (auto& [n, t] : tensors) out.push_back(std::move(t));
+  return out;
+}
+
+}  // namespace shoestring

@@ -1,0 +1,124 @@
+#include "shoestring/train/ldm_cache.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <set>
+
+#include <nlohmann/json.hpp>
+#include <spdlog/spdlog.h>
+#include <torch/torch.h>
+
+#include "shoestring/core/content_hash.h"
+#include "shoestring/core/device.h"
+#include "shoestring/core/error.h"
+#include "shoestring/core/threads.h"
+#include "shoestring/data/dataset.h"
+#include "shoestring/io/atomic_file.h"
+#include "shoestring/io/safetensors.h"
+#include "shoestring/models/architecture.h"
+#include "shoestring/train/config.h"
+#include "shoestring/train/dataset_config.h"
+#include "shoestring/train/device_precision.h"
+#include "shoestring/train/training_model.h"
+
+namespace shoestring {
+namespace fs = std::filesystem;
+
+std::string ldm_cache_dir(const TrainConfig& config) {
+  if (!config.cache_dir.empty()) return expand_path(config.cache_dir);
+  if (!config.dataset_config.empty()) {
+    return (fs::path(expand_path(config.dataset_config)).parent_path() / ".shoestring-cache").string();
+  }
+  return (fs::path(expand_path(config.train_data_dir)) / ".shoestring-cache").string();
+}
+
+std::string file_content_key(const std::string& path) { return content_key128(read_file(path)); }
+
+std::string weights_identity(const WeightFiles& files, const std::string& prefix, const std::string& memo_dir) {
+  std::vector<std::string> names;
+  for (const std::string& n : files.names()) {
+    if (n.compare(0, prefix.size(), prefix) == 0) names.push_back(n);
+  }
+  if (names.empty()) fail("{}: no tensor named '{}*' to identify", files.path(), prefix);
+  std::sort(names.begin(), names.end());
+  // The memo key: the files holding those tensors, with sizes and times.
+  std::set<std::string> holders;
+  for (const std::string& n : names) holders.insert(files.file_of(n));
+  std::string memo_key = "prefix=" + prefix;
+  for (const std::string& f : holders) {
+    std::error_code ec;
+    const std::string canonical = fs::weakly_canonical(f, ec).string();
+    const auto size = fs::file_size(f, ec);
+    const auto time = fs::last_write_time(f, ec).time_since_epoch().count();
+    memo_key += fmt::format("|{}:{}:{}", canonical, static_cast<uint64_t>(size), static_cast<int64_t>(time));
+  }
+  const std::string memo_path = memo_dir.empty() ? "" : (fs::path(memo_dir) / "encoders.json").string();
+  nlohmann::json memo = nlohmann::json::object();
+  if (!memo_path.empty() && fs::exists(memo_path)) {
+    try {
+      memo = nlohmann::json::parse(read_file(memo_path));
+    } catch (const nlohmann::json::exception&) {
+      memo = nlohmann::json::object();  // a memo only: rebuilt
+    }
+    if (!memo.is_object()) memo = nlohmann::json::object();
+    auto it = memo.find(memo_key);
+    if (it != memo.end() && it->is_string()) return it->get<std::string>();
+  }
+  std::string text = "weights";
+  uint64_t a = 0x7765696768747331ull, b = 0x7765696768747332ull;
+  for (const std::string& n : names) {
+    const TensorInfo* info = files.find(n);
+    const at::Tensor t = files.get(n);  // raw bytes (fp8 as uint8 without float8), zero-copy
+    const std::string head = fmt::format("{}|{}|{}", n, to_string(info->dtype), fmt::join(info->shape, "x"));
+    a = content_hash64(head, a);
+    b = content_hash64(head, b);
+    a = content_hash64(t.data_ptr(), static_cast<size_t>(t.nbytes()), a);
+    b = content_hash64(t.data_ptr(), static_cast<size_t>(t.nbytes()), b);
+  }
+  const std::string identity = hex64(a) + hex64(b);
+  if (!memo_path.empty()) {
+    memo[memo_key] = identity;
+    ensure_writable_dir(memo_dir);
+    write_bytes_atomic(memo_path, memo.dump(1) + "\n");
+  }
+  return identity;
+}
+
+LdmCacheStats build_ldm_caches(const TrainConfig& config_in, bool quiet) {
+  TrainConfig c = config_in;
+  const models::Architecture& arch = models::find_architecture(c.architecture);
+  if (arch.family != models::Family::ldm_unet) {
+    fail("cache: model.architecture = \"{}\" trains on images, not cached latents; `shoestring cache` is for the LDM "
+         "architectures (sd15, sdxl, ssd1b)",
+         c.architecture);
+  }
+  const c10::Device device = resolve_device(c.device, "device");
+  adapt_precision_to_device(c, device);  // the cache dtype follows the run's storage dtype
+  check_training_config(c);
+  configure_threads(c.num_threads);
+  torch::manual_seed(static_cast<uint64_t>(c.seed));
+  const DatasetSelection selection{c.max_train_images, static_cast<uint64_t>(c.max_train_images_seed)};
+  ImageCaptionDataset dataset;
+  if (uses_kohya_datasets(c)) {
+    const std::vector<DatasetSpec> specs = dataset_specs(c);
+    check_training_datasets(c, specs);
+    dataset = ImageCaptionDataset::load_buckets(specs, static_cast<uint64_t>(c.seed), selection);
+  } else {
+    dataset = ImageCaptionDataset::load(expand_path(c.train_data_dir), static_cast<int>(c.resolution),
+                                        c.twemoji_categories, selection);
+  }
+  if (!quiet) spdlog::info("dataset: {} images ({} skipped)", dataset.size(), dataset.skipped().size());
+  c.cache_latents_to_disk = true;
+  c.cache_text_encoder_outputs_to_disk = true;
+  LdmCacheStats stats;
+  ModelSource source;
+  if (!c.pretrained_model_name_or_path.empty()) source.pretrained = expand_path(c.pretrained_model_name_or_path);
+  source.device = device;
+  source.quiet = quiet;
+  source.encode_only = true;
+  source.cache_stats = &stats;
+  make_training_model(c, dataset, source);
+  return stats;
+}
+
+}  // namespace shoestring
