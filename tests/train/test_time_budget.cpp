@@ -85,6 +85,12 @@ TEST(TimeBudget, SampleGridCostFollowsItsForwardPasses) {
   EXPECT_DOUBLE_EQ(estimate_sample_seconds(c, 1.5), 1.5 * 120 / 12);
   c.sample_cfg = 1;
   EXPECT_DOUBLE_EQ(estimate_sample_seconds(c, 1.5), 1.5 * 60 / 12);
+  // kohya's per-prompt options count: --s steps, --l guidance, --w x --h pixels.
+  c.sample_cfg = 3;
+  c.resolution = 64;
+  c.sample_prompts = {"a --s 4", "b --l 1 --w 128 --h 64"};
+  // a: 3 seeds x 4 steps x 2 (CFG) = 24; b: 3 x 10 x 1 x (128 x 64) / 64^2 = 60.
+  EXPECT_DOUBLE_EQ(estimate_sample_seconds(c, 1.5), 1.5 * 84 / 12);
   c.sample_prompts.clear();
   EXPECT_EQ(estimate_sample_seconds(c, 1.5), 0);
 }

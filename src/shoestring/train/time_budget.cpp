@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include "shoestring/core/error.h"
+#include "shoestring/train/sampling.h"
 
 namespace shoestring {
 
@@ -45,8 +46,17 @@ int64_t steps_within_budget(const BudgetInputs& in) {
 
 double estimate_sample_seconds(const TrainConfig& c, double seconds_per_step) {
   if (c.sample_prompts.empty() || c.sample_seeds <= 0) return 0;
-  const double forwards = static_cast<double>(c.sample_prompts.size() * static_cast<size_t>(c.sample_seeds)) *
-                          static_cast<double>(c.sample_steps) * (c.sample_cfg > 1 ? 2.0 : 1.0);
+  double forwards = 0;  // in training images' pixels
+  const auto area = static_cast<double>(c.resolution) * static_cast<double>(c.resolution);
+  for (size_t i = 0; i < c.sample_prompts.size(); ++i) {
+    const SamplePrompt p = parse_sample_prompt(c.sample_prompts[i], fmt::format("sample_prompts[{}]", i));
+    const double steps = static_cast<double>(p.steps > 0 ? p.steps : c.sample_steps);
+    const double guided = p.cfg.value_or(c.sample_cfg) > 1 ? 2.0 : 1.0;
+    const double pixels = p.width > 0 && p.height > 0 && area > 0
+                              ? static_cast<double>(p.width) * static_cast<double>(p.height) / area
+                              : 1.0;
+    forwards += static_cast<double>(c.sample_seeds) * steps * guided * pixels;
+  }
   const double step_forwards = 3.0 * static_cast<double>(c.train_batch_size * c.gradient_accumulation_steps);
   return seconds_per_step * forwards / step_forwards;
 }

@@ -49,10 +49,14 @@ struct BudgetInputs {
 /// steps_done > max_train_steps.
 int64_t steps_within_budget(const BudgetInputs& in);
 
-/// The estimated seconds of one sample grid of `config` (prompts x seeds
-/// images, sample_steps denoiser passes each, two with sample_cfg > 1), from
-/// the seconds of one training step (3 forward passes of train_batch_size x
-/// gradient_accumulation_steps images). 0 when the config draws no samples.
+/// The estimated seconds of one sample grid of `config`, from the seconds of
+/// one training step (3 forward passes of train_batch_size x
+/// gradient_accumulation_steps images at `resolution`): per prompt, seeds
+/// images of its denoiser passes (kohya's --s, else sample_steps), two per
+/// pass with guidance (--l, else sample_cfg, above 1), each pass costing its
+/// pixels (--w x --h, else resolution^2) over resolution^2 of a training
+/// image's. 0 when the config draws no samples. Throws shoestring::Error for
+/// a sample prompt parse_sample_prompt refuses.
 double estimate_sample_seconds(const TrainConfig& config, double seconds_per_step);
 
 /// Steps timed before the sizing (after the untimed first step).
