@@ -15,6 +15,8 @@
 #include <unistd.h>
 
 #include <nlohmann/json.hpp>
+#include <spdlog/sinks/ringbuffer_sink.h>
+#include <spdlog/spdlog.h>
 #include <torch/torch.h>
 
 #include "../error_testing.h"
@@ -248,4 +250,77 @@ TEST(BucketedSampler, BatchesNeverMixBucketsAndEveryEntryIsUsedOnce) {
   for (int k = 0; k < 10; ++k) ASSERT_EQ(a.next(), b.next());
   EXPECT_THROW(BatchSampler({{{0}, 2}}, 1, false), Error);  // no full batch
   EXPECT_NO_THROW(BatchSampler({{{0}, 2}}, 1, true));       // kohya: a batch of one
+}
+
+// DatasetSelection::decode_on_demand (the latent disk cache's loading): the
+// same images as decoding at load, for buckets (random crops included) and
+// the square layout, with only the headers read at load, so a file whose
+// pixels are damaged is not skipped but named when a batch decodes it.
+TEST(DatasetOnDemand, DecodesWhatLoadingDecodesAndNamesADamagedFile) {
+  TempDir t;
+  const std::vector<BucketReso> sizes = {{48, 32}, {32, 32}, {32, 48}, {40, 24}, {24, 40}, {64, 16}};
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    write_banded(t.path / fmt::format("img{}.png", i), static_cast<int>(sizes[i].width),
+                 static_cast<int>(sizes[i].height), 8);
+    write_text(t.path / fmt::format("img{}.txt", i), fmt::format("caption {}\n", i));
+  }
+  DatasetSpec spec = tiny_spec(t.path.string(), 8);
+  spec.subsets[0].random_crop = true;
+  DatasetSelection on_demand;
+  on_demand.decode_on_demand = true;
+  const ImageCaptionDataset eager = ImageCaptionDataset::load_buckets({spec}, 3);
+  const ImageCaptionDataset lazy = ImageCaptionDataset::load_buckets({spec}, 3, on_demand);
+  EXPECT_FALSE(eager.decodes_on_demand());
+  ASSERT_TRUE(lazy.decodes_on_demand());
+  ASSERT_EQ(lazy.size(), eager.size());
+  ASSERT_EQ(lazy.buckets().size(), eager.buckets().size());
+  for (const DatasetBucket& b : eager.buckets()) {
+    EXPECT_TRUE(lazy.batch_images(b.images).equal(eager.batch_images(b.images))) << to_string(b.reso);
+  }
+  EXPECT_NE(error_of([&] { (void)lazy.bucket_images(0); }).find("decoded on demand"), std::string::npos);
+  const ImageCaptionDataset square = ImageCaptionDataset::load_folder(t.path.string(), 24);
+  const ImageCaptionDataset square_lazy = ImageCaptionDataset::load_folder(t.path.string(), 24, on_demand);
+  EXPECT_FALSE(square_lazy.images().defined());
+  EXPECT_TRUE(square_lazy.batch_images({5, 0, 2}).equal(square.batch_images({5, 0, 2})));
+
+  // A PNG cut after its header: skipped when decoding at load, named on demand.
+  {
+    const std::string whole = [&] {
+      std::ifstream in(t.path / "img1.png", std::ios::binary);
+      return std::string(std::istreambuf_iterator<char>(in), {});
+    }();
+    std::ofstream(t.path / "img1.png", std::ios::binary | std::ios::trunc) << whole.substr(0, whole.size() / 2);
+  }
+  EXPECT_EQ(ImageCaptionDataset::load_folder(t.path.string(), 24).skipped().size(), 1u);
+  const ImageCaptionDataset damaged = ImageCaptionDataset::load_folder(t.path.string(), 24, on_demand);
+  EXPECT_TRUE(damaged.skipped().empty());
+  ASSERT_EQ(damaged.size(), 6);
+  EXPECT_TRUE(damaged.batch_images({0}).equal(square.batch_images({0})));
+  EXPECT_NE(error_of([&] { (void)damaged.batch_images({0, 1}); }).find("img1.png"), std::string::npos);
+}
+
+// A DreamBooth subset folder without images (empty, or a typo'd extension)
+// is warned about, naming it, as kohya warns; the other subsets load.
+TEST(DatasetBuckets, ASubsetFolderWithoutImagesIsWarnedAbout) {
+  TempDir t;
+  fs::create_directories(t.path / "full");
+  fs::create_directories(t.path / "empty");
+  write_banded(t.path / "full" / "a.png", 32, 32, 8);
+  write_text(t.path / "empty" / "a.txt", "a caption without its image");
+  DatasetSpec spec = tiny_spec((t.path / "full").string(), 8);
+  DatasetSubset empty = spec.subsets[0];
+  empty.image_dir = (t.path / "empty").string();
+  empty.where = "subset 2";
+  spec.subsets.push_back(empty);
+  auto sink = std::make_shared<spdlog::sinks::ringbuffer_sink_mt>(16);
+  const auto saved = spdlog::default_logger();
+  spdlog::set_default_logger(std::make_shared<spdlog::logger>("capture", sink));
+  const ImageCaptionDataset ds = ImageCaptionDataset::load_buckets({spec}, 1);
+  spdlog::set_default_logger(saved);
+  EXPECT_EQ(ds.size(), 1);
+  std::string warnings;
+  for (const std::string& line : sink->last_formatted()) warnings += line;
+  EXPECT_NE(warnings.find("subset 2: image_dir " + empty.image_dir + " holds no images"), std::string::npos)
+      << warnings;
+  EXPECT_EQ(warnings.find("test subset"), std::string::npos) << warnings;  // the full one is not named
 }

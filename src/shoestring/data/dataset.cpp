@@ -371,7 +371,9 @@ ImageCaptionDataset ImageCaptionDataset::decode_all(std::vector<Candidate> candi
   const auto listed = static_cast<int64_t>(candidates.size());
   keep_selected(candidates, selection);
   const int64_t n = static_cast<int64_t>(candidates.size());
-  auto all = at::empty({n, 3, resolution, resolution}, at::kByte);
+  const bool on_demand = selection.decode_on_demand;
+  // Decoding on demand: only the headers are read now (nothing is held).
+  auto all = at::empty({on_demand ? 0 : n, 3, resolution, resolution}, at::kByte);
   std::vector<std::string> reasons(static_cast<size_t>(n));
   const int64_t image_bytes = 3LL * resolution * resolution;
   uint8_t* base = all.data_ptr<uint8_t>();
@@ -383,6 +385,10 @@ ImageCaptionDataset ImageCaptionDataset::decode_all(std::vector<Candidate> candi
         continue;
       }
       try {
+        if (on_demand) {
+          (void)image_file_size(c.path);
+          continue;
+        }
         const at::Tensor img = load_image(c.path, resolution);
         std::memcpy(base + i * image_bytes, img.data_ptr<uint8_t>(), static_cast<size_t>(image_bytes));
       } catch (const std::exception& e) {
@@ -394,6 +400,7 @@ ImageCaptionDataset ImageCaptionDataset::decode_all(std::vector<Candidate> candi
   ImageCaptionDataset ds;
   ds.resolution_ = resolution;
   ds.listed_ = listed;
+  ds.on_demand_ = on_demand;
   std::vector<int64_t> keep;
   std::vector<std::string> missing, empty;
   for (int64_t i = 0; i < n; ++i) {
@@ -412,7 +419,9 @@ ImageCaptionDataset ImageCaptionDataset::decode_all(std::vector<Candidate> candi
     fail("dataset {}: no image could be loaded ({} candidates, {} skipped{})", source, n, ds.skipped_.size(),
          ds.skipped_.empty() ? std::string() : "; first: " + ds.skipped_.front().reason);
   }
-  ds.images_ = static_cast<int64_t>(keep.size()) == n ? all : all.index_select(0, at::tensor(keep, at::kLong));
+  if (!on_demand) {
+    ds.images_ = static_cast<int64_t>(keep.size()) == n ? all : all.index_select(0, at::tensor(keep, at::kLong));
+  }
   ds.caption_stats_.missing = static_cast<int64_t>(missing.size());
   ds.caption_stats_.empty = static_cast<int64_t>(empty.size());
   warn_captions(source, missing, "without a caption file (.txt beside it)");
@@ -460,6 +469,7 @@ void list_folder_subset(const DatasetSubset& sub, size_t spec, std::vector<Bucke
     files.push_back(it->path());
   }
   std::sort(files.begin(), files.end());
+  const size_t before = out.size();
   for (const fs::path& file : files) {
     const std::string ext = lowercase(file.extension().string());
     BucketItem item;
@@ -483,6 +493,11 @@ void list_folder_subset(const DatasetSubset& sub, size_t spec, std::vector<Bucke
       item.caption = sub.class_tokens;  // kohya: class_tokens stand in for a missing caption file
     }
     out.push_back(std::move(item));
+  }
+  if (out.size() == before) {
+    // kohya warns too ("no image"); a typo'd or empty folder should not pass unnoticed.
+    spdlog::warn("{}: image_dir {} holds no images (.png .jpg .jpeg .bmp .gif .tga{}); the subset adds nothing",
+                 sub.where, sub.image_dir, sub.recursive ? ", searched recursively" : "");
   }
 }
 
@@ -634,9 +649,9 @@ ImageCaptionDataset ImageCaptionDataset::load_buckets(const std::vector<DatasetS
       it.skip_reason = fmt::format("{}: {}", it.path, e.what());
     }
   }
-  // Decode each image into its bucket size.
+  // Decode each image into its bucket size (on demand: later, in batch_images).
   std::vector<at::Tensor> decoded(items.size());
-  at::parallel_for(0, n, 4, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, selection.decode_on_demand ? 0 : n, 4, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       BucketItem& it = items[static_cast<size_t>(i)];
       if (!it.skip_reason.empty()) continue;
@@ -653,6 +668,7 @@ ImageCaptionDataset ImageCaptionDataset::load_buckets(const std::vector<DatasetS
 
   ImageCaptionDataset ds;
   ds.listed_ = listed;
+  ds.on_demand_ = selection.decode_on_demand;
   std::vector<std::string> missing, empty;
   std::vector<std::vector<at::Tensor>> rows;
   std::map<std::pair<size_t, BucketReso>, int64_t> bucket_id;
@@ -686,7 +702,7 @@ ImageCaptionDataset ImageCaptionDataset::load_buckets(const std::vector<DatasetS
     ds.row_in_bucket_.push_back(static_cast<int64_t>(bucket.images.size()));
     bucket.images.push_back(image);
     bucket.entries += it.subset->num_repeats;
-    rows[static_cast<size_t>(b)].push_back(decoded[i]);
+    if (!ds.on_demand_) rows[static_cast<size_t>(b)].push_back(decoded[i]);
     ds.geometry_.push_back({it.original, it.choice.resized, it.crop, crop_ltrb(it.choice.bucket, it.original)});
     ds.flip_.push_back(it.subset->flip_aug);
     ds.repeats_.push_back(it.subset->num_repeats);
@@ -703,7 +719,9 @@ ImageCaptionDataset ImageCaptionDataset::load_buckets(const std::vector<DatasetS
     fail("datasets {}: no image could be loaded ({} candidates, {} skipped{})", specs.front().where, items.size(),
          ds.skipped_.size(), ds.skipped_.empty() ? std::string() : "; first: " + ds.skipped_.front().reason);
   }
-  for (auto& r : rows) ds.bucket_images_.push_back(torch::stack(r, 0));
+  if (!ds.on_demand_) {
+    for (auto& r : rows) ds.bucket_images_.push_back(torch::stack(r, 0));
+  }
   for (const DatasetSpec& spec : specs) ds.resolutions_.push_back(spec.buckets.resolution);
   ds.mean_ar_error_ = ar_error_sum / static_cast<double>(ds.captions_.size());
   ds.caption_stats_.missing = static_cast<int64_t>(missing.size());
@@ -738,6 +756,13 @@ std::vector<SamplerBucket> sampler_buckets(const ImageCaptionDataset& dataset) {
   return out;
 }
 
+const at::Tensor& ImageCaptionDataset::bucket_images(int64_t b) const {
+  if (on_demand_) fail("dataset: bucket_images: the images are decoded on demand (batch_images), none are held");
+  if (b < 0 || b >= static_cast<int64_t>(bucket_images_.size()))
+    fail("dataset: bucket {} is outside [0, {})", b, bucket_images_.size());
+  return bucket_images_[static_cast<size_t>(b)];
+}
+
 at::Tensor ImageCaptionDataset::batch_images(const std::vector<int64_t>& idx) const {
   for (const int64_t i : idx) {
     if (i < 0 || i >= size()) fail("dataset: image index {} is outside [0, {})", i, size());
@@ -754,10 +779,34 @@ at::Tensor ImageCaptionDataset::batch_images(const std::vector<int64_t>& idx) co
       }
       rows.push_back(row_in_bucket_[static_cast<size_t>(i)]);
     }
+    if (on_demand_) return decode_batch(idx);
     return bucket_images(b).index_select(0, at::tensor(rows, at::kLong)).to(at::kFloat).div_(127.5).sub_(1.0);
   }
+  if (on_demand_) return decode_batch(idx);
   auto index = at::tensor(idx, at::kLong);
   return images_.index_select(0, index).to(at::kFloat).div_(127.5).sub_(1.0);
+}
+
+at::Tensor ImageCaptionDataset::decode_batch(const std::vector<int64_t>& idx) const {
+  // As loading decodes them: the square resize, or the bucket's fit and crop.
+  std::vector<at::Tensor> decoded(idx.size());
+  at::parallel_for(0, static_cast<int64_t>(idx.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t k = begin; k < end; ++k) {
+      const int64_t i = idx[static_cast<size_t>(k)];
+      const std::string& path = paths_[static_cast<size_t>(i)];
+      if (!bucketed()) {
+        decoded[static_cast<size_t>(k)] = load_image(path, resolution_);
+        continue;
+      }
+      const ImageGeometry& g = geometry_[static_cast<size_t>(i)];
+      const BucketReso reso = buckets_[static_cast<size_t>(bucket_of(i))].reso;
+      decoded[static_cast<size_t>(k)] =
+          decode_image_fitted(read_file(path), path, static_cast<int>(g.resized.width),
+                              static_cast<int>(g.resized.height), static_cast<int>(g.crop.x),
+                              static_cast<int>(g.crop.y), static_cast<int>(reso.width), static_cast<int>(reso.height));
+    }
+  });
+  return torch::stack(decoded, 0).to(at::kFloat).div_(127.5).sub_(1.0);
 }
 
 std::vector<std::string> ImageCaptionDataset::batch_captions(const std::vector<int64_t>& idx) const {

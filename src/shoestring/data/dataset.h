@@ -88,11 +88,19 @@ struct CaptionStats {
   int64_t empty = 0;         ///< a caption file whose first line is empty or only whitespace: caption ""
 };
 
-/// A seeded subset of a dataset's images, for quick experiments on part of it
-/// (the config's max_train_images, max_train_images_seed).
+/// Which of a dataset's images to load and how to hold them: a seeded subset
+/// for quick experiments on part of it (the config's max_train_images,
+/// max_train_images_seed), decoded at load or on demand.
 struct DatasetSelection {
   int64_t max_images = 0;  ///< keep this many of the images listed (0 = every one)
   uint64_t seed = 0;       ///< which ones (seeded_subset)
+  /// Decode an image only when batch_images asks for it, not once at load
+  /// into memory: for runs whose images go into a latent cache on disk
+  /// (cache_latents_to_disk), where an image already cached is never decoded
+  /// and host memory does not grow with the dataset. Loading then reads only
+  /// the files' headers (image_file_size), so a file whose header reads but
+  /// whose pixels do not is not skipped: batch_images names it.
+  bool decode_on_demand = false;
 };
 
 /// `count` distinct indices of [0, n), ascending (all of them when count >=
@@ -194,8 +202,10 @@ class ImageCaptionDataset {
   bool bucketed() const { return !buckets_.empty(); }
   /// load_buckets: the buckets, per spec, each spec's sorted by size.
   const std::vector<DatasetBucket>& buckets() const { return buckets_; }
-  /// load_buckets: uint8 [n_b, 3, H, W] of bucket `b` (rows aligned with buckets()[b].images).
-  const at::Tensor& bucket_images(int64_t b) const { return bucket_images_.at(static_cast<size_t>(b)); }
+  /// load_buckets: uint8 [n_b, 3, H, W] of bucket `b` (rows aligned with
+  /// buckets()[b].images). Throws shoestring::Error when decoding on demand
+  /// (nothing is held: use batch_images).
+  const at::Tensor& bucket_images(int64_t b) const;
   /// load_buckets: the bucket of image `i`.
   int64_t bucket_of(int64_t i) const { return bucket_of_.at(static_cast<size_t>(i)); }
   /// load_buckets: how image `i` was fitted into its bucket.
@@ -228,8 +238,11 @@ class ImageCaptionDataset {
   const std::vector<std::string>& captions() const { return captions_; }
   /// N source files, aligned with images().
   const std::vector<std::string>& paths() const { return paths_; }
-  /// uint8 [N, 3, R, R] (undefined for a bucketed dataset: see bucket_images).
+  /// uint8 [N, 3, R, R] (undefined for a bucketed dataset, see bucket_images,
+  /// and when decoding on demand).
   const at::Tensor& images() const { return images_; }
+  /// True when loaded with DatasetSelection::decode_on_demand.
+  bool decodes_on_demand() const { return on_demand_; }
   /// Images that were skipped, with reasons.
   const std::vector<SkippedImage>& skipped() const { return skipped_; }
   /// Images loaded without a caption file (folder layout only); the same as
@@ -243,7 +256,8 @@ class ImageCaptionDataset {
 
   /// float32 [B, 3, R, R] in [-1, 1] (x / 127.5 - 1) for the given indices;
   /// bucketed: [B, 3, H, W] of their bucket. Throws shoestring::Error for an
-  /// index outside [0, N), or indices of different buckets.
+  /// index outside [0, N), or indices of different buckets; decoding on
+  /// demand, also for a file that cannot be read or decoded (naming it).
   at::Tensor batch_images(const std::vector<int64_t>& idx) const;
   /// The B captions for the given indices. Throws like batch_images.
   std::vector<std::string> batch_captions(const std::vector<int64_t>& idx) const;
@@ -256,12 +270,16 @@ class ImageCaptionDataset {
     std::string skip_reason;       ///< non-empty: skip without decoding
     bool empty_caption = false;    ///< the caption file's first line is blank
   };
+  /// batch_images when decoding on demand: decodes the images of `idx` as
+  /// loading would have (float32, [-1, 1]).
+  at::Tensor decode_batch(const std::vector<int64_t>& idx) const;
   /// Decodes candidates in parallel (at::parallel_for); failures go to skipped().
   static ImageCaptionDataset decode_all(std::vector<Candidate> candidates, int resolution, const std::string& source,
                                         const DatasetSelection& selection);
 
   int resolution_ = 0;
   int64_t listed_ = 0;
+  bool on_demand_ = false;  // DatasetSelection::decode_on_demand
   // load_buckets only:
   std::vector<DatasetBucket> buckets_;
   std::vector<at::Tensor> bucket_images_;

@@ -88,16 +88,19 @@ LdmCacheStats build_ldm_caches(const TrainConfig& config_in, bool quiet) {
   TrainConfig c = config_in;
   const models::Architecture& arch = models::find_architecture(c.architecture);
   if (arch.family != models::Family::ldm_unet) {
-    fail("cache: model.architecture = \"{}\" trains on images, not cached latents; `shoestring cache` is for the LDM "
-         "architectures (sd15, sdxl, ssd1b)",
-         c.architecture);
+    fail(
+        "cache: model.architecture = \"{}\" trains on images, not cached latents; `shoestring cache` is for the LDM "
+        "architectures (sd15, sdxl, ssd1b)",
+        c.architecture);
   }
   const c10::Device device = resolve_device(c.device, "device");
   adapt_precision_to_device(c, device);  // the cache dtype follows the run's storage dtype
   check_training_config(c);
   configure_threads(c.num_threads);
   torch::manual_seed(static_cast<uint64_t>(c.seed));
-  const DatasetSelection selection{c.max_train_images, static_cast<uint64_t>(c.max_train_images_seed)};
+  // An image is decoded only when its latent entry is missing.
+  const DatasetSelection selection{c.max_train_images, static_cast<uint64_t>(c.max_train_images_seed),
+                                   /*decode_on_demand=*/true};
   ImageCaptionDataset dataset;
   if (uses_kohya_datasets(c)) {
     const std::vector<DatasetSpec> specs = dataset_specs(c);

@@ -645,8 +645,8 @@ void LdmTrainingModel::cache_captions(bool quiet) {
   std::string encoders;
   for (const std::string& id : text_encoder_identities()) encoders += id + ";";
   const int64_t skip = sdxl_ ? 2 : config_.clip_skip;
-  const std::string head = fmt::format("{}|text|{}|{}|clip_skip {}|{}|ids:", kLdmCacheVersion,
-                                       sdxl_ ? "sdxl" : "sd", encoders, skip, dtype_name(cache_dtype));
+  const std::string head = fmt::format("{}|text|{}|{}|clip_skip {}|{}|ids:", kLdmCacheVersion, sdxl_ ? "sdxl" : "sd",
+                                       encoders, skip, dtype_name(cache_dtype));
   auto key_of = [&](const std::string& text) {
     std::string canonical = head;
     std::vector<ClipPadding> pads = {ClipPadding::kEndOfText};
@@ -711,8 +711,7 @@ void LdmTrainingModel::cache_captions(bool quiet) {
   cache_stats_.text_encoded = static_cast<int64_t>(missing);
   if (!quiet) {
     spdlog::info("text cache: {} of {} entries encoded, {} reused ({})", cache_stats_.text_encoded,
-                 cache_stats_.text_entries, cache_stats_.text_entries - cache_stats_.text_encoded,
-                 text_cache_->dir());
+                 cache_stats_.text_entries, cache_stats_.text_entries - cache_stats_.text_encoded, text_cache_->dir());
   }
   // Sample prompts stay in memory (a few rows, in sample_row_'s order).
   std::vector<at::Tensor> contexts, pools;
@@ -731,7 +730,8 @@ void LdmTrainingModel::cache_images(bool quiet) {
   const auto cache_dtype = storage_ == torch::kHalf ? torch::kFloat32 : storage_;
   // What a latent entry depends on: the image file's bytes, how it was
   // fitted to its training size, the VAE, flip and dtype.
-  const std::string head = fmt::format("{}|latent|vae {}|{}", kLdmCacheVersion, vae_identity(), dtype_name(cache_dtype));
+  const std::string head =
+      fmt::format("{}|latent|vae {}|{}", kLdmCacheVersion, vae_identity(), dtype_name(cache_dtype));
   const int64_t n = dataset_.size();
   latent_key_.assign(static_cast<size_t>(n), "");
   for (int64_t i = 0; i < n; ++i) {
@@ -745,8 +745,8 @@ void LdmTrainingModel::cache_images(bool quiet) {
       geometry = fmt::format("square {}", dataset_.resolution());
     }
     const std::string& path = dataset_.paths()[static_cast<size_t>(i)];
-    latent_key_[static_cast<size_t>(i)] = content_key128(fmt::format(
-        "{}|image {}|{}|flip {}", head, file_content_key(path), geometry, dataset_.flip_aug(i) ? 1 : 0));
+    latent_key_[static_cast<size_t>(i)] = content_key128(
+        fmt::format("{}|image {}|{}|flip {}", head, file_content_key(path), geometry, dataset_.flip_aug(i) ? 1 : 0));
   }
   latent_cache_.emplace(TensorCache::open((fs::path(cache_stats_.dir) / "latents").string(), "latents"));
   const CacheVerifyReport report = latent_cache_->verify(latent_key_);
@@ -776,13 +776,22 @@ void LdmTrainingModel::cache_images(bool quiet) {
       vae.emplace(build_vae(false));
       (*vae)->to(device_);
     }
-    const at::Tensor first = dataset_.batch_images({images.front()});
-    const int64_t pixels = first.size(2) * first.size(3);
-    const int64_t chunk = std::max<int64_t>(1, (256 * 256 * 4) / pixels);  // as encode_images
+    const BucketReso size = dataset_.bucketed()
+                                ? dataset_.buckets()[static_cast<size_t>(dataset_.bucket_of(images.front()))].reso
+                                : BucketReso{dataset_.resolution(), dataset_.resolution()};
+    const int64_t chunk = std::max<int64_t>(1, (256 * 256 * 4) / (size.width * size.height));  // as encode_images
     const auto m = static_cast<int64_t>(missing.size());
     for (int64_t i = 0; i < m; i += chunk) {
       const std::vector<int64_t> idx(missing.begin() + i, missing.begin() + std::min(m, i + chunk));
-      const at::Tensor pixels_in = dataset_.batch_images(idx).to(device_);
+      at::Tensor pixels_in;
+      try {
+        pixels_in = dataset_.batch_images(idx).to(device_);  // decoded now (DatasetSelection::decode_on_demand)
+      } catch (const Error& e) {
+        fail(
+            "{}; with cache_latents_to_disk every image is decoded when its latents are encoded (only its "
+            "header is read at load): fix or remove the file",
+            e.what());
+      }
       const at::Tensor latents = (*vae)->encode_latents(pixels_in, /*sample=*/false).to(at::kCPU, cache_dtype);
       bool any_flip = false;
       for (const int64_t k : idx) any_flip = any_flip || dataset_.flip_aug(k);

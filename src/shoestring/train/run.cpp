@@ -177,9 +177,8 @@ void remove_stale_temporaries_of(const std::string& run_dir, bool quiet) {
                        [](char c) { return c >= '0' && c <= '9'; });
   };
   const fs::path root(run_dir);
-  StaleTemporaries stale = remove_temporaries(
-      run_dir, any_of({"config.toml", "metrics.jsonl", "model.safetensors", "lora.safetensors", "report.html",
-                       ".write_probe"}));
+  StaleTemporaries stale = remove_temporaries(run_dir, any_of({"config.toml", "metrics.jsonl", "model.safetensors",
+                                                               "lora.safetensors", "report.html", ".write_probe"}));
   auto add = [&stale](StaleTemporaries more) {
     stale.paths.insert(stale.paths.end(), more.paths.begin(), more.paths.end());
     stale.bytes += more.bytes;
@@ -634,7 +633,9 @@ std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions&
   torch::manual_seed(static_cast<uint64_t>(c.seed));
 
   // ---- data ----
-  const DatasetSelection selection{c.max_train_images, static_cast<uint64_t>(c.max_train_images_seed)};
+  // Latents cached on disk: an image is decoded only when its entry is missing.
+  const DatasetSelection selection{c.max_train_images, static_cast<uint64_t>(c.max_train_images_seed),
+                                   /*decode_on_demand=*/c.cache_latents_to_disk};
   if (!dataset_specs_of_run.empty()) {
     // kohya's datasets in aspect-ratio buckets: a batch is one bucket's.
     run.dataset = ImageCaptionDataset::load_buckets(dataset_specs_of_run, static_cast<uint64_t>(c.seed), selection);
