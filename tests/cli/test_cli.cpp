@@ -96,7 +96,7 @@ TEST(Cli, TrainSampleInspectFlow) {
 TEST(Cli, BadInputsGiveClearErrors) {
   Result unknown = run("trian x.toml");
   EXPECT_EQ(unknown.code, 2);
-  EXPECT_NE(unknown.output.find("unknown command 'trian'; the commands are train, sample"), std::string::npos)
+  EXPECT_NE(unknown.output.find("unknown command 'trian'; the commands are train, cache, sample"), std::string::npos)
       << unknown.output;
 
   Result missing = run("train /nonexistent/run.toml");
