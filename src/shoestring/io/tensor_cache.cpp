@@ -28,7 +28,8 @@ bool starts_with(const std::string& s, const std::string& p) { return s.compare(
 
 bool plain_name(const std::string& s) {
   if (s.empty()) return false;
-  return std::all_of(s.begin(), s.end(), [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_'; });
+  return std::all_of(s.begin(), s.end(),
+                     [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_'; });
 }
 
 /// The writer and sequence number of a shard file name "<writer>-NNNNNN.safetensors".
@@ -86,7 +87,9 @@ struct TensorCache::State {
   mutable std::list<std::pair<size_t, SafetensorsFile>> mapped;
 
   std::string path_of(const Shard& s) const { return (fs::path(dir) / s.file).string(); }
-  std::string manifest_path(const std::string& w) const { return (fs::path(dir) / ("manifest-" + w + ".json")).string(); }
+  std::string manifest_path(const std::string& w) const {
+    return (fs::path(dir) / ("manifest-" + w + ".json")).string();
+  }
 
   static nlohmann::json entries_json(const std::map<std::string, Entry>& entries) {
     nlohmann::json out = nlohmann::json::object();
@@ -134,8 +137,8 @@ struct TensorCache::State {
       if (s.writer != writer || s.dropped) continue;
       list.push_back({{"file", s.file}, {"entries", entries_json(s.entries)}});
     }
-    nlohmann::json m = {{"format", kFormat}, {"version", kVersion}, {"kind", kind}, {"writer", writer},
-                        {"shards", list}};
+    nlohmann::json m = {
+        {"format", kFormat}, {"version", kVersion}, {"kind", kind}, {"writer", writer}, {"shards", list}};
     write_bytes_atomic(manifest_path(writer), m.dump(1) + "\n");
   }
 
@@ -177,7 +180,8 @@ TensorCache TensorCache::open(const std::string& dir, const std::string& kind, c
   s->dir = dir;
   s->kind = kind;
   s->writer = writer;
-  if (!writer.empty() && !plain_name(writer)) fail("tensor cache {}: writer name '{}' is not a plain name", dir, writer);
+  if (!writer.empty() && !plain_name(writer))
+    fail("tensor cache {}: writer name '{}' is not a plain name", dir, writer);
   if (!writer.empty()) {
     ensure_writable_dir(dir);
     s->lock = std::make_unique<FolderLock>(dir, ".lock-" + writer);
@@ -266,8 +270,8 @@ TensorCache TensorCache::open(const std::string& dir, const std::string& kind, c
       shard.file = name;
       shard.writer = w;
       shard.entries = State::parse_entries(nlohmann::json::parse(entries_it->second), path);
-      s->notes.push_back(fmt::format("adopted {} ({} entries; its manifest update was interrupted)", path,
-                                     shard.entries.size()));
+      s->notes.push_back(
+          fmt::format("adopted {} ({} entries; its manifest update was interrupted)", path, shard.entries.size()));
       adopted_own = adopted_own || w == writer;
       s->add_shard(std::move(shard));
     } catch (const std::exception& e) {
@@ -363,16 +367,33 @@ std::vector<at::Tensor> TensorCache::read(const std::string& key) const {
   const State::Entry& e = it->second;
   const std::string path = s_->path_of(s_->shards[e.shard]);
   std::vector<std::pair<std::string, at::Tensor>> tensors;
+  const SafetensorsFile* f = nullptr;
   try {
-    const SafetensorsFile& f = s_->mapping(e.shard);
-    for (const std::string& n : e.names) tensors.emplace_back(n, f.get(key + "." + n).clone());
+    f = &s_->mapping(e.shard);
+  } catch (const Error& err) {
+    fail("{}: entry {} cannot be read ({}); run `shoestring cache CONFIG` to encode it again", path, key, err.what());
+  }
+  // A mapped file cut short would fault (SIGBUS) where its pages are gone:
+  // check its size before touching the bytes. (A file deleted while mapped
+  // stays readable through the mapping.)
+  std::error_code ec;
+  const auto size = fs::file_size(path, ec);
+  if (!ec && size != f->file_size()) {
+    fail(
+        "{}: entry {}: the shard is now {} bytes (it held {} when mapped); run `shoestring cache CONFIG` to encode "
+        "it again",
+        path, key, size, f->file_size());
+  }
+  try {
+    for (const std::string& n : e.names) tensors.emplace_back(n, f->get(key + "." + n).clone());
   } catch (const Error& err) {
     fail("{}: entry {} cannot be read ({}); run `shoestring cache CONFIG` to encode it again", path, key, err.what());
   }
   if (cache_entry_checksum(tensors) != e.checksum) {
-    fail("{}: entry {} does not match its checksum (the file changed after it was verified); run `shoestring cache "
-         "CONFIG` to encode it again",
-         path, key);
+    fail(
+        "{}: entry {} does not match its checksum (the file changed after it was verified); run `shoestring cache "
+        "CONFIG` to encode it again",
+        path, key);
   }
   std::vector<at::Tensor> out;
   for (auto& [n, t] : tensors) out.push_back(std::move(t));
