@@ -203,10 +203,40 @@ TEST(LdmDiskCache, TrainingFromTheDiskCacheGivesTheInMemoryLosses) {
   const std::string disk = "cache_latents_to_disk = true\ncache_text_encoder_outputs_to_disk = true\n";
   const auto memory_run = train(f.config(f.root + "/memory"), quiet());
   const auto first = train(f.config(f.root + "/disk1", disk), quiet());  // encodes the cache
-  const auto second = train(f.config(f.root + "/disk2", disk), quiet());  // reads it back
+  // Reading a complete cache takes no lock: runs share it, and one may be
+  // writing it meanwhile (here: this process holds both writers' locks).
+  const auto second = [&] {
+    FolderLock latents_lock(f.cache() + "/latents", ".lock-r0"), text_lock(f.cache() + "/text", ".lock-r0");
+    return train(f.config(f.root + "/disk2", disk), quiet());  // reads it back
+  }();
   const std::vector<double> expected = losses_of(memory_run.run_dir + "/metrics.jsonl");
   ASSERT_EQ(expected.size(), 4u);
   EXPECT_EQ(losses_of(first.run_dir + "/metrics.jsonl"), expected);
   EXPECT_EQ(losses_of(second.run_dir + "/metrics.jsonl"), expected);
   EXPECT_EQ(build_ldm_caches(f.config(), true).latents_encoded, 0);
+}
+
+// With the disk cache an image is decoded only when its latents are encoded
+// (its header alone is read at load): undecodable images are named all at
+// once, after the others' latents are written, so fixing them encodes only them.
+TEST(LdmDiskCache, UndecodableImagesAreNamedTogetherAndTheRestIsKept) {
+  CacheFixture f("undecodable");
+  for (const size_t i : {3u, 7u}) {
+    const std::string whole = read_file(f.image(i));
+    write_bytes_atomic(f.image(i), whole.substr(0, whole.size() / 2));
+  }
+  try {
+    build_ldm_caches(f.config(), true);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("2 images cannot be decoded"), std::string::npos) << what;
+    EXPECT_NE(what.find(f.image(3)), std::string::npos) << what;
+    EXPECT_NE(what.find(f.image(7)), std::string::npos) << what;
+  }
+  CacheFixture clean("undecodable_clean");
+  for (const size_t i : {3u, 7u}) write_bytes_atomic(f.image(i), read_file(clean.image(i)));
+  const LdmCacheStats s = build_ldm_caches(f.config(), true);
+  EXPECT_EQ(s.latents_encoded, 2);
+  EXPECT_EQ(s.latent_entries, kImages);
 }

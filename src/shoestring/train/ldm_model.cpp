@@ -3,6 +3,7 @@
 // cache_text_encoder_outputs), the VAE and text encoders are then freed, and
 // the UNet trains on the DDPM epsilon (or v) objective. See training_model.h.
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <functional>
@@ -50,6 +51,8 @@ constexpr int64_t kTextLength = 77;
 // Disk caches: a shard is written once it holds this many entries or bytes.
 constexpr size_t kShardEntries = 256;
 constexpr int64_t kShardBytes = int64_t{64} << 20;
+// ... or this long after the last write, so a killed run loses at most this much encoding.
+constexpr std::chrono::seconds kShardInterval{30};
 
 bool starts_with(const std::string& s, const std::string& p) { return s.compare(0, p.size(), p) == 0; }
 
@@ -90,6 +93,8 @@ class LdmTrainingModel final : public TrainingModel {
     const bool text_on_disk = config.cache_text_encoder_outputs_to_disk || source.encode_only;
     const bool latents_on_disk = config.cache_latents_to_disk || source.encode_only;
     if (text_on_disk || latents_on_disk) cache_stats_.dir = ldm_cache_dir(config);
+    cache_writer_ = fmt::format("r{}", source.rank);
+    cache_tidy_ = source.encode_only;
     build_tokenizer();
     if (text_on_disk) {
       cache_captions(source.quiet);
@@ -356,6 +361,8 @@ class LdmTrainingModel final : public TrainingModel {
   std::optional<TensorCache> latent_cache_, text_cache_;
   std::vector<std::string> latent_key_, text_key_;
   LdmCacheStats cache_stats_;
+  std::string cache_writer_ = "r0";  // this process's writer name in the disk caches: r<rank>
+  bool cache_tidy_ = false;          // `shoestring cache`: open the caches as their writer even when complete
   BucketReso sample_size_;
   bool has_flip_ = false;
   // Sample prompts and their negatives: context [T, 77, D] and (SDXL) pooled
@@ -582,17 +589,54 @@ namespace {
 /// The cache dtype's format name (part of the keys).
 std::string dtype_name(torch::Dtype d) { return to_string(st_dtype_of(d)); }
 
-/// Writes `pending` as one shard when it has grown past a shard's size (or,
-/// with `flush`, whatever it holds), and empties it.
-void write_pending(TensorCache& cache, std::vector<CacheEntry>& pending, int64_t& pending_bytes, bool flush) {
-  if (pending.empty() || (!flush && pending.size() < kShardEntries && pending_bytes < kShardBytes)) return;
-  cache.write_shard(pending);
-  pending.clear();
-  pending_bytes = 0;
-}
+/// Encoded entries waiting to be written as one shard of `cache`: written
+/// once they reach a shard's size (kShardEntries, kShardBytes) or
+/// kShardInterval after the last write, and by flush().
+class ShardWriter {
+ public:
+  explicit ShardWriter(TensorCache& cache) : cache_(cache), last_(std::chrono::steady_clock::now()) {}
+  void add(CacheEntry e) {
+    for (const auto& [name, t] : e.tensors) bytes_ += t.nbytes();
+    pending_.push_back(std::move(e));
+    if (pending_.size() >= kShardEntries || bytes_ >= kShardBytes ||
+        std::chrono::steady_clock::now() - last_ >= kShardInterval)
+      flush();
+  }
+  void flush() {
+    if (pending_.empty()) return;
+    cache_.write_shard(pending_);
+    pending_.clear();
+    bytes_ = 0;
+    last_ = std::chrono::steady_clock::now();
+  }
 
-void log_cache_open(const TensorCache& cache, const CacheVerifyReport& report, const char* what, bool quiet,
-                    std::vector<std::string>& problems) {
+ private:
+  TensorCache& cache_;
+  std::vector<CacheEntry> pending_;
+  int64_t bytes_ = 0;
+  std::chrono::steady_clock::time_point last_;
+};
+
+/// Opens the cache folder `dir` and checks the shards holding `keys`.
+/// Reading needs no lock and no write access, so unless `tidy` the cache is
+/// first opened to read; only when an entry is missing (or was in a damaged
+/// shard), or with `tidy` (`shoestring cache`), is it opened as `writer`
+/// (taking that writer's lock, removing its interrupted writes' temporaries,
+/// recording its unlisted shards in its manifest, deleting its damaged ones)
+/// and checked, for the caller to encode what is missing. `*writing` says
+/// which it is.
+TensorCache open_cache(const std::string& dir, const char* kind, const std::vector<std::string>& keys,
+                       const std::string& writer, bool tidy, const char* what, bool quiet,
+                       std::vector<std::string>& problems, bool* writing) {
+  if (!tidy) {
+    TensorCache cache = TensorCache::open(dir, kind, "");
+    (void)cache.verify(keys);
+    *writing = std::any_of(keys.begin(), keys.end(), [&](const std::string& k) { return !cache.contains(k); });
+    if (!*writing) return cache;
+  }
+  *writing = true;
+  TensorCache cache = TensorCache::open(dir, kind, writer);
+  const CacheVerifyReport report = cache.verify(keys);
   if (!quiet) {
     for (const std::string& n : cache.notes()) spdlog::info("{} cache: {}", what, n);
   }
@@ -600,6 +644,7 @@ void log_cache_open(const TensorCache& cache, const CacheVerifyReport& report, c
     spdlog::warn("{} cache: {}; its entries are encoded again", what, p);
     problems.push_back(p);
   }
+  return cache;
 }
 
 }  // namespace
@@ -662,11 +707,12 @@ void LdmTrainingModel::cache_captions(bool quiet) {
   std::vector<std::string> sample_keys;
   for (const std::string& p : prompts) sample_keys.push_back(key_of(p));
 
-  text_cache_.emplace(TensorCache::open((fs::path(cache_stats_.dir) / "text").string(), "text"));
+  const std::string dir = (fs::path(cache_stats_.dir) / "text").string();
   std::vector<std::string> all = text_key_;
   all.insert(all.end(), sample_keys.begin(), sample_keys.end());
-  const CacheVerifyReport report = text_cache_->verify(all);
-  log_cache_open(*text_cache_, report, "text", quiet, cache_stats_.problems);
+  bool writing = false;
+  text_cache_.emplace(
+      open_cache(dir, "text", all, cache_writer_, cache_tidy_, "text", quiet, cache_stats_.problems, &writing));
   // The distinct texts missing, in order.
   std::vector<std::string> texts = unique;
   texts.insert(texts.end(), prompts.begin(), prompts.end());
@@ -684,8 +730,7 @@ void LdmTrainingModel::cache_captions(bool quiet) {
   if (missing > 0) {
     load_text_encoders();
     for (auto& te : text_encoders_) te->to(device_);
-    std::vector<CacheEntry> pending;
-    int64_t pending_bytes = 0;
+    ShardWriter shards(*text_cache_);
     const size_t chunk = 16;  // as encode_captions
     for (size_t phase = 0; phase < 2; ++phase) {
       const std::vector<std::string>& part_texts = missing_text[phase];
@@ -698,15 +743,15 @@ void LdmTrainingModel::cache_captions(bool quiet) {
           const auto r = static_cast<int64_t>(j - i);
           CacheEntry e{missing_key[phase][j], {{"context", context[r]}}};
           if (pooled.defined()) e.tensors.emplace_back("pooled", pooled[r]);
-          pending_bytes += context[r].nbytes();
-          pending.push_back(std::move(e));
+          shards.add(std::move(e));
         }
-        write_pending(*text_cache_, pending, pending_bytes, /*flush=*/false);
       }
     }
-    write_pending(*text_cache_, pending, pending_bytes, /*flush=*/true);
+    shards.flush();
     text_encoders_.clear();
   }
+  // Training reads without the writer's lock: other runs may share the folder.
+  if (writing) text_cache_.emplace(TensorCache::open(dir, "text", ""));
   cache_stats_.text_entries = static_cast<int64_t>(distinct.size());
   cache_stats_.text_encoded = static_cast<int64_t>(missing);
   if (!quiet) {
@@ -748,9 +793,10 @@ void LdmTrainingModel::cache_images(bool quiet) {
     latent_key_[static_cast<size_t>(i)] = content_key128(
         fmt::format("{}|image {}|{}|flip {}", head, file_content_key(path), geometry, dataset_.flip_aug(i) ? 1 : 0));
   }
-  latent_cache_.emplace(TensorCache::open((fs::path(cache_stats_.dir) / "latents").string(), "latents"));
-  const CacheVerifyReport report = latent_cache_->verify(latent_key_);
-  log_cache_open(*latent_cache_, report, "latent", quiet, cache_stats_.problems);
+  const std::string dir = (fs::path(cache_stats_.dir) / "latents").string();
+  bool writing = false;
+  latent_cache_.emplace(open_cache(dir, "latents", latent_key_, cache_writer_, cache_tidy_, "latent", quiet,
+                                   cache_stats_.problems, &writing));
 
   // The images of each bucket (as encode_images groups them) whose entry is missing.
   std::vector<std::vector<int64_t>> groups;
@@ -763,8 +809,11 @@ void LdmTrainingModel::cache_images(bool quiet) {
   std::set<std::string> distinct(latent_key_.begin(), latent_key_.end()), queued;
   int64_t encoded = 0;
   std::optional<models::AutoencoderKL> vae;
-  std::vector<CacheEntry> pending;
-  int64_t pending_bytes = 0;
+  std::optional<ShardWriter> shards;
+  if (writing) shards.emplace(*latent_cache_);
+  // Images whose pixels cannot be decoded (only their headers were read at
+  // load): the others are encoded and kept, then the run stops naming them all.
+  std::vector<std::string> undecodable;
   for (const std::vector<int64_t>& images : groups) {
     std::vector<int64_t> missing;
     for (const int64_t i : images) {
@@ -782,16 +831,25 @@ void LdmTrainingModel::cache_images(bool quiet) {
     const int64_t chunk = std::max<int64_t>(1, (256 * 256 * 4) / (size.width * size.height));  // as encode_images
     const auto m = static_cast<int64_t>(missing.size());
     for (int64_t i = 0; i < m; i += chunk) {
-      const std::vector<int64_t> idx(missing.begin() + i, missing.begin() + std::min(m, i + chunk));
+      std::vector<int64_t> idx(missing.begin() + i, missing.begin() + std::min(m, i + chunk));
       at::Tensor pixels_in;
       try {
-        pixels_in = dataset_.batch_images(idx).to(device_);  // decoded now (DatasetSelection::decode_on_demand)
-      } catch (const Error& e) {
-        fail(
-            "{}; with cache_latents_to_disk every image is decoded when its latents are encoded (only its "
-            "header is read at load): fix or remove the file",
-            e.what());
+        pixels_in = dataset_.batch_images(idx);  // decoded now (DatasetSelection::decode_on_demand)
+      } catch (const Error&) {
+        std::vector<int64_t> decodable;
+        for (const int64_t k : idx) {
+          try {
+            (void)dataset_.batch_images({k});
+            decodable.push_back(k);
+          } catch (const Error& e) {
+            undecodable.push_back(e.what());
+          }
+        }
+        idx = decodable;
+        if (idx.empty()) continue;
+        pixels_in = dataset_.batch_images(idx);
       }
+      pixels_in = pixels_in.to(device_);
       const at::Tensor latents = (*vae)->encode_latents(pixels_in, /*sample=*/false).to(at::kCPU, cache_dtype);
       bool any_flip = false;
       for (const int64_t k : idx) any_flip = any_flip || dataset_.flip_aug(k);
@@ -801,14 +859,24 @@ void LdmTrainingModel::cache_images(bool quiet) {
         const auto rr = static_cast<int64_t>(r);
         CacheEntry e{latent_key_[static_cast<size_t>(idx[r])], {{"latent", latents[rr]}}};
         if (dataset_.flip_aug(idx[r])) e.tensors.emplace_back("flipped", mirrored[rr]);
-        pending_bytes += latents[rr].nbytes() * static_cast<int64_t>(e.tensors.size());
-        pending.push_back(std::move(e));
+        shards->add(std::move(e));
         ++encoded;
       }
-      write_pending(*latent_cache_, pending, pending_bytes, /*flush=*/false);
     }
   }
-  write_pending(*latent_cache_, pending, pending_bytes, /*flush=*/true);
+  if (shards) shards->flush();
+  if (!undecodable.empty()) {
+    const size_t shown = std::min<size_t>(undecodable.size(), 5);
+    fail(
+        "{} image{} cannot be decoded ({}{}); the other images' latents are in the cache. Latents encoded into the "
+        "disk cache (cache_latents_to_disk, `shoestring cache`) decode each image only then (its header alone is read "
+        "at load, so it is not skipped there): fix or remove {}",
+        undecodable.size(), undecodable.size() == 1 ? "" : "s",
+        fmt::join(undecodable.begin(), undecodable.begin() + static_cast<std::ptrdiff_t>(shown), "; "),
+        undecodable.size() > shown ? fmt::format("; and {} more", undecodable.size() - shown) : "",
+        undecodable.size() == 1 ? "the file" : "the files");
+  }
+  if (writing) latent_cache_.emplace(TensorCache::open(dir, "latents", ""));
   cache_stats_.latent_entries = static_cast<int64_t>(distinct.size());
   cache_stats_.latents_encoded = encoded;
   if (!quiet) {

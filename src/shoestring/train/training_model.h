@@ -70,6 +70,10 @@ struct ModelSource {
   bool encode_only = false;
   /// LDM families: filled with what the disk caches held and did (when set).
   LdmCacheStats* cache_stats = nullptr;
+  /// This process's rank: with several processes each writes the disk caches
+  /// as its own writer "r<rank>" (io/tensor_cache.h), so ranks never wait on
+  /// each other's lock; a rank whose entries are all cached only reads.
+  int rank = 0;
   /// When set, families whose construction does slow work (the LDM ones
   /// encode the dataset) call it first, with a meta-device copy of the module
   /// tree (named as module() will be) and its LoRA components; the run checks
