@@ -351,7 +351,8 @@ TEST(Cli, ReportRedrawsARunFolder) {
   const fs::path dir = temp_path("report_run");
   fs::remove_all(dir);
   fs::create_directories(dir);
-  std::ofstream(dir / "metrics.jsonl") << "{\"step\":1,\"loss\":0.5,\"lr\":0.001}\n{\"step\":2,\"loss\":0.4,\"lr\":0.001}\n";
+  std::ofstream(dir / "metrics.jsonl")
+      << "{\"step\":1,\"loss\":0.5,\"lr\":0.001}\n{\"step\":2,\"loss\":0.4,\"lr\":0.001}\n";
   std::ofstream(dir / "config.toml") << "learning_rate = 0.001\n";
   Result r = run("report " + dir.string() + " --max-points 10");
   ASSERT_EQ(r.code, 0) << r.output;
@@ -366,4 +367,35 @@ TEST(Cli, ReportRedrawsARunFolder) {
   Result bad = run("report " + dir.string() + " --max-points 2");
   EXPECT_NE(bad.code, 0);
   fs::remove_all(dir);
+}
+
+// `shoestring sample` of an LDM file: the size flags. One of --width /
+// --height alone gives a square of that side (the other's default is "as
+// the given one"), both give that size, neither the run's resolution.
+TEST(Cli, SampleLdmSizeFlags) {
+  const std::string cfg = temp_path("ldm_cfg") + ".toml";
+  const std::string out = temp_path("ldm_run");
+  fs::remove_all(out);
+  std::ofstream(cfg) << "train_data_dir = \"" << SHOESTRING_TEST_DATA << "/twemoji/img/twitter/64\"\n"
+                     << "resolution = 32\ntrain_batch_size = 2\nmax_train_steps = 1\nnum_threads = 1\n"
+                     << "sample_prompts = [\"red heart\"]\nsample_seeds = 1\nsample_steps = 1\n"
+                     << "output_dir = \"" << out << "\"\n[model]\narchitecture = \"sdxl\"\ntiny = true\n";
+  Result t = run("train " + cfg);
+  ASSERT_EQ(t.code, 0) << t.output;
+  const std::string model = out + "/model.safetensors", png = temp_path("ldm_grid") + ".png";
+  // The log line names the drawn size (the grid adds padding and a caption band).
+  const auto drawn = [&](const std::string& flags) {
+    Result r = run("sample " + model + " --prompt \"red heart\" --steps 1 --cfg 1 " + flags + " --out " + png);
+    EXPECT_EQ(r.code, 0) << r.output;
+    const size_t at = r.output.find(" px, ");
+    if (at == std::string::npos) return std::string("no size in: ") + r.output;
+    return r.output.substr(r.output.rfind(", ", at - 1) + 2, at - r.output.rfind(", ", at - 1) - 2);
+  };
+  EXPECT_EQ(drawn("--width 64"), "64 x 64");
+  EXPECT_EQ(drawn("--height 64"), "64 x 64");
+  EXPECT_EQ(drawn("--width 64 --height 32"), "64 x 32");
+  EXPECT_EQ(drawn(""), "32 x 32");
+  fs::remove_all(out);
+  fs::remove(cfg);
+  fs::remove(png);
 }

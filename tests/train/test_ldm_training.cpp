@@ -9,6 +9,9 @@
 #include <filesystem>
 #include <fstream>
 
+#include <nlohmann/json.hpp>
+#include <spdlog/sinks/ringbuffer_sink.h>
+#include <spdlog/spdlog.h>
 #include <torch/torch.h>
 
 #include "../error_testing.h"
@@ -386,4 +389,26 @@ TEST(LdmTraining, KohyaLossOptionsTrainFinite) {
                                               SHOESTRING_TEST_DATA, temp_dir("loss_bad_emoji")),
                                   "tiny-unet");
   EXPECT_NE(e.find("huber_schedule = \"constant\""), std::string::npos) << e;
+}
+
+// A LoRA on a randomly initialised tiny base: the UNet's output convolution
+// starts at zero (as Stable Diffusion's), so no gradient reaches the
+// adapters. Training goes on, but the run says so instead of passing silently.
+TEST(LdmTraining, ZeroGradientNormIsWarnedAbout) {
+  TrainConfig cfg = ldm_config("sd15", temp_dir("zero_grad"), "network_module = \"networks.lora\"\nnetwork_dim = 2\n");
+  cfg.max_train_steps = 3;
+  auto sink = std::make_shared<spdlog::sinks::ringbuffer_sink_mt>(256);
+  const auto saved = spdlog::default_logger();
+  spdlog::set_default_logger(std::make_shared<spdlog::logger>("capture", sink));
+  TrainRunOptions loud;
+  const auto summary = train(cfg, loud);
+  spdlog::set_default_logger(saved);
+  std::ifstream metrics(summary.run_dir + "/metrics.jsonl");
+  int64_t lines = 0;
+  for (std::string line; std::getline(metrics, line); ++lines)
+    EXPECT_EQ(nlohmann::json::parse(line).at("grad_norm"), 0.0);
+  EXPECT_EQ(lines, 3);
+  std::string warnings;
+  for (const std::string& line : sink->last_formatted()) warnings += line;
+  EXPECT_NE(warnings.find("steps 1..3: the gradient norm is exactly 0"), std::string::npos) << warnings;
 }

@@ -78,11 +78,12 @@ void register_sample(CLI::App& app) {
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 62));
   cmd->add_option("--count", args->count, "images per prompt (grid columns)")->check(CLI::Range(1, 64));
   CLI::Option* width = cmd->add_option("--width", args->width,
-                                       "SD 1.5 / SDXL: image width in pixels (default: the run's resolution, else "
-                                       "512 for SD 1.5 and 1024 for SDXL / SSD-1B)")
+                                       "SD 1.5 / SDXL: image width in pixels (default: --height when given, else the "
+                                       "run's resolution, else 512 for SD 1.5 and 1024 for SDXL / SSD-1B)")
                            ->check(CLI::Range(8, 8192));
   CLI::Option* height =
-      cmd->add_option("--height", args->height, "SD 1.5 / SDXL: image height in pixels (default as --width)")
+      cmd->add_option("--height", args->height,
+                      "SD 1.5 / SDXL: image height in pixels (default: --width when given, else as --width)")
           ->check(CLI::Range(8, 8192));
   CLI::Option* sampler = cmd->add_option("--sampler", args->sampler,
                                          "SD 1.5 / SDXL: ddim (default, as kohya's samples), euler, euler_a, "
@@ -130,8 +131,9 @@ void register_sample(CLI::App& app) {
       r.images = req;
       if (cfg->count() == 0) r.images.cfg = 7.5;
       r.negative_prompt = args->negative_prompt;
-      r.width = args->width;
-      r.height = args->height;
+      // One of the two given: a square image of that side.
+      r.width = args->width > 0 ? args->width : args->height;
+      r.height = args->height > 0 ? args->height : args->width;
       r.sampler = sampler_kind;
       if (!args->lora_scales.empty() && args->lora_scales.size() != 1 &&
           args->lora_scales.size() != args->loras.size()) {

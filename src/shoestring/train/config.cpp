@@ -193,7 +193,10 @@ void validate(const TrainConfig& c, const std::string& source) {
   }
   if (c.channel_mult.empty()) fail("{}: model.channel_mult must not be empty", source);
   int64_t down = int64_t{1} << (c.channel_mult.size() - 1);
-  if (c.resolution % down != 0) {
+  // The emoji UNet's rule (model.channel_mult); a released architecture's own
+  // rule (a multiple of 8 x 2^(levels-1)) is checked where its model is built.
+  const bool emoji_unet = models::find_architecture(c.architecture).family == models::Family::tiny_unet;
+  if (emoji_unet && c.resolution % down != 0) {
     fail("{}: resolution {} must be divisible by {} (2^(levels-1) for {} UNet levels)", source, c.resolution, down,
          c.channel_mult.size());
   }

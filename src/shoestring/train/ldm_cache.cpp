@@ -110,7 +110,13 @@ LdmCacheStats build_ldm_caches(const TrainConfig& config_in, bool quiet) {
     dataset = ImageCaptionDataset::load(expand_path(c.train_data_dir), static_cast<int>(c.resolution),
                                         c.twemoji_categories, selection);
   }
-  if (!quiet) spdlog::info("dataset: {} images ({} skipped)", dataset.size(), dataset.skipped().size());
+  if (!quiet) {
+    spdlog::info("dataset: {} images ({} skipped)", dataset.size(), dataset.skipped().size());
+    for (const SkippedImage& sk : dataset.skipped()) {
+      // Most reasons start with the file's path already.
+      spdlog::warn("  skipped {}", sk.reason.rfind(sk.path, 0) == 0 ? sk.reason : sk.path + ": " + sk.reason);
+    }
+  }
   c.cache_latents_to_disk = true;
   c.cache_text_encoder_outputs_to_disk = true;
   LdmCacheStats stats;

@@ -14,14 +14,19 @@
 
 #include "shoestring/core/error.h"
 #include "shoestring/core/memory_ledger.h"
+#include "shoestring/train/diffusion_loss.h"
 #include "shoestring/train/lr_schedule.h"
 #include "shoestring/train/report.h"
 #include "shoestring/train/run.h"
-#include "shoestring/train/diffusion_loss.h"
 #include "shoestring/train/run_report_html.h"
 #include "shoestring/train/time_budget.h"
 
 namespace shoestring {
+
+namespace {
+// Consecutive steps with an exactly zero gradient norm before train() warns.
+constexpr int64_t kZeroGradientSteps = 3;
+}  // namespace
 
 namespace {
 
@@ -92,11 +97,10 @@ double forward_backward(Run& run, const TrainBatch& batch) {
     const at::Tensor prediction = run.model->forward(batch);
     const TrainConfig& c = run.config;
     const bool huber = c.loss_type == "huber" || c.loss_type == "smooth_l1";
-    const at::Tensor huber_c =
-        !huber || batch.huber_c.defined()
-            ? batch.huber_c
-            : huber_threshold("constant", c.huber_c, c.huber_scale, torch::zeros({prediction.size(0)}, torch::kLong),
-                              at::Tensor());
+    const at::Tensor huber_c = !huber || batch.huber_c.defined()
+                                   ? batch.huber_c
+                                   : huber_threshold("constant", c.huber_c, c.huber_scale,
+                                                     torch::zeros({prediction.size(0)}, torch::kLong), at::Tensor());
     loss = diffusion_loss(prediction, batch.target, c.loss_type, batch.loss_weight, huber_c);
   }
   ScopedMemoryCategory category(MemoryCategory::temporaries);
@@ -277,11 +281,20 @@ TrainSummary train(const TrainConfig& config, const TrainRunOptions& options) {
   int64_t step = run->counters.step;
   TimeBudget budget(c, step, started);
   if (!run->resume_from.empty() && run->writes_files()) update_report(*run);  // the earlier invocations' steps
+  int64_t zero_gradient_steps = 0;  // consecutive steps whose gradient norm is exactly 0
   while (step < c.max_train_steps) {
     ++step;
     MemoryLedger::global().reset_peaks();
     const StepRecord record = train_step(*run, step, options.quiet);
     report.step(record);
+    zero_gradient_steps = record.grad_norm == 0.0 ? zero_gradient_steps + 1 : 0;
+    if (zero_gradient_steps == kZeroGradientSteps && !options.quiet && run->writes_files()) {
+      spdlog::warn(
+          "steps {}..{}: the gradient norm is exactly 0, so no trainable weight changes: the loss does not depend "
+          "on them (e.g. a LoRA on a randomly initialised base, whose output convolution starts at zero as Stable "
+          "Diffusion's does: train the base first or set pretrained_model_name_or_path)",
+          step - kZeroGradientSteps + 1, step);
+    }
     if (const auto sized = budget.observe(step, record.seconds, seconds_now())) {
       set_max_train_steps(*run, *sized, budget.explanation());  // max_train_minutes
     }
