@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <fstream>
 
 #include <torch/torch.h>
 
@@ -74,5 +75,41 @@ TEST(TensorCache, ReadingTakesNoLockAndSeesEveryWritersShards) {
     FAIL() << "expected an error";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find(dir), std::string::npos) << e.what();
+  }
+}
+
+// A damaged shard holding newer copies of entries another shard also holds:
+// the entries fall back to the older, intact copies (checked in turn), so
+// nothing is encoded again; the damaged shard is reported and deleted.
+TEST(TensorCache, ADamagedShardsEntriesFallBackToIntactCopies) {
+  shoestring::testing::TempDir t;
+  const std::string dir = t.file("cache");
+  TensorCache cache = TensorCache::open(dir, "latents");
+  write_entries(cache, 3, 3);
+  const std::string intact = cache.shard_of(key_of(0));
+  std::vector<CacheEntry> copies;
+  for (int i = 0; i < 3; ++i) copies.push_back({key_of(i), {{"value", torch::full({4, 8}, 100.0f + i)}}});
+  cache.write_shard(copies);  // newer copies: they win
+  const std::string newer = cache.shard_of(key_of(0));
+  ASSERT_NE(newer, intact);
+  {
+    // One flipped byte near the end (inside the last entry's values).
+    std::fstream io(newer, std::ios::in | std::ios::out | std::ios::binary);
+    io.seekg(-3, std::ios::end);
+    char c = 0;
+    io.read(&c, 1);
+    io.seekp(-3, std::ios::end);
+    c = static_cast<char>(c ^ 0x40);
+    io.write(&c, 1);
+  }
+  const CacheVerifyReport report = cache.verify({key_of(0), key_of(1), key_of(2)});
+  ASSERT_EQ(report.problems.size(), 1u);
+  EXPECT_NE(report.problems[0].find(newer), std::string::npos) << report.problems[0];
+  EXPECT_FALSE(fs::exists(newer));
+  EXPECT_EQ(report.shards_checked, 2);
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_TRUE(cache.contains(key_of(i))) << i;
+    EXPECT_EQ(cache.shard_of(key_of(i)), intact);
+    EXPECT_TRUE(cache.read(key_of(i)).at(0).equal(torch::full({4, 8}, static_cast<float>(i))));
   }
 }

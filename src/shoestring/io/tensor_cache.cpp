@@ -147,7 +147,16 @@ struct TensorCache::State {
     s.dropped = true;
     for (const std::string& key : s.keys) {
       auto it = index.find(key);
-      if (it != index.end() && it->second.shard == i) index.erase(it);
+      if (it == index.end() || it->second.shard != i) continue;
+      index.erase(it);
+      // Another shard's copy of the entry (the newest one left) stands in.
+      for (size_t j = shards.size(); j-- > 0;) {
+        if (j == i || shards[j].dropped) continue;
+        auto other = shards[j].entries.find(key);
+        if (other == shards[j].entries.end()) continue;
+        index.emplace(key, other->second);
+        break;
+      }
     }
     mapped.remove_if([i](const auto& m) { return m.first == i; });
     if (delete_file && s.writer == writer && !writer.empty()) {
@@ -298,38 +307,49 @@ const std::vector<std::string>& TensorCache::notes() const { return s_->notes; }
 
 CacheVerifyReport TensorCache::verify(const std::vector<std::string>& keys) {
   CacheVerifyReport report;
-  std::set<size_t> holding;
-  for (const std::string& key : keys) {
-    auto it = s_->index.find(key);
-    if (it != s_->index.end()) holding.insert(it->second.shard);
-  }
-  for (const size_t i : holding) {
-    const State::Shard& shard = s_->shards[i];
-    const std::string path = s_->path_of(shard);
-    std::string problem;
-    try {
-      SafetensorsFile f = SafetensorsFile::open(path);
-      auto kind_it = f.metadata().find(kKindKey);
-      if (kind_it == f.metadata().end() || kind_it->second != s_->kind)
-        fail("{}: not a \"{}\" cache shard (metadata {})", path, s_->kind, kKindKey);
-      for (const std::string& key : shard.keys) {
-        const State::Entry& e = shard.entries.at(key);
-        std::vector<std::pair<std::string, at::Tensor>> tensors;
-        for (const std::string& n : e.names) tensors.emplace_back(n, f.get(key + "." + n));
-        if (cache_entry_checksum(tensors) != e.checksum)
-          fail("{}: entry {} does not match its checksum (the file is corrupt)", path, key);
-        ++report.entries_checked;
-      }
-    } catch (const std::exception& e) {
-      problem = e.what();
+  // The shards the index names for `keys`; a failing shard's entries fall
+  // back to other shards' copies (State::drop), which are checked in turn.
+  std::set<size_t> checked;
+  for (;;) {
+    std::set<size_t> holding;
+    for (const std::string& key : keys) {
+      auto it = s_->index.find(key);
+      if (it != s_->index.end() && !checked.count(it->second.shard)) holding.insert(it->second.shard);
     }
-    ++report.shards_checked;
-    if (!problem.empty()) {
-      report.problems.push_back(problem);
-      s_->drop(i, /*delete_file=*/true);
+    if (holding.empty()) break;
+    for (const size_t i : holding) {
+      checked.insert(i);
+      verify_shard(i, report);
     }
   }
   return report;
+}
+
+void TensorCache::verify_shard(size_t i, CacheVerifyReport& report) {
+  const State::Shard& shard = s_->shards[i];
+  const std::string path = s_->path_of(shard);
+  std::string problem;
+  try {
+    SafetensorsFile f = SafetensorsFile::open(path);
+    auto kind_it = f.metadata().find(kKindKey);
+    if (kind_it == f.metadata().end() || kind_it->second != s_->kind)
+      fail("{}: not a \"{}\" cache shard (metadata {})", path, s_->kind, kKindKey);
+    for (const std::string& key : shard.keys) {
+      const State::Entry& e = shard.entries.at(key);
+      std::vector<std::pair<std::string, at::Tensor>> tensors;
+      for (const std::string& n : e.names) tensors.emplace_back(n, f.get(key + "." + n));
+      if (cache_entry_checksum(tensors) != e.checksum)
+        fail("{}: entry {} does not match its checksum (the file is corrupt)", path, key);
+      ++report.entries_checked;
+    }
+  } catch (const std::exception& e) {
+    problem = e.what();
+  }
+  ++report.shards_checked;
+  if (!problem.empty()) {
+    report.problems.push_back(problem);
+    s_->drop(i, /*delete_file=*/true);
+  }
 }
 
 void TensorCache::write_shard(const std::vector<CacheEntry>& entries) {

@@ -93,7 +93,8 @@ class TensorCache {
 
   /// Checks the shards holding any of `keys`: each opens as a valid
   /// safetensors file of this kind, and every entry's tensors match its
-  /// checksum. Failing shards are dropped (see CacheVerifyReport::problems).
+  /// checksum. Failing shards are dropped (see CacheVerifyReport::problems);
+  /// an entry another shard also holds falls back to that copy, checked too.
   /// Memory: one shard at a time.
   CacheVerifyReport verify(const std::vector<std::string>& keys);
 
@@ -115,6 +116,8 @@ class TensorCache {
 
  private:
   struct State;
+  /// verify's check of shard `i`: dropped (and reported) when it fails.
+  void verify_shard(size_t i, CacheVerifyReport& report);
   explicit TensorCache(std::unique_ptr<State> s);
   std::unique_ptr<State> s_;
 };
