@@ -106,6 +106,13 @@ TEST(Config, ExpandsCachePath) {
   unsetenv("SHOESTRING_CACHE");
   setenv("HOME", "/home/u", 1);
   EXPECT_EQ(shoestring::expand_path("${SHOESTRING_CACHE}/d"), "/home/u/.cache/shoestring/d");
+  // Any other variable is refused by name (it would become a folder "${NOPE}").
+  try {
+    (void)shoestring::expand_path("${NOPE}/x");
+    ADD_FAILURE() << "expected an error";
+  } catch (const shoestring::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("path '${NOPE}/x': unknown variable ${NOPE}"), std::string::npos) << e.what();
+  }
 }
 
 TEST(Config, DocsPageIsCurrent) {

@@ -308,6 +308,11 @@ std::string expand_path(const std::string& path) {
     }
     out.replace(pos, var.size(), cache);
   }
+  if (const auto other = out.find("${"); other != std::string::npos) {
+    const auto end = out.find('}', other);
+    fail("path '{}': unknown variable {}; paths may use ${{SHOESTRING_CACHE}} and a leading ~", path,
+         out.substr(other, end == std::string::npos ? std::string::npos : end - other + 1));
+  }
   if (!out.empty() && out[0] == '~') {
     const char* home = std::getenv("HOME");
     out = std::string(home ? home : ".") + out.substr(1);

@@ -53,7 +53,7 @@ struct TrainConfig {
   // Caches on disk (train/ldm_cache.h; kohya's names); released models only.
   bool cache_latents_to_disk = false;               ///< VAE latents as safetensors shards in cache_dir/latents
   bool cache_text_encoder_outputs_to_disk = false;  ///< text-encoder outputs in cache_dir/text
-  std::string cache_dir;  ///< "" = .shoestring-cache beside the dataset (ldm_cache_dir)
+  std::string cache_dir;                            ///< "" = .shoestring-cache beside the dataset (ldm_cache_dir)
 
   // ---- model ----
   /// A registered denoiser architecture (models/architecture.h,
@@ -165,7 +165,7 @@ struct TrainConfig {
   /// "" | "tensorboard" (kohya's name): also write TensorBoard event files
   /// into RUN_DIR/logs/ (train/tensorboard.h)
   std::string log_with = "";
-  int64_t num_threads = 0;         ///< 0: libtorch default
+  int64_t num_threads = 0;  ///< 0: libtorch default
   /// "auto" | "cpu" | "cuda" | "cuda:N" (core/device.h): where the model, its
   /// gradients and optimizer state live; the dataset and caches stay in host memory.
   std::string device = "auto";
@@ -230,7 +230,10 @@ std::vector<std::string> config_keys();
 /// docs/config.md is exactly this text (a test keeps them in sync).
 std::string config_reference_markdown();
 
-/// Expands ${SHOESTRING_CACHE} and a leading ~ in a path.
+/// Expands ${SHOESTRING_CACHE} (the environment variable, default
+/// ~/.cache/shoestring) and a leading ~ (HOME) in a path. Throws
+/// shoestring::Error naming the path for any other ${...}: it would
+/// otherwise become a folder of that literal name.
 std::string expand_path(const std::string& path);
 
 }  // namespace shoestring
