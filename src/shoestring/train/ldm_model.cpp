@@ -635,7 +635,14 @@ TensorCache open_cache(const std::string& dir, const char* kind, const std::vect
     if (!*writing) return cache;
   }
   *writing = true;
-  TensorCache cache = TensorCache::open(dir, kind, writer);
+  std::optional<TensorCache> opened;
+  try {
+    opened.emplace(TensorCache::open(dir, kind, writer));
+  } catch (const Error& e) {
+    // Name the setting that chose the folder: a cache is the one write a run makes outside output_dir.
+    fail("{} cache (cache_dir, else .shoestring-cache beside the dataset): {}", what, e.what());
+  }
+  TensorCache cache = std::move(*opened);
   const CacheVerifyReport report = cache.verify(keys);
   if (!quiet) {
     for (const std::string& n : cache.notes()) spdlog::info("{} cache: {}", what, n);
