@@ -1,14 +1,18 @@
 // One fuzz input through the readers of untrusted files: SafetensorsFile
-// (io/safetensors.h) and the sharded-checkpoint index WeightFiles
-// (io/weight_files.h). Shared by the libFuzzer target (fuzz_readers.cpp) and
-// the regression test that replays the committed inputs (tests/io/
-// test_fuzz_regressions.cpp), so both run exactly the same code.
+// (io/safetensors.h), the sharded-checkpoint index WeightFiles
+// (io/weight_files.h) and the disk caches' TensorCache (io/tensor_cache.h). Shared by the libFuzzer target
+// (fuzz_readers.cpp) and the regression test that replays the committed inputs (tests/io/ test_fuzz_regressions.cpp),
+// so both run exactly the same code.
 //
 // Input layout (byte 0 picks the reader):
-//   byte 0 even: bytes 1.. are a .safetensors file;
-//   byte 0 odd:  bytes 1..4 are a little-endian u32 L, then L bytes of
-//                index JSON (written as model.safetensors.index.json), then
-//                the rest as the shard file "s.safetensors" beside it.
+//   byte 0 = 0 mod 4: bytes 1.. are a .safetensors file;
+//   byte 0 odd:       bytes 1..4 are a little-endian u32 L, then L bytes of
+//                     index JSON (written as model.safetensors.index.json),
+//                     then the rest as the shard file "s.safetensors" beside it;
+//   byte 0 = 2 mod 4: the same split into a cache manifest (cache/manifest-r0.json)
+//                     and its shard (cache/r0-000001.safetensors), opened to
+//                     read, every entry verified and read, then opened as the
+//                     writer (which deletes what it refuses) and verified again.
 #pragma once
 #include <cstdint>
 #include <cstring>
@@ -20,6 +24,7 @@
 
 #include "shoestring/core/error.h"
 #include "shoestring/io/safetensors.h"
+#include "shoestring/io/tensor_cache.h"
 #include "shoestring/io/weight_files.h"
 
 namespace shoestring::fuzz {
@@ -78,7 +83,31 @@ inline void read_fuzz_input(const uint8_t* data, size_t size, const std::filesys
 inline void read_fuzz_input_unchecked(const uint8_t* data, size_t size, const std::filesystem::path& dir) {
   if (size == 0) return;
   const bool index = data[0] & 1;
+  const bool cache = (data[0] & 3) == 2;
   ++data, --size;
+  if (cache) {
+    uint32_t len = 0;
+    if (size < 4) return;
+    std::memcpy(&len, data, 4);
+    data += 4, size -= 4;
+    if (len > size) len = static_cast<uint32_t>(size);
+    const std::filesystem::path folder = dir / "cache";
+    std::filesystem::remove_all(folder);
+    std::filesystem::create_directories(folder);
+    write_bytes((folder / "manifest-r0.json").string(), data, len);
+    write_bytes((folder / "r0-000001.safetensors").string(), data + len, size - len);
+    for (const char* writer : {"", "r0"}) {
+      TensorCache c = TensorCache::open(folder.string(), "latents", writer);
+      const std::vector<std::string> keys = c.keys();
+      (void)c.verify(keys);
+      for (const std::string& key : c.keys()) {
+        for (const at::Tensor& t : c.read(key)) {
+          if (!t.defined()) throw std::logic_error("read() returned an undefined tensor for " + key);
+        }
+      }
+    }
+    return;
+  }
   if (!index) {
     const std::string path = (dir / "f.safetensors").string();
     write_bytes(path, data, size);

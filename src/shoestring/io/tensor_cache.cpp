@@ -299,6 +299,12 @@ TensorCache TensorCache::open(const std::string& dir, const std::string& kind, c
 const std::string& TensorCache::dir() const { return s_->dir; }
 int64_t TensorCache::size() const { return static_cast<int64_t>(s_->index.size()); }
 bool TensorCache::contains(const std::string& key) const { return s_->index.count(key) > 0; }
+std::vector<std::string> TensorCache::keys() const {
+  std::vector<std::string> out;
+  out.reserve(s_->index.size());
+  for (const auto& [key, e] : s_->index) out.push_back(key);
+  return out;
+}
 std::string TensorCache::shard_of(const std::string& key) const {
   auto it = s_->index.find(key);
   return it == s_->index.end() ? std::string() : s_->path_of(s_->shards[it->second.shard]);

@@ -85,6 +85,8 @@ class TensorCache {
   int64_t size() const;
   /// True when `key` is in the index.
   bool contains(const std::string& key) const;
+  /// Every key in the index, sorted.
+  std::vector<std::string> keys() const;
   /// Path of the shard that holds `key` ("" when absent).
   std::string shard_of(const std::string& key) const;
   /// Log lines of what open() did that a user should know (shards adopted,
