@@ -317,6 +317,9 @@ class LdmTrainingModel final : public TrainingModel {
   models::AutoencoderKL build_vae(bool for_decoding);
   void encode_captions();
   void encode_images();
+  /// The caption rows: each distinct caption once, in dataset order, then ""
+  /// (caption dropout); fills caption_row_ (each image's row) and caption_rows_.
+  std::vector<std::string> caption_texts();
   /// The distinct texts of the sample prompts and their negatives, each
   /// given its row in sample_row_.
   std::vector<std::string> sample_texts();
@@ -475,9 +478,7 @@ at::Tensor LdmTrainingModel::sdxl_y(const at::Tensor& pooled, const std::vector<
   return sdxl_vector_y(pooled, sizes, unet_options_.adm_in_channels(), cache_dtype);
 }
 
-void LdmTrainingModel::encode_captions() {
-  ScopedMemoryCategory category(MemoryCategory::other);
-  for (auto& te : text_encoders_) te->to(device_);
+std::vector<std::string> LdmTrainingModel::caption_texts() {
   std::vector<std::string> unique;
   std::map<std::string, int64_t> row;
   std::vector<int64_t> rows;
@@ -489,6 +490,13 @@ void LdmTrainingModel::encode_captions() {
   unique.push_back("");  // caption dropout
   caption_row_ = torch::tensor(rows, torch::kInt64);
   caption_rows_ = static_cast<int64_t>(unique.size());
+  return unique;
+}
+
+void LdmTrainingModel::encode_captions() {
+  ScopedMemoryCategory category(MemoryCategory::other);
+  for (auto& te : text_encoders_) te->to(device_);
+  const std::vector<std::string> unique = caption_texts();
   std::vector<at::Tensor> contexts, ys;
   const size_t chunk = 16;
   for (size_t i = 0; i < unique.size(); i += chunk) {
@@ -628,10 +636,17 @@ class ShardWriter {
 TensorCache open_cache(const std::string& dir, const char* kind, const std::vector<std::string>& keys,
                        const std::string& writer, bool tidy, const char* what, bool quiet,
                        std::vector<std::string>& problems, bool* writing) {
+  // The keys the writer checks: all of them (tidy), else those the read-only
+  // check found missing or damaged (the intact shards are not read twice).
+  std::vector<std::string> to_check = keys;
   if (!tidy) {
     TensorCache cache = TensorCache::open(dir, kind, "");
     (void)cache.verify(keys);
-    *writing = std::any_of(keys.begin(), keys.end(), [&](const std::string& k) { return !cache.contains(k); });
+    to_check.clear();
+    for (const std::string& k : keys) {
+      if (!cache.contains(k)) to_check.push_back(k);
+    }
+    *writing = !to_check.empty();
     if (!*writing) return cache;
   }
   *writing = true;
@@ -643,7 +658,7 @@ TensorCache open_cache(const std::string& dir, const char* kind, const std::vect
     fail("{} cache (cache_dir, else .shoestring-cache beside the dataset): {}", what, e.what());
   }
   TensorCache cache = std::move(*opened);
-  const CacheVerifyReport report = cache.verify(keys);
+  const CacheVerifyReport report = cache.verify(to_check);  // deletes this writer's damaged shards
   if (!quiet) {
     for (const std::string& n : cache.notes()) spdlog::info("{} cache: {}", what, n);
   }
@@ -672,18 +687,8 @@ std::string LdmTrainingModel::vae_identity() {
 void LdmTrainingModel::cache_captions(bool quiet) {
   ScopedMemoryCategory category(MemoryCategory::other);
   const auto cache_dtype = storage_ == torch::kHalf ? torch::kFloat32 : storage_;
-  // Caption rows as encode_captions makes them: distinct captions, then "".
-  std::vector<std::string> unique;
-  std::map<std::string, int64_t> row;
-  std::vector<int64_t> rows;
-  for (const auto& c : dataset_.captions()) {
-    auto [it, inserted] = row.emplace(c, static_cast<int64_t>(unique.size()));
-    if (inserted) unique.push_back(c);
-    rows.push_back(it->second);
-  }
-  unique.push_back("");  // caption dropout
-  caption_row_ = torch::tensor(rows, torch::kInt64);
-  caption_rows_ = static_cast<int64_t>(unique.size());
+  // Caption rows as encode_captions makes them.
+  const std::vector<std::string> unique = caption_texts();
   const std::vector<std::string> prompts = sample_texts();
 
   // What a text entry depends on: the encoders' weights, clip_skip, dtype and
