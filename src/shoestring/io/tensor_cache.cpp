@@ -232,13 +232,18 @@ TensorCache TensorCache::open(const std::string& dir, const std::string& kind, c
     } catch (const nlohmann::json::exception& e) {
       fail("{}: not valid JSON ({}); delete the file to let the cache adopt its shards again", path, e.what());
     }
-    if (!m.is_object() || m.value("format", "") != kFormat)
+    // A manifest is untrusted text: a key of the wrong JSON type is refused
+    // by name, never read through nlohmann's throwing conversions.
+    const auto field = [&m](const char* key) {
+      return m.is_object() && m.contains(key) ? m[key] : nlohmann::json();
+    };
+    if (field("format") != kFormat)
       fail("{}: \"format\" must be \"{}\" (not a shoestring cache manifest)", path, kFormat);
-    if (!m.contains("version") || m["version"] != kVersion)
-      fail("{}: \"version\" {} is not {} (written by another shoestring version)", path, m.value("version", 0),
+    if (field("version") != kVersion)
+      fail("{}: \"version\" {} is not {} (written by another shoestring version)", path, field("version").dump(),
            kVersion);
-    if (m.value("kind", "") != kind)
-      fail("{}: key \"kind\" is \"{}\", expected \"{}\" (another cache's folder)", path, m.value("kind", ""), kind);
+    if (field("kind") != kind)
+      fail("{}: key \"kind\" is {}, expected \"{}\" (another cache's folder)", path, field("kind").dump(), kind);
     const std::string w = name.substr(9, name.size() - 9 - 5);
     if (!m.contains("shards") || !m["shards"].is_array()) fail("{}: key \"shards\" must be an array", path);
     for (size_t i = 0; i < m["shards"].size(); ++i) {
