@@ -10,15 +10,19 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <regex>
 #include <sstream>
 #include <thread>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "../train/ldm_cache_fixture.h"
 #include "../train/train_testing.h"
 #include "dist_testing.h"
+#include "shoestring/io/tensor_cache.h"
 #include "shoestring/train/config.h"
+#include "shoestring/train/ldm_cache.h"
 
 extern char** environ;
 
@@ -112,13 +116,13 @@ TEST(Launch, AFailingRankFailsTheLaunchNamingIt) {
 
 // Only `train` runs as ranks: `sample` under launch would write one file from
 // every rank at once.
-TEST(Launch, RefusesCommandsOtherThanTrain) {
+TEST(Launch, RefusesCommandsOtherThanTrainAndCache) {
   const std::string dir = fresh_dist_dir("launchsample");
   Launcher l({"launch", "--nproc", "2", "--", "sample", dir + "/model.safetensors", "--prompt", "x", "--out",
               dir + "/grid.png"},
              dir + "/out.txt");
   EXPECT_EQ(l.wait(), 1);
-  EXPECT_THAT(l.output(), AllOf(HasSubstr("must be `train`"), HasSubstr("`sample`"), Not(HasSubstr("[rank"))));
+  EXPECT_THAT(l.output(), AllOf(HasSubstr("must be `train` or `cache`"), HasSubstr("`sample`"), Not(HasSubstr("[rank"))));
 }
 
 TEST(Launch, AKilledRankStopsTheRunAndLeavesNoProcess) {
@@ -140,4 +144,75 @@ TEST(Launch, AKilledRankStopsTheRunAndLeavesNoProcess) {
 }
 
 }  // namespace
+}  // namespace shoestring
+
+namespace shoestring {
+namespace {
+
+/// What one rank's `shoestring cache` printed: latents encoded, by the
+/// other ranks, reused (in the cache when this rank looked), then the same
+/// for text (-1s when absent).
+std::vector<int64_t> encoded_by(const std::string& output, int rank) {
+  const std::regex line(fmt::format(R"(\[rank {}\] cache .* \(rank {} of 2\): latents (\d+) encoded, (\d+) by the )"
+                                    R"(other ranks, (\d+) reused; text (\d+) encoded, (\d+) by the other ranks, (\d+) )"
+                                    R"(reused)",
+                                    rank, rank));
+  std::smatch m;
+  if (!std::regex_search(output, m, line)) return {-1, -1, -1, -1, -1, -1};
+  std::vector<int64_t> out;
+  for (size_t i = 1; i <= 6; ++i) out.push_back(std::stoll(m[i]));
+  return out;
+}
+
+}  // namespace
+
+// `shoestring launch --nproc 2 -- cache`: each rank encodes a disjoint share
+// of the missing entries (cache_key_owner) into its own shards, then waits
+// for the other's; together they fill the cache once, with the entries one
+// process would have written.
+TEST(Launch, TwoRanksEncodeDisjointSharesOfTheDiskCache) {
+  shoestring::testing::CacheFixture f("launch_share");
+  const std::string config = f.root + "/cache.toml";
+  std::ofstream(config) << to_toml(f.config());
+  Launcher l({"launch", "--nproc", "2", "--", "cache", config}, f.root + "/out.txt");
+  ASSERT_EQ(l.wait(), 0) << l.output();
+  const std::string out = l.output();
+  const std::vector<int64_t> r0 = encoded_by(out, 0), r1 = encoded_by(out, 1);
+  ASSERT_GE(r0[0], 0) << out;
+  ASSERT_GE(r1[0], 0) << out;
+  using shoestring::testing::kImages;
+  using shoestring::testing::kTexts;
+  EXPECT_EQ(r0[0] + r1[0], kImages) << out;
+  EXPECT_EQ(r0[3] + r1[3], kTexts) << out;
+  // Each rank accounts for every entry: encoded, by the other rank, or
+  // already there when it looked (the other rank may have been quicker).
+  for (const auto& r : {r0, r1}) {
+    EXPECT_EQ(r[0] + r[1] + r[2], kImages) << out;
+    EXPECT_EQ(r[3] + r[4] + r[5], kTexts) << out;
+  }
+  EXPECT_GT(r0[0], 0);
+  EXPECT_GT(r1[0], 0);
+  for (const char* kind : {"latents", "text"}) {
+    for (const char* rank : {"r0", "r1"})
+      EXPECT_TRUE(std::filesystem::exists(fmt::format("{}/{}/manifest-{}.json", f.cache(), kind, rank))) << kind << " " << rank;
+  }
+  // Complete: one process encodes nothing more.
+  const LdmCacheStats again = build_ldm_caches(f.config(), true);
+  EXPECT_EQ(again.latents_encoded, 0);
+  EXPECT_EQ(again.text_encoded, 0);
+  // The same entries one process writes (batches of other images: fp32 rounding apart).
+  shoestring::testing::CacheFixture one("launch_share_one");
+  build_ldm_caches(one.config(), true);
+  for (const char* kind : {"latents", "text"}) {
+    const TensorCache shared = TensorCache::open(f.cache() + "/" + kind, kind, "");
+    const TensorCache single = TensorCache::open(one.cache() + "/" + kind, kind, "");
+    ASSERT_EQ(shared.keys(), single.keys()) << kind;
+    for (const std::string& key : single.keys()) {
+      const auto a = shared.read(key), b = single.read(key);
+      ASSERT_EQ(a.size(), b.size());
+      for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(a[i].allclose(b[i], 1e-5, 1e-6)) << kind << " " << key;
+    }
+  }
+}
+
 }  // namespace shoestring

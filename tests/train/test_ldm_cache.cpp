@@ -12,82 +12,23 @@
 
 #include <nlohmann/json.hpp>
 
+#include "shoestring/core/content_hash.h"
 #include "shoestring/core/error.h"
 #include "shoestring/io/atomic_file.h"
 #include "shoestring/train/config.h"
 #include "shoestring/train/ldm_cache.h"
 #include "shoestring/train/trainer.h"
+#include "ldm_cache_fixture.h"
 #include "train_testing.h"
 
 namespace fs = std::filesystem;
 using namespace shoestring;
 using shoestring::testing::losses_of;
 using shoestring::testing::quiet;
-
-namespace {
-
-const std::vector<std::string> kWords = {"red",   "blue",  "green", "yellow", "happy", "sad",
-                                         "round", "small", "large", "bright", "dark"};
-
-/// A temp folder with `data/` (the 11 Twemoji fixture images, each with a
-/// caption file of distinct words) and room for `cache/` and runs.
-struct CacheFixture {
-  std::string root;
-  explicit CacheFixture(const std::string& name) {
-    root = shoestring::testing::fresh_temp_dir("test_ldm_cache", name);
-    fs::create_directories(root + "/data");
-    std::vector<fs::path> images;
-    for (const auto& e : fs::directory_iterator(std::string(SHOESTRING_TEST_DATA) + "/twemoji/img/twitter/64"))
-      images.push_back(e.path());
-    std::sort(images.begin(), images.end());
-    for (size_t i = 0; i < images.size(); ++i) {
-      fs::copy_file(images[i], image(i));
-      std::ofstream(caption(i)) << kWords[i % kWords.size()] << " emoji face number";
-    }
-  }
-  ~CacheFixture() {
-    std::error_code ec;
-    fs::remove_all(root, ec);
-  }
-  std::string image(size_t i) const { return fmt::format("{}/data/img{:02d}.png", root, i); }
-  std::string caption(size_t i) const { return fmt::format("{}/data/img{:02d}.txt", root, i); }
-  std::string cache() const { return root + "/cache"; }
-  TrainConfig config(const std::string& out = "", const std::string& extra = "") const {
-    return parse_config(fmt::format("train_data_dir = \"{}/data\"\n"
-                                    "resolution = 32\n"
-                                    "train_batch_size = 4\n"
-                                    "max_train_steps = 4\n"
-                                    "learning_rate = 2e-3\n"
-                                    "seed = 5\n"
-                                    "num_threads = 1\n"
-                                    "sample_prompts = [\"red emoji\"]\n"
-                                    "sample_seeds = 1\n"
-                                    "sample_steps = 1\n"
-                                    "cache_dir = \"{}\"\n"
-                                    "output_dir = \"{}\"\n"
-                                    "{}"
-                                    "[model]\n"
-                                    "architecture = \"sdxl\"\n"
-                                    "tiny = true\n",
-                                    root, cache(), out.empty() ? root + "/run" : out, extra),
-                        "cache.toml");
-  }
-  /// The shard files of one cache ("latents" / "text"), sorted.
-  std::vector<std::string> shards(const std::string& kind) const {
-    std::vector<std::string> out;
-    for (const auto& e : fs::directory_iterator(cache() + "/" + kind)) {
-      if (e.path().extension() == ".safetensors") out.push_back(e.path().string());
-    }
-    std::sort(out.begin(), out.end());
-    return out;
-  }
-};
-
-constexpr int64_t kImages = 11;
-// 11 distinct captions, "" (caption dropout), one sample prompt.
-constexpr int64_t kTexts = 13;
-
-}  // namespace
+using shoestring::testing::CacheFixture;
+using shoestring::testing::kImages;
+using shoestring::testing::kTexts;
+using shoestring::testing::kWords;
 
 TEST(LdmDiskCache, SecondRunEncodesNothing) {
   CacheFixture f("keyed");
@@ -239,4 +180,46 @@ TEST(LdmDiskCache, UndecodableImagesAreNamedTogetherAndTheRestIsKept) {
   const LdmCacheStats s = build_ldm_caches(f.config(), true);
   EXPECT_EQ(s.latents_encoded, 2);
   EXPECT_EQ(s.latent_entries, kImages);
+}
+
+// Ranks sharing a cache (CacheShare) split the missing entries by key: the
+// last 8 hex digits mod the world size, so they agree without talking.
+TEST(LdmDiskCache, CacheKeyOwnerIsTheKeysLastEightHexDigitsModWorldSize) {
+  std::vector<int64_t> share(3, 0);
+  for (int i = 0; i < 3000; ++i) {
+    const std::string key = content_key128("entry " + std::to_string(i));
+    const uint64_t tail = std::stoull(key.substr(key.size() - 8), nullptr, 16);
+    for (int world : {1, 2, 3, 7}) EXPECT_EQ(cache_key_owner(key, world), static_cast<int>(tail % world)) << key;
+    ++share[static_cast<size_t>(cache_key_owner(key, 3))];
+  }
+  for (int64_t n : share) EXPECT_NEAR(static_cast<double>(n), 1000.0, 100.0);  // 3.2 sigma of a binomial
+  EXPECT_EQ(cache_key_owner("00000000000000000000000000000011", 4), 17 % 4);
+  EXPECT_THROW(cache_key_owner("not-hex-at-all!", 2), Error);
+  EXPECT_THROW(cache_key_owner("0a", 0), Error);
+}
+
+// Rank 0 of 2 encodes its share, then waits for rank 1's; when none appears
+// within the patience it stops naming rank 1 and how many entries are
+// missing. What it wrote stays: one process then encodes only the rest.
+TEST(LdmDiskCache, ARankWaitingForAShareThatNeverComesNamesTheRank) {
+  CacheFixture f("missing_rank");
+  CacheShare share;
+  share.rank = 0;
+  share.world_size = 2;
+  share.patience = std::chrono::seconds(2);
+  try {
+    build_ldm_caches(f.config(), true, share);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("rank 0 waited"), std::string::npos) << what;
+    EXPECT_NE(what.find("rank 1: "), std::string::npos) << what;
+    EXPECT_EQ(what.find("rank 0: "), std::string::npos) << what;
+    EXPECT_NE(what.find(f.cache()), std::string::npos) << what;
+  }
+  // Rank 0 stopped in the text cache (encoded first): its text share is there, no latents yet.
+  const LdmCacheStats rest = build_ldm_caches(f.config(), true);
+  EXPECT_GT(rest.text_encoded, 0);
+  EXPECT_LT(rest.text_encoded, kTexts);
+  EXPECT_EQ(rest.latents_encoded, kImages);
 }

@@ -8,6 +8,7 @@
 #include "shoestring/cli/commands.h"
 #include "shoestring/core/device.h"
 #include "shoestring/core/error.h"
+#include "shoestring/dist/launch_env.h"
 #include "shoestring/train/config.h"
 #include "shoestring/train/ldm_cache.h"
 
@@ -34,14 +35,25 @@ void register_cache(CLI::App& app) {
     if (fs::is_directory(args->config)) fail("config '{}' is a directory, expected a TOML file", args->config);
     TrainConfig config = load_config(args->config, args->sets);
     if (device_flag->count() > 0) config.device = args->device;
-    const LdmCacheStats stats = build_ldm_caches(config);
+    // Ranks of `shoestring launch --nproc N -- cache` (or torchrun) encode a share each.
+    const dist::LaunchEnvironment env = dist::launch_environment();
+    const LdmCacheStats stats =
+        build_ldm_caches(config, false, cache_share(env.rank, env.world_size, config.ddp_timeout));
     if (!stats.problems.empty()) {
       spdlog::warn("{} damaged shard{} replaced (listed above)", stats.problems.size(),
                    stats.problems.size() == 1 ? "" : "s");
     }
-    fmt::print("cache {}: latents {} encoded, {} reused; text {} encoded, {} reused\n", stats.dir,
-               stats.latents_encoded, stats.latent_entries - stats.latents_encoded, stats.text_encoded,
-               stats.text_entries - stats.text_encoded);
+    if (env.world_size > 1) {
+      fmt::print("cache {} (rank {} of {}): latents {} encoded, {} by the other ranks, {} reused; text {} encoded, {} "
+                 "by the other ranks, {} reused\n",
+                 stats.dir, env.rank, env.world_size, stats.latents_encoded, stats.latents_waited,
+                 stats.latent_entries - stats.latents_encoded - stats.latents_waited, stats.text_encoded,
+                 stats.text_waited, stats.text_entries - stats.text_encoded - stats.text_waited);
+    } else {
+      fmt::print("cache {}: latents {} encoded, {} reused; text {} encoded, {} reused\n", stats.dir,
+                 stats.latents_encoded, stats.latent_entries - stats.latents_encoded, stats.text_encoded,
+                 stats.text_entries - stats.text_encoded);
+    }
   });
 }
 

@@ -228,14 +228,17 @@ void register_launch(CLI::App& app) {
          "--master-port", args->port,
          "TCP port of rank 0's store, reached at 127.0.0.1 (default: a free one; the store listens on every interface)")
       ->check(CLI::Range(1, 65535));
-  cmd->add_option("command", args->command, "the shoestring command each rank runs, after --: -- train run.toml")
+  cmd->add_option("command", args->command, "the shoestring command each rank runs, after --: -- train run.toml (or -- cache run.toml)")
       ->required();
   cmd->callback([args] {
-    // Only training has ranks: any other command would run N times over the
-    // same output (sample writing one file from every rank at once).
-    if (args->command.front() != "train") {
-      fail("launch: the command must be `train` (got `{}`): only training runs as ranks; run other commands once",
-           args->command.front());
+    // Only training and cache have ranks (cache: each encodes a share of the
+    // disk caches); any other command would run N times over the same output
+    // (sample writing one file from every rank at once).
+    if (args->command.front() != "train" && args->command.front() != "cache") {
+      fail(
+          "launch: the command must be `train` or `cache` (got `{}`): only those run as ranks; run other commands "
+          "once",
+          args->command.front());
     }
     const int port = args->port > 0 ? args->port : free_port();
     struct sigaction sa {};

@@ -20,11 +20,10 @@
 // inside a write, it leaves a temporary, removed on the next open for
 // writing. Nothing ever reads a half-written shard.
 //
-// Data parallel (designed for, not used yet): each rank opens the cache as
-// writer "r<rank>", encodes its disjoint share of the missing keys (e.g. key
-// mod world size) into its own shards and manifest, and every reader takes the
-// union of all manifests (and shards), so writers never touch each other's
-// files. One process writes as a given writer at a time (a FolderLock on
+// Data parallel: each rank opens the cache as writer "r<rank>", encodes its
+// disjoint share of the missing keys (train/ldm_cache.h, cache_key_owner)
+// into its own shards and manifest, and every reader takes the union of all
+// manifests (and shards), so writers never touch each other's files. One process writes as a given writer at a time (a FolderLock on
 // "<dir>/.lock-<writer>").
 #pragma once
 #include <cstdint>

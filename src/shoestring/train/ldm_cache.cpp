@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <map>
 #include <set>
+#include <thread>
 
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
@@ -84,7 +86,75 @@ std::string weights_identity(const WeightFiles& files, const std::string& prefix
   return identity;
 }
 
-LdmCacheStats build_ldm_caches(const TrainConfig& config_in, bool quiet) {
+CacheShare cache_share(int rank, int world_size, double ddp_timeout_minutes) {
+  CacheShare share;
+  share.rank = rank;
+  share.world_size = world_size;
+  const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(ddp_timeout_minutes * 60'000));
+  share.patience = std::max<std::chrono::milliseconds>(timeout, std::chrono::minutes(10));
+  return share;
+}
+
+int cache_key_owner(const std::string& key, int world_size) {
+  if (world_size < 1) fail("cache_key_owner: world size {} must be at least 1", world_size);
+  const size_t n = std::min<size_t>(key.size(), 8);
+  uint64_t v = 0;
+  for (size_t i = key.size() - n; i < key.size(); ++i) {
+    const char ch = key[i];
+    int d = -1;
+    if (ch >= '0' && ch <= '9') d = ch - '0';
+    if (ch >= 'a' && ch <= 'f') d = ch - 'a' + 10;
+    if (ch >= 'A' && ch <= 'F') d = ch - 'A' + 10;
+    if (d < 0) fail("cache key '{}' is not hexadecimal", key);
+    v = v * 16 + static_cast<uint64_t>(d);
+  }
+  if (n == 0) fail("cache key is empty");
+  return static_cast<int>(v % static_cast<uint64_t>(world_size));
+}
+
+TensorCache wait_for_cache_entries(const std::string& dir, const std::string& kind,
+                                   const std::vector<std::string>& keys, const CacheShare& share, const char* what) {
+  using clock = std::chrono::steady_clock;
+  const std::set<std::string> wanted(keys.begin(), keys.end());
+  auto count_missing = [&](const TensorCache& cache) {
+    int64_t missing = 0;
+    for (const std::string& k : wanted) missing += cache.contains(k) ? 0 : 1;
+    return missing;
+  };
+  TensorCache cache = TensorCache::open(dir, kind, "");
+  int64_t missing = count_missing(cache);
+  auto last_progress = clock::now();
+  bool announced = false;
+  while (missing > 0) {
+    if (clock::now() - last_progress >= share.patience) {
+      std::map<int, int64_t> by_rank;
+      for (const std::string& k : wanted) {
+        if (!cache.contains(k)) ++by_rank[cache_key_owner(k, share.world_size)];
+      }
+      std::vector<std::string> parts;
+      for (const auto& [r, n] : by_rank) parts.push_back(fmt::format("rank {}: {}", r, n));
+      fail(
+          "{} cache {}: rank {} waited {:.1f} min without a new entry from the other ranks; {} entr{} still missing "
+          "({}). A rank encodes the entries it owns into this folder, which every rank must see (one file system); "
+          "did a rank stop, or is its encoding slower than that (the wait is ddp_timeout, at least 10 min)?",
+          what, dir, share.rank, std::chrono::duration<double>(share.patience).count() / 60.0, missing,
+          missing == 1 ? "y is" : "ies are", fmt::join(parts, ", "));
+    }
+    if (!announced) {
+      spdlog::info("{} cache: waiting for {} entr{} the other ranks encode", what, missing, missing == 1 ? "y" : "ies");
+      announced = true;
+    }
+    std::this_thread::sleep_for(std::chrono::seconds(1));
+    TensorCache again = TensorCache::open(dir, kind, "");
+    const int64_t now_missing = count_missing(again);
+    if (now_missing < missing) last_progress = clock::now();
+    missing = now_missing;
+    cache = std::move(again);
+  }
+  return cache;
+}
+
+LdmCacheStats build_ldm_caches(const TrainConfig& config_in, bool quiet, const CacheShare& share) {
   TrainConfig c = config_in;
   const models::Architecture& arch = models::find_architecture(c.architecture);
   if (arch.family != models::Family::ldm_unet) {
@@ -126,6 +196,7 @@ LdmCacheStats build_ldm_caches(const TrainConfig& config_in, bool quiet) {
   source.quiet = quiet;
   source.encode_only = true;
   source.cache_stats = &stats;
+  source.cache_share = share;
   make_training_model(c, dataset, source);
   return stats;
 }

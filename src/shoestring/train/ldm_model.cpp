@@ -93,7 +93,8 @@ class LdmTrainingModel final : public TrainingModel {
     const bool text_on_disk = config.cache_text_encoder_outputs_to_disk || source.encode_only;
     const bool latents_on_disk = config.cache_latents_to_disk || source.encode_only;
     if (text_on_disk || latents_on_disk) cache_stats_.dir = ldm_cache_dir(config);
-    cache_writer_ = fmt::format("r{}", source.rank);
+    cache_share_ = source.cache_share;
+    cache_writer_ = fmt::format("r{}", cache_share_.rank);
     cache_tidy_ = source.encode_only;
     build_tokenizer();
     if (text_on_disk) {
@@ -327,6 +328,10 @@ class LdmTrainingModel final : public TrainingModel {
   /// verify what the cache holds, encode what is missing shard by shard,
   /// keep only the keys in memory (prepare reads a batch at a time).
   void cache_captions(bool quiet);
+  /// True when this rank encodes the cache entry `key` (all of them in one process).
+  bool owns(const std::string& key) const {
+    return cache_key_owner(key, cache_share_.world_size) == cache_share_.rank;
+  }
   void cache_images(bool quiet);
   /// The identity of the VAE's weights (cache keys).
   std::string vae_identity();
@@ -364,6 +369,7 @@ class LdmTrainingModel final : public TrainingModel {
   std::optional<TensorCache> latent_cache_, text_cache_;
   std::vector<std::string> latent_key_, text_key_;
   LdmCacheStats cache_stats_;
+  CacheShare cache_share_;           // this rank's part in encoding the disk caches (ldm_cache.h)
   std::string cache_writer_ = "r0";  // this process's writer name in the disk caches: r<rank>
   bool cache_tidy_ = false;          // `shoestring cache`: open the caches as their writer even when complete
   BucketReso sample_size_;
@@ -597,6 +603,11 @@ namespace {
 /// The cache dtype's format name (part of the keys).
 std::string dtype_name(torch::Dtype d) { return to_string(st_dtype_of(d)); }
 
+/// The log's note of entries other ranks encoded ("" when none).
+std::string by_others(int64_t waited) {
+  return waited > 0 ? fmt::format(" (and {} by the other ranks)", waited) : std::string();
+}
+
 /// Encoded entries waiting to be written as one shard of `cache`: written
 /// once they reach a shard's size (kShardEntries, kShardBytes) or
 /// kShardInterval after the last write, and by flush().
@@ -627,14 +638,15 @@ class ShardWriter {
 
 /// Opens the cache folder `dir` and checks the shards holding `keys`.
 /// Reading needs no lock and no write access, so unless `tidy` the cache is
-/// first opened to read; only when an entry is missing (or was in a damaged
-/// shard), or with `tidy` (`shoestring cache`), is it opened as `writer`
+/// first opened to read; only when an entry this rank owns (`share`,
+/// cache_key_owner) is missing (or was in a damaged shard), or with `tidy`
+/// (`shoestring cache`), is it opened as `writer`
 /// (taking that writer's lock, removing its interrupted writes' temporaries,
 /// recording its unlisted shards in its manifest, deleting its damaged ones)
 /// and checked, for the caller to encode what is missing. `*writing` says
 /// which it is.
 TensorCache open_cache(const std::string& dir, const char* kind, const std::vector<std::string>& keys,
-                       const std::string& writer, bool tidy, const char* what, bool quiet,
+                       const CacheShare& share, const std::string& writer, bool tidy, const char* what, bool quiet,
                        std::vector<std::string>& problems, bool* writing) {
   // The keys the writer checks: all of them (tidy), else those the read-only
   // check found missing or damaged (the intact shards are not read twice).
@@ -644,7 +656,7 @@ TensorCache open_cache(const std::string& dir, const char* kind, const std::vect
     (void)cache.verify(keys);
     to_check.clear();
     for (const std::string& k : keys) {
-      if (!cache.contains(k)) to_check.push_back(k);
+      if (!cache.contains(k) && cache_key_owner(k, share.world_size) == share.rank) to_check.push_back(k);
     }
     *writing = !to_check.empty();
     if (!*writing) return cache;
@@ -723,8 +735,8 @@ void LdmTrainingModel::cache_captions(bool quiet) {
   std::vector<std::string> all = text_key_;
   all.insert(all.end(), sample_keys.begin(), sample_keys.end());
   bool writing = false;
-  text_cache_.emplace(
-      open_cache(dir, "text", all, cache_writer_, cache_tidy_, "text", quiet, cache_stats_.problems, &writing));
+  text_cache_.emplace(open_cache(dir, "text", all, cache_share_, cache_writer_, cache_tidy_, "text", quiet,
+                                 cache_stats_.problems, &writing));
   // The distinct texts missing, in order.
   std::vector<std::string> texts = unique;
   texts.insert(texts.end(), prompts.begin(), prompts.end());
@@ -732,8 +744,13 @@ void LdmTrainingModel::cache_captions(bool quiet) {
   // them (the same rows encoded together: the same bits as in memory).
   std::vector<std::string> missing_text[2], missing_key[2];
   std::set<std::string> distinct;
+  int64_t by_other_ranks = 0;
   for (size_t i = 0; i < all.size(); ++i) {
     if (!distinct.insert(all[i]).second || text_cache_->contains(all[i])) continue;
+    if (!owns(all[i])) {
+      ++by_other_ranks;  // another rank's share: waited for below
+      continue;
+    }
     const size_t phase = i < unique.size() ? 0 : 1;
     missing_text[phase].push_back(texts[i]);
     missing_key[phase].push_back(all[i]);
@@ -763,12 +780,18 @@ void LdmTrainingModel::cache_captions(bool quiet) {
     text_encoders_.clear();
   }
   // Training reads without the writer's lock: other runs may share the folder.
-  if (writing) text_cache_.emplace(TensorCache::open(dir, "text", ""));
+  if (cache_share_.world_size > 1) {
+    text_cache_.emplace(wait_for_cache_entries(dir, "text", all, cache_share_, "text"));
+    cache_stats_.text_waited = by_other_ranks;
+  } else if (writing) {
+    text_cache_.emplace(TensorCache::open(dir, "text", ""));
+  }
   cache_stats_.text_entries = static_cast<int64_t>(distinct.size());
   cache_stats_.text_encoded = static_cast<int64_t>(missing);
   if (!quiet) {
-    spdlog::info("text cache: {} of {} entries encoded, {} reused ({})", cache_stats_.text_encoded,
-                 cache_stats_.text_entries, cache_stats_.text_entries - cache_stats_.text_encoded, text_cache_->dir());
+    spdlog::info("text cache: {} of {} entries encoded{}, {} reused ({})", cache_stats_.text_encoded,
+                 cache_stats_.text_entries, by_others(cache_stats_.text_waited),
+                 cache_stats_.text_entries - cache_stats_.text_encoded - cache_stats_.text_waited, text_cache_->dir());
   }
   // Sample prompts stay in memory (a few rows, in sample_row_'s order).
   std::vector<at::Tensor> contexts, pools;
@@ -807,8 +830,8 @@ void LdmTrainingModel::cache_images(bool quiet) {
   }
   const std::string dir = (fs::path(cache_stats_.dir) / "latents").string();
   bool writing = false;
-  latent_cache_.emplace(open_cache(dir, "latents", latent_key_, cache_writer_, cache_tidy_, "latent", quiet,
-                                   cache_stats_.problems, &writing));
+  latent_cache_.emplace(open_cache(dir, "latents", latent_key_, cache_share_, cache_writer_, cache_tidy_, "latent",
+                                   quiet, cache_stats_.problems, &writing));
 
   // The images of each bucket (as encode_images groups them) whose entry is missing.
   std::vector<std::vector<int64_t>> groups;
@@ -818,7 +841,7 @@ void LdmTrainingModel::cache_images(bool quiet) {
     groups.emplace_back();
     for (int64_t i = 0; i < n; ++i) groups.back().push_back(i);
   }
-  std::set<std::string> distinct(latent_key_.begin(), latent_key_.end()), queued;
+  std::set<std::string> distinct(latent_key_.begin(), latent_key_.end()), queued, by_other_ranks;
   int64_t encoded = 0;
   std::optional<models::AutoencoderKL> vae;
   std::optional<ShardWriter> shards;
@@ -830,7 +853,12 @@ void LdmTrainingModel::cache_images(bool quiet) {
     std::vector<int64_t> missing;
     for (const int64_t i : images) {
       const std::string& key = latent_key_[static_cast<size_t>(i)];
-      if (!latent_cache_->contains(key) && queued.insert(key).second) missing.push_back(i);
+      if (latent_cache_->contains(key)) continue;
+      if (!owns(key)) {
+        by_other_ranks.insert(key);  // another rank's share: waited for below
+        continue;
+      }
+      if (queued.insert(key).second) missing.push_back(i);
     }
     if (missing.empty()) continue;
     if (!vae) {
@@ -888,12 +916,18 @@ void LdmTrainingModel::cache_images(bool quiet) {
         undecodable.size() > shown ? fmt::format("; and {} more", undecodable.size() - shown) : "",
         undecodable.size() == 1 ? "the file" : "the files");
   }
-  if (writing) latent_cache_.emplace(TensorCache::open(dir, "latents", ""));
+  if (cache_share_.world_size > 1) {
+    latent_cache_.emplace(wait_for_cache_entries(dir, "latents", latent_key_, cache_share_, "latent"));
+    cache_stats_.latents_waited = static_cast<int64_t>(by_other_ranks.size());
+  } else if (writing) {
+    latent_cache_.emplace(TensorCache::open(dir, "latents", ""));
+  }
   cache_stats_.latent_entries = static_cast<int64_t>(distinct.size());
   cache_stats_.latents_encoded = encoded;
   if (!quiet) {
-    spdlog::info("latent cache: {} of {} entries encoded, {} reused ({})", encoded, cache_stats_.latent_entries,
-                 cache_stats_.latent_entries - encoded, latent_cache_->dir());
+    spdlog::info("latent cache: {} of {} entries encoded{}, {} reused ({})", encoded, cache_stats_.latent_entries,
+                 by_others(cache_stats_.latents_waited),
+                 cache_stats_.latent_entries - encoded - cache_stats_.latents_waited, latent_cache_->dir());
   }
 }
 

@@ -711,7 +711,7 @@ std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions&
     source.resume_dir = run.resume_from;
     source.quiet = options.quiet;
     source.device = run.device;
-    source.rank = run.rank();
+    source.cache_share = cache_share(run.rank(), run.world_size(), c.ddp_timeout);
     if (!c.network_module.empty() && !c.network_weights.empty()) {
       // network_weights must fit the network before the dataset is encoded.
       source.check_module = [&c](torch::nn::Module& module, const std::vector<nn::LoraComponent>& components) {

@@ -29,6 +29,7 @@
 
 #include "shoestring/nn/block_precision.h"
 #include "shoestring/nn/lora.h"
+#include "shoestring/train/ldm_cache.h"
 #include "shoestring/train/sampling.h"
 
 namespace shoestring {
@@ -36,7 +37,6 @@ namespace shoestring {
 struct TrainConfig;
 class ImageCaptionDataset;
 struct DatasetSpec;
-struct LdmCacheStats;
 
 /// One micro-batch, prepared: the model's inputs (family-specific order) and
 /// the regression target (fp32, the shape of the model's output).
@@ -70,10 +70,11 @@ struct ModelSource {
   bool encode_only = false;
   /// LDM families: filled with what the disk caches held and did (when set).
   LdmCacheStats* cache_stats = nullptr;
-  /// This process's rank: with several processes each writes the disk caches
-  /// as its own writer "r<rank>" (io/tensor_cache.h), so ranks never wait on
-  /// each other's lock; a rank whose entries are all cached only reads.
-  int rank = 0;
+  /// This process's share of the disk caches' encoding (train/ldm_cache.h):
+  /// each rank writes as its own writer "r<rank>" (io/tensor_cache.h), so ranks
+  /// never wait on each other's lock, encodes the missing entries it owns and
+  /// waits for the rest; a rank whose entries are all cached only reads.
+  CacheShare cache_share;
   /// When set, families whose construction does slow work (the LDM ones
   /// encode the dataset) call it first, with a meta-device copy of the module
   /// tree (named as module() will be) and its LoRA components; the run checks
