@@ -99,8 +99,12 @@ std::vector<int> launch(const std::string& dir, const RankRun& r) {
 std::vector<Trajectory> train_ranks(const std::string& dir, const RankRun& r) {
   const std::vector<int> status = launch(dir, r);
   std::vector<Trajectory> out;
-  EXPECT_EQ(status, std::vector<int>(static_cast<size_t>(r.world), 0))
-      << r.name << ": " << read_text(dir + "/" + r.name + ".error0.txt");
+  std::string errors;
+  for (int rank = 0; rank < r.world; ++rank) {
+    const std::string path = dir + "/" + r.name + ".error" + std::to_string(rank) + ".txt";
+    if (fs::exists(path)) errors += fmt::format("\nrank {}: {}", rank, read_text(path));
+  }
+  EXPECT_EQ(status, std::vector<int>(static_cast<size_t>(r.world), 0)) << r.name << ":" << errors;
   if (status != std::vector<int>(static_cast<size_t>(r.world), 0)) return out;
   for (int rank = 0; rank < r.world; ++rank)
     out.push_back(load_trajectory(dir + "/" + r.name + ".rank" + std::to_string(rank) + ".pt"));

@@ -319,6 +319,10 @@ TrainSummary train(const TrainConfig& config, const TrainRunOptions& options) {
       }
     });
   }
+  // Rank 0 hosts the rendezvous store: it must not exit (closing the store)
+  // while another rank is still reading the signal of the last step's files
+  // from it, which failed as "Connection reset by peer" on a loaded machine.
+  if (run->group) run->group->barrier();
   return report.finish(step);
 }
 
