@@ -10,7 +10,8 @@ set_tests_properties("DataParallelTraining.TwoRanksMatchOneProcessWithDoubleBatc
   "DataParallelTraining.GradientAccumulationMatchesOneProcess"
   "DataParallelTraining.UnsupportedGradientPathIsRefusedOnEveryRank" PROPERTIES TIMEOUT 300)
 set_tests_properties("Launch.TwoRanksTrainOneRun" "Launch.AFailingRankFailsTheLaunchNamingIt"
-  "Launch.AKilledRankStopsTheRunAndLeavesNoProcess" PROPERTIES TIMEOUT 180)
+  "Launch.AKilledRankStopsTheRunAndLeavesNoProcess" "Torchrun.ARestartedGroupResumesFromItsLastCheckpoint"
+  PROPERTIES TIMEOUT 180)
 set_tests_properties("ZeroCollectives.TwoProcesses" "ZeroCollectives.ThreeProcesses" PROPERTIES TIMEOUT 120)
 set_tests_properties("ZeroTwoRanks.AdamW" "ZeroTwoRanks.AdamW8bit" "ZeroTwoRanks.Adafactor"
   "ZeroStage3.TwoRanksAdamW" "ZeroStage3.TwoRanksAdafactorBf16StochasticRounding"

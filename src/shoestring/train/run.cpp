@@ -615,7 +615,8 @@ void apply_epochs(Run& run, bool quiet) {
 
 }  // namespace
 
-std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions& options) {
+std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions& options_in) {
+  TrainRunOptions options = options_in;  // an elastic restart resumes (below)
   auto owned = std::make_unique<Run>();
   Run& run = *owned;
   run.config = config;
@@ -631,6 +632,14 @@ std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions&
     check_training_datasets(run.config, dataset_specs_of_run);
   }
   const dist::LaunchEnvironment launch = join_process_group(run);
+  if (launch.restart_count > 0 && !options.resume_dir) {
+    // torchrun --max_restarts started this group again after a rank failed:
+    // the run goes on in its folder from its latest checkpoint (from step 0
+    // when it saved none), as `--resume` would.
+    options.resume_dir = run.run_dir;
+    spdlog::info("restart {} of an elastic launch (TORCHELASTIC_RESTART_COUNT): resuming {} from its latest checkpoint",
+                 launch.restart_count, run.run_dir);
+  }
   if (run.writes_files()) {
     prepare_run_dir(run, options);
   } else {
