@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # bench/scale.sh: data parallel and ZeRO stages over loopback Gloo on this
-# machine. For each world size W (default 1 2 4) and zero_stage (0 1 2), it
+# machine. For each world size W (default 1 2 4) and zero_stage (0 1 2 3), it
 # trains the emoji example for a few steps with `shoestring launch --nproc W`
 # and prints rank 0's step time (median of the steps after the first), its
 # peak bytes by ledger category at the last step, and `shoestring plan
 # --world-size W`'s prediction of that peak beside it. All W processes share
 # this machine's cores (threads divided), so step times grow with W here; the
-# memory columns are what one rank of a real multi-GPU run holds.
+# memory columns are what one rank of a real multi-GPU run holds. Stage 3
+# shards the weights of checkpointed blocks and has no EMA yet, so the rows
+# marked "c" (0c, 2c, 3c) run with gradient_checkpointing = true and
+# ema_decay = 0: compare 3c with 0c and 2c, not with the other rows.
 #
-#   bench/scale.sh [BUILD_DIR] [--worlds "1 2 4"] [--steps 4] [--config examples/emoji.toml]
+#   bench/scale.sh [BUILD_DIR] [--worlds "1 2 4"] [--stages "0 1 2 0c 2c 3c"] [--steps 4] [--config examples/emoji.toml]
 #
 # Prints the CPU line of the first run (core/cpu_features.h) and one table.
 set -euo pipefail
@@ -16,13 +19,15 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build="$root/build"
 worlds="1 2 4"
 steps=4
+stages="0 1 2 0c 2c 3c"
 config="$root/examples/emoji.toml"
 while [ $# -gt 0 ]; do
   case "$1" in
     --worlds) worlds="$2"; shift 2 ;;
     --steps) steps="$2"; shift 2 ;;
+    --stages) stages="$2"; shift 2 ;;
     --config) config="$2"; shift 2 ;;
-    -h|--help) sed -n 2,13p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,17p "$0"; exit 0 ;;
     -*) echo "bench/scale.sh: unknown option $1" >&2; exit 2 ;;
     *) build="$1"; shift ;;
   esac
@@ -36,12 +41,15 @@ trap 'rm -rf "$work"' EXIT
 printed_cpu=0
 printf '%-3s %-5s %9s %10s %10s %8s %9s %9s %9s %9s\n' W stage "s/step" "peak" "planned" "diff" weights grads state temps
 for w in $worlds; do
-  for stage in 0 1 2; do
+  for label in $stages; do
+    stage="${label%c}"
+    extra=()
+    if [ "$label" != "$stage" ]; then extra=(--set gradient_checkpointing=true --set ema_decay=0); fi
     if [ "$w" = 1 ] && [ "$stage" != 0 ]; then continue; fi
-    run="$work/w${w}_s${stage}"
+    run="$work/w${w}_s${label}"
     if ! "$exe" launch --nproc "$w" -- train "$config" --max-steps "$steps" --output-dir "$run" \
         --set max_train_minutes=0 --set zero_stage="$stage" --set sample_prompts='["ghost"]' \
-        --set sample_seeds=1 --set sample_steps=1 > "$work/log" 2>&1; then
+        --set sample_seeds=1 --set sample_steps=1 "${extra[@]}" > "$work/log" 2>&1; then
       echo "bench/scale.sh: W=$w zero_stage=$stage failed; its log:" >&2
       tail -20 "$work/log" >&2
       exit 1
@@ -50,8 +58,8 @@ for w in $worlds; do
       grep -m1 -o "CPU: .*" "$work/log" || true
       printed_cpu=1
     fi
-    planned=$("$exe" plan "$config" --world-size "$w" --set zero_stage="$stage" --json 2>/dev/null)
-    /usr/bin/python3 - "$run/metrics.jsonl" "$w" "$stage" "$planned" <<'EOF'
+    planned=$("$exe" plan "$config" --world-size "$w" --set zero_stage="$stage" "${extra[@]}" --json 2>/dev/null)
+    /usr/bin/python3 - "$run/metrics.jsonl" "$w" "$label" "$planned" <<'EOF'
 import json, statistics, sys
 path, w, stage, planned = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
 rows = [json.loads(l) for l in open(path) if l.strip()]

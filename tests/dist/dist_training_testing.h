@@ -17,6 +17,7 @@
 #include <gtest/gtest.h>
 
 #include "../train/train_testing.h"
+#include "shoestring/io/safetensors.h"
 #include "shoestring/train/config.h"
 #include "shoestring/train/trainer.h"
 
@@ -42,24 +43,32 @@ struct Trajectory {
   std::vector<at::Tensor> weights;
   double activation_peak = 0;          ///< the first step's peak activation bytes (proportional to the rows trained)
   double optimizer_state_peak = 0;     ///< the last step's peak optimizer_state bytes (the ledger's)
+  double weights_peak = 0;             ///< the last step's peak weights bytes (the ledger's)
   double summary_images_per_step = 0;  ///< the run summary's images/s x s/step (the "done:" log line)
 };
 
 /// Trains `c` and records its trajectory; `die_at_step` > 0 exits the
-/// process (status 3) after that step; `resume_dir` resumes that run.
+/// process (status 3) after that step; `resume_dir` resumes that run. With
+/// zero_stage = 3 a rank holds only its share of the weights after a step:
+/// the final weights are then read back from the run's final model file.
 inline Trajectory train_and_record(const TrainConfig& c, int64_t die_at_step = 0,
                                    const std::optional<std::string>& resume_dir = std::nullopt) {
   Trajectory t;
   torch::nn::Module* model = nullptr;
+  std::vector<std::string> names;
   TrainRunOptions o = quiet();
   o.resume_dir = resume_dir;
-  o.on_model_ready = [&](torch::nn::Module& m) { model = &m; };
+  o.on_model_ready = [&](torch::nn::Module& m) {
+    model = &m;
+    for (const auto& item : m.named_parameters()) names.push_back(item.key());
+  };
   o.on_step = [&](const nlohmann::json& rec) {
     t.losses.push_back(rec["loss"].get<double>());
     t.grad_norms.push_back(rec["grad_norm"].get<double>());
     const int64_t step = rec["step"].get<int64_t>();
     if (t.losses.size() == 1) t.activation_peak = rec["peak_activations_bytes"].get<double>();
     t.optimizer_state_peak = rec["peak_optimizer_state_bytes"].get<double>();
+    t.weights_peak = rec["peak_weights_bytes"].get<double>();
     if (step == die_at_step) ::_exit(3);
     if (step == c.max_train_steps) {
       for (const auto& p : model->parameters()) t.weights.push_back(p.detach().clone());
@@ -67,6 +76,13 @@ inline Trajectory train_and_record(const TrainConfig& c, int64_t die_at_step = 0
   };
   const TrainSummary summary = train(c, o);
   t.summary_images_per_step = summary.images_per_second * summary.seconds_per_step;
+  bool sharded = false;
+  for (const at::Tensor& w : t.weights) sharded = sharded || w.numel() == 0;
+  if (sharded) {
+    const SafetensorsFile file = SafetensorsFile::open(summary.run_dir + "/model.safetensors");
+    for (size_t i = 0; i < names.size() && i < t.weights.size(); ++i)
+      t.weights[i] = file.get(names[i]).to(t.weights[i].scalar_type()).clone();
+  }
   return t;
 }
 
@@ -106,7 +122,7 @@ inline void save_trajectory(const Trajectory& t, const std::string& path) {
   std::vector<at::Tensor> all = t.weights;
   all.push_back(at::tensor(t.grad_norms, at::TensorOptions().dtype(at::kDouble)));
   all.push_back(at::tensor(t.losses, at::TensorOptions().dtype(at::kDouble)));
-  all.push_back(at::tensor({t.activation_peak, t.optimizer_state_peak, t.summary_images_per_step},
+  all.push_back(at::tensor({t.activation_peak, t.optimizer_state_peak, t.summary_images_per_step, t.weights_peak},
                            at::TensorOptions().dtype(at::kDouble)));
   torch::save(all, path);
 }
@@ -118,6 +134,7 @@ inline Trajectory load_trajectory(const std::string& path) {
   t.activation_peak = all.back()[0].item<double>();
   t.optimizer_state_peak = all.back()[1].item<double>();
   t.summary_images_per_step = all.back()[2].item<double>();
+  t.weights_peak = all.back()[3].item<double>();
   all.pop_back();
   at::Tensor losses = all.back();
   all.pop_back();

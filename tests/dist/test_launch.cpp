@@ -20,6 +20,7 @@
 #include "../train/ldm_cache_fixture.h"
 #include "../train/train_testing.h"
 #include "dist_testing.h"
+#include "shoestring/io/safetensors.h"
 #include "shoestring/io/tensor_cache.h"
 #include "shoestring/train/config.h"
 #include "shoestring/train/ldm_cache.h"
@@ -41,17 +42,22 @@ struct Launcher {
   pid_t pid = -1;
   std::string output_path;
 
-  Launcher(const std::vector<std::string>& args, const std::string& output) : output_path(output) {
+  Launcher(const std::vector<std::string>& args, const std::string& output)
+      : Launcher(SHOESTRING_BINARY, args, output) {}
+
+  /// Another program (torchrun) with `args`.
+  Launcher(const std::string& program, const std::vector<std::string>& args, const std::string& output)
+      : output_path(output) {
     posix_spawn_file_actions_t fa;
     posix_spawn_file_actions_init(&fa);
     posix_spawn_file_actions_addopen(&fa, STDOUT_FILENO, output.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
     posix_spawn_file_actions_adddup2(&fa, STDOUT_FILENO, STDERR_FILENO);
-    std::vector<std::string> all = {SHOESTRING_BINARY};
+    std::vector<std::string> all = {program};
     all.insert(all.end(), args.begin(), args.end());
     std::vector<char*> argv;
     for (auto& a : all) argv.push_back(a.data());
     argv.push_back(nullptr);
-    posix_spawn(&pid, SHOESTRING_BINARY, &fa, nullptr, argv.data(), environ);
+    posix_spawn(&pid, program.c_str(), &fa, nullptr, argv.data(), environ);
     posix_spawn_file_actions_destroy(&fa);
   }
 
@@ -104,6 +110,58 @@ TEST(Launch, TwoRanksTrainOneRun) {
                          HasSubstr("1 threads")));  // 2 CPUs shared by 2 ranks (ctest machine: 2 cores)
   EXPECT_EQ(shoestring::testing::losses_of(dir + "/run/metrics.jsonl").size(), 3u);
   EXPECT_TRUE(std::filesystem::exists(dir + "/run/model.safetensors"));
+}
+
+// torchrun --max_restarts 1 (Debian's python3-torch): rank 1 of the first
+// attempt dies while writing its step-4 optimizer shard (the atomic-write
+// crash hook, set for that rank and attempt only by a wrapper script);
+// torchrun starts the group again, which resumes from the step-2 checkpoint
+// in the same run folder (TORCHELASTIC_RESTART_COUNT = 1) and finishes with
+// the final weights of a run that never stopped, bit for bit.
+TEST(Torchrun, ARestartedGroupResumesFromItsLastCheckpoint) {
+  const char* torchrun = "/usr/bin/torchrun";
+  if (!std::filesystem::exists(torchrun)) GTEST_SKIP() << "no " << torchrun << " (Debian's python3-torch)";
+  const std::string dir = fresh_dist_dir("torchrun_restart");
+  auto config_for = [&](const std::string& name) {
+    TrainConfig c = shoestring::testing::tiny_emoji_config(dir + "/" + name);
+    c.max_train_steps = 4;
+    c.save_every_n_steps = 2;
+    c.train_batch_size = 2;
+    c.zero_stage = 1;
+    c.num_threads = 1;
+    c.ddp_timeout = 1;
+    const std::string path = dir + "/" + name + ".toml";
+    std::ofstream(path) << to_toml(c);
+    return path;
+  };
+  Launcher whole({"launch", "--nproc", "2", "--", "train", config_for("whole")}, dir + "/whole.txt");
+  ASSERT_EQ(whole.wait(), 0) << whole.output();
+
+  const std::string wrapper = dir + "/rank.sh";
+  std::ofstream(wrapper) << "#!/bin/sh\n"
+                         << "if [ \"$RANK\" = 1 ] && [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ]; then\n"
+                         << "  export SHOESTRING_TEST_CRASH_AT_WRITE=2\n"
+                         << "fi\n"
+                         << "exec " << SHOESTRING_BINARY << " \"$@\"\n";
+  std::filesystem::permissions(wrapper, std::filesystem::perms::owner_all);
+  const int port = shoestring::testing::free_tcp_port();
+  Launcher l(torchrun,
+             {"--nproc_per_node", "2", "--max_restarts", "1", "--master_addr", "127.0.0.1", "--master_port",
+              std::to_string(port), "-r", "1", "-t", "1", "--no_python", wrapper, "train", config_for("restarted")},
+             dir + "/restarted.txt");
+  ASSERT_EQ(l.wait(std::chrono::seconds(170)), 0) << l.output();
+  EXPECT_THAT(l.output(), AllOf(HasSubstr("restart 1 of an elastic launch"), HasSubstr("resumed from")))
+      << l.output();
+  const SafetensorsFile a = SafetensorsFile::open(dir + "/whole/model.safetensors");
+  const SafetensorsFile b = SafetensorsFile::open(dir + "/restarted/model.safetensors");
+  ASSERT_EQ(a.tensors().size(), b.tensors().size());
+  for (const auto& info : a.tensors()) {
+    const TensorInfo* other = b.find(info.name);
+    ASSERT_NE(other, nullptr) << info.name;
+    EXPECT_EQ(a.bytes(info), b.bytes(*other)) << info.name;
+  }
+  EXPECT_EQ(shoestring::testing::losses_of(dir + "/restarted/metrics.jsonl"),
+            shoestring::testing::losses_of(dir + "/whole/metrics.jsonl"));
 }
 
 TEST(Launch, AFailingRankFailsTheLaunchNamingIt) {

@@ -93,6 +93,105 @@ at::Tensor expected_mean(const at::Tensor& p, size_t i, int world) {
   return (base_grad(p, i) * ((world + 1) / 2.0)).to(p.scalar_type());
 }
 
+/// Stage 3: streamed groups {a.weight, a.bias, c.bf16} and {b.weight};
+/// d.weight and e.unused stay resident. A released parameter this rank does
+/// not own is empty; fetch gathers its owner's values bit for bit; release
+/// after backward leaves each gradient's mean, summed over two
+/// micro-batches, on its owner only; hold_all_on gathers onto one rank.
+void check_zero_stage3(ProcessGroup& g) {
+  const int r = g.rank();
+  const int w = g.size();
+  NamedTensors params = make_params();
+  ZeroSharding zero(g, params, 3, /*bucket_bytes=*/48);
+  EXPECT_THAT([&] { zero.add_streamed_group({0, 7}); }, ::testing::ThrowsMessage<Error>(HasSubstr("index 7")));
+  const size_t first = zero.add_streamed_group({0, 1, 3});
+  const size_t second = zero.add_streamed_group({2});
+  EXPECT_THAT([&] { zero.add_streamed_group({1}); }, ::testing::ThrowsMessage<Error>(HasSubstr("a.bias")));
+  EXPECT_EQ(zero.streamed_elements(), 35 + 3 + 6 + 16);
+  auto value_of = [](size_t i) { return 1000.0 + 10.0 * static_cast<double>(i) + 0.5; };
+  {
+    at::NoGradGuard no_grad;
+    // Each owner's values (other ranks' copies hold garbage: never read).
+    for (size_t i = 0; i < params.size(); ++i) {
+      params[i].second.fill_(zero.ownership().owner(i) == r ? value_of(i) : -1.0 - r);
+    }
+  }
+  zero.start_streaming();
+  auto present_as_owner = [&](size_t i) {
+    const at::Tensor& p = params[i].second;
+    return p.sizes() == make_params()[i].second.sizes() && p.equal(at::full(p.sizes(), value_of(i), p.options()));
+  };
+  const std::vector<size_t> streamed = {0, 1, 2, 3};
+  for (size_t i : streamed) {
+    if (zero.ownership().owner(i) == r) {
+      EXPECT_TRUE(present_as_owner(i)) << params[i].first << " stays on its owner " << r;
+    } else {
+      EXPECT_EQ(params[i].second.numel(), 0) << params[i].first << " freed on rank " << r;
+    }
+  }
+  for (int micro = 0; micro < 2; ++micro) {
+    zero.fetch(first);
+    zero.fetch(first);  // nested: gathers once
+    for (size_t i : {0, 1, 3}) EXPECT_TRUE(present_as_owner(i)) << params[i].first << " fetched on rank " << r;
+    if (zero.ownership().owner(2) != r) {
+      EXPECT_EQ(params[2].second.numel(), 0) << "another group: not fetched";
+    }
+    zero.release(first, false);
+    for (size_t i : {0, 1, 3}) EXPECT_TRUE(present_as_owner(i)) << "still in use by the outer fetch";
+    // The group's backward: this micro-batch's gradients, then the release reduces them.
+    for (size_t i : {0, 1, 3}) {
+      at::Tensor& p = params[i].second;
+      p.mutable_grad() = (base_grad(p, i) * (r + 1)).to(p.scalar_type());
+    }
+    zero.release(first, true);
+    for (size_t i : {0, 1, 3}) {
+      EXPECT_FALSE(params[i].second.grad().defined()) << "until reduce_gradients";
+      if (zero.ownership().owner(i) != r) {
+        EXPECT_EQ(params[i].second.numel(), 0) << params[i].first << " released";
+      }
+    }
+  }
+  zero.reduce_gradients();
+  for (size_t i : {0, 1, 3}) {
+    const at::Tensor& p = params[i].second;
+    if (zero.ownership().owner(i) == r) {
+      ASSERT_TRUE(p.grad().defined()) << params[i].first;
+      // Two micro-batches, each the mean: 2 x base x (W + 1) / 2, rounded per micro-batch for bf16.
+      const at::Tensor mean = expected_mean(p, i, w);
+      EXPECT_TRUE(p.grad().allclose(mean + mean, 1e-6, 0)) << params[i].first << " on rank " << r;
+    } else {
+      EXPECT_FALSE(p.grad().defined()) << params[i].first;
+    }
+  }
+  // Resident parameters are stage 2's: the updated values go from owner to all.
+  {
+    at::NoGradGuard no_grad;
+    if (zero.ownership().owner(4) == r) params[4].second.fill_(7.25);
+  }
+  zero.broadcast_updated_parameters();
+  EXPECT_TRUE(params[4].second.equal(at::full({11}, 7.25, params[4].second.options())));
+  // Everything on rank w - 1 (saving, sampling); fetch is then a no-op there.
+  zero.hold_all_on(w - 1);
+  for (size_t i : streamed) {
+    if (r == w - 1 || zero.ownership().owner(i) == r) {
+      EXPECT_TRUE(present_as_owner(i)) << params[i].first << " held on rank " << r;
+    } else {
+      EXPECT_EQ(params[i].second.numel(), 0) << params[i].first << " passes through rank " << r;
+    }
+  }
+  if (r == w - 1) {
+    zero.fetch(second);
+    zero.release(second, false);
+    EXPECT_TRUE(present_as_owner(2)) << "held: release does not free";
+  }
+  zero.release_held();
+  for (size_t i : streamed) {
+    if (zero.ownership().owner(i) != r) {
+      EXPECT_EQ(params[i].second.numel(), 0) << params[i].first;
+    }
+  }
+}
+
 void check_zero(ProcessGroup& g) {
   const int r = g.rank();
   const int w = g.size();
@@ -162,7 +261,10 @@ void check_zero(ProcessGroup& g) {
     EXPECT_EQ(zero.parameter_of_state("nothing.exp_avg"), std::nullopt);
     EXPECT_EQ(zero.parameter_of_state(params[0].first + ".exp_avg.more"), std::nullopt);
   }
-  EXPECT_THAT([&] { ZeroSharding(g, make_params(), 3); }, ::testing::ThrowsMessage<Error>(HasSubstr("zero_stage = 3")));
+  EXPECT_THAT([&] { ZeroSharding(g, make_params(), 4); }, ::testing::ThrowsMessage<Error>(HasSubstr("zero_stage = 4")));
+  EXPECT_THAT([&] { ZeroSharding(g, make_params(), 2).add_streamed_group({0}); },
+              ::testing::ThrowsMessage<Error>(HasSubstr("zero_stage = 3")));
+  check_zero_stage3(g);
 }
 
 DIST_SCENARIO(zero_collectives) {

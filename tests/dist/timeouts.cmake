@@ -11,9 +11,12 @@ set_tests_properties("DataParallelTraining.TwoRanksMatchOneProcessWithDoubleBatc
   "DataParallelTraining.UnsupportedGradientPathIsRefusedOnEveryRank" PROPERTIES TIMEOUT 300)
 set_tests_properties("Launch.TwoRanksTrainOneRun" "Launch.AFailingRankFailsTheLaunchNamingIt"
   "Launch.AKilledRankStopsTheRunAndLeavesNoProcess" "Launch.TwoRanksEncodeDisjointSharesOfTheDiskCache"
+  "Torchrun.ARestartedGroupResumesFromItsLastCheckpoint"
   PROPERTIES TIMEOUT 180)
 set_tests_properties("ZeroCollectives.TwoProcesses" "ZeroCollectives.ThreeProcesses" PROPERTIES TIMEOUT 120)
 set_tests_properties("ZeroTwoRanks.AdamW" "ZeroTwoRanks.AdamW8bit" "ZeroTwoRanks.Adafactor"
+  "ZeroStage3.TwoRanksAdamW" "ZeroStage3.TwoRanksAdafactorBf16StochasticRounding"
+  "ZeroStage3.ThreeRanksWithGradientAccumulation" "ZeroCheckpoint.Stage3ResumesAtTwoRanksAndOneProcess"
   "ZeroTwoRanks.Bf16StochasticRounding"
   "ZeroTraining.ThreeRanksMatchOneProcessWithTripleBatch"
   "ZeroCheckpoint.ShardedResumesAtOneTwoAndThreeRanksAndConsolidates"

@@ -75,3 +75,41 @@ TEST(ZeroPlan, OptimizerStateIsTheLargestRanksOwnedTensors) {
                 .find("world size"),
             std::string::npos);
 }
+
+// Stage 3 (dist/zero.h) shards the weights of checkpointed blocks: a rank's
+// planned weights are its share of them (the ZeRO paper's 2 Psi / N for bf16
+// weights) plus what stays whole (the layers outside blocks, the block in
+// use), which does not depend on N; without checkpointing nothing streams.
+TEST(ZeroPlan, Stage3ShardsTheWeightsOfCheckpointedBlocks) {
+  auto model = models::build_architecture("sdxl", nn::LayerInit{torch::kMeta}, /*tiny=*/true);
+  int64_t psi = 0, largest = 0;
+  for (const auto& p : model->parameters()) {
+    psi += p.numel();
+    largest = std::max(largest, p.numel());
+  }
+  TrainConfig c = zero_config(3);
+  c.gradient_checkpointing = true;
+  const plan::MemoryPlan two = plan::plan_memory(c, plan::kDefaultVocabSize, 2);
+  const plan::MemoryPlan four = plan::plan_memory(c, plan::kDefaultVocabSize, 4);
+  const plan::MemoryPlan stage2 = plan::plan_memory(zero_config(2), plan::kDefaultVocabSize, 2);
+  EXPECT_EQ(stage2.weights_bytes, 2 * psi);
+  EXPECT_GE(two.weights_bytes, 2 * psi / 2);
+  EXPECT_GE(four.weights_bytes, 2 * psi / 4);
+  EXPECT_LT(two.weights_bytes, stage2.weights_bytes);
+  EXPECT_LT(four.weights_bytes, two.weights_bytes);
+  // What is not sharded is the same at every N, up to the owners' imbalance
+  // (at most the largest tensor each).
+  const int64_t whole_at_2 = two.weights_bytes - 2 * psi / 2, whole_at_4 = four.weights_bytes - 2 * psi / 4;
+  EXPECT_LE(std::abs(whole_at_2 - whole_at_4), 2 * 2 * largest) << whole_at_2 << " vs " << whole_at_4;
+  EXPECT_LT(whole_at_2, 2 * psi / 2) << "most of the weights are in checkpointed blocks";
+  EXPECT_LE(two.predicted_peak_bytes, stage2.predicted_peak_bytes);
+  bool noted = false;
+  for (const std::string& n : two.notes) noted = noted || n.find("ZeRO stage 3") != std::string::npos;
+  EXPECT_TRUE(noted);
+  // Without checkpointed blocks nothing streams: stage 2's weights, and a note saying why.
+  const plan::MemoryPlan plain = plan::plan_memory(zero_config(3), plan::kDefaultVocabSize, 2);
+  EXPECT_EQ(plain.weights_bytes, 2 * psi);
+  bool says = false;
+  for (const std::string& n : plain.notes) says = says || n.find("gradient_checkpointing = true") != std::string::npos;
+  EXPECT_TRUE(says);
+}

@@ -140,6 +140,85 @@ TEST(BlockPrecision, CheckpointByRuleGivesSameGradients) {
   }
 }
 
+/// A streaming of one block that really frees its parameters between uses
+/// (kept aside, empty in the module, as ZeRO stage 3 does on a rank that does
+/// not own them) and logs every call, with whether the block's gradients
+/// were there at release(true).
+struct RecordingStreaming : nn::BlockParameterStreaming {
+  const torch::nn::Module* block = nullptr;
+  std::vector<at::Tensor> params, kept;
+  std::vector<std::string> log;
+  bool streams(const torch::nn::Module* b) const override { return b == block; }
+  void fetch(const torch::nn::Module*) override {
+    log.push_back("fetch");
+    for (size_t i = 0; i < params.size(); ++i) params[i].set_data(kept[i].clone());
+  }
+  void release(const torch::nn::Module*, bool gradients_complete) override {
+    bool grads = true;
+    for (const auto& p : params) grads = grads && p.grad().defined();
+    log.push_back(gradients_complete ? (grads ? "release after backward, gradients there" : "release, no gradients")
+                                     : "release");
+    for (auto& p : params) p.set_data(at::empty({0}, p.options()));
+  }
+};
+
+// BlockParameterStreaming around a checkpointed block: fetched for the
+// forward and released, fetched again for the recompute and released after
+// its backward, once the block's gradients exist; the gradients equal those
+// of the same model without streaming. A block that would keep activations
+// for backward (not checkpointed) cannot stream.
+TEST(BlockPrecision, StreamedBlocksAreFetchedAndReleasedAroundEachUse) {
+  torch::manual_seed(4);
+  Chain plain(3), streamed(3);
+  {
+    torch::NoGradGuard ng;
+    for (auto& item : streamed->named_parameters()) item.value().copy_(plain->named_parameters()[item.key()]);
+  }
+  RuleSpec ck;
+  ck.match = "blocks.1";
+  ck.checkpoint = true;
+  for (Chain* c : {&plain, &streamed})
+    apply(**c, resolve(**c, Policy::from_specs({ck}), {(*c)->table.get()}), {(*c)->table.get()});
+  EXPECT_EQ(streamed->table->checkpointed_blocks(), std::vector<const torch::nn::Module*>{streamed->blocks[1].get()});
+  auto streaming = std::make_shared<RecordingStreaming>();
+  streaming->block = streamed->blocks[1].get();
+  streaming->params = streamed->blocks[1]->parameters();
+  for (const auto& p : streaming->params) streaming->kept.push_back(p.detach().clone());
+  for (auto& p : streaming->params) p.set_data(at::empty({0}, p.options()));
+  streamed->table->streaming = streaming;
+
+  const at::Tensor x = torch::randn({4, 8});
+  const at::Tensor y = streamed->forward(x);
+  EXPECT_EQ(streaming->log, (std::vector<std::string>{"fetch", "release"}));
+  for (const auto& p : streaming->params) EXPECT_EQ(p.numel(), 0) << "released after the forward";
+  y.pow(2).sum().backward();
+  plain->forward(x).pow(2).sum().backward();
+  EXPECT_EQ(streaming->log,
+            (std::vector<std::string>{"fetch", "release", "fetch", "release after backward, gradients there"}));
+  for (auto& item : plain->named_parameters()) {
+    EXPECT_TRUE(torch::equal(item.value().grad(), streamed->named_parameters()[item.key()].grad())) << item.key();
+  }
+  // Without autograd (sampling): fetched and released around the block.
+  streaming->log.clear();
+  {
+    torch::NoGradGuard ng;
+    EXPECT_TRUE(torch::equal(streamed->forward(x), plain->forward(x)));
+  }
+  EXPECT_EQ(streaming->log, (std::vector<std::string>{"fetch", "release"}));
+  // Autograd on, the block not checkpointed: refused, naming the block.
+  streamed->table->set(streamed->blocks[1].get(), nn::BlockPrecision{});
+  EXPECT_THROW(
+      {
+        try {
+          streamed->forward(x);
+        } catch (const Error& e) {
+          EXPECT_NE(std::string(e.what()).find("gradient_checkpointing = true"), std::string::npos) << e.what();
+          throw;
+        }
+      },
+      Error);
+}
+
 TEST(LossScaler, FollowsGradScalerRule) {
   // Hand-derived trajectory of torch.cuda.amp.GradScaler's update rule with
   // init 65536, growth 2 every 3 clean steps, backoff 0.5.

@@ -1,5 +1,6 @@
 #include "shoestring/core/threads.h"
 
+#include <dlfcn.h>
 #include <sched.h>
 #include <unistd.h>
 
@@ -24,6 +25,15 @@ int configure_threads(int64_t requested) {
     if (n <= 0) n = 1;
   }
   at::set_num_threads(n);
+  // OpenBLAS (Debian's libopenblas0-pthread, under libtorch's matrix
+  // products) keeps a pool of its own, sized at load from
+  // OPENBLAS_NUM_THREADS / OMP_NUM_THREADS, else every core; at::set_num_threads
+  // does not reach it. Unless the user sized it, it follows the count set here.
+  const char* blas = std::getenv("OPENBLAS_NUM_THREADS");
+  if (blas == nullptr || *blas == '\0') {
+    using SetThreads = void (*)(int);
+    if (auto* set = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) set(n);
+  }
   return n;
 }
 

@@ -19,7 +19,11 @@
 namespace shoestring {
 
 /// Sets libtorch's intra-op threads: `requested` if > 0, else the number of
-/// CPUs in this process's affinity mask. Returns the count set.
+/// CPUs in this process's affinity mask; OpenBLAS's own pool too (when the
+/// process has OpenBLAS and OPENBLAS_NUM_THREADS is unset): without it the
+/// matrix products of every rank of `shoestring launch` used every core
+/// (oversubscribed, and numerically unlike torchrun, which sets
+/// OMP_NUM_THREADS = 1). Returns the count set.
 int configure_threads(int64_t requested);
 
 /// GOMP_SPINCOUNT set beside PASSIVE (when unset): an idle worker spins this

@@ -4,9 +4,11 @@
 #include <map>
 
 #include <ATen/core/grad_mode.h>
+#include <c10/util/accumulate.h>
 #include <fmt/format.h>
 
 #include "shoestring/core/error.h"
+#include "shoestring/core/memory_ledger.h"
 
 namespace shoestring::dist {
 
@@ -46,39 +48,58 @@ std::vector<at::Tensor> tensors_of(const NamedTensors& params) {
 }  // namespace
 
 ZeroSharding::ZeroSharding(ProcessGroup& group, NamedTensors params, int stage, int64_t bucket_bytes)
-    : group_(group), params_(std::move(params)), stage_(stage), ownership_(numels_of(params_), group.size()) {
-  if (stage != 1 && stage != 2) fail("ZeroSharding: zero_stage = {}, expected 1 or 2", stage);
+    : group_(group),
+      params_(std::move(params)),
+      stage_(stage),
+      ownership_(numels_of(params_), group.size()),
+      bucket_bytes_(bucket_bytes),
+      tensors_(tensors_of(params_)) {
+  if (stage < 1 || stage > 3) fail("ZeroSharding: zero_stage = {}, expected 1, 2 or 3", stage);
   if (bucket_bytes < 1) fail("ZeroSharding: bucket size {} bytes, expected >= 1", bucket_bytes);
   for (size_t i = 0; i < params_.size(); ++i) {
     if (!index_of_.emplace(params_[i].first, i).second)
       fail("ZeroSharding: two parameters named '{}'", params_[i].first);
+    shapes_.push_back(params_[i].second.sizes().vec());
   }
-  if (stage_ == 1) averager_ = std::make_unique<GradientAverager>(group_, tensors_of(params_), bucket_bytes);
-  if (stage_ == 2) {
-    for (Bucket& b : make_buckets(/*by_dtype=*/false, bucket_bytes))
-      gradient_buckets_.push_back({std::move(b.params), b.numel, b.owner});
-  }
-  weight_buckets_ = make_buckets(/*by_dtype=*/true, bucket_bytes);
+  group_of_.assign(params_.size(), -1);
+  step_gradient_.resize(params_.size());
+  if (stage_ == 1) averager_ = std::make_unique<GradientAverager>(group_, tensors_, bucket_bytes);
+  make_resident_buckets();
 }
 
-std::vector<ZeroSharding::Bucket> ZeroSharding::make_buckets(bool by_dtype, int64_t cap_bytes) const {
+void ZeroSharding::make_resident_buckets() {
+  std::vector<size_t> resident;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (group_of_[i] < 0) resident.push_back(i);
+  }
+  gradient_buckets_.clear();
+  if (stage_ >= 2) {
+    for (Bucket& b : make_buckets(resident, /*by_dtype=*/false, bucket_bytes_))
+      gradient_buckets_.push_back({std::move(b.params), b.numel, b.owner});
+  }
+  weight_buckets_ = make_buckets(resident, /*by_dtype=*/true, bucket_bytes_);
+}
+
+std::vector<ZeroSharding::Bucket> ZeroSharding::make_buckets(const std::vector<size_t>& which, bool by_dtype,
+                                                             int64_t cap_bytes) const {
   // Per (owner, dtype) the bucket that is filling, in parameter order.
   std::vector<Bucket> done;
   std::map<std::pair<int, int>, Bucket> filling;
-  for (size_t i = 0; i < params_.size(); ++i) {
+  for (size_t i : which) {
     const at::Tensor& p = params_[i].second;
+    const int64_t numel = c10::multiply_integers(shapes_[i]);
     const int owner = ownership_.owner(i);
     const at::ScalarType dtype = by_dtype ? p.scalar_type() : at::kFloat;
     const int64_t cap = std::max<int64_t>(1, cap_bytes / static_cast<int64_t>(c10::elementSize(dtype)));
     Bucket& b = filling[{owner, static_cast<int>(dtype)}];
-    if (b.numel > 0 && b.numel + p.numel() > cap) {
+    if (b.numel > 0 && b.numel + numel > cap) {
       done.push_back(std::move(b));
       b = Bucket{};
     }
     b.owner = owner;
     b.dtype = dtype;
     b.params.push_back(i);
-    b.numel += p.numel();
+    b.numel += numel;
   }
   for (auto& [key, b] : filling) {
     if (!b.params.empty()) done.push_back(std::move(b));
@@ -96,10 +117,17 @@ void ZeroSharding::reduce_gradients() {
     return;
   }
   reduce_to_owners();
+  // Stage 3: the streamed tensors' gradients were reduced block by block in
+  // backward; the owner's sum over the micro-batches becomes its .grad.
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!step_gradient_[i].defined()) continue;
+    tensors_[i].mutable_grad() = step_gradient_[i];
+    step_gradient_[i] = at::Tensor();
+  }
 }
 
 void ZeroSharding::reduce_to_owners() {
-  reduce_gradient_buckets(group_, tensors_of(params_), gradient_buckets_,
+  reduce_gradient_buckets(group_, tensors_, gradient_buckets_,
                           [this](const at::Tensor& flat, const GradientBucket& bucket) {
                             return group_.reduce_sum_async(flat, bucket.root);
                           });
@@ -109,27 +137,139 @@ double ZeroSharding::sum_over_ranks(double value) { return group_.size() == 1 ? 
 
 void ZeroSharding::broadcast_updated_parameters() {
   if (group_.size() == 1) return;
+  for (const Bucket& bucket : weight_buckets_) gather_bucket(bucket, -1);
+}
+
+void ZeroSharding::gather_bucket(const Bucket& bucket, int root) {
   at::NoGradGuard no_grad;
   const int rank = group_.rank();
-  for (const Bucket& bucket : weight_buckets_) {
-    at::Tensor flat = at::empty({bucket.numel}, params_.front().second.options().dtype(bucket.dtype));
-    int64_t offset = 0;
-    if (bucket.owner == rank) {
-      for (size_t i : bucket.params) {
-        const at::Tensor& p = params_[i].second;
-        flat.narrow(0, offset, p.numel()).copy_(p.detach().reshape({p.numel()}));
-        offset += p.numel();
-      }
-    }
-    group_.broadcast(flat, bucket.owner);
-    if (bucket.owner == rank) continue;
-    offset = 0;
+  at::Tensor flat;
+  {
+    ScopedMemoryCategory category(MemoryCategory::temporaries);
+    flat = at::empty({bucket.numel}, params_.front().second.options().dtype(bucket.dtype));
+  }
+  int64_t offset = 0;
+  if (bucket.owner == rank) {
     for (size_t i : bucket.params) {
-      at::Tensor p = params_[i].second.detach();
-      p.copy_(flat.narrow(0, offset, p.numel()).view(p.sizes()));
+      const at::Tensor& p = tensors_[i];
+      flat.narrow(0, offset, p.numel()).copy_(p.detach().reshape({p.numel()}));
       offset += p.numel();
     }
   }
+  group_.broadcast(flat, bucket.owner);
+  if (bucket.owner == rank || (root >= 0 && root != rank)) return;
+  offset = 0;
+  for (size_t i : bucket.params) {
+    at::Tensor p = tensors_[i];
+    const int64_t n = c10::multiply_integers(shapes_[i]);
+    const at::Tensor values = flat.narrow(0, offset, n).view(shapes_[i]);
+    if (p.numel() == n) {
+      p.detach().copy_(values);  // a resident parameter, or one already present
+    } else {
+      ScopedMemoryCategory category(MemoryCategory::weights);
+      p.set_data(values.clone());
+    }
+    offset += n;
+  }
+}
+
+size_t ZeroSharding::add_streamed_group(const std::vector<size_t>& params) {
+  if (stage_ < 3) fail("ZeroSharding: streamed parameter groups need zero_stage = 3 (this is stage {})", stage_);
+  if (streaming_) fail("ZeroSharding: add_streamed_group after start_streaming");
+  StreamGroup g;
+  for (size_t i : params) {
+    if (i >= params_.size()) fail("ZeroSharding: parameter index {} of {}", i, params_.size());
+    if (group_of_[i] >= 0)
+      fail("ZeroSharding: parameter '{}' is already in streamed group {}", params_[i].first, group_of_[i]);
+    g.params.push_back(i);
+  }
+  std::sort(g.params.begin(), g.params.end());
+  if (std::adjacent_find(g.params.begin(), g.params.end()) != g.params.end())
+    fail("ZeroSharding: a streamed group lists a parameter twice");
+  for (size_t i : g.params) group_of_[i] = static_cast<int>(groups_.size());  // all checked: none taken on failure
+  g.fetch_buckets = make_buckets(g.params, /*by_dtype=*/true, bucket_bytes_);
+  for (Bucket& b : make_buckets(g.params, /*by_dtype=*/false, bucket_bytes_))
+    g.gradient_buckets.push_back({std::move(b.params), b.numel, b.owner});
+  groups_.push_back(std::move(g));
+  make_resident_buckets();
+  return groups_.size() - 1;
+}
+
+void ZeroSharding::free_unowned(const StreamGroup& g) {
+  at::NoGradGuard no_grad;
+  for (size_t i : g.params) {
+    if (owns(i)) continue;
+    at::Tensor p = tensors_[i];
+    if (p.numel() > 0) p.set_data(at::empty({0}, p.options()));
+  }
+}
+
+void ZeroSharding::start_streaming() {
+  if (stage_ < 3 || streaming_) return;
+  streaming_ = true;
+  if (group_.size() == 1) return;
+  for (const StreamGroup& g : groups_) free_unowned(g);
+}
+
+void ZeroSharding::fetch(size_t group) {
+  StreamGroup& g = groups_.at(group);
+  if (!streaming_ || group_.size() == 1 || held_on_ == group_.rank()) return;
+  if (g.fetched++ > 0) return;
+  for (const Bucket& b : g.fetch_buckets) gather_bucket(b, -1);
+}
+
+void ZeroSharding::release(size_t group, bool gradients_complete) {
+  StreamGroup& g = groups_.at(group);
+  if (!streaming_ || group_.size() == 1 || held_on_ == group_.rank()) return;
+  if (gradients_complete) {
+    // The mean over ranks into the owner's .grad (others' reset), then into
+    // the owner's sum over this step's micro-batches.
+    {
+      ScopedMemoryCategory category(MemoryCategory::temporaries);  // the buckets
+      reduce_gradient_buckets(group_, tensors_, g.gradient_buckets,
+                              [this](const at::Tensor& flat, const GradientBucket& bucket) {
+                                return group_.reduce_sum_async(flat, bucket.root);
+                              });
+    }
+    for (size_t i : g.params) {
+      at::Tensor p = tensors_[i];
+      if (!owns(i) || !p.grad().defined()) continue;
+      if (step_gradient_[i].defined()) {
+        step_gradient_[i].add_(p.grad());
+      } else {
+        step_gradient_[i] = p.grad();
+      }
+      p.mutable_grad().reset();
+    }
+  }
+  if (g.fetched > 0 && --g.fetched > 0) return;
+  free_unowned(g);
+}
+
+void ZeroSharding::hold_all_on(int root) {
+  if (root < 0 || root >= group_.size()) fail("ZeroSharding::hold_all_on: rank {} of {}", root, group_.size());
+  if (!streaming_ || group_.size() == 1 || held_on_ >= 0) return;
+  for (const StreamGroup& g : groups_) {
+    if (g.fetched > 0) fail("ZeroSharding::hold_all_on: a streamed group is in use (fetched)");
+    for (const Bucket& b : g.fetch_buckets) gather_bucket(b, root);
+  }
+  held_on_ = root;
+}
+
+void ZeroSharding::release_held() {
+  if (held_on_ < 0) return;
+  const bool was_root = held_on_ == group_.rank();
+  held_on_ = -1;
+  if (!was_root) return;
+  for (const StreamGroup& g : groups_) free_unowned(g);
+}
+
+int64_t ZeroSharding::streamed_elements() const {
+  int64_t n = 0;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (group_of_[i] >= 0) n += c10::multiply_integers(shapes_[i]);
+  }
+  return n;
 }
 
 std::optional<size_t> ZeroSharding::parameter_of_state(const std::string& key) const {

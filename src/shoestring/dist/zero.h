@@ -24,12 +24,27 @@
 //   broadcast_updated_parameters()  every tensor from its owner to all ranks,
 //                       bit for bit (bf16 through the fp16-view broadcast)
 //
+// Stage 3 adds the parameters: the parameters of each streamed group (one
+// checkpointed block's, declared with add_streamed_group) live only on their
+// owner between uses; every other rank's copy is an empty tensor. A group
+// is gathered (fetch: one broadcast per owner and dtype) just before the
+// block runs, forward and again for its recompute in backward, and released
+// after; after the recompute's backward its gradients are reduced to their
+// owners at once (release with gradients_complete), so no rank ever holds
+// more than its own share plus the blocks in use. The owner sums a tensor's
+// mean gradients over the micro-batches of a step; at reduce_gradients() it
+// becomes the owner's .grad. Parameters in no group (the layers between
+// blocks) stay resident and are treated as in stage 2. train/ connects the
+// groups to the model's blocks (nn::BlockParameterStreaming). Saving and
+// sampling gather everything onto one rank for their duration
+// (hold_all_on).
+//
 // Checkpoints: each rank writes its own tensors' optimizer state to a shard
 // file of the checkpoint, indexed by rank 0 (train/checkpoint_io.h); on
 // resume, at any world size and stage, each rank reads the state of the
-// tensors it owns then (parameter_of_state + ownership()). Stage 3
-// (sharded parameters), NCCL and overlapping the reductions with backward
-// are later steps.
+// tensors it owns then (parameter_of_state + ownership()). NCCL, prefetch of
+// the next block and overlapping the reductions with backward are later
+// steps.
 #pragma once
 #include <cstdint>
 #include <map>
@@ -80,7 +95,7 @@ using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
 class ZeroSharding {
  public:
   /// `params`: named leaf tensors (any floating dtype; the trainable
-  /// weights). `stage`: 1 or 2. Buckets hold whole tensors, at most
+  /// weights). `stage`: 1, 2 or 3. Buckets hold whole tensors, at most
   /// `bucket_bytes` of fp32 (gradients) or of the weights' dtype
   /// (broadcasts) each; a larger tensor gets one of its own. Throws
   /// shoestring::Error for another stage, bucket_bytes < 1 or two
@@ -113,6 +128,45 @@ class ZeroSharding {
   /// broadcast each). Collective. Throws as reduce_gradients.
   void broadcast_updated_parameters();
 
+  // ---- stage 3 (sharded parameters; see the file comment) ----
+
+  /// Declares the parameters `params` (indices into the constructor's list,
+  /// each in at most one group) as one group streamed together; returns its
+  /// id. Before start_streaming(). Throws shoestring::Error for stage < 3, an
+  /// index out of range or already in a group, or after start_streaming().
+  size_t add_streamed_group(const std::vector<size_t>& params);
+  /// Every rank frees the streamed parameters it does not own (their data
+  /// becomes an empty tensor of their dtype); from now on a group is present
+  /// only between fetch and release. Call once the weights are final for
+  /// the start (loaded, restored from a checkpoint, equal on all ranks). No
+  /// collective.
+  void start_streaming();
+  bool streaming() const { return streaming_; }
+  /// Makes group `group`'s parameters present on every rank (their owners'
+  /// values, bit for bit). Calls nest: only the first gathers. Collective
+  /// (every rank fetches the same groups in the same order). Throws as
+  /// reduce_gradients.
+  void fetch(size_t group);
+  /// Ends a fetch; the last one frees the parameters this rank does not own.
+  /// With `gradients_complete` (the group's backward has just run), first
+  /// reduces the group's gradients to their owners (mean over ranks, in
+  /// fp32; the owner adds it to its sum over the step's micro-batches,
+  /// others' .grad reset). Collective with `gradients_complete`. Throws as
+  /// reduce_gradients.
+  void release(size_t group, bool gradients_complete);
+  /// Gathers every streamed parameter onto rank `root` (per group, one
+  /// broadcast per owner and dtype; other ranks only pass the buckets
+  /// through), for saving or sampling there; until release_held(), fetch
+  /// and release do nothing on `root`. Collective. Throws as
+  /// reduce_gradients.
+  void hold_all_on(int root);
+  /// Ends hold_all_on: the root frees what it does not own again. No collective.
+  void release_held();
+  /// Elements of the trainable parameters in streamed groups / in all.
+  int64_t streamed_elements() const;
+  /// Streamed groups declared.
+  size_t streamed_groups() const { return groups_.size(); }
+
   /// The index of the parameter that optimizer state key "<param
   /// name>.<state name>" (state names have no '.') belongs to; nullopt when
   /// it belongs to none. A checkpoint's state of parameter i is kept by
@@ -126,10 +180,26 @@ class ZeroSharding {
     std::vector<size_t> params;  ///< indices into params_
     int64_t numel = 0;
   };
-  /// Buckets of whole tensors with the same owner (and dtype, when
-  /// `by_dtype`), in parameter order, at most `cap_bytes` each.
-  std::vector<Bucket> make_buckets(bool by_dtype, int64_t cap_bytes) const;
+  /// A streamed group: its parameters, the buckets that gather them (one
+  /// owner and dtype each) and that reduce their gradients (one owner each).
+  struct StreamGroup {
+    std::vector<size_t> params;
+    std::vector<Bucket> fetch_buckets;
+    std::vector<GradientBucket> gradient_buckets;
+    int fetched = 0;  ///< open fetches
+  };
+  /// Buckets of whole tensors among `which` (indices, in order) with the
+  /// same owner (and dtype, when `by_dtype`), at most `cap_bytes` each.
+  std::vector<Bucket> make_buckets(const std::vector<size_t>& which, bool by_dtype, int64_t cap_bytes) const;
+  /// Fills the buckets of the parameters in no streamed group (stages 2, 3).
+  void make_resident_buckets();
   void reduce_to_owners();
+  /// The owners' values of `bucket`'s parameters into every rank's (root
+  /// < 0) or into rank `root`'s only (the others pass the bucket through).
+  void gather_bucket(const Bucket& bucket, int root);
+  /// Frees group parameters this rank does not own.
+  void free_unowned(const StreamGroup& g);
+  bool owns(size_t i) const { return ownership_.owner(i) == group_.rank(); }
 
   ProcessGroup& group_;
   NamedTensors params_;
@@ -137,8 +207,17 @@ class ZeroSharding {
   int stage_;
   TensorOwnership ownership_;
   std::unique_ptr<GradientAverager> averager_;  ///< stage 1
-  std::vector<GradientBucket> gradient_buckets_;  ///< stage 2: fp32, one owner (root) each
-  std::vector<Bucket> weight_buckets_;          ///< one owner and dtype each
+  std::vector<GradientBucket> gradient_buckets_;  ///< stages 2, 3 (resident): fp32, one owner (root) each
+  std::vector<Bucket> weight_buckets_;          ///< one owner and dtype each (stage 3: resident only)
+  int64_t bucket_bytes_;
+  std::vector<at::Tensor> tensors_;             ///< params_' tensors
+  // stage 3
+  std::vector<StreamGroup> groups_;
+  std::vector<int> group_of_;          ///< per parameter: its group, or -1 (resident)
+  std::vector<std::vector<int64_t>> shapes_;  ///< per parameter: its full shape
+  std::vector<at::Tensor> step_gradient_;     ///< per owned streamed parameter: the step's summed mean gradient
+  bool streaming_ = false;
+  int held_on_ = -1;                   ///< hold_all_on's root, -1 when none
 };
 
 }  // namespace shoestring::dist

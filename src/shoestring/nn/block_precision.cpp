@@ -40,6 +40,14 @@ const BlockPrecision* BlockTable::find(const torch::nn::Module* block) const {
   return it == settings_.end() ? nullptr : &it->second;
 }
 
+std::vector<const torch::nn::Module*> BlockTable::checkpointed_blocks() const {
+  std::vector<const torch::nn::Module*> out;
+  for (const auto& [block, setting] : settings_) {
+    if (setting.checkpoint && is_checkpointable(block)) out.push_back(block);
+  }
+  return out;
+}
+
 std::optional<at::ScalarType> current_compute_dtype() { return tls_compute_dtype; }
 
 ComputeDtypeGuard::ComputeDtypeGuard(std::optional<at::ScalarType> dtype) : previous_(tls_compute_dtype) {
@@ -73,6 +81,40 @@ std::vector<at::Tensor> run_block(const BlockTable* table, const std::shared_ptr
       }
       return out;
     };
+  }
+
+  BlockParameterStreaming* streaming =
+      table && table->streaming && table->streaming->streams(block.get()) ? table->streaming.get() : nullptr;
+  if (streaming) {
+    if (grad_on && !checkpoint_it) {
+      fail(
+          "block '{}' streams its parameters (zero_stage = 3 / offload_params) but runs with autograd without "
+          "gradient checkpointing; its weights would have to stay for backward: set gradient_checkpointing = true",
+          block->name());
+    }
+    // Fetched for the run (the forward, or the recompute in backward);
+    // released after a run without autograd, or after the recompute's
+    // backward (checkpoint's after_backward).
+    std::shared_ptr<BlockParameterStreaming> keep = table->streaming;
+    const torch::nn::Module* which = block.get();
+    SegmentFn inner = segment;
+    segment = [inner, keep, which](const std::vector<at::Tensor>& in) {
+      keep->fetch(which);
+      std::vector<at::Tensor> out;
+      try {
+        out = inner(in);
+      } catch (...) {
+        keep->release(which, false);
+        throw;
+      }
+      if (!torch::GradMode::is_enabled()) keep->release(which, false);
+      return out;
+    };
+    if (checkpoint_it) {
+      std::vector<at::Tensor> outputs = checkpoint(segment, inputs, [keep, which] { keep->release(which, true); });
+      if (p && table->observer) table->observer->observe(block.get(), inputs, outputs);
+      return outputs;
+    }
   }
 
   std::vector<at::Tensor> outputs;

@@ -58,6 +58,32 @@ class BlockObserver {
                        const std::vector<at::Tensor>& outputs) = 0;
 };
 
+/// Makes a block's parameters present only while the block runs: ZeRO stage
+/// 3 (each rank holds 1/W of the weights and gathers a block's before use)
+/// and, on the same machinery, streaming weights from host memory. run_block
+/// calls it around every block it streams():
+///  - a block run without autograd (a checkpointed block's forward, sampling):
+///    fetch(), the block, release(block, false);
+///  - a checkpointed block's recompute in backward: fetch(), the recompute
+///    and its backward, then release(block, true) once the gradients of the
+///    block's parameters are complete (nn::checkpoint's after_backward);
+///  - a block run with autograd but not checkpointed cannot be streamed (its
+///    saved activations would hold the weights): run_block throws.
+/// fetch / release calls nest and must balance (a block inside another
+/// streamed block is fetched twice); what they do is the implementation's.
+class BlockParameterStreaming {
+ public:
+  virtual ~BlockParameterStreaming() = default;
+  /// True when `block`'s parameters are fetched and released around its use.
+  virtual bool streams(const torch::nn::Module* block) const = 0;
+  /// Makes the parameters of `block` present (may communicate).
+  virtual void fetch(const torch::nn::Module* block) = 0;
+  /// Lets the parameters go again; `gradients_complete`: the backward of
+  /// the block has just run, so its parameters' .grad hold this pass's
+  /// gradients (may communicate).
+  virtual void release(const torch::nn::Module* block, bool gradients_complete) = 0;
+};
+
 /// The blocks of one model and their precision settings. Models declare
 /// blocks at construction; precision::apply_policy() configures them.
 class BlockTable {
@@ -75,10 +101,15 @@ class BlockTable {
   /// block has none.
   const BlockPrecision* find(const torch::nn::Module* block) const;
   bool configured() const { return !settings_.empty(); }
+  /// The declared, checkpointable blocks whose settings checkpoint them (in
+  /// no particular order): those a BlockParameterStreaming may stream.
+  std::vector<const torch::nn::Module*> checkpointed_blocks() const;
   /// Removes every setting (back to the legacy behaviour).
   void clear() { settings_.clear(); }
   /// Optional observer of block outputs (not owned by the settings).
   std::shared_ptr<BlockObserver> observer;
+  /// Optional streaming of block parameters (ZeRO stage 3, offloading).
+  std::shared_ptr<BlockParameterStreaming> streaming;
 
  private:
   std::unordered_map<const torch::nn::Module*, bool> declared_;  // -> checkpointable
@@ -106,7 +137,10 @@ class ComputeDtypeGuard {
 at::Tensor to_compute_dtype(const at::Tensor& t);
 
 /// Runs `fn(inputs)` as block `block` of the model owning `table` (see the
-/// file comment). `block` is held by shared pointer because a checkpointed
+/// file comment), its parameters fetched and released around it when the
+/// table's streaming streams it (BlockParameterStreaming; throws
+/// shoestring::Error naming the block when it would run with autograd
+/// without checkpointing). `block` is held by shared pointer because a checkpointed
 /// segment is called again during backward. A block is checkpointed when its
 /// table entry says so (precision rules); checkpointing happens only in training mode with autograd on.
 /// Without checkpointing and with autograd on, the inputs are passed as

@@ -16,6 +16,7 @@ using torch::autograd::variable_list;
 // map) as a capsule.
 struct SegmentHolder : torch::CustomClassHolder {
   SegmentFn fn;
+  std::function<void()> after_backward;  // optional
   size_t num_inputs = 0;  // real inputs; a trailing dummy input may follow
 };
 
@@ -81,6 +82,9 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     // Accumulates parameter .grad through their AccumulateGrad nodes, and the
     // detached inputs' .grad.
     if (!roots.empty()) torch::autograd::backward(roots, root_grads);
+    outputs.clear();  // the recomputed graph goes before after_backward runs
+    roots.clear();
+    if (holder->after_backward) holder->after_backward();
 
     // One slot for the holder argument, then one per tensor input.
     variable_list grads(1 + saved.size());
@@ -93,7 +97,8 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
 
 }  // namespace
 
-std::vector<at::Tensor> checkpoint(const SegmentFn& fn, const std::vector<at::Tensor>& inputs) {
+std::vector<at::Tensor> checkpoint(const SegmentFn& fn, const std::vector<at::Tensor>& inputs,
+                                   std::function<void()> after_backward) {
   for (size_t i = 0; i < inputs.size(); ++i) {
     if (!inputs[i].defined()) fail("checkpoint: input {} is an undefined tensor", i);
   }
@@ -101,6 +106,7 @@ std::vector<at::Tensor> checkpoint(const SegmentFn& fn, const std::vector<at::Te
 
   auto holder = c10::make_intrusive<SegmentHolder>();
   holder->fn = fn;
+  holder->after_backward = std::move(after_backward);
   holder->num_inputs = inputs.size();
   std::vector<at::Tensor> all = inputs;
   const bool any_requires_grad =

@@ -42,7 +42,14 @@ using SegmentFn = std::function<std::vector<at::Tensor>(const std::vector<at::Te
 /// Inputs: any number of defined tensors. Returns fn's outputs (same shapes and
 /// dtypes). Throws shoestring::Error if an input is undefined or fn returns no
 /// tensors.
-std::vector<at::Tensor> checkpoint(const SegmentFn& fn, const std::vector<at::Tensor>& inputs);
+///
+/// `after_backward` (optional) runs in the backward pass right after the
+/// recomputed segment's backward (so the gradients of the parameters used
+/// inside `fn` are complete for this pass), also when no gradient reached
+/// the segment; used to release streamed parameters (BlockParameterStreaming).
+/// It does not run when autograd is off (fn runs once, plainly).
+std::vector<at::Tensor> checkpoint(const SegmentFn& fn, const std::vector<at::Tensor>& inputs,
+                                   std::function<void()> after_backward = {});
 
 /// Single-tensor convenience: `checkpoint([&](x) { return {fn(x[0])}; }, {input})[0]`.
 at::Tensor checkpoint(const std::function<at::Tensor(const at::Tensor&)>& fn, const at::Tensor& input);

@@ -288,6 +288,15 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
   std::vector<std::pair<std::vector<int64_t>, at::ScalarType>> trained;  // shape, the optimizer tensor's dtype
   int64_t masters = 0, grad_bytes_storage = 0, frozen_parameters = 0;
   bool fp16_training = false;
+  // zero_stage = 3: the outermost checkpointed block holding each trained
+  // tensor (-1: none, resident), as train/block_streaming.h groups them.
+  std::vector<std::string> checkpointed_paths;
+  for (const auto& m : r.resolution.modules) {
+    if (m.block && m.checkpointable && m.settings.checkpoint && m.trainable_parameters > 0)
+      checkpointed_paths.push_back(m.path + ".");
+  }
+  std::vector<int> group_of_trained;       // per trained tensor
+  std::vector<int64_t> weight_of_trained;  // its stored bytes
   for (const auto& q : r.resolution.params) {
     const precision::Settings& s = q.settings;
     p.weights_bytes += q.numel * precision::storage_bytes(q);
@@ -295,6 +304,17 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
       frozen_parameters += q.numel;
       continue;
     }
+    int group = -1;
+    size_t group_length = SIZE_MAX;
+    for (size_t b = 0; b < checkpointed_paths.size(); ++b) {
+      const std::string& prefix = checkpointed_paths[b];
+      if (q.path.compare(0, prefix.size(), prefix) == 0 && prefix.size() < group_length) {
+        group = static_cast<int>(b);  // the outermost (shortest) block path
+        group_length = prefix.size();
+      }
+    }
+    group_of_trained.push_back(group);
+    weight_of_trained.push_back(q.numel * precision::storage_bytes(q));
     const bool master = s.master_fp32 && s.storage != precision::Dtype::fp32;
     masters += master ? q.numel * 4 : 0;
     grad_bytes_storage += q.numel * precision::container_bytes(s.storage);
@@ -373,16 +393,51 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
     const auto most = std::max_element(per_rank.begin(), per_rank.end());
     p.notes.push_back(fmt::format(
         "ZeRO stage {} at world size {}: rank {} owns the most optimizer state, {} of {} in all (whole tensors "
-        "balanced by element count); weights{} and EMA stay whole on every rank",
+        "balanced by element count); {} whole on every rank",
         p.zero_stage, world_size, most - per_rank.begin(), format_bytes(*most), format_bytes(state),
-        p.zero_stage >= 2 ? "" : " and gradients"));
-    if (p.zero_stage >= 2) {
+        p.zero_stage >= 3 ? "EMA stays" : p.zero_stage == 2 ? "weights and EMA stay" : "weights, gradients and EMA stay"));
+    if (p.zero_stage == 2) {
       p.notes.push_back(
           "stage 2 reduces each gradient to its owner after backward, when every gradient exists on every rank: "
           "the peak (the start of that reduction) is stage 1's; only the optimizer step holds fewer gradients");
     }
     state = *most;
   }
+  // Stage 3 (dist/zero.h): a rank keeps the streamed weights it owns, the
+  // resident ones, and the block in use gathered; its gradients likewise
+  // (each block's are reduced to their owners right after its backward).
+  int64_t stage3_weights_saved = 0, stage3_gradients = -1;
+  if (p.zero_stage == 3 && !lora) {
+    const dist::TensorOwnership owners(numel_of_trained, world_size);
+    std::vector<int64_t> owned_weights(static_cast<size_t>(world_size), 0);
+    std::map<int, int64_t> group_weights;
+    int64_t streamed_weights = 0, resident_grads = 0;
+    std::vector<int64_t> owned_grads(static_cast<size_t>(world_size), 0);
+    for (size_t i = 0; i < group_of_trained.size(); ++i) {
+      const int64_t grad_bytes = numel_of_trained[i] * c10::elementSize(trained[i].second);
+      if (group_of_trained[i] < 0) {
+        resident_grads += grad_bytes;
+        continue;
+      }
+      streamed_weights += weight_of_trained[i];
+      group_weights[group_of_trained[i]] += weight_of_trained[i];
+      owned_weights[static_cast<size_t>(owners.owner(i))] += weight_of_trained[i];
+      owned_grads[static_cast<size_t>(owners.owner(i))] += grad_bytes;
+    }
+    int64_t largest_group = 0;
+    for (const auto& [g, bytes] : group_weights) largest_group = std::max(largest_group, bytes);
+    const int64_t most_owned = *std::max_element(owned_weights.begin(), owned_weights.end());
+    stage3_weights_saved = streamed_weights - most_owned - largest_group;
+    stage3_gradients = resident_grads + *std::max_element(owned_grads.begin(), owned_grads.end()) + largest_group;
+    p.notes.push_back(fmt::format(
+        "ZeRO stage 3: {} of the trained weights in {} checkpointed blocks are sharded (this rank keeps {} of "
+        "them, plus the largest block, {}, while it runs); the rest stays on every rank",
+        format_bytes(streamed_weights), group_weights.size(), format_bytes(most_owned), format_bytes(largest_group)));
+    if (group_weights.empty()) {
+      p.notes.push_back("ZeRO stage 3 streams checkpointed blocks only: set gradient_checkpointing = true");
+    }
+  }
+  p.weights_bytes -= std::max<int64_t>(0, stage3_weights_saved);
   p.largest_parameter = largest;
   p.ema_bytes = c.ema_decay > 0 ? p.parameters * 4 : 0;
   const int64_t device_state = c.offload_optimizer_state ? 0 : state;
@@ -436,6 +491,7 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
 
   // Phase A: forward + backward of a micro-batch.
   Bytes a = tr.at_peak;
+  if (stage3_gradients >= 0) a[kG] = std::min(a[kG], stage3_gradients);
   for (int k = 0; k < kNumMemoryCategories; ++k) a[k] += persistent[k];
   int64_t peak_a = 0;
   for (int64_t v : a) peak_a += v;
@@ -456,7 +512,7 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
     } else if (bridge) {
       b[kG] += fp32_grads;
     } else {
-      b[kG] += tr.gradients_after;
+      b[kG] += stage3_gradients >= 0 ? std::min(tr.gradients_after, stage3_gradients) : tr.gradients_after;
     }
     const int64_t norm_tmp = largest * ((grad_elem == 2 && !bridge) ? 8 : 4);
     const int64_t step_tmp = largest * 4 + scratch + staging;

@@ -246,12 +246,6 @@ void validate(const TrainConfig& c, const std::string& source) {
         "save_every_n_epochs epochs, it keeps the last {}",
         source, c.save_last_n_epochs, c.save_last_n_epochs);
   }
-  if (c.zero_stage > 2) {
-    fail(
-        "{}: zero_stage = {} is not implemented yet (stage 3, sharded parameters, is planned); use zero_stage = 2 "
-        "(optimizer state and gradients sharded over the ranks), 1 (optimizer state sharded) or 0 (data parallel)",
-        source, c.zero_stage);
-  }
   try {
     nn::apply_network_args({}, c.network_args);
   } catch (const Error& e) {

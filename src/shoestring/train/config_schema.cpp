@@ -378,7 +378,8 @@ const std::vector<Field>& schema() {
        "with several processes (torchrun, `shoestring launch`): 0 = data parallel (gradients averaged over the "
        "ranks); 1 = ZeRO stage 1 (each rank updates, and keeps optimizer state for, its share of the trainable "
        "tensors, whole tensors balanced by element count); 2 = stage 1 and each gradient reduced to its owner only; "
-       "3 (sharded weights) is not implemented yet; one process ignores it",
+       "3 = stage 2 and the weights of each checkpointed block kept by their owner only, gathered for the block's "
+       "forward and its recompute in backward (needs gradient_checkpointing); one process ignores it",
        0, 3},
       {"ddp_timeout", &TrainConfig::ddp_timeout,
        "minutes (as kohya's --ddp_timeout; fractions allowed) a rank waits for the others in the rendezvous and "

@@ -474,6 +474,19 @@ void check_data_parallel(const Run& run) {
         "max_train_steps from its own timing); set max_train_steps instead",
         run.world_size(), stage);
   }
+  if (c.zero_stage == 3 && run.block_streaming && run.block_streaming->blocks() == 0) {
+    fail(
+        "WORLD_SIZE = {}{}: stage 3 shards the weights of the checkpointed blocks (gathered again for their "
+        "recompute in backward), and this run checkpoints no block holding trainable weights: set "
+        "gradient_checkpointing = true (or precision rules with checkpoint = true)",
+        run.world_size(), stage);
+  }
+  if (c.zero_stage == 3 && c.ema_decay > 0) {
+    fail(
+        "WORLD_SIZE = {}{}: ema_decay with stage 3 is not supported yet (the EMA copy would be whole on every rank "
+        "while the weights are sharded); use zero_stage = 2, or train without EMA",
+        run.world_size(), stage);
+  }
 }
 
 /// The optimizer state of checkpoint `dir` that this rank keeps, by key
@@ -602,7 +615,8 @@ void apply_epochs(Run& run, bool quiet) {
 
 }  // namespace
 
-std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions& options) {
+std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions& options_in) {
+  TrainRunOptions options = options_in;  // an elastic restart resumes (below)
   auto owned = std::make_unique<Run>();
   Run& run = *owned;
   run.config = config;
@@ -618,6 +632,14 @@ std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions&
     check_training_datasets(run.config, dataset_specs_of_run);
   }
   const dist::LaunchEnvironment launch = join_process_group(run);
+  if (launch.restart_count > 0 && !options.resume_dir) {
+    // torchrun --max_restarts started this group again after a rank failed:
+    // the run goes on in its folder from its latest checkpoint (from step 0
+    // when it saved none), as `--resume` would.
+    options.resume_dir = run.run_dir;
+    spdlog::info("restart {} of an elastic launch (TORCHELASTIC_RESTART_COUNT): resuming {} from its latest checkpoint",
+                 launch.restart_count, run.run_dir);
+  }
   if (run.writes_files()) {
     prepare_run_dir(run, options);
   } else {
@@ -753,8 +775,11 @@ std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions&
     if (p.grad().defined()) MemoryLedger::global().recharge(p.grad(), MemoryCategory::gradients);
   });
   // ZeRO: each rank's optimizer updates, and keeps state for, the tensors it owns.
-  if (run.group && c.zero_stage > 0)
+  if (run.group && c.zero_stage > 0) {
     run.zero = std::make_unique<dist::ZeroSharding>(*run.group, run.trainable, c.zero_stage);
+    if (c.zero_stage == 3)
+      run.block_streaming = ZeroBlockStreaming::attach(*run.zero, run.model->block_tables(), run.trainable);
+  }
   run.gradients = make_run_gradient_path(run, wants_master, fp16_training);
   if (run.group) {
     check_data_parallel(run);
@@ -786,6 +811,19 @@ std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions&
     }
   } else if (run.writes_files()) {
     write_bytes_atomic(metrics_path, "");
+  }
+  if (run.zero && run.zero->stage() == 3) {
+    // The weights are final for the start (loaded, restored, equal on every
+    // rank): each rank keeps the streamed tensors it owns from now on.
+    run.zero->start_streaming();
+    const int64_t total = run.trainable_parameters;
+    const int64_t streamed = run.zero->streamed_elements();
+    if (!options.quiet)
+      spdlog::info(
+        "zero_stage = 3: {} of {} trainable weights ({:.1f}%) in {} checkpointed blocks are sharded, each rank "
+        "keeping about 1/{} and gathering a block's for its use; the other {} stay on every rank",
+        streamed, total, total > 0 ? 100.0 * static_cast<double>(streamed) / static_cast<double>(total) : 0.0,
+        run.block_streaming->blocks(), run.world_size(), total - streamed);
   }
   if (!options.quiet) log_setup(run);
   return owned;

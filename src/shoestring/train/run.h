@@ -24,6 +24,7 @@
 #include "shoestring/dist/data_parallel.h"
 #include "shoestring/dist/process_group.h"
 #include "shoestring/dist/zero.h"
+#include "shoestring/train/block_streaming.h"
 #include "shoestring/io/atomic_file.h"
 #include "shoestring/nn/lora.h"
 #include "shoestring/optim/grad_hooks.h"
@@ -88,10 +89,13 @@ struct Run {
   std::unique_ptr<dist::ProcessGroup> group;
   /// With `group` at zero_stage = 0: averages the step's gradients on every rank.
   std::unique_ptr<dist::GradientAverager> gradient_averager;
-  /// With `group` at zero_stage = 1 or 2 (dist/zero.h): which rank owns each
+  /// With `group` at zero_stage = 1, 2 or 3 (dist/zero.h): which rank owns each
   /// trainable tensor (its optimizer updates and keeps state for those
   /// only), the reduction of the gradients, the broadcast of the updated weights.
   std::unique_ptr<dist::ZeroSharding> zero;
+  /// zero_stage = 3: the checkpointed blocks whose weights `zero` shards,
+  /// fetched and released around each use (train/block_streaming.h).
+  std::shared_ptr<ZeroBlockStreaming> block_streaming;
 
   int rank() const { return group ? group->rank() : 0; }
   int world_size() const { return group ? group->size() : 1; }

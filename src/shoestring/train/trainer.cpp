@@ -244,6 +244,24 @@ void update_report(const Run& run) {
 
 bool every(int64_t n, int64_t step) { return n > 0 && step % n == 0; }
 
+/// ZeRO stage 3: every weight gathered onto rank 0 while it writes the
+/// checkpoint, samples and final files of a step (dist::ZeroSharding::hold_all_on),
+/// then released; nothing otherwise. Collective.
+class WeightsOnRankZero {
+ public:
+  explicit WeightsOnRankZero(Run& run) : zero_(run.zero && run.zero->streaming() ? run.zero.get() : nullptr) {
+    if (zero_) zero_->hold_all_on(0);
+  }
+  ~WeightsOnRankZero() {
+    if (zero_) zero_->release_held();
+  }
+  WeightsOnRankZero(const WeightsOnRankZero&) = delete;
+  WeightsOnRankZero& operator=(const WeightsOnRankZero&) = delete;
+
+ private:
+  dist::ZeroSharding* zero_;
+};
+
 /// Runs `write` (checkpoint, samples, final files of `step`) on rank 0
 /// only; the other ranks wait for it, longer than ddp_timeout (a large
 /// checkpoint on a slow disk), and stop with rank 0's error when it failed.
@@ -303,6 +321,7 @@ TrainSummary train(const TrainConfig& config, const TrainRunOptions& options) {
     const bool samples = every(c.sample_every_n_steps, step) || last;
     if (!saves && !samples) continue;
     if (saves) write_checkpoint_shards(*run, step);  // ZeRO on several ranks: each rank its optimizer shard
+    WeightsOnRankZero gathered(*run);                  // zero_stage 3: the whole model on rank 0 meanwhile
     on_rank_zero(*run, step, [&] {
       std::string checkpoint;
       if (saves) checkpoint = write_checkpoint(*run, step);  // sharded: indexed last
