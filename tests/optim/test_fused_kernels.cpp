@@ -15,6 +15,7 @@
 
 #include "shoestring/core/error.h"
 #include "shoestring/core/stochastic_rounding.h"
+#include "shoestring/optim/adafactor.h"
 #include "shoestring/optim/adamw8bit.h"
 #include "shoestring/optim/fused_kernels.h"
 #include "shoestring/optim/lion.h"
@@ -626,6 +627,42 @@ TEST(FusedAdafactor, ResultsDoNotDependOnThreadsOrIsa) {
     for (size_t i = 0; i < other.size(); ++i) {
       EXPECT_EQ(mismatches(other[i], reference[i]), 0)
           << "threads " << threads << " isa " << fused_kernel_isa_name(isa) << " tensor " << i;
+    }
+  }
+}
+
+// Adafactor's vectors (unfactored, no beta1) take fused_adafactor_unfactored_step:
+// the op chain's bits (the generic path is the op chain), with fp32 and bf16
+// weights and state, weight decay, and clipping active at step 1 (RMS(U) near 1).
+TEST(FusedAdafactor, UnfactoredStepIsTheOpChainBits) {
+  for (auto [pdtype, sdtype] : {std::pair{torch::kFloat32, torch::kFloat32}, std::pair{torch::kBFloat16, torch::kBFloat16},
+                                std::pair{torch::kBFloat16, torch::kFloat32}}) {
+    std::vector<at::Tensor> result[2];
+    for (bool generic : {false, true}) {
+      force_device_generic_optimizers(generic);
+      torch::manual_seed(21);
+      std::vector<OptimParam> params = {{"b", (torch::randn({1000}) * 0.1).to(pdtype), 0.01},
+                                        {"n", (torch::randn({7}) * 0.1).to(pdtype), 0.0}};
+      OptimizerOptions o;
+      o.seed = 8;
+      o.state_dtype = sdtype;
+      AdafactorOptions a;
+      a.relative_step = false;
+      a.scale_parameter = false;
+      a.weight_decay = 0.01;
+      Adafactor opt(params, a, o);
+      for (int step = 0; step < 4; ++step) {
+        for (auto& p : params) p.param.mutable_grad() = (torch::randn(p.param.sizes()) * (step + 1)).to(pdtype);
+        opt.step(1e-2);
+      }
+      for (auto& p : params) result[generic ? 1 : 0].push_back(p.param.clone());
+      for (auto& [name, t] : opt.state_tensors()) result[generic ? 1 : 0].push_back(t.clone());
+    }
+    force_device_generic_optimizers(false);
+    ASSERT_EQ(result[0].size(), result[1].size());
+    for (size_t i = 0; i < result[0].size(); ++i) {
+      EXPECT_EQ(mismatches(result[0][i], result[1][i]), 0)
+          << c10::toString(pdtype) << " / " << c10::toString(sdtype) << " tensor " << i;
     }
   }
 }

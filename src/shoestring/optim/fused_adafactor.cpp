@@ -195,7 +195,114 @@ int64_t sum_chunk_rows(int64_t n, int64_t m) {
   return std::max({row_grain(m), kMinSumRows, (n + kMaxSumChunks - 1) / kMaxSumChunks});
 }
 
+// ---- Adafactor (unfactored) --------------------------------------------------
+
+struct UnfactoredArgs {
+  void* param;
+  const void* grad;
+  void* v;   // exp_avg_sq
+  float* u;  // the update before clipping, [n]
+  int64_t n;
+  float eps1, beta2t, one_minus_beta2t;
+  float clip, step_size, decay_alpha;
+  bool decay;
+  uint64_t param_key, v_key;
+};
+
+// Pass 1 over [0, n): v and the unclipped update u, in the op chain's order
+// (grad.square().add_(eps1); v.mul_(beta2t).add_(g2, 1 - beta2t), libtorch's
+// fused multiply-add; v.rsqrt().mul_(grad)); v is stored (bf16: SR).
+template <typename G, typename S>
+void unfactored_moments(const UnfactoredArgs& a) {
+  const G* __restrict g_ptr = static_cast<const G*>(a.grad);
+  S* __restrict v_ptr = static_cast<S*>(a.v);
+  float* __restrict u_ptr = a.u;
+  StoreWords<S, Rounding::stochastic> v_words;
+  for (int64_t b = 0; b < a.n; b += kRandom16BlockSize) {
+    const int64_t len = std::min(kRandom16BlockSize, a.n - b);
+    v_words.fill(a.v_key, b, len);
+    SHOESTRING_LOOP_NO_ALIAS
+    for (int64_t k = 0; k < len; ++k) {
+      const int64_t i = b + k;
+      const float g = load(g_ptr, i);
+      const float g2 = g * g + a.eps1;
+      const float v = fma_f32(g2, a.one_minus_beta2t, load(v_ptr, i) * a.beta2t);
+      u_ptr[i] = (1.0f / sqrt_f32(v)) * g;
+      store(v_ptr, i, v, v_words[k], Rounding::stochastic);
+    }
+  }
+}
+
+// Pass 2: u.div_(clip).mul_(a_t); p.add_(p, -wd a_t) when wd; p.sub_(u).
+template <typename P, Rounding kParamRounding>
+void unfactored_apply(const UnfactoredArgs& a) {
+  P* __restrict p_ptr = static_cast<P*>(a.param);
+  const float* __restrict u_ptr = a.u;
+  StoreWords<P, kParamRounding> p_words;
+  for (int64_t b = 0; b < a.n; b += kRandom16BlockSize) {
+    const int64_t len = std::min(kRandom16BlockSize, a.n - b);
+    p_words.fill(a.param_key, b, len);
+    SHOESTRING_LOOP_NO_ALIAS
+    for (int64_t k = 0; k < len; ++k) {
+      const int64_t i = b + k;
+      const float u = (u_ptr[i] / a.clip) * a.step_size;
+      float p = load(p_ptr, i);
+      const float p1 = fma_f32(p, a.decay_alpha, p);
+      p = a.decay ? p1 : p;
+      store(p_ptr, i, p - u, p_words[k], kParamRounding);
+    }
+  }
+}
+
 }  // namespace
+
+bool fused_adafactor_unfactored_supported(const at::Tensor& param, const at::Tensor& grad,
+                                          const at::Tensor& exp_avg_sq) {
+  return first_reason({{&param, "param"}, {&grad, "grad"}, {&exp_avg_sq, "exp_avg_sq"}}).empty();
+}
+
+void fused_adafactor_unfactored_step(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_avg_sq,
+                                     const FusedAdafactorScalars& s, const FusedRoundingKeys& keys) {
+  const std::string why = first_reason({{&param, "param"}, {&grad, "grad"}, {&exp_avg_sq, "exp_avg_sq"}});
+  if (!why.empty()) fail("fused_adafactor_unfactored_step: {}", why);
+  const int64_t n = param.numel();
+  if (n == 0) return;
+  std::vector<float> u(static_cast<size_t>(n));
+  UnfactoredArgs a;
+  a.param = param.data_ptr();
+  a.grad = grad.data_ptr();
+  a.v = exp_avg_sq.data_ptr();
+  a.u = u.data();
+  a.n = n;
+  a.eps1 = static_cast<float>(s.eps1);
+  a.beta2t = static_cast<float>(s.beta2t);
+  a.one_minus_beta2t = static_cast<float>(1.0 - s.beta2t);
+  a.step_size = static_cast<float>(s.step_size);
+  a.decay_alpha = static_cast<float>(-s.weight_decay * s.step_size);
+  a.decay = s.weight_decay != 0.0;
+  a.param_key = stream_key(keys.param);
+  a.v_key = stream_key(keys.state1);
+  const bool g16 = grad.scalar_type() == at::kBFloat16, v16 = exp_avg_sq.scalar_type() == at::kBFloat16;
+  if (g16) {
+    v16 ? unfactored_moments<bf16_bits, bf16_bits>(a) : unfactored_moments<bf16_bits, float>(a);
+  } else {
+    v16 ? unfactored_moments<float, bf16_bits>(a) : unfactored_moments<float, float>(a);
+  }
+  // RMS(U) exactly as the op chain takes it (at::norm of the fp32 update, so
+  // the same reduction and the same double), then U / max(1, RMS / d).
+  const at::Tensor u_view = at::from_blob(u.data(), {n}, at::TensorOptions().dtype(at::kFloat));
+  const double rms = u_view.norm().item<double>() / std::sqrt(static_cast<double>(n));
+  a.clip = static_cast<float>(std::max(1.0, rms / s.clip_threshold));
+  if (param.scalar_type() == at::kFloat) {
+    unfactored_apply<float, Rounding::nearest>(a);
+  } else if (keys.stochastic_rounding) {
+    unfactored_apply<bf16_bits, Rounding::stochastic>(a);
+  } else {
+    unfactored_apply<bf16_bits, Rounding::nearest>(a);
+  }
+  bump_version(param);
+  bump_version(exp_avg_sq);
+}
 
 void fused_adafactor_factored_step(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_avg_sq_row,
                                    at::Tensor& exp_avg_sq_col, int64_t n, int64_t m, const FusedAdafactorScalars& s,

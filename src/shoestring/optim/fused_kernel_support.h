@@ -21,6 +21,7 @@
 
 #include <fmt/format.h>
 
+#include <ATen/Functions.h>
 #include <ATen/Parallel.h>
 
 #include "shoestring/core/error.h"

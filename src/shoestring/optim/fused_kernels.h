@@ -236,6 +236,26 @@ void fused_adafactor_factored_step(at::Tensor& param, const at::Tensor& grad, at
                                    at::Tensor& exp_avg_sq_col, int64_t n, int64_t m,
                                    const FusedAdafactorScalars& scalars, const FusedRoundingKeys& keys);
 
+/// True when fused_adafactor_unfactored_step can run: param, grad and
+/// exp_avg_sq defined, CPU, contiguous, of one numel, each float32 or bfloat16.
+bool fused_adafactor_unfactored_supported(const at::Tensor& param, const at::Tensor& grad,
+                                          const at::Tensor& exp_avg_sq);
+
+/// One Adafactor step (optim/adafactor.h; Shazeer & Stern 2018, arXiv
+/// 1804.04235, as transformers' Adafactor) for an unfactored tensor (a
+/// vector) without first moment, the same bits as Adafactor's op chain: per
+/// element in fp32,
+///   v = fma(g g + eps1, 1 - beta2t, v beta2t);  u = (1 / sqrt(v)) g
+/// (v stored: fp32, or bf16 by stochastic rounding with keys.state1), then
+/// RMS(u) = ||u||_2 / sqrt(n) taken by at::norm on the fp32 update (the op
+/// chain's reduction), clip = max(1, RMS / d), and
+///   p <- (wd ? fma(p, -wd a_t, p) : p) - (u / clip) a_t
+/// stored as fused_adamw_step stores a parameter (keys.param). One fp32
+/// buffer of n elements; runs on the calling thread (vectors are small).
+/// Throws shoestring::Error when !fused_adafactor_unfactored_supported(...).
+void fused_adafactor_unfactored_step(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_avg_sq,
+                                     const FusedAdafactorScalars& scalars, const FusedRoundingKeys& keys);
+
 /// The instruction sets every fused kernel is built for, in order: portable
 /// (baseline x86-64 or any other target), avx2 (x86-64-v3: AVX2 + FMA) and
 /// avx512 (x86-64-v4); AdamW8bit's avx2 and avx512 kernels are written with
