@@ -113,24 +113,28 @@ class ChunkQueue {
   int64_t chunks_;
 };
 
-// Below this many elements a step runs on the calling thread: a parallel
-// region ends only when every worker has joined it, and a worker asleep
-// (passive wait, core/threads.h) or on a core another process holds joins
-// late; with the SDXL-shaped list stepped one tensor at a time (fused
-// backward), regions for tensors of a few grains cost more than they saved.
-constexpr int64_t kMinParallelElements = 4 * kGrainSize;
+// Below this much work (in elements of a plain step such as AdamW's or
+// Lion's) a step runs on the calling thread. A parallel region ends only
+// when every worker has joined it; on the 2-core VM the benches run on, an
+// empty at::parallel_for region took 65-170 us (another process's compile
+// running, workers asleep or not), the time AdamW needs for 200-500K
+// elements on one thread. Stepped one tensor at a time (fused backward,
+// bench/optimizer_memory's fused rows), the SDXL-shaped list's mid-size
+// tensors were slower in two threads than in one.
+constexpr int64_t kMinParallelWork = 16 * kGrainSize;
 
 // Calls worker(queue) once on each of up to min(chunks, intra-op threads)
 // threads; the workers take the chunks from `queue`. Inline (one call) when
-// one thread would do, inside a parallel region, or when the whole work is
-// under kMinParallelElements `elements`. A worker keeps its per-thread
-// scratch across the chunks it takes.
+// one thread would do, inside a parallel region, or when `work` (elements
+// times the kernel's cost per element relative to AdamW's) is under
+// kMinParallelWork. A worker keeps its per-thread scratch across the chunks
+// it takes.
 template <typename Worker>
-void run_chunks(int64_t chunks, int64_t elements, const Worker& worker) {
+void run_chunks(int64_t chunks, int64_t work, const Worker& worker) {
   if (chunks <= 0) return;
   ChunkQueue queue(chunks);
   const int64_t threads = std::min<int64_t>(chunks, at::get_num_threads());
-  if (threads <= 1 || elements < kMinParallelElements || at::in_parallel_region()) {
+  if (threads <= 1 || work < kMinParallelWork || at::in_parallel_region()) {
     worker(queue);
     return;
   }

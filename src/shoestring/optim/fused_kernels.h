@@ -87,7 +87,7 @@ bool fused_adamw_supported(const at::Tensor& param, const at::Tensor& grad, cons
 /// The tensors must not overlap. Bumps the autograd version counter of every
 /// tensor written, like an in-place op. Runs in chunks of 16384 elements
 /// taken by the intra-op threads in one parallel region (on the calling
-/// thread below 65536 elements); results are identical for any thread count.
+/// thread below 262144 elements); results are identical for any thread count.
 /// Throws shoestring::Error when !fused_adamw_supported(...), naming what is
 /// wrong.
 void fused_adamw_step(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_avg, at::Tensor& exp_avg_sq,
@@ -228,7 +228,7 @@ struct FusedAdafactorScalars {
 /// exp_avg_sq_col: float32 [m], contiguous CPU (updated in place). Both
 /// passes run in one parallel region (the thread that finishes the last
 /// pass-1 chunk computes the factors, then pass 2 starts; on the calling
-/// thread below 65536 elements), over row chunks fixed by the shape (pass 1:
+/// thread below 262144 elements), over row chunks fixed by the shape (pass 1:
 /// at least 64 rows and 16384 elements, at most 64 chunks): results do not
 /// depend on the thread count. Throws shoestring::Error naming the tensor
 /// that is not as described.
