@@ -3,6 +3,11 @@
 // tensors shaped like the SDXL UNet's.
 //
 //   build/bench/optimizer_memory [--params 100e6] [--steps 3] [--threads 0] [--only TEXT] [--json] [--flat]
+//                                [--isa avx512|avx2|portable]
+//
+// --isa: the most the fused kernels may use (fused_kernels_limit_isa), to
+// measure the AVX2 (x86-64-v3) or portable code on an AVX-512 machine; the
+// header line says what they use.
 //
 // --flat: one [params / 1024, 1024] matrix instead of the list below, so no
 // per-tensor costs (calls, parallel_for wake-ups, short tails) enter the
@@ -44,7 +49,8 @@
 //
 // Optimizers written by other modules are compiled in when their headers
 // exist (AdamW8bit: optim/adamw8bit.h, Adafactor: optim/adafactor.h, Lion:
-// optim/lion.h); a missing one is reported as skipped.
+// optim/lion.h, SPARKLES: optim/sparkles.h); a missing one is reported as
+// skipped.
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
@@ -75,10 +81,14 @@
 #include "shoestring/optim/adafactor.h"
 #define SHOESTRING_BENCH_HAS_ADAFACTOR 1
 #endif
-#if __has_include("shoestring/optim/lion.h")
 #include "bench_machine.h"
+#if __has_include("shoestring/optim/lion.h")
 #include "shoestring/optim/lion.h"
 #define SHOESTRING_BENCH_HAS_LION 1
+#endif
+#if __has_include("shoestring/optim/sparkles.h")
+#include "shoestring/optim/sparkles.h"
+#define SHOESTRING_BENCH_HAS_SPARKLES 1
 #endif
 
 using namespace shoestring;
@@ -224,7 +234,7 @@ int64_t choose_base_channels(int64_t target) {
 
 // ---- configurations --------------------------------------------------------
 
-enum class Algo { adamw, adamw8bit, adafactor, lion, lion_kernel };
+enum class Algo { adamw, adamw8bit, adafactor, lion, lion_kernel, sparkles };
 
 // Lion stepped by optim/fused_kernels.h's fused_lion_step (the kernel the
 // Lion class can call): the kernel's throughput, independent of the class.
@@ -279,6 +289,12 @@ bool available(Algo a) {
 #else
       return false;
 #endif
+    case Algo::sparkles:
+#ifdef SHOESTRING_BENCH_HAS_SPARKLES
+      return true;
+#else
+      return false;
+#endif
   }
   return false;
 }
@@ -314,6 +330,12 @@ std::unique_ptr<Optimizer> make_optimizer(const Config& c, std::vector<OptimPara
       break;
 #endif
     case Algo::lion_kernel: return std::make_unique<LionKernelProbe>(std::move(params), o);
+    case Algo::sparkles:
+#ifdef SHOESTRING_BENCH_HAS_SPARKLES
+      return std::make_unique<Sparkles>(std::move(params), SparklesOptions{}, o);  // sparkles.py's defaults
+#else
+      break;
+#endif
   }
   fail("optimizer_memory: optimizer for '{}' is not built", c.name);
 }
@@ -474,6 +496,7 @@ nlohmann::json run_config(const Config& c, const std::vector<ParamSpec>& specs, 
                       {"memcpy_ratio", gbps / copy_gbps},
                       {"memcpy_method", "std::memcpy, one slice per thread, at::parallel_for"},
                       {"threads", at::get_num_threads()},
+                      {"fused_kernels_isa", fused_kernel_isa_name(fused_kernels_isa())},
                       {"timed_steps", steps}};
   return r;
 }
@@ -489,6 +512,7 @@ int main(int argc, char** argv) {
   std::string only;
   bool json = false;
   bool flat = false;
+  std::string isa = "avx512";
   app.add_option("--params", target, "approximate number of parameters (default 100e6)")->check(CLI::Range(1e4, 3e9));
   app.add_option("--steps", steps, "timed optimizer steps per configuration (median)")->check(CLI::Range(1, 1000));
   app.add_option("--threads", threads, "intra-op threads (0 = every allowed CPU)");
@@ -496,7 +520,11 @@ int main(int argc, char** argv) {
   app.add_flag("--json", json, "one JSON object per configuration, one per line");
   app.add_flag("--flat", flat,
                "one [--params / 1024, 1024] matrix instead of the SDXL-shaped list (no per-tensor costs)");
+  app.add_option("--isa", isa, "the most the fused kernels may use (fused_kernels_limit_isa)")
+      ->check(CLI::IsMember({"avx512", "avx2", "portable"}));
   CLI11_PARSE(app, argc, argv);
+  fused_kernels_limit_isa(isa == "avx512" ? FusedKernelIsa::avx512
+                                          : isa == "avx2" ? FusedKernelIsa::avx2 : FusedKernelIsa::portable);
   shoestring::bench::print_machine(json);
   try {
     MemoryLedger::global().install();
@@ -512,15 +540,16 @@ int main(int argc, char** argv) {
     const int64_t total = total_params(specs);
     const double load_before = load_average();
     if (!json && flat) {
-      std::cout << fmt::format("one [{}, 1024] matrix, {} parameters\n  threads {}, load average {:.2f} at start\n",
-                               specs[0].shape[0], total, at::get_num_threads(), load_before);
+      std::cout << fmt::format(
+          "one [{}, 1024] matrix, {} parameters\n  threads {}, fused kernels {}, load average {:.2f} at start\n",
+          specs[0].shape[0], total, at::get_num_threads(), fused_kernel_isa_name(fused_kernels_isa()), load_before);
     } else if (!json) {
       std::cout << fmt::format(
           "SDXL-UNet-shaped parameter set: model_channels {} (SDXL: 320), {} tensors, {} parameters\n"
           "  conv {:.1f}%, linear {:.1f}%, norm {:.2f}%, bias {:.2f}%\n"
-          "  threads {}, load average {:.2f} at start\n",
+          "  threads {}, fused kernels {}, load average {:.2f} at start\n",
           c0, specs.size(), total, 100.0 * by_kind[0] / total, 100.0 * by_kind[1] / total, 100.0 * by_kind[2] / total,
-          100.0 * by_kind[3] / total, at::get_num_threads(), load_before);
+          100.0 * by_kind[3] / total, at::get_num_threads(), fused_kernel_isa_name(fused_kernels_isa()), load_before);
     }
     const std::vector<Config> configs = {
         {"fp32 AdamW", Algo::adamw, at::kFloat, at::kFloat, false},
@@ -531,6 +560,7 @@ int main(int argc, char** argv) {
         {"bf16-sr Lion", Algo::lion, at::kBFloat16, at::kBFloat16, false},
         // Not one of the goal's six: the same Lion step through fused_lion_step.
         {"bf16-sr Lion (fused_lion_step)", Algo::lion_kernel, at::kBFloat16, at::kBFloat16, false},
+        {"bf16-sr SPARKLES", Algo::sparkles, at::kBFloat16, at::kBFloat16, false},
     };
     std::vector<nlohmann::json> rows;
     for (const auto& c : configs) {

@@ -7,12 +7,18 @@
 
 #include <cmath>
 #include <limits>
+#include <type_traits>
+#include <utility>
+#include <vector>
 
 #include <torch/torch.h>
 
 #include "shoestring/core/error.h"
 #include "shoestring/core/stochastic_rounding.h"
+#include "shoestring/optim/adafactor.h"
+#include "shoestring/optim/adamw8bit.h"
 #include "shoestring/optim/fused_kernels.h"
+#include "shoestring/optim/lion.h"
 #include "shoestring/optim/optimizer.h"
 #include "shoestring/optim/quantization.h"
 
@@ -105,7 +111,31 @@ int64_t mismatches(const at::Tensor& a, const at::Tensor& b) {
   return a.view(it).ne(b.view(it)).sum().item<int64_t>();
 }
 
+// Every (instruction-set limit, case) pair: the kernels' AVX-512, AVX2 and
+// portable compilations (each where the CPU has it; a lower limit than the
+// CPU's best is always honoured).
+template <typename Cases>
+auto every_isa(const Cases& cases) {
+  using Case = std::decay_t<decltype(*std::begin(cases))>;
+  std::vector<std::pair<FusedKernelIsa, Case>> out;
+  for (FusedKernelIsa isa : {FusedKernelIsa::avx512, FusedKernelIsa::avx2, FusedKernelIsa::portable}) {
+    for (const Case& c : cases) out.emplace_back(isa, c);
+  }
+  return out;
+}
+
 }  // namespace
+
+TEST(FusedKernels, IsaLimitIsHonoured) {
+  const FusedKernelIsa best = fused_kernels_isa();
+  fused_kernels_limit_isa(FusedKernelIsa::portable);
+  EXPECT_EQ(fused_kernels_isa(), FusedKernelIsa::portable);
+  fused_kernels_limit_isa(FusedKernelIsa::avx2);
+  EXPECT_LE(fused_kernels_isa(), FusedKernelIsa::avx2);
+  fused_kernels_limit_isa(FusedKernelIsa::avx512);
+  EXPECT_EQ(fused_kernels_isa(), best);
+  EXPECT_STREQ(fused_kernel_isa_name(FusedKernelIsa::avx2), "avx2");
+}
 
 TEST(FusedAdamW, Fp32MatchesOpChain) {
   const int64_t n = 10007;
@@ -144,9 +174,10 @@ TEST(FusedAdamW, Bf16StochasticRoundingBitIdenticalToReference) {
                         {torch::kBFloat16, torch::kFloat32, torch::kFloat32, true},
                         {torch::kFloat32, torch::kBFloat16, torch::kBFloat16, true},
                         {torch::kBFloat16, torch::kBFloat16, torch::kBFloat16, false}};
-  for (const Case& c : cases) {
-    SCOPED_TRACE(fmt::format("param {} grad {} state {} sr {}", c10::toString(c.p), c10::toString(c.g),
-                             c10::toString(c.st), c.sr));
+  for (auto [isa, c] : every_isa(cases)) {
+    fused_kernels_limit_isa(isa);
+    SCOPED_TRACE(fmt::format("isa {} param {} grad {} state {} sr {}", fused_kernel_isa_name(isa),
+                             c10::toString(c.p), c10::toString(c.g), c10::toString(c.st), c.sr));
     Tensors a = make_tensors(n, c.p, c.g, c.st, 21);
     Tensors b = a.clone();
     const auto k = keys_for(99, 4, 7, c.sr);
@@ -158,6 +189,7 @@ TEST(FusedAdamW, Bf16StochasticRoundingBitIdenticalToReference) {
     // The parameter moved (the test would pass vacuously otherwise).
     EXPECT_GT(mismatches(a.p, make_tensors(n, c.p, c.g, c.st, 21).p), n / 4);
   }
+  fused_kernels_limit_isa(FusedKernelIsa::avx512);
 }
 
 TEST(FusedAdamW, ResultsDoNotDependOnThreadCount) {
@@ -246,8 +278,9 @@ TEST(FusedLion, MatchesOpChainBitForBit) {
   s.lr = 3e-4;
   s.weight_decay = 0.1;
   s.grad_scale = 0.5;
-  for (auto dtype : {torch::kFloat32, torch::kBFloat16}) {
-    SCOPED_TRACE(c10::toString(dtype));
+  for (auto [isa, dtype] : every_isa(std::vector<at::ScalarType>{torch::kFloat32, torch::kBFloat16})) {
+    fused_kernels_limit_isa(isa);
+    SCOPED_TRACE(fmt::format("isa {} {}", fused_kernel_isa_name(isa), c10::toString(dtype)));
     Tensors a = make_tensors(n, dtype, dtype, dtype, 8);
     a.g.index_put_({torch::indexing::Slice(0, 64)}, 0);  // sign(c) = 0 where m = g = 0
     a.m.index_put_({torch::indexing::Slice(0, 64)}, 0);
@@ -258,6 +291,7 @@ TEST(FusedLion, MatchesOpChainBitForBit) {
     EXPECT_EQ(mismatches(a.p, b.p), 0);
     EXPECT_EQ(mismatches(a.m, b.m), 0);
   }
+  fused_kernels_limit_isa(FusedKernelIsa::avx512);
   auto p = torch::zeros({3});
   auto m = torch::zeros({3}, torch::kHalf);
   EXPECT_FALSE(fused_lion_supported(p, p, m));
@@ -402,4 +436,233 @@ TEST(FusedAdamW8bit, RejectsWhatItCannotDo) {
   at::Tensor p16 = p.to(torch::kHalf);
   EXPECT_THROW(fused_adamw8bit_step(p16, g, mq, ma, vq, va, 256, {}, {}), Error);
   EXPECT_THROW(fused_adamw8bit_step(p, g, mq, ma, vq, va, 0, {}, {}), Error);
+}
+
+// ---- multi-tensor steps (*_step_many) ----------------------------------------
+
+namespace {
+
+// Sizes around the chunking: tiny tensors packed into shared chunks, one of
+// exactly a chunk, one just over, several chunks with a short tail.
+const int64_t kManySizes[] = {1, 129, 16384, 16385, 7, 50001, 4096, 300};
+
+at::ScalarType many_dtype(size_t i) { return i % 3 == 1 ? torch::kFloat32 : torch::kBFloat16; }
+
+}  // namespace
+
+TEST(FusedMultiTensor, AdamWAndLionManyAreTheOneByOneBits) {
+  for (int threads : {1, 2}) {
+    const int before = at::get_num_threads();
+    at::set_num_threads(threads);
+    std::vector<Tensors> many, one;
+    std::vector<FusedAdamWTensor> adamw;
+    std::vector<FusedLionTensor> lion;
+    for (size_t i = 0; i < std::size(kManySizes); ++i) {
+      const at::ScalarType dt = many_dtype(i);
+      many.push_back(make_tensors(kManySizes[i], dt, torch::kBFloat16, dt, 100 + i));
+      one.push_back(many.back().clone());
+    }
+    FusedAdamWScalars s;
+    s.step = 3;
+    s.grad_scale = 0.5;
+    FusedLionScalars ls;
+    ls.weight_decay = 0.1;
+    for (size_t i = 0; i < many.size(); ++i) {
+      s.weight_decay = i % 2 ? 0.0 : 0.01;
+      const auto k = keys_for(7, 3, i, i != 5);
+      adamw.push_back({many[i].p, many[i].g, many[i].m, many[i].v, s, k});
+      fused_adamw_step(one[i].p, one[i].g, one[i].m, one[i].v, s, k);
+    }
+    fused_adamw_step_many(adamw);
+    for (size_t i = 0; i < many.size(); ++i) {
+      lion.push_back({many[i].p, many[i].g, many[i].m, ls, keys_for(8, 4, i)});
+      fused_lion_step(one[i].p, one[i].g, one[i].m, ls, keys_for(8, 4, i));
+    }
+    fused_lion_step_many(lion);
+    at::set_num_threads(before);
+    for (size_t i = 0; i < many.size(); ++i) {
+      SCOPED_TRACE(fmt::format("threads {} tensor {} ({} elements)", threads, i, kManySizes[i]));
+      EXPECT_EQ(mismatches(many[i].p, one[i].p), 0);
+      EXPECT_EQ(mismatches(many[i].m, one[i].m), 0);
+      EXPECT_EQ(mismatches(many[i].v, one[i].v), 0);
+    }
+  }
+}
+
+TEST(FusedMultiTensor, AdamW8bitManyIsTheOneByOneBits) {
+  struct State {
+    at::Tensor p, g, mq, ma, vq, va;
+    int64_t bs;
+  };
+  auto make = [](int64_t n, int64_t bs, at::ScalarType dt, uint64_t seed) {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+    const int64_t blocks = (n + bs - 1) / bs;
+    State st;
+    st.bs = bs;
+    st.p = (at::randn({n}, gen) * 0.1).to(dt);
+    st.g = (at::randn({n}, gen) * 1e-2).to(dt);
+    auto qm = quantize_blockwise(at::randn({n}, gen) * 1e-2, signed_dynamic_map(), bs);
+    auto qv = quantize_blockwise(at::rand({n}, gen) * 1e-4, unsigned_dynamic_map(), bs);
+    st.mq = qm.codes;
+    st.ma = qm.absmax;
+    st.vq = qv.codes;
+    st.va = qv.absmax;
+    EXPECT_EQ(st.ma.numel(), blocks);
+    return st;
+  };
+  auto clone = [](const State& s) {
+    return State{s.p.clone(), s.g.clone(), s.mq.clone(), s.ma.clone(), s.vq.clone(), s.va.clone(), s.bs};
+  };
+  std::vector<State> many, one;
+  std::vector<FusedAdamW8bitTensor> tasks;
+  FusedAdamWScalars s;
+  s.step = 2;
+  s.weight_decay = 0.01;
+  s.grad_scale = 0.75;
+  for (size_t i = 0; i < std::size(kManySizes); ++i) {
+    const int64_t bs = i == 3 ? 100 : 256;  // one tensor with another block size
+    many.push_back(make(kManySizes[i], bs, many_dtype(i), 200 + i));
+    one.push_back(clone(many.back()));
+  }
+  for (size_t i = 0; i < many.size(); ++i) {
+    State& m = many[i];
+    const auto k = keys_for(9, 2, i);
+    tasks.push_back({m.p, m.g, m.mq, m.ma, m.vq, m.va, m.bs, s, k});
+    State& o = one[i];
+    fused_adamw8bit_step(o.p, o.g, o.mq, o.ma, o.vq, o.va, o.bs, s, k);
+  }
+  fused_adamw8bit_step_many(tasks);
+  for (size_t i = 0; i < many.size(); ++i) {
+    SCOPED_TRACE(fmt::format("tensor {} ({} elements)", i, kManySizes[i]));
+    EXPECT_EQ(mismatches(many[i].p, one[i].p), 0);
+    EXPECT_TRUE(torch::equal(many[i].mq, one[i].mq));
+    EXPECT_TRUE(torch::equal(many[i].ma, one[i].ma));
+    EXPECT_TRUE(torch::equal(many[i].vq, one[i].vq));
+    EXPECT_TRUE(torch::equal(many[i].va, one[i].va));
+  }
+}
+
+TEST(FusedMultiTensor, ChecksEveryEntryBeforeWritingAny) {
+  Tensors a = make_tensors(1000, torch::kFloat32, torch::kFloat32, torch::kFloat32, 1);
+  Tensors b = make_tensors(1000, torch::kFloat32, torch::kFloat32, torch::kFloat32, 2);
+  const Tensors a0 = a.clone();
+  at::Tensor bad_grad = torch::zeros({999});
+  try {
+    fused_adamw_step_many({{a.p, a.g, a.m, a.v, {}, {}}, {b.p, bad_grad, b.m, b.v, {}, {}}});
+    FAIL() << "expected shoestring::Error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("tensor 1 of 2"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("grad has 999 elements"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(mismatches(a.p, a0.p) + mismatches(a.m, a0.m) + mismatches(a.v, a0.v), 0);
+  fused_adamw_step_many({});  // nothing to do
+}
+
+// Optimizer::step with a gradient scale: the fused kernels take the scale
+// (no scaled fp32 copy of each gradient); the bits are those of the op
+// chains, which scale a copy first (forced through the generic path).
+TEST(FusedMultiTensor, StepWithGradScaleMatchesTheOpChains) {
+  for (const char* type : {"AdamW", "Lion", "AdamW8bit"}) {
+    SCOPED_TRACE(type);
+    std::vector<at::Tensor> result[2];
+    for (bool generic : {false, true}) {
+      force_device_generic_optimizers(generic);
+      torch::manual_seed(3);
+      std::vector<OptimParam> params;
+      for (int64_t n : {5000, 40, 20000}) {
+        params.push_back({"p" + std::to_string(n), (torch::randn({n}) * 0.1).to(torch::kBFloat16), 0.01});
+      }
+      OptimizerOptions o;
+      o.seed = 4;
+      o.state_dtype = torch::kBFloat16;
+      std::unique_ptr<Optimizer> opt;
+      if (std::string(type) == "AdamW") opt = std::make_unique<AdamW>(params, AdamWOptions{}, o);
+      if (std::string(type) == "Lion") opt = std::make_unique<Lion>(params, LionOptions{}, o);
+      if (std::string(type) == "AdamW8bit") opt = std::make_unique<AdamW8bit>(params, AdamW8bitOptions{}, o);
+      for (int step = 0; step < 3; ++step) {
+        for (auto& p : params) p.param.mutable_grad() = torch::randn(p.param.sizes()).to(torch::kBFloat16);
+        opt->step(1e-2, 0.3);
+      }
+      for (auto& p : params) result[generic ? 1 : 0].push_back(p.param.clone());
+      for (auto& [name, t] : opt->state_tensors()) result[generic ? 1 : 0].push_back(t.clone());
+    }
+    force_device_generic_optimizers(false);
+    ASSERT_EQ(result[0].size(), result[1].size());
+    for (size_t i = 0; i < result[0].size(); ++i) {
+      EXPECT_TRUE(torch::equal(result[0][i], result[1][i])) << "tensor " << i;
+    }
+  }
+}
+
+// The factored Adafactor step runs its two passes in one parallel region,
+// cutting the rows into chunks fixed by the shape: the bits must not depend
+// on the thread count or the instruction set (the shape is above the size
+// that runs on the calling thread, with a short last chunk).
+TEST(FusedAdafactor, ResultsDoNotDependOnThreadsOrIsa) {
+  const int64_t n = 333, m = 517;
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(12);
+  const at::Tensor p0 = (at::randn({n, m}, gen) * 0.1).to(torch::kBFloat16);
+  const at::Tensor g = (at::randn({n, m}, gen) * 1e-2).to(torch::kBFloat16);
+  const at::Tensor row0 = at::rand({n}, gen) * 1e-4, col0 = at::rand({m}, gen) * 1e-4;
+  FusedAdafactorScalars s;
+  s.beta2t = 0.3;
+  s.step_size = 1e-3;
+  s.weight_decay = 0.01;
+  FusedRoundingKeys k = keys_for(6, 2, 1);
+  auto run = [&](int threads, FusedKernelIsa isa) {
+    const int before = at::get_num_threads();
+    at::set_num_threads(threads);
+    fused_kernels_limit_isa(isa);
+    at::Tensor p = p0.clone(), row = row0.clone(), col = col0.clone();
+    fused_adafactor_factored_step(p, g, row, col, n, m, s, k);
+    fused_kernels_limit_isa(FusedKernelIsa::avx512);
+    at::set_num_threads(before);
+    return std::vector<at::Tensor>{p, row, col};
+  };
+  const auto reference = run(1, FusedKernelIsa::avx512);
+  EXPECT_GT(mismatches(reference[0], p0), n * m / 4);  // the weights moved
+  for (auto [threads, isa] : {std::pair{2, FusedKernelIsa::avx512}, std::pair{2, FusedKernelIsa::avx2},
+                              std::pair{1, FusedKernelIsa::portable}, std::pair{2, FusedKernelIsa::portable}}) {
+    const auto other = run(threads, isa);
+    for (size_t i = 0; i < other.size(); ++i) {
+      EXPECT_EQ(mismatches(other[i], reference[i]), 0)
+          << "threads " << threads << " isa " << fused_kernel_isa_name(isa) << " tensor " << i;
+    }
+  }
+}
+
+// Adafactor's vectors (unfactored, no beta1) take fused_adafactor_unfactored_step:
+// the op chain's bits (the generic path is the op chain), with fp32 and bf16
+// weights and state, weight decay, and clipping active at step 1 (RMS(U) near 1).
+TEST(FusedAdafactor, UnfactoredStepIsTheOpChainBits) {
+  for (auto [pdtype, sdtype] : {std::pair{torch::kFloat32, torch::kFloat32}, std::pair{torch::kBFloat16, torch::kBFloat16},
+                                std::pair{torch::kBFloat16, torch::kFloat32}}) {
+    std::vector<at::Tensor> result[2];
+    for (bool generic : {false, true}) {
+      force_device_generic_optimizers(generic);
+      torch::manual_seed(21);
+      std::vector<OptimParam> params = {{"b", (torch::randn({1000}) * 0.1).to(pdtype), 0.01},
+                                        {"n", (torch::randn({7}) * 0.1).to(pdtype), 0.0}};
+      OptimizerOptions o;
+      o.seed = 8;
+      o.state_dtype = sdtype;
+      AdafactorOptions a;
+      a.relative_step = false;
+      a.scale_parameter = false;
+      a.weight_decay = 0.01;
+      Adafactor opt(params, a, o);
+      for (int step = 0; step < 4; ++step) {
+        for (auto& p : params) p.param.mutable_grad() = (torch::randn(p.param.sizes()) * (step + 1)).to(pdtype);
+        opt.step(1e-2);
+      }
+      for (auto& p : params) result[generic ? 1 : 0].push_back(p.param.clone());
+      for (auto& [name, t] : opt.state_tensors()) result[generic ? 1 : 0].push_back(t.clone());
+    }
+    force_device_generic_optimizers(false);
+    ASSERT_EQ(result[0].size(), result[1].size());
+    for (size_t i = 0; i < result[0].size(); ++i) {
+      EXPECT_EQ(mismatches(result[0][i], result[1][i]), 0)
+          << c10::toString(pdtype) << " / " << c10::toString(sdtype) << " tensor " << i;
+    }
+  }
 }

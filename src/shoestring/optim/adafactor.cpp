@@ -123,6 +123,25 @@ void Adafactor::update(size_t index, const at::Tensor& grad_in, double lr, int64
     return;
   }
 
+  // Vectors without a first moment: one fused call, the op chain's bits.
+  if (!factored && !first_moment && fusable(live) && fusable(grad_in)) {
+    at::Tensor& v = ensure("exp_avg_sq", live.sizes(), options_.state_dtype);
+    if (fused_adafactor_unfactored_supported(live, grad_in, v)) {
+      FusedAdafactorScalars s;
+      s.beta2t = beta2t;
+      s.eps1 = adafactor_.eps1;
+      s.clip_threshold = adafactor_.clip_threshold;
+      s.step_size = step_size(step, lr, adafactor_.scale_parameter ? rms(as_fp32(live)) : 0.0);
+      s.weight_decay = wd;
+      FusedRoundingKeys keys;
+      keys.stochastic_rounding = options_.stochastic_rounding;
+      keys.param = rounding_key(index, step);
+      keys.state1 = rounding_key(index, step, kSlotSq);
+      fused_adafactor_unfactored_step(live, grad_in, v, s, keys);
+      return;
+    }
+  }
+
   at::Tensor grad = as_fp32(grad_in);
   at::Tensor p = as_fp32(live);  // fp32 weights: updated in place at the end
   const double a_t = step_size(step, lr, adafactor_.scale_parameter ? rms(p) : 0.0);

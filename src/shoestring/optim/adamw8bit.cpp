@@ -255,7 +255,7 @@ void AdamW8bit::load_state_tensors(const std::map<std::string, at::Tensor>& tens
   for (size_t i = 0; i < params_.size(); ++i) check_state(i);
 }
 
-void AdamW8bit::update(size_t index, const at::Tensor& grad_in, double lr, int64_t step) {
+bool AdamW8bit::prepare(size_t index, const at::Tensor& grad_in) {
   at::Tensor& live = params_[index].param;
   const std::string& name = params_[index].name;
   const auto pdtype = live.scalar_type();
@@ -291,29 +291,69 @@ void AdamW8bit::update(size_t index, const at::Tensor& grad_in, double lr, int64
            live.device().str());
     }
   }
+  return eight_bit;
+}
 
-  const AdamWOptions& a = adam8_.adam;
-  const double wd = params_[index].weight_decay;
+std::optional<FusedAdamW8bitTensor> AdamW8bit::fused_task(size_t index, const at::Tensor& grad, double lr,
+                                                          int64_t step, double grad_scale) {
+  const bool eight_bit = prepare(index, grad);
+  const at::Tensor& live = params_[index].param;
+  auto& st = state_[index];
   // Fast path (optim/fused_kernels.h): one pass, vectorized, bit-identical to
-  // the per-element kernel below, which remains the path for fp16 and
+  // the per-element kernel of update(), which remains the path for fp16 and
   // non-contiguous tensors.
-  if (eight_bit && fast_cpu_path(live) &&
-      fused_adamw8bit_supported(live, grad_in, state(index, "exp_avg_q"), state(index, "exp_avg_absmax"),
-                                state(index, "exp_avg_sq_q"), state(index, "exp_avg_sq_absmax"), bs)) {
-    FusedAdamWScalars s;
-    s.lr = lr;
-    s.beta1 = a.beta1;
-    s.beta2 = a.beta2;
-    s.eps = a.eps;
-    s.weight_decay = wd;
-    s.step = step;
-    FusedRoundingKeys keys;
-    keys.stochastic_rounding = options_.stochastic_rounding;
-    keys.param = rounding_key(index, step);
-    fused_adamw8bit_step(live, grad_in, state(index, "exp_avg_q"), state(index, "exp_avg_absmax"),
-                         state(index, "exp_avg_sq_q"), state(index, "exp_avg_sq_absmax"), bs, s, keys);
+  if (!eight_bit || !fast_cpu_path(live) ||
+      !fused_adamw8bit_supported(live, grad, st["exp_avg_q"], st["exp_avg_absmax"], st["exp_avg_sq_q"],
+                                 st["exp_avg_sq_absmax"], adam8_.block_size)) {
+    return std::nullopt;
+  }
+  FusedAdamW8bitTensor t{live,
+                         grad,
+                         st["exp_avg_q"],
+                         st["exp_avg_absmax"],
+                         st["exp_avg_sq_q"],
+                         st["exp_avg_sq_absmax"],
+                         adam8_.block_size,
+                         {},
+                         {}};
+  const AdamWOptions& a = adam8_.adam;
+  t.scalars.lr = lr;
+  t.scalars.beta1 = a.beta1;
+  t.scalars.beta2 = a.beta2;
+  t.scalars.eps = a.eps;
+  t.scalars.weight_decay = params_[index].weight_decay;
+  t.scalars.step = step;
+  t.scalars.grad_scale = grad_scale;
+  t.keys.stochastic_rounding = options_.stochastic_rounding;
+  t.keys.param = rounding_key(index, step);
+  return t;
+}
+
+void AdamW8bit::update_many(const std::vector<size_t>& indices, double lr, int64_t step, double grad_scale) {
+  std::vector<FusedAdamW8bitTensor> fused;
+  fused.reserve(indices.size());
+  for (size_t i : indices) {
+    if (auto t = fused_task(i, params_[i].param.grad(), lr, step, grad_scale)) {
+      fused.push_back(std::move(*t));
+    } else {
+      update(i, scaled_grad(i, grad_scale), lr, step);
+    }
+  }
+  fused_adamw8bit_step_many(fused);
+}
+
+void AdamW8bit::update(size_t index, const at::Tensor& grad_in, double lr, int64_t step) {
+  if (auto t = fused_task(index, grad_in, lr, step, 1.0)) {
+    fused_adamw8bit_step_many({std::move(*t)});
     return;
   }
+  at::Tensor& live = params_[index].param;
+  const auto pdtype = live.scalar_type();
+  const bool eight_bit = uses_8bit_state(index);
+  const int64_t n = live.numel();
+  const int64_t bs = adam8_.block_size;
+  const AdamWOptions& a = adam8_.adam;
+  const double wd = params_[index].weight_decay;
   const double bias_correction1 = 1.0 - std::pow(a.beta1, static_cast<double>(step));
   const double bias_correction2 = 1.0 - std::pow(a.beta2, static_cast<double>(step));
   Work w;

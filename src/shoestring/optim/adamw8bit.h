@@ -21,6 +21,7 @@
 // moment or parameter would overflow to a non-finite value.
 #pragma once
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -48,6 +49,10 @@ class AdamW8bit : public Optimizer {
   /// ATen ops with the same bits. Throws shoestring::Error for a gradient of
   /// another size, dtype or device, or inconsistent state.
   void update(size_t index, const at::Tensor& grad, double lr, int64_t step) override;
+  /// Every parameter the fused kernel takes (8-bit state, fast_cpu_path,
+  /// fused_adamw8bit_supported) in one fused_adamw8bit_step_many; the others
+  /// through update().
+  void update_many(const std::vector<size_t>& indices, double lr, int64_t step, double grad_scale) override;
 
   /// Base behaviour, then checks every parameter's state: either none, the
   /// fp32 pair (parameter shape), or the four 8-bit tensors with the dtypes and
@@ -67,6 +72,13 @@ class AdamW8bit : public Optimizer {
 
  private:
   void check_state(size_t index) const;
+  /// update()'s checks of parameter `index` and `grad`, and its state
+  /// (created on first use, then checked); returns uses_8bit_state(index).
+  bool prepare(size_t index, const at::Tensor& grad);
+  /// prepare(), then the fused kernel call of parameter `index` with `grad`
+  /// (times grad_scale), or nothing when another path must run.
+  std::optional<FusedAdamW8bitTensor> fused_task(size_t index, const at::Tensor& grad, double lr, int64_t step,
+                                                 double grad_scale);
   AdamW8bitOptions adam8_;
 };
 

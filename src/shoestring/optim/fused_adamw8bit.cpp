@@ -407,26 +407,13 @@ SHOESTRING_AVX2_TARGET void adamw8bit_blocks_avx2(const AdamW8bitArgs& a, int64_
   }
 }
 
-bool cpu_has_avx2() {
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return yes;
-}
-
-bool cpu_has_avx512() {
-  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-  return yes;
-}
 #endif
-
-std::atomic<FusedKernelIsa> g_isa_limit{FusedKernelIsa::avx512};
 
 using AdamW8bitBlocksFn = void (*)(const AdamW8bitArgs&, int64_t, int64_t, float*, float*, uint16_t*);
 
-#define SHOESTRING_A8_VARIANT(NAME, P, G, R)                                                                   \
-  SHOESTRING_FUSED_TARGET_CLONES void NAME(const AdamW8bitArgs& a, int64_t b0, int64_t b1, float* m, float* v, \
-                                           uint16_t* w) {                                                      \
-    adamw8bit_blocks<P, G, R>(a, b0, b1, m, v, w);                                                             \
+#define SHOESTRING_A8_VARIANT(NAME, P, G, R)                                                                 \
+  void NAME(const AdamW8bitArgs& a, int64_t b0, int64_t b1, float* m, float* v, uint16_t* w) { \
+    adamw8bit_blocks<P, G, R>(a, b0, b1, m, v, w);                                                           \
   }
 SHOESTRING_A8_VARIANT(adamw8bit_f32_f32, float, float, Rounding::nearest)
 SHOESTRING_A8_VARIANT(adamw8bit_f32_b16, float, bf16_bits, Rounding::nearest)
@@ -436,23 +423,24 @@ SHOESTRING_A8_VARIANT(adamw8bit_rn_f32, bf16_bits, float, Rounding::nearest)
 SHOESTRING_A8_VARIANT(adamw8bit_rn_b16, bf16_bits, bf16_bits, Rounding::nearest)
 #undef SHOESTRING_A8_VARIANT
 
-// Index: param kind (0 fp32, 1 bf16 SR, 2 bf16 nearest) * 2 + grad bf16.
-constexpr AdamW8bitBlocksFn kAdamW8bit[6] = {adamw8bit_f32_f32, adamw8bit_f32_b16, adamw8bit_sr_f32,
-                                             adamw8bit_sr_b16,  adamw8bit_rn_f32,  adamw8bit_rn_b16};
+// Index: param kind (0 fp32, 1 bf16 SR, 2 bf16 nearest) * 2 + grad bf16. The
+// hand-written AVX-512 and AVX2 kernels, and the portable one (baseline
+// x86-64: GCC does not vectorize its table look-ups anyway).
 #ifdef SHOESTRING_FUSED_AVX512
-constexpr AdamW8bitBlocksFn kAdamW8bitAvx512[6] = {adamw8bit_blocks_avx512<float, float, Rounding::nearest>,
-                                                   adamw8bit_blocks_avx512<float, bf16_bits, Rounding::nearest>,
-                                                   adamw8bit_blocks_avx512<bf16_bits, float, Rounding::stochastic>,
-                                                   adamw8bit_blocks_avx512<bf16_bits, bf16_bits, Rounding::stochastic>,
-                                                   adamw8bit_blocks_avx512<bf16_bits, float, Rounding::nearest>,
-                                                   adamw8bit_blocks_avx512<bf16_bits, bf16_bits, Rounding::nearest>};
-constexpr AdamW8bitBlocksFn kAdamW8bitAvx2[6] = {adamw8bit_blocks_avx2<float, float, Rounding::nearest>,
-                                                 adamw8bit_blocks_avx2<float, bf16_bits, Rounding::nearest>,
-                                                 adamw8bit_blocks_avx2<bf16_bits, float, Rounding::stochastic>,
-                                                 adamw8bit_blocks_avx2<bf16_bits, bf16_bits, Rounding::stochastic>,
-                                                 adamw8bit_blocks_avx2<bf16_bits, float, Rounding::nearest>,
-                                                 adamw8bit_blocks_avx2<bf16_bits, bf16_bits, Rounding::nearest>};
+#define SHOESTRING_A8_ISA(P, G, R, PORTABLE) \
+  { adamw8bit_blocks_avx512<P, G, R>, adamw8bit_blocks_avx2<P, G, R>, PORTABLE }
+#else
+#define SHOESTRING_A8_ISA(P, G, R, PORTABLE) \
+  { PORTABLE, PORTABLE, PORTABLE }
 #endif
+constexpr IsaKernels<AdamW8bitBlocksFn> kAdamW8bit[6] = {
+    SHOESTRING_A8_ISA(float, float, Rounding::nearest, adamw8bit_f32_f32),
+    SHOESTRING_A8_ISA(float, bf16_bits, Rounding::nearest, adamw8bit_f32_b16),
+    SHOESTRING_A8_ISA(bf16_bits, float, Rounding::stochastic, adamw8bit_sr_f32),
+    SHOESTRING_A8_ISA(bf16_bits, bf16_bits, Rounding::stochastic, adamw8bit_sr_b16),
+    SHOESTRING_A8_ISA(bf16_bits, float, Rounding::nearest, adamw8bit_rn_f32),
+    SHOESTRING_A8_ISA(bf16_bits, bf16_bits, Rounding::nearest, adamw8bit_rn_b16)};
+#undef SHOESTRING_A8_ISA
 
 }  // namespace
 
@@ -487,60 +475,86 @@ bool fused_adamw8bit_supported(const at::Tensor& param, const at::Tensor& grad, 
   return adamw8bit_reason(param, grad, exp_avg_q, exp_avg_absmax, exp_avg_sq_q, exp_avg_sq_absmax, block_size).empty();
 }
 
+void fused_adamw8bit_step_many(const std::vector<FusedAdamW8bitTensor>& tensors) {
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const FusedAdamW8bitTensor& t = tensors[i];
+    const std::string what = tensors.size() == 1
+                                 ? std::string("fused_adamw8bit_step")
+                                 : fmt::format("fused_adamw8bit_step (tensor {} of {})", i, tensors.size());
+    const std::string why = adamw8bit_reason(t.param, t.grad, t.exp_avg_q, t.exp_avg_absmax, t.exp_avg_sq_q,
+                                             t.exp_avg_sq_absmax, t.block_size);
+    if (!why.empty()) fail("{}: {}", what, why);
+    if (t.scalars.step < 1) fail("{}: step must be >= 1 (1-based), got {}", what, t.scalars.step);
+  }
+  const QuantizationMap& smap = signed_dynamic_map();
+  const QuantizationMap& umap = unsigned_dynamic_map();
+  struct Task {
+    AdamW8bitArgs args;
+    AdamW8bitBlocksFn fn;
+  };
+  std::vector<Task> tasks(tensors.size());
+  int64_t max_block = 1;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const FusedAdamW8bitTensor& t = tensors[i];
+    AdamW8bitArgs& a = tasks[i].args;
+    static_cast<AdamConstants&>(a) = adam_constants(t.scalars);
+    a.param = t.param.data_ptr();
+    a.grad = t.grad.data_ptr();
+    a.exp_avg_q = t.exp_avg_q.data_ptr<uint8_t>();
+    a.exp_avg_absmax = t.exp_avg_absmax.data_ptr<float>();
+    a.exp_avg_sq_q = t.exp_avg_sq_q.data_ptr<uint8_t>();
+    a.exp_avg_sq_absmax = t.exp_avg_sq_absmax.data_ptr<float>();
+    a.n = t.param.numel();
+    a.block_size = t.block_size;
+    a.m_values = smap.values().data();
+    a.v_values = umap.values().data();
+    a.m_table = smap.fast_table();
+    a.v_table = umap.fast_table();
+    a.m_zero = smap.zero_code();
+    a.v_zero = umap.zero_code();
+    a.param_key = stream_key(t.keys.param);
+    const int kind = t.param.scalar_type() == at::kFloat ? 0 : (t.keys.stochastic_rounding ? 1 : 2);
+    tasks[i].fn = kAdamW8bit[kind * 2 + (t.grad.scalar_type() == at::kBFloat16 ? 1 : 0)].get();
+    max_block = std::max(max_block, t.block_size);
+  }
+  // Chunks of whole blocks, about kGrainSize elements each; every chunk
+  // boundary is a block boundary, so the blocks' absmaxes are what one pass
+  // over the tensor gives. A worker keeps one block of fp32 moments.
+  const int64_t grain = std::max<int64_t>(1, kGrainSize / max_block);
+  const ChunkPlan plan = plan_chunks(static_cast<int64_t>(tasks.size()), grain, [&](int64_t t) {
+    const AdamW8bitArgs& a = tasks[static_cast<size_t>(t)].args;
+    return (a.n + a.block_size - 1) / a.block_size;
+  });
+  // Work for run_chunks: an 8-bit element counts 3 (it costs about 10 AdamW
+  // elements on one thread, but the bench's fused rows ran slower with
+  // regions below ~85K elements, measured with 2, 3 and 8).
+  int64_t total = 0;
+  for (const Task& t : tasks) total += 3 * t.args.n;
+  run_chunks(plan.chunks(), total, [&](ChunkQueue& queue) {
+    std::vector<float> m(static_cast<size_t>(max_block)), v(static_cast<size_t>(max_block));
+    std::vector<uint16_t> words(static_cast<size_t>(max_block) + 8);
+    for (int64_t c; (c = queue.take()) >= 0;) {
+      for (int64_t k = plan.chunk_begin[c]; k < plan.chunk_begin[c + 1]; ++k) {
+        const Segment& s = plan.segments[static_cast<size_t>(k)];
+        const Task& task = tasks[static_cast<size_t>(s.task)];
+        task.fn(task.args, s.begin, s.end, m.data(), v.data(), words.data());
+      }
+    }
+  });
+  for (const FusedAdamW8bitTensor& t : tensors) {
+    if (t.param.numel() == 0) continue;
+    for (const at::Tensor* x : {&t.param, &t.exp_avg_q, &t.exp_avg_absmax, &t.exp_avg_sq_q, &t.exp_avg_sq_absmax}) {
+      bump_version(*x);
+    }
+  }
+}
+
 void fused_adamw8bit_step(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_avg_q, at::Tensor& exp_avg_absmax,
                           at::Tensor& exp_avg_sq_q, at::Tensor& exp_avg_sq_absmax, int64_t block_size,
                           const FusedAdamWScalars& s, const FusedRoundingKeys& keys) {
-  const std::string why =
-      adamw8bit_reason(param, grad, exp_avg_q, exp_avg_absmax, exp_avg_sq_q, exp_avg_sq_absmax, block_size);
-  if (!why.empty()) fail("fused_adamw8bit_step: {}", why);
-  if (s.step < 1) fail("fused_adamw8bit_step: step must be >= 1 (1-based), got {}", s.step);
-  const int64_t n = param.numel();
-  if (n == 0) return;
-  const QuantizationMap& smap = signed_dynamic_map();
-  const QuantizationMap& umap = unsigned_dynamic_map();
-  AdamW8bitArgs a;
-  static_cast<AdamConstants&>(a) = adam_constants(s);
-  a.param = param.data_ptr();
-  a.grad = grad.data_ptr();
-  a.exp_avg_q = exp_avg_q.data_ptr<uint8_t>();
-  a.exp_avg_absmax = exp_avg_absmax.data_ptr<float>();
-  a.exp_avg_sq_q = exp_avg_sq_q.data_ptr<uint8_t>();
-  a.exp_avg_sq_absmax = exp_avg_sq_absmax.data_ptr<float>();
-  a.n = n;
-  a.block_size = block_size;
-  a.m_values = smap.values().data();
-  a.v_values = umap.values().data();
-  a.m_table = smap.fast_table();
-  a.v_table = umap.fast_table();
-  a.m_zero = smap.zero_code();
-  a.v_zero = umap.zero_code();
-  a.param_key = stream_key(keys.param);
-  const int kind = param.scalar_type() == at::kFloat ? 0 : (keys.stochastic_rounding ? 1 : 2);
-  const int variant = kind * 2 + (grad.scalar_type() == at::kBFloat16 ? 1 : 0);
-  AdamW8bitBlocksFn fn = kAdamW8bit[variant];
-#ifdef SHOESTRING_FUSED_AVX512
-  const FusedKernelIsa limit = g_isa_limit.load(std::memory_order_relaxed);
-  if (limit >= FusedKernelIsa::avx512 && cpu_has_avx512()) {
-    fn = kAdamW8bitAvx512[variant];
-  } else if (limit >= FusedKernelIsa::avx2 && cpu_has_avx2()) {
-    fn = kAdamW8bitAvx2[variant];
-  }
-#endif
-  const int64_t blocks = (n + block_size - 1) / block_size;
-  // ~16K elements per task at least; each task keeps one block of fp32 moments.
-  const int64_t grain = std::max<int64_t>(1, kGrainSize / block_size);
-  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> m(static_cast<size_t>(block_size)), v(static_cast<size_t>(block_size));
-    std::vector<uint16_t> words(static_cast<size_t>(block_size) + 8);
-    fn(a, begin, end, m.data(), v.data(), words.data());
-  });
-  bump_version(param);
-  bump_version(exp_avg_q);
-  bump_version(exp_avg_absmax);
-  bump_version(exp_avg_sq_q);
-  bump_version(exp_avg_sq_absmax);
+  fused_adamw8bit_step_many(
+      {FusedAdamW8bitTensor{param, grad, exp_avg_q, exp_avg_absmax, exp_avg_sq_q, exp_avg_sq_absmax, block_size, s,
+                            keys}});
 }
-
-void fused_kernels_limit_isa(FusedKernelIsa isa) { g_isa_limit.store(isa, std::memory_order_relaxed); }
 
 }  // namespace shoestring

@@ -11,7 +11,9 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -19,6 +21,7 @@
 
 #include <fmt/format.h>
 
+#include <ATen/Functions.h>
 #include <ATen/Parallel.h>
 
 #include "shoestring/core/error.h"
@@ -58,10 +61,17 @@ namespace {
 // enough to amortize a task, small enough to split mid-size tensors.
 constexpr int64_t kGrainSize = 16384;
 
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
-#define SHOESTRING_FUSED_TARGET_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+// Each kernel is compiled three times: for x86-64-v4 (AVX-512 F/BW/CD/DQ/VL),
+// x86-64-v3 (AVX2 + FMA) and the baseline, and picked per call by
+// fused_kernels_isa() (IsaKernels::get), so fused_kernels_limit_isa reaches
+// every kernel (tests and bench/optimizer_memory --isa run the AVX2 code on an
+// AVX-512 machine). Only GCC on x86-64 Linux; elsewhere the three are the same.
+#ifdef SHOESTRING_FUSED_AVX512
+#define SHOESTRING_TARGET_V4 __attribute__((target("arch=x86-64-v4")))
+#define SHOESTRING_TARGET_V3 __attribute__((target("arch=x86-64-v3")))
 #else
-#define SHOESTRING_FUSED_TARGET_CLONES
+#define SHOESTRING_TARGET_V4
+#define SHOESTRING_TARGET_V3
 #endif
 
 #if defined(__GNUC__)
@@ -69,6 +79,157 @@ constexpr int64_t kGrainSize = 16384;
 #else
 #define SHOESTRING_ALWAYS_INLINE inline
 #endif
+
+// The three compilations of one kernel (see SHOESTRING_TARGET_V4).
+template <typename Fn>
+struct IsaKernels {
+  Fn avx512, avx2, portable;
+  Fn get() const {
+    switch (fused_kernels_isa()) {
+      case FusedKernelIsa::avx512: return avx512;
+      case FusedKernelIsa::avx2: return avx2;
+      default: return portable;
+    }
+  }
+};
+
+// Work split into chunks that the intra-op threads take one at a time (an
+// atomic counter: dynamic scheduling) inside one parallel region: a thread
+// that starts late (a worker woken from sleep, a core shared with another
+// process) takes fewer chunks instead of holding up the others, and many
+// tensors' steps share one region (multi-tensor apply). Which thread runs a
+// chunk never changes its result.
+class ChunkQueue {
+ public:
+  explicit ChunkQueue(int64_t chunks) : chunks_(chunks) {}
+  // The next chunk's index, or -1 when none is left.
+  int64_t take() {
+    const int64_t c = next_.fetch_add(1, std::memory_order_relaxed);
+    return c < chunks_ ? c : -1;
+  }
+
+ private:
+  std::atomic<int64_t> next_{0};
+  int64_t chunks_;
+};
+
+// Below this much work (in elements of a plain step such as AdamW's or
+// Lion's) a step runs on the calling thread. A parallel region ends only
+// when every worker has joined it; on the 2-core VM the benches run on, an
+// empty at::parallel_for region took 65-170 us (another process's compile
+// running, workers asleep or not), the time AdamW needs for 200-500K
+// elements on one thread. Stepped one tensor at a time (fused backward,
+// bench/optimizer_memory's fused rows), the SDXL-shaped list's mid-size
+// tensors were slower in two threads than in one.
+constexpr int64_t kMinParallelWork = 16 * kGrainSize;
+
+// Calls worker(queue) once on each of up to min(chunks, intra-op threads)
+// threads; the workers take the chunks from `queue`. Inline (one call) when
+// one thread would do, inside a parallel region, or when `work` (elements
+// times the kernel's cost per element relative to AdamW's) is under
+// kMinParallelWork. A worker keeps its per-thread scratch across the chunks
+// it takes.
+template <typename Worker>
+void run_chunks(int64_t chunks, int64_t work, const Worker& worker) {
+  if (chunks <= 0) return;
+  ChunkQueue queue(chunks);
+  const int64_t threads = std::min<int64_t>(chunks, at::get_num_threads());
+  if (threads <= 1 || work < kMinParallelWork || at::in_parallel_region()) {
+    worker(queue);
+    return;
+  }
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) worker(queue);
+  });
+}
+
+// Two phases of chunks in one region, the second opened by whoever finishes
+// the first phase's last chunk (after its serial step between the phases):
+// take_first() until it returns -1, calling finish_first() after each chunk
+// (true for the one thread that finished the last: it runs the serial step,
+// then open_second()); then take_second(), which waits for open_second().
+// A thread only waits once every first-phase chunk has been taken by a
+// running thread, so one thread alone, or any number, always finishes.
+class PhasedChunks {
+ public:
+  PhasedChunks(int64_t first, int64_t second) : first_(first), second_(second) {}
+  int64_t take_first() {
+    const int64_t c = next_first_.fetch_add(1, std::memory_order_relaxed);
+    return c < first_ ? c : -1;
+  }
+  bool finish_first() { return done_first_.fetch_add(1, std::memory_order_acq_rel) + 1 == first_; }
+  void open_second() { open_.store(true, std::memory_order_release); }
+  int64_t take_second() {
+    for (int spins = 0; !open_.load(std::memory_order_acquire); ++spins) {
+      if (spins % 64 == 63) {
+        std::this_thread::yield();
+      } else {
+        cpu_relax();
+      }
+    }
+    const int64_t c = next_second_.fetch_add(1, std::memory_order_relaxed);
+    return c < second_ ? c : -1;
+  }
+
+ private:
+  static void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+  }
+  int64_t first_, second_;
+  std::atomic<int64_t> next_first_{0}, done_first_{0}, next_second_{0};
+  std::atomic<bool> open_{false};
+};
+
+// A range [begin, end) of units (elements or quantization blocks) of task
+// `task` (one tensor of a multi-tensor step).
+struct Segment {
+  int64_t task, begin, end;
+};
+
+// The segments of `tasks` tasks of units(t) units each, grouped into chunks
+// of at most `grain` units: a task of at least `grain` units is cut at
+// multiples of `grain` (one segment per chunk, the last one shorter); smaller
+// tasks are packed, whole, into shared chunks after those (a bias and a norm
+// weight do not get a chunk each, and the short chunks come last, where they
+// even out the threads' finishing times). Chunk c is
+// segments[chunk_begin[c], chunk_begin[c + 1]).
+struct ChunkPlan {
+  std::vector<Segment> segments;
+  std::vector<int64_t> chunk_begin{0};
+  int64_t chunks() const { return static_cast<int64_t>(chunk_begin.size()) - 1; }
+  void close_chunk() { chunk_begin.push_back(static_cast<int64_t>(segments.size())); }
+};
+
+template <typename Units>
+ChunkPlan plan_chunks(int64_t tasks, int64_t grain, const Units& units) {
+  ChunkPlan plan;
+  std::vector<Segment> small;
+  for (int64_t t = 0; t < tasks; ++t) {
+    const int64_t n = units(t);
+    if (n <= 0) continue;
+    if (n < grain) {
+      small.push_back({t, 0, n});
+      continue;
+    }
+    for (int64_t b = 0; b < n; b += grain) {
+      plan.segments.push_back({t, b, std::min(n, b + grain)});
+      plan.close_chunk();
+    }
+  }
+  int64_t packed = 0;  // units in the open chunk of small tasks
+  for (const Segment& s : small) {
+    if (packed > 0 && packed + s.end > grain) {
+      plan.close_chunk();
+      packed = 0;
+    }
+    plan.segments.push_back(s);
+    packed += s.end;
+  }
+  if (packed > 0) plan.close_chunk();
+  return plan;
+}
 
 // bf16 is handled as its raw bits (uint16_t); fp32 as float.
 using bf16_bits = uint16_t;
@@ -193,7 +354,7 @@ inline std::string first_reason(std::initializer_list<std::pair<const at::Tensor
 
 inline uint64_t stream_key(const RoundingKey& k) { return counter_rng_key(k.seed, k.step, k.tensor_id); }
 
-inline void bump_version(at::Tensor& t) { t.unsafeGetTensorImpl()->bump_version(); }
+inline void bump_version(const at::Tensor& t) { t.unsafeGetTensorImpl()->bump_version(); }
 
 }  // namespace
 }  // namespace shoestring

@@ -79,13 +79,15 @@ SHOESTRING_ALWAYS_INLINE void lion_range(const LionArgs& a, int64_t begin, int64
   }
 }
 
-// One non-template, target-cloned entry point per dtype combination
-// (target_clones is not reliable on templates).
+// One non-template entry point per dtype combination and instruction set
+// (SHOESTRING_TARGET_V4 / V3 and the baseline; IsaKernels picks one per call).
 using AdamWRangeFn = void (*)(const AdamWArgs&, int64_t, int64_t);
 using LionRangeFn = void (*)(const LionArgs&, int64_t, int64_t);
 
-#define SHOESTRING_FUSED_VARIANT(KERNEL, ARGS, NAME, P, G, S, R) \
-  SHOESTRING_FUSED_TARGET_CLONES void NAME(const ARGS& a, int64_t b, int64_t e) { KERNEL<P, G, S, R>(a, b, e); }
+#define SHOESTRING_FUSED_VARIANT(KERNEL, ARGS, NAME, P, G, S, R)                                                   \
+  SHOESTRING_TARGET_V4 void NAME##_v4(const ARGS& a, int64_t b, int64_t e) { KERNEL<P, G, S, R>(a, b, e); }        \
+  SHOESTRING_TARGET_V3 void NAME##_v3(const ARGS& a, int64_t b, int64_t e) { KERNEL<P, G, S, R>(a, b, e); }        \
+  void NAME##_base(const ARGS& a, int64_t b, int64_t e) { KERNEL<P, G, S, R>(a, b, e); }
 
 #define SHOESTRING_FUSED_VARIANTS(KERNEL, ARGS, PREFIX)                                                              \
   SHOESTRING_FUSED_VARIANT(KERNEL, ARGS, PREFIX##_f32_f32_f32, float, float, float, Rounding::nearest)               \
@@ -103,16 +105,71 @@ using LionRangeFn = void (*)(const LionArgs&, int64_t, int64_t);
 
 SHOESTRING_FUSED_VARIANTS(adamw_range, AdamWArgs, adamw)
 SHOESTRING_FUSED_VARIANTS(lion_range, LionArgs, lion)
+#undef SHOESTRING_FUSED_VARIANTS
+#undef SHOESTRING_FUSED_VARIANT
 
+#define SHOESTRING_ISA(NAME) \
+  { NAME##_v4, NAME##_v3, NAME##_base }
 // Table index: param kind (0 fp32, 1 bf16 SR, 2 bf16 nearest) * 4 + grad bf16 * 2 + state bf16.
-constexpr AdamWRangeFn kAdamW[12] = {adamw_f32_f32_f32, adamw_f32_f32_b16, adamw_f32_b16_f32, adamw_f32_b16_b16,
-                                     adamw_sr_f32_f32,  adamw_sr_f32_b16,  adamw_sr_b16_f32,  adamw_sr_b16_b16,
-                                     adamw_rn_f32_f32,  adamw_rn_f32_b16,  adamw_rn_b16_f32,  adamw_rn_b16_b16};
-constexpr LionRangeFn kLion[12] = {lion_f32_f32_f32, lion_f32_f32_b16, lion_f32_b16_f32, lion_f32_b16_b16,
-                                   lion_sr_f32_f32,  lion_sr_f32_b16,  lion_sr_b16_f32,  lion_sr_b16_b16,
-                                   lion_rn_f32_f32,  lion_rn_f32_b16,  lion_rn_b16_f32,  lion_rn_b16_b16};
+constexpr IsaKernels<AdamWRangeFn> kAdamW[12] = {
+    SHOESTRING_ISA(adamw_f32_f32_f32), SHOESTRING_ISA(adamw_f32_f32_b16), SHOESTRING_ISA(adamw_f32_b16_f32),
+    SHOESTRING_ISA(adamw_f32_b16_b16), SHOESTRING_ISA(adamw_sr_f32_f32),  SHOESTRING_ISA(adamw_sr_f32_b16),
+    SHOESTRING_ISA(adamw_sr_b16_f32),  SHOESTRING_ISA(adamw_sr_b16_b16),  SHOESTRING_ISA(adamw_rn_f32_f32),
+    SHOESTRING_ISA(adamw_rn_f32_b16),  SHOESTRING_ISA(adamw_rn_b16_f32),  SHOESTRING_ISA(adamw_rn_b16_b16)};
+constexpr IsaKernels<LionRangeFn> kLion[12] = {
+    SHOESTRING_ISA(lion_f32_f32_f32), SHOESTRING_ISA(lion_f32_f32_b16), SHOESTRING_ISA(lion_f32_b16_f32),
+    SHOESTRING_ISA(lion_f32_b16_b16), SHOESTRING_ISA(lion_sr_f32_f32),  SHOESTRING_ISA(lion_sr_f32_b16),
+    SHOESTRING_ISA(lion_sr_b16_f32),  SHOESTRING_ISA(lion_sr_b16_b16),  SHOESTRING_ISA(lion_rn_f32_f32),
+    SHOESTRING_ISA(lion_rn_f32_b16),  SHOESTRING_ISA(lion_rn_b16_f32),  SHOESTRING_ISA(lion_rn_b16_b16)};
+#undef SHOESTRING_ISA
+
+std::atomic<FusedKernelIsa> g_isa_limit{FusedKernelIsa::avx512};
+
+FusedKernelIsa cpu_isa() {
+#ifdef SHOESTRING_FUSED_AVX512
+  static const FusedKernelIsa isa = __builtin_cpu_supports("x86-64-v4")   ? FusedKernelIsa::avx512
+                                    : __builtin_cpu_supports("x86-64-v3") ? FusedKernelIsa::avx2
+                                                                          : FusedKernelIsa::portable;
+  return isa;
+#else
+  return FusedKernelIsa::portable;
+#endif
+}
+
+// Runs `run(task, begin, end)` over every element of every task (tensor) of
+// `elements(task)` elements: chunks of kGrainSize elements in one region.
+template <typename Elements, typename Run>
+void run_elementwise(int64_t tasks, const Elements& elements, const Run& run) {
+  const ChunkPlan plan = plan_chunks(tasks, kGrainSize, elements);
+  int64_t total = 0;
+  for (int64_t t = 0; t < tasks; ++t) total += elements(t);
+  run_chunks(plan.chunks(), total, [&](ChunkQueue& queue) {
+    for (int64_t c; (c = queue.take()) >= 0;) {
+      for (int64_t k = plan.chunk_begin[c]; k < plan.chunk_begin[c + 1]; ++k) {
+        const Segment& s = plan.segments[static_cast<size_t>(k)];
+        run(s.task, s.begin, s.end);
+      }
+    }
+  });
+}
 
 }  // namespace
+
+FusedKernelIsa fused_kernels_isa() {
+  const FusedKernelIsa limit = g_isa_limit.load(std::memory_order_relaxed);
+  const FusedKernelIsa cpu = cpu_isa();
+  return limit < cpu ? limit : cpu;
+}
+
+void fused_kernels_limit_isa(FusedKernelIsa isa) { g_isa_limit.store(isa, std::memory_order_relaxed); }
+
+const char* fused_kernel_isa_name(FusedKernelIsa isa) {
+  switch (isa) {
+    case FusedKernelIsa::avx512: return "avx512";
+    case FusedKernelIsa::avx2: return "avx2";
+    default: return "portable";
+  }
+}
 
 bool fused_adamw_supported(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                            const at::Tensor& exp_avg_sq) {
@@ -121,62 +178,115 @@ bool fused_adamw_supported(const at::Tensor& param, const at::Tensor& grad, cons
          exp_avg.scalar_type() == exp_avg_sq.scalar_type();
 }
 
+namespace {
+
+// The checks of fused_adamw_step; `what` names the function (and entry).
+void check_adamw(const FusedAdamWTensor& t, const std::string& what) {
+  const std::string why = first_reason(
+      {{&t.param, "param"}, {&t.grad, "grad"}, {&t.exp_avg, "exp_avg"}, {&t.exp_avg_sq, "exp_avg_sq"}});
+  if (!why.empty()) fail("{}: {}", what, why);
+  if (t.exp_avg.scalar_type() != t.exp_avg_sq.scalar_type()) {
+    fail("{}: exp_avg is {} but exp_avg_sq is {}; both must have one dtype", what,
+         c10::toString(t.exp_avg.scalar_type()), c10::toString(t.exp_avg_sq.scalar_type()));
+  }
+  if (t.scalars.step < 1) fail("{}: step must be >= 1 (1-based), got {}", what, t.scalars.step);
+}
+
+void check_lion(const FusedLionTensor& t, const std::string& what) {
+  const std::string why = first_reason({{&t.param, "param"}, {&t.grad, "grad"}, {&t.exp_avg, "exp_avg"}});
+  if (!why.empty()) fail("{}: {}", what, why);
+}
+
+std::string entry_name(const char* function, size_t index, size_t count) {
+  return count == 1 ? std::string(function) : fmt::format("{} (tensor {} of {})", function, index, count);
+}
+
+}  // namespace
+
+void fused_adamw_step_many(const std::vector<FusedAdamWTensor>& tensors) {
+  for (size_t i = 0; i < tensors.size(); ++i) check_adamw(tensors[i], entry_name("fused_adamw_step", i, tensors.size()));
+  struct Task {
+    AdamWArgs args;
+    AdamWRangeFn fn;
+  };
+  std::vector<Task> tasks(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const FusedAdamWTensor& t = tensors[i];
+    AdamWArgs& a = tasks[i].args;
+    static_cast<AdamConstants&>(a) = adam_constants(t.scalars);
+    a.param = t.param.data_ptr();
+    a.grad = t.grad.data_ptr();
+    a.exp_avg = t.exp_avg.data_ptr();
+    a.exp_avg_sq = t.exp_avg_sq.data_ptr();
+    a.param_key = stream_key(t.keys.param);
+    a.exp_avg_key = stream_key(t.keys.state1);
+    a.exp_avg_sq_key = stream_key(t.keys.state2);
+    tasks[i].fn = kAdamW[variant_index(t.param, t.grad, t.exp_avg, t.keys.stochastic_rounding)].get();
+  }
+  run_elementwise(
+      static_cast<int64_t>(tensors.size()), [&](int64_t t) { return tensors[static_cast<size_t>(t)].param.numel(); },
+      [&](int64_t t, int64_t b, int64_t e) {
+        const Task& task = tasks[static_cast<size_t>(t)];
+        task.fn(task.args, b, e);
+      });
+  for (const FusedAdamWTensor& t : tensors) {
+    if (t.param.numel() == 0) continue;
+    bump_version(t.param);
+    bump_version(t.exp_avg);
+    bump_version(t.exp_avg_sq);
+  }
+}
+
 void fused_adamw_step(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_avg, at::Tensor& exp_avg_sq,
                       const FusedAdamWScalars& s, const FusedRoundingKeys& keys) {
-  const std::string why =
-      first_reason({{&param, "param"}, {&grad, "grad"}, {&exp_avg, "exp_avg"}, {&exp_avg_sq, "exp_avg_sq"}});
-  if (!why.empty()) fail("fused_adamw_step: {}", why);
-  if (exp_avg.scalar_type() != exp_avg_sq.scalar_type()) {
-    fail("fused_adamw_step: exp_avg is {} but exp_avg_sq is {}; both must have one dtype",
-         c10::toString(exp_avg.scalar_type()), c10::toString(exp_avg_sq.scalar_type()));
-  }
-  if (s.step < 1) fail("fused_adamw_step: step must be >= 1 (1-based), got {}", s.step);
-  const int64_t n = param.numel();
-  if (n == 0) return;
-
-  AdamWArgs a;
-  static_cast<AdamConstants&>(a) = adam_constants(s);
-  a.param = param.data_ptr();
-  a.grad = grad.data_ptr();
-  a.exp_avg = exp_avg.data_ptr();
-  a.exp_avg_sq = exp_avg_sq.data_ptr();
-  a.param_key = stream_key(keys.param);
-  a.exp_avg_key = stream_key(keys.state1);
-  a.exp_avg_sq_key = stream_key(keys.state2);
-  const AdamWRangeFn fn = kAdamW[variant_index(param, grad, exp_avg, keys.stochastic_rounding)];
-  at::parallel_for(0, n, kGrainSize, [&](int64_t begin, int64_t end) { fn(a, begin, end); });
-  bump_version(param);
-  bump_version(exp_avg);
-  bump_version(exp_avg_sq);
+  fused_adamw_step_many({FusedAdamWTensor{param, grad, exp_avg, exp_avg_sq, s, keys}});
 }
 
 bool fused_lion_supported(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg) {
   return first_reason({{&param, "param"}, {&grad, "grad"}, {&exp_avg, "exp_avg"}}).empty();
 }
 
+void fused_lion_step_many(const std::vector<FusedLionTensor>& tensors) {
+  for (size_t i = 0; i < tensors.size(); ++i) check_lion(tensors[i], entry_name("fused_lion_step", i, tensors.size()));
+  struct Task {
+    LionArgs args;
+    LionRangeFn fn;
+  };
+  std::vector<Task> tasks(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const FusedLionTensor& t = tensors[i];
+    const FusedLionScalars& s = t.scalars;
+    LionArgs& a = tasks[i].args;
+    a.param = t.param.data_ptr();
+    a.grad = t.grad.data_ptr();
+    a.exp_avg = t.exp_avg.data_ptr();
+    a.grad_scale = static_cast<float>(s.grad_scale);
+    a.decay = static_cast<float>(1.0 - s.lr * s.weight_decay);
+    a.neg_lr = static_cast<float>(-s.lr);
+    a.beta1 = static_cast<float>(s.beta1);
+    a.one_minus_beta1 = static_cast<float>(1.0 - s.beta1);
+    a.beta2 = static_cast<float>(s.beta2);
+    a.one_minus_beta2 = static_cast<float>(1.0 - s.beta2);
+    a.param_key = stream_key(t.keys.param);
+    a.exp_avg_key = stream_key(t.keys.state1);
+    tasks[i].fn = kLion[variant_index(t.param, t.grad, t.exp_avg, t.keys.stochastic_rounding)].get();
+  }
+  run_elementwise(
+      static_cast<int64_t>(tensors.size()), [&](int64_t t) { return tensors[static_cast<size_t>(t)].param.numel(); },
+      [&](int64_t t, int64_t b, int64_t e) {
+        const Task& task = tasks[static_cast<size_t>(t)];
+        task.fn(task.args, b, e);
+      });
+  for (const FusedLionTensor& t : tensors) {
+    if (t.param.numel() == 0) continue;
+    bump_version(t.param);
+    bump_version(t.exp_avg);
+  }
+}
+
 void fused_lion_step(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_avg, const FusedLionScalars& s,
                      const FusedRoundingKeys& keys) {
-  const std::string why = first_reason({{&param, "param"}, {&grad, "grad"}, {&exp_avg, "exp_avg"}});
-  if (!why.empty()) fail("fused_lion_step: {}", why);
-  const int64_t n = param.numel();
-  if (n == 0) return;
-  LionArgs a;
-  a.param = param.data_ptr();
-  a.grad = grad.data_ptr();
-  a.exp_avg = exp_avg.data_ptr();
-  a.grad_scale = static_cast<float>(s.grad_scale);
-  a.decay = static_cast<float>(1.0 - s.lr * s.weight_decay);
-  a.neg_lr = static_cast<float>(-s.lr);
-  a.beta1 = static_cast<float>(s.beta1);
-  a.one_minus_beta1 = static_cast<float>(1.0 - s.beta1);
-  a.beta2 = static_cast<float>(s.beta2);
-  a.one_minus_beta2 = static_cast<float>(1.0 - s.beta2);
-  a.param_key = stream_key(keys.param);
-  a.exp_avg_key = stream_key(keys.state1);
-  const LionRangeFn fn = kLion[variant_index(param, grad, exp_avg, keys.stochastic_rounding)];
-  at::parallel_for(0, n, kGrainSize, [&](int64_t begin, int64_t end) { fn(a, begin, end); });
-  bump_version(param);
-  bump_version(exp_avg);
+  fused_lion_step_many({FusedLionTensor{param, grad, exp_avg, s, keys}});
 }
 
 }  // namespace shoestring

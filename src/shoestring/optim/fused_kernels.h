@@ -23,13 +23,21 @@
 //
 // Layout: the inner loops are branch-free loops over contiguous arrays,
 // compiled at -O3 with fp contraction off, and on GCC/x86-64 also for
-// x86-64-v3 (AVX2 + FMA) and x86-64-v4 (AVX-512), picked at load time
-// (target_clones, as core/stochastic_rounding.cpp). The AdamW8bit kernel,
-// whose table look-ups GCC does not vectorize, also has an AVX-512 variant
-// written with intrinsics (permutes and gathers), picked at run time when the CPU has
-// AVX-512 F/BW/DQ/VL; both variants give the same bits.
+// x86-64-v3 (AVX2 + FMA) and x86-64-v4 (AVX-512), picked at run time by
+// fused_kernels_isa() (the CPU's best, lowered by fused_kernels_limit_isa).
+// The AdamW8bit kernel, whose table look-ups GCC does not vectorize, has
+// AVX-512 and AVX2 variants written with intrinsics (permutes and gathers);
+// every variant gives the same bits.
+//
+// Threads: a step's elements are cut into chunks of at most 16384 elements
+// that the intra-op threads take one at a time inside one parallel region
+// (at::parallel_for); the *_many functions put many tensors' chunks into one
+// region (a multi-tensor apply, as PyTorch's foreach / fused optimizers), so
+// a model of a thousand small tensors does not pay a thousand region starts.
+// Results never depend on the thread count or on which thread ran a chunk.
 #pragma once
 #include <cstdint>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 
@@ -77,12 +85,28 @@ bool fused_adamw_supported(const at::Tensor& param, const at::Tensor& grad, cons
 /// with every constant rounded to fp32 once, as libtorch does for a Scalar
 /// argument; then p, m, v are stored (fp32, or bf16 rounded as `keys` says).
 /// The tensors must not overlap. Bumps the autograd version counter of every
-/// tensor written, like an in-place op. Runs in at::parallel_for (grain 16384
-/// elements); results are identical for any thread count.
+/// tensor written, like an in-place op. Runs in chunks of 16384 elements
+/// taken by the intra-op threads in one parallel region (on the calling
+/// thread below 262144 elements); results are identical for any thread count.
 /// Throws shoestring::Error when !fused_adamw_supported(...), naming what is
 /// wrong.
 void fused_adamw_step(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_avg, at::Tensor& exp_avg_sq,
                       const FusedAdamWScalars& scalars, const FusedRoundingKeys& keys);
+
+/// One tensor of fused_adamw_step_many: the arguments of fused_adamw_step
+/// (tensor handles; the data they share is updated).
+struct FusedAdamWTensor {
+  at::Tensor param, grad, exp_avg, exp_avg_sq;
+  FusedAdamWScalars scalars;
+  FusedRoundingKeys keys;
+};
+
+/// fused_adamw_step on every entry of `tensors` (each with its own scalars and
+/// keys) in one parallel region: the same bits as calling fused_adamw_step on
+/// each, in any order. Every entry is checked first: throws shoestring::Error
+/// naming the first unsupported one (its position and what is wrong) before
+/// any tensor is written. No two entries may share memory.
+void fused_adamw_step_many(const std::vector<FusedAdamWTensor>& tensors);
 
 /// Scalars of one Lion step (Chen et al. 2023, arXiv 2302.06675).
 struct FusedLionScalars {
@@ -108,6 +132,17 @@ bool fused_lion_supported(const at::Tensor& param, const at::Tensor& grad, const
 /// version-counter and error behaviour as fused_adamw_step.
 void fused_lion_step(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_avg, const FusedLionScalars& scalars,
                      const FusedRoundingKeys& keys);
+
+/// One tensor of fused_lion_step_many: the arguments of fused_lion_step.
+struct FusedLionTensor {
+  at::Tensor param, grad, exp_avg;
+  FusedLionScalars scalars;
+  FusedRoundingKeys keys;
+};
+
+/// fused_lion_step on every entry of `tensors` in one parallel region, with
+/// the checks, errors and results of fused_adamw_step_many.
+void fused_lion_step_many(const std::vector<FusedLionTensor>& tensors);
 
 /// True when fused_adamw8bit_step can run: param and grad defined, CPU,
 /// contiguous, same numel, each float32 or bfloat16; exp_avg_q and
@@ -137,13 +172,28 @@ bool fused_adamw8bit_supported(const at::Tensor& param, const at::Tensor& grad, 
 /// block's new absmax is max |m| (resp. |v|) and every code is the map value
 /// nearest to m / absmax (m * (1 / absmax), as quantize_block). The result is
 /// the same, bit for bit, as AdamW8bit's generic per-element path. Blocks run
-/// in at::parallel_for; results do not depend on the thread count. On CPUs
+/// in chunks of whole blocks (about 16384 elements) in one parallel region;
+/// results do not depend on the thread count. On CPUs
 /// with AVX-512 (F, BW, DQ, VL) 16 elements are processed at a time (register
 /// permutes to decode, a gather from QuantizationMap::fast_table() to encode).
 /// Throws shoestring::Error when !fused_adamw8bit_supported(...) or step < 1.
 void fused_adamw8bit_step(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_avg_q, at::Tensor& exp_avg_absmax,
                           at::Tensor& exp_avg_sq_q, at::Tensor& exp_avg_sq_absmax, int64_t block_size,
                           const FusedAdamWScalars& scalars, const FusedRoundingKeys& keys);
+
+/// One tensor of fused_adamw8bit_step_many: the arguments of
+/// fused_adamw8bit_step.
+struct FusedAdamW8bitTensor {
+  at::Tensor param, grad, exp_avg_q, exp_avg_absmax, exp_avg_sq_q, exp_avg_sq_absmax;
+  int64_t block_size = 256;
+  FusedAdamWScalars scalars;
+  FusedRoundingKeys keys;
+};
+
+/// fused_adamw8bit_step on every entry of `tensors` in one parallel region
+/// (chunks of whole quantization blocks), with the checks, errors and results
+/// of fused_adamw_step_many.
+void fused_adamw8bit_step_many(const std::vector<FusedAdamW8bitTensor>& tensors);
 
 /// Scalars of one factored Adafactor step (optim/adafactor.h).
 struct FusedAdafactorScalars {
@@ -175,21 +225,56 @@ struct FusedAdafactorScalars {
 /// The sums are more accurate than libtorch's fp32 means, so results match
 /// the op chain to rounding, not bit for bit. param, grad: float32 or
 /// bfloat16, contiguous CPU, n m elements; exp_avg_sq_row: float32 [n],
-/// exp_avg_sq_col: float32 [m], contiguous CPU (updated in place). Runs in
-/// at::parallel_for over fixed row chunks: results do not depend on the
-/// thread count. Throws shoestring::Error naming the tensor that is not as
-/// described.
+/// exp_avg_sq_col: float32 [m], contiguous CPU (updated in place). Both
+/// passes run in one parallel region (the thread that finishes the last
+/// pass-1 chunk computes the factors, then pass 2 starts; on the calling
+/// thread below 262144 elements), over row chunks fixed by the shape (pass 1:
+/// at least 64 rows and 16384 elements, at most 64 chunks): results do not
+/// depend on the thread count. Throws shoestring::Error naming the tensor
+/// that is not as described.
 void fused_adafactor_factored_step(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_avg_sq_row,
                                    at::Tensor& exp_avg_sq_col, int64_t n, int64_t m,
                                    const FusedAdafactorScalars& scalars, const FusedRoundingKeys& keys);
 
-/// The instruction sets of the hand-vectorized fused kernels (AdamW8bit has
-/// AVX-512 and AVX2 + FMA variants beside its portable one), in order.
+/// True when fused_adafactor_unfactored_step can run: param, grad and
+/// exp_avg_sq defined, CPU, contiguous, of one numel, each float32 or bfloat16.
+bool fused_adafactor_unfactored_supported(const at::Tensor& param, const at::Tensor& grad,
+                                          const at::Tensor& exp_avg_sq);
+
+/// One Adafactor step (optim/adafactor.h; Shazeer & Stern 2018, arXiv
+/// 1804.04235, as transformers' Adafactor) for an unfactored tensor (a
+/// vector) without first moment, the same bits as Adafactor's op chain: per
+/// element in fp32,
+///   v = fma(g g + eps1, 1 - beta2t, v beta2t);  u = (1 / sqrt(v)) g
+/// (v stored: fp32, or bf16 by stochastic rounding with keys.state1), then
+/// RMS(u) = ||u||_2 / sqrt(n) taken by at::norm on the fp32 update (the op
+/// chain's reduction), clip = max(1, RMS / d), and
+///   p <- (wd ? fma(p, -wd a_t, p) : p) - (u / clip) a_t
+/// stored as fused_adamw_step stores a parameter (keys.param). One fp32
+/// buffer of n elements; runs on the calling thread (vectors are small).
+/// Throws shoestring::Error when !fused_adafactor_unfactored_supported(...).
+void fused_adafactor_unfactored_step(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_avg_sq,
+                                     const FusedAdafactorScalars& scalars, const FusedRoundingKeys& keys);
+
+/// The instruction sets every fused kernel is built for, in order: portable
+/// (baseline x86-64 or any other target), avx2 (x86-64-v3: AVX2 + FMA) and
+/// avx512 (x86-64-v4); AdamW8bit's avx2 and avx512 kernels are written with
+/// intrinsics, the others compiled from the same loops.
 enum class FusedKernelIsa { portable, avx2, avx512 };
 
-/// For tests: the kernels use at most `isa` (and never more than the CPU
-/// has); every variant gives the same bits. Default avx512, i.e. the best the
-/// CPU supports. Process-wide.
+/// For tests and benchmarks: the kernels use at most `isa` (and never more
+/// than the CPU has); every variant gives the same bits. Default avx512, i.e.
+/// the best the CPU supports. Process-wide.
 void fused_kernels_limit_isa(FusedKernelIsa isa);
+
+/// The instruction set the fused kernels use now: avx512 on a CPU with
+/// x86-64-v4 (AVX-512 F, BW, CD, DQ, VL), avx2 with x86-64-v3 (AVX2, FMA,
+/// BMI1/2, F16C, ...), else portable (always portable where the kernels are
+/// not built for several: compilers other than GCC, other architectures),
+/// at most the fused_kernels_limit_isa limit.
+FusedKernelIsa fused_kernels_isa();
+
+/// "avx512", "avx2" or "portable".
+const char* fused_kernel_isa_name(FusedKernelIsa isa);
 
 }  // namespace shoestring

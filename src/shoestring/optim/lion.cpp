@@ -16,28 +16,49 @@ Lion::Lion(std::vector<OptimParam> params, LionOptions lion, OptimizerOptions op
   }
 }
 
-void Lion::update(size_t index, const at::Tensor& grad_in, double lr, int64_t step) {
-  at::Tensor& live = params_[index].param;
-  check_gradient(index, grad_in, "Lion");
-  const double wd = params_[index].weight_decay;
+std::optional<FusedLionTensor> Lion::fused_task(size_t index, const at::Tensor& grad, double lr, int64_t step,
+                                                double grad_scale) {
+  const at::Tensor& live = params_[index].param;
+  check_gradient(index, grad, "Lion");
   create_zero_state(index, {"exp_avg"});
-  at::Tensor& m_stored = state(index, "exp_avg");
+  const at::Tensor& m = state(index, "exp_avg");
+  if (!fast_cpu_path(live) || !fused_lion_supported(live, grad, m)) return std::nullopt;
+  FusedLionTensor t{live, grad, m, {}, {}};
+  t.scalars.lr = lr;
+  t.scalars.beta1 = lion_.beta1;
+  t.scalars.beta2 = lion_.beta2;
+  t.scalars.weight_decay = params_[index].weight_decay;
+  t.scalars.grad_scale = grad_scale;
+  t.keys.stochastic_rounding = options_.stochastic_rounding;
+  t.keys.param = rounding_key(index, step);
+  t.keys.state1 = rounding_key(index, step, 1);
+  return t;
+}
+
+void Lion::update_many(const std::vector<size_t>& indices, double lr, int64_t step, double grad_scale) {
+  std::vector<FusedLionTensor> fused;
+  fused.reserve(indices.size());
+  for (size_t i : indices) {
+    if (auto t = fused_task(i, params_[i].param.grad(), lr, step, grad_scale)) {
+      fused.push_back(std::move(*t));
+    } else {
+      update(i, scaled_grad(i, grad_scale), lr, step);
+    }
+  }
+  fused_lion_step_many(fused);
+}
+
+void Lion::update(size_t index, const at::Tensor& grad_in, double lr, int64_t step) {
   // Fast path: one pass over memory (optim/fused_kernels.h), bit-identical to
   // the op chain below, which remains the reference and the path for other
   // layouts and dtypes (fp16, non-contiguous, non-CPU).
-  if (fast_cpu_path(live) && fused_lion_supported(live, grad_in, m_stored)) {
-    FusedLionScalars s;
-    s.lr = lr;
-    s.beta1 = lion_.beta1;
-    s.beta2 = lion_.beta2;
-    s.weight_decay = wd;
-    FusedRoundingKeys keys;
-    keys.stochastic_rounding = options_.stochastic_rounding;
-    keys.param = rounding_key(index, step);
-    keys.state1 = rounding_key(index, step, 1);
-    fused_lion_step(live, grad_in, m_stored, s, keys);
+  if (auto t = fused_task(index, grad_in, lr, step, 1.0)) {
+    fused_lion_step_many({std::move(*t)});
     return;
   }
+  at::Tensor& live = params_[index].param;
+  const double wd = params_[index].weight_decay;
+  at::Tensor& m_stored = state(index, "exp_avg");
   // fp32 tensors are updated in place; low-precision ones through fp32 copies
   // that are stochastically rounded back (one parameter at a time).
   auto fp32 = [](const at::Tensor& t) { return t.scalar_type() == torch::kFloat32 ? t : t.to(torch::kFloat32); };

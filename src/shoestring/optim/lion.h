@@ -8,6 +8,7 @@
 // update has magnitude lr, the paper recommends an lr 3-10x smaller than
 // AdamW's and a weight decay 3-10x larger.
 #pragma once
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -30,11 +31,19 @@ class Lion : public Optimizer {
   /// One Lion step for parameter `index` (grad: any float dtype, the
   /// parameter's shape). Weight decay is params()[index].weight_decay.
   void update(size_t index, const at::Tensor& grad, double lr, int64_t step) override;
+  /// Every parameter the fused kernel takes (fast_cpu_path, fused_lion_supported)
+  /// in one fused_lion_step_many; the others through update().
+  void update_many(const std::vector<size_t>& indices, double lr, int64_t step, double grad_scale) override;
 
   /// State of a parameter of `shape`: exp_avg of the shape in options.state_dtype.
   static OptimizerStateSize state_size(at::IntArrayRef shape, const OptimizerOptions& options);
 
  private:
+  /// Checks the gradient and creates the state of parameter `index`; returns
+  /// its fused kernel call with `grad` (times grad_scale), or nothing when the
+  /// op chain must run.
+  std::optional<FusedLionTensor> fused_task(size_t index, const at::Tensor& grad, double lr, int64_t step,
+                                            double grad_scale);
   LionOptions lion_;
 };
 

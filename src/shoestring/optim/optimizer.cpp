@@ -30,16 +30,25 @@ Optimizer::Optimizer(std::vector<OptimParam> params, OptimizerOptions options)
 void Optimizer::step(double lr, double grad_scale) {
   torch::NoGradGuard no_grad;
   ++step_count_;
+  std::vector<size_t> indices;
+  indices.reserve(params_.size());
   for (size_t i = 0; i < params_.size(); ++i) {
-    if (!updates(i)) continue;
-    const at::Tensor& g = params_[i].param.grad();
-    if (!g.defined()) continue;
-    if (grad_scale != 1.0) {
-      apply_update(i, g.to(torch::kFloat32).mul_(grad_scale), lr, step_count_);
-    } else {
-      apply_update(i, g, lr, step_count_);
-    }
+    if (updates(i) && params_[i].param.grad().defined()) indices.push_back(i);
   }
+  if (options_.offload_state) {
+    for (size_t i : indices) apply_update(i, scaled_grad(i, grad_scale), lr, step_count_);
+    return;
+  }
+  update_many(indices, lr, step_count_, grad_scale);
+}
+
+at::Tensor Optimizer::scaled_grad(size_t index, double grad_scale) const {
+  const at::Tensor& g = params_[index].param.grad();
+  return grad_scale != 1.0 ? g.to(torch::kFloat32).mul_(grad_scale) : g;
+}
+
+void Optimizer::update_many(const std::vector<size_t>& indices, double lr, int64_t step, double grad_scale) {
+  for (size_t i : indices) update(i, scaled_grad(i, grad_scale), lr, step);
 }
 
 void Optimizer::set_update_subset(std::vector<bool> updated) {
@@ -186,31 +195,53 @@ int64_t Optimizer::state_bytes() const {
 AdamW::AdamW(std::vector<OptimParam> params, AdamWOptions adam, OptimizerOptions options)
     : Optimizer(std::move(params), options), adam_(adam) {}
 
-void AdamW::update(size_t index, const at::Tensor& grad_in, double lr, int64_t step) {
-  at::Tensor& live = params_[index].param;
-  const double wd = params_[index].weight_decay;
+std::optional<FusedAdamWTensor> AdamW::fused_task(size_t index, const at::Tensor& grad, double lr, int64_t step,
+                                                   double grad_scale) {
+  const at::Tensor& live = params_[index].param;
   create_zero_state(index, {"exp_avg", "exp_avg_sq"});
-  at::Tensor& m_stored = state(index, "exp_avg");
-  at::Tensor& v_stored = state(index, "exp_avg_sq");
+  const at::Tensor& m = state(index, "exp_avg");
+  const at::Tensor& v = state(index, "exp_avg_sq");
+  if (!fast_cpu_path(live) || !fused_adamw_supported(live, grad, m, v)) return std::nullopt;
+  FusedAdamWTensor t{live, grad, m, v, {}, {}};
+  t.scalars.lr = lr;
+  t.scalars.beta1 = adam_.beta1;
+  t.scalars.beta2 = adam_.beta2;
+  t.scalars.eps = adam_.eps;
+  t.scalars.weight_decay = params_[index].weight_decay;
+  t.scalars.step = step;
+  t.scalars.grad_scale = grad_scale;
+  t.keys.stochastic_rounding = options_.stochastic_rounding;
+  t.keys.param = rounding_key(index, step);
+  t.keys.state1 = rounding_key(index, step, 1);
+  t.keys.state2 = rounding_key(index, step, 2);
+  return t;
+}
+
+void AdamW::update_many(const std::vector<size_t>& indices, double lr, int64_t step, double grad_scale) {
+  std::vector<FusedAdamWTensor> fused;
+  fused.reserve(indices.size());
+  for (size_t i : indices) {
+    if (auto t = fused_task(i, params_[i].param.grad(), lr, step, grad_scale)) {
+      fused.push_back(std::move(*t));
+    } else {
+      update(i, scaled_grad(i, grad_scale), lr, step);
+    }
+  }
+  fused_adamw_step_many(fused);
+}
+
+void AdamW::update(size_t index, const at::Tensor& grad_in, double lr, int64_t step) {
   // Fast path: one pass over memory (optim/fused_kernels.h), same numbers as
   // the op chain below, which remains the reference and the path for other
   // layouts and dtypes (fp16, non-contiguous, non-CPU).
-  if (fast_cpu_path(live) && fused_adamw_supported(live, grad_in, m_stored, v_stored)) {
-    FusedAdamWScalars s;
-    s.lr = lr;
-    s.beta1 = adam_.beta1;
-    s.beta2 = adam_.beta2;
-    s.eps = adam_.eps;
-    s.weight_decay = wd;
-    s.step = step;
-    FusedRoundingKeys keys;
-    keys.stochastic_rounding = options_.stochastic_rounding;
-    keys.param = rounding_key(index, step);
-    keys.state1 = rounding_key(index, step, 1);
-    keys.state2 = rounding_key(index, step, 2);
-    fused_adamw_step(live, grad_in, m_stored, v_stored, s, keys);
+  if (auto t = fused_task(index, grad_in, lr, step, 1.0)) {
+    fused_adamw_step_many({std::move(*t)});
     return;
   }
+  at::Tensor& live = params_[index].param;
+  const double wd = params_[index].weight_decay;
+  at::Tensor& m_stored = state(index, "exp_avg");
+  at::Tensor& v_stored = state(index, "exp_avg_sq");
   // fp32 tensors are updated in place; low-precision ones through fp32 copies
   // that are stochastically rounded back (one parameter's worth at a time).
   auto fp32 = [](const at::Tensor& t) { return t.scalar_type() == torch::kFloat32 ? t : t.to(torch::kFloat32); };

@@ -14,12 +14,14 @@
 #include <cstdint>
 #include <initializer_list>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include <ATen/ATen.h>
 
 #include "shoestring/core/stochastic_rounding.h"
+#include "shoestring/optim/fused_kernels.h"
 
 namespace shoestring {
 
@@ -64,9 +66,12 @@ class Optimizer {
   Optimizer(std::vector<OptimParam> params, OptimizerOptions options);
   virtual ~Optimizer() = default;
 
-  /// Applies one optimizer step to every parameter whose gradient is defined.
-  /// lr: learning rate for this step. grad_scale: multiplier applied to every
-  /// gradient first (global-norm clipping; 1 = none). Increments step_count().
+  /// Applies one optimizer step to every parameter whose gradient is defined
+  /// (and that set_update_subset leaves to this optimizer), through
+  /// update_many (apply_update one parameter at a time when state is
+  /// offloaded). lr: learning rate for this step. grad_scale: multiplier
+  /// applied to every gradient first (global-norm clipping; 1 = none).
+  /// Increments step_count().
   void step(double lr, double grad_scale = 1.0);
 
   /// Updates parameter `index` from `grad` (any float dtype, same shape) at
@@ -115,6 +120,19 @@ class Optimizer {
   const OptimizerOptions& optimizer_options() const { return options_; }
 
  protected:
+  /// Updates the parameters `indices` (ascending, each with a defined .grad)
+  /// from their .grad times `grad_scale` at step `step`: the same results as
+  /// update() on each with the scaled gradient. The default does exactly that,
+  /// one parameter at a time (a scaled gradient is an fp32 copy of one
+  /// parameter's size, freed before the next). Optimizers with fused CPU
+  /// kernels override it to run all their fused tensors in one parallel
+  /// region (fused_kernels.h, *_step_many), passing grad_scale to the kernel
+  /// instead of copying the gradient, and the others through update().
+  virtual void update_many(const std::vector<size_t>& indices, double lr, int64_t step, double grad_scale);
+  /// params_[index].param.grad() times `grad_scale` (the gradient itself when
+  /// it is 1; else an fp32 copy, or the fp32 gradient scaled in place).
+  at::Tensor scaled_grad(size_t index, double grad_scale) const;
+
   /// Throws shoestring::Error naming `optimizer` and the parameter when
   /// `grad` does not hold the parameter's element count.
   void check_gradient(size_t index, const at::Tensor& grad, const char* optimizer) const;
@@ -167,12 +185,20 @@ class AdamW : public Optimizer {
  public:
   AdamW(std::vector<OptimParam> params, AdamWOptions adam, OptimizerOptions options);
   void update(size_t index, const at::Tensor& grad, double lr, int64_t step) override;
+  /// Every parameter the fused kernel takes (fast_cpu_path, fused_adamw_supported)
+  /// in one fused_adamw_step_many; the others through update().
+  void update_many(const std::vector<size_t>& indices, double lr, int64_t step, double grad_scale) override;
 
   /// State of a parameter of `shape`: exp_avg and exp_avg_sq of the shape in
   /// options.state_dtype (2 x 4 bytes per element in fp32, 2 x 2 in bf16).
   static OptimizerStateSize state_size(at::IntArrayRef shape, const OptimizerOptions& options);
 
  private:
+  /// Creates the state of parameter `index` if needed; returns its fused
+  /// kernel call with `grad` (times grad_scale), or nothing when the op chain
+  /// must run (not a CPU tensor, or a layout / dtype the kernel lacks).
+  std::optional<FusedAdamWTensor> fused_task(size_t index, const at::Tensor& grad, double lr, int64_t step,
+                                             double grad_scale);
   AdamWOptions adam_;
 };
 
