@@ -7,6 +7,7 @@
 //
 //   build/bench/model_step [--arch sd15] [--resolution 512] [--batch 1] [--steps 2]
 //                          [--optimizer Adafactor] [--no-checkpointing] [--no-fused] [--fp32]
+//                          [--offload-params]
 //                          [--attention-chunk-mib 64]
 //                          [--tiny] [--threads 0] [--json]
 //   build/bench/model_step --arch tiny-unet --config examples/emoji.toml --resolution 16 --batch 32 ...
@@ -30,6 +31,11 @@
 // emoji example's by default) and runs it on pixels with random caption
 // states of max_caption_length tokens (its caption encoder is not part of
 // the step); it has no planner prediction (the predicted_* fields are null).
+// --offload-params (with --no-fused): the checkpointed blocks' weights,
+// gradients and optimizer state in host memory (offload_params,
+// train/block_streaming.h), copied block by block: the ledger's
+// host_offload category holds them, the device categories the rest; the
+// device peak (peak_bytes) excludes host_offload.
 #include <cstdio>
 
 #include <CLI/CLI.hpp>
@@ -67,6 +73,8 @@ int main(int argc, char** argv) {
   app.add_flag("--no-checkpointing", no_checkpointing, "keep every activation (no gradient checkpointing)");
   app.add_flag("--no-fused", no_fused, "backward first, then the optimizer step (gradients held)");
   app.add_flag("--fp32", fp32, "fp32 weights and optimizer state (default: bf16 + stochastic rounding)");
+  app.add_flag("--offload-params", o.offload_params,
+               "checkpointed blocks' weights, gradients and optimizer state in host memory (needs --no-fused)");
   app.add_flag("--tiny", o.tiny, "the architecture's tiny-width variant (quick check)");
   app.add_flag("--json", json, "one JSON object");
   CLI11_PARSE(app, argc, argv);
@@ -95,6 +103,7 @@ int main(int argc, char** argv) {
     j["checkpointing"] = o.checkpointing;
     j["fused"] = o.fused;
     j["bf16"] = o.bf16;
+    j["offload_params"] = o.offload_params;
     j["seconds_per_step"] = r.seconds_per_step;
     j["step_seconds"] = r.step_seconds;
     j["threads"] = configure_threads(threads);
@@ -122,6 +131,7 @@ int main(int argc, char** argv) {
                       .c_str(),
                   o.bf16 ? "bf16 + SR" : "fp32", o.optimizer.c_str(), o.fused ? " fused" : "",
                   o.checkpointing ? "on" : "off", r.seconds_per_step, r.loss);
+      if (o.offload_params) std::printf("offload_params: host memory %s\n", format_bytes(m.peak_per_category[static_cast<int>(MemoryCategory::host_offload)]).c_str());
       std::printf("measured peak %s (%.2f GiB), predicted %s (%+.1f%%, at %s)\n", format_bytes(m.peak_bytes).c_str(),
                   m.peak_bytes / 1073741824.0, format_bytes(predicted.predicted_peak_bytes).c_str(),
                   tiny_unet ? 0.0 : 100.0 * j["prediction_error"].get<double>(), predicted.peak_phase.c_str());

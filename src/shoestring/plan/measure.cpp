@@ -18,6 +18,7 @@
 #include "shoestring/optim/fused_backward.h"
 #include "shoestring/optim/grad_hooks.h"
 #include "shoestring/precision/policy.h"
+#include "shoestring/train/block_streaming.h"
 #include "shoestring/train/config.h"
 #include "shoestring/train/trainer.h"
 
@@ -102,6 +103,7 @@ TrainConfig model_step_config(const ModelStepOptions& o) {
   c.gradient_checkpointing = o.checkpointing;
   c.ema_decay = 0;
   c.offload_optimizer_state = false;
+  c.offload_params = o.offload_params;
   c.attention_chunk_mib = o.attention_chunk_mib;
   c.network_module.clear();
   c.precision_rules.clear();
@@ -142,9 +144,18 @@ ModelStepResult measure_model_step(const ModelStepOptions& o) {
     params.emplace_back(p.key(), p.value());
     result.parameters += p.value().numel();
   }
+  std::shared_ptr<HostBlockStreaming> offload;
+  if (o.offload_params) {
+    if (o.fused || !o.checkpointing) {
+      fail("model step: offload_params needs gradient checkpointing and no fused backward (--no-fused)");
+    }
+    offload = HostBlockStreaming::attach(models::denoiser_block_tables(*module), *module, params, at::kCPU);
+    offload->start();  // the blocks' weights to host memory
+  }
   OptimizerOptions oo;
   oo.stochastic_rounding = o.bf16;
   oo.state_dtype = o.bf16 ? at::kBFloat16 : at::kFloat;
+  oo.offload_state = o.offload_params;
   std::unique_ptr<Optimizer> optimizer = make_optimizer(o.optimizer, optimizer_args_for(o.optimizer), params, oo);
   std::unique_ptr<FusedBackward> fused;
   // Without fusion, gradients are charged to `gradients` the moment autograd
@@ -205,9 +216,11 @@ ModelStepResult measure_model_step(const ModelStepOptions& o) {
     } else {
       {
         ScopedMemoryCategory category(MemoryCategory::temporaries);
+        if (offload) offload->before_step();  // the host copies and their gradients
         optimizer->step(lr);
       }
       for (auto& [name, p] : params) p.mutable_grad().reset();
+      if (offload) offload->after_step();
     }
     result.loss = loss.item<double>();
     loss = at::Tensor();

@@ -55,6 +55,10 @@ struct ModelStepOptions {
   bool checkpointing = true;            ///< gradient checkpointing
   bool fused = true;                    ///< fused backward pass (else backward, then Optimizer::step)
   bool bf16 = true;                     ///< bf16 weights + stochastic rounding and bf16 state (else fp32)
+  /// offload_params: the checkpointed blocks' weights, gradients and
+  /// optimizer state in host memory (train/block_streaming.h); needs
+  /// checkpointing and no fused backward (throws shoestring::Error otherwise).
+  bool offload_params = false;
   /// Attention score matrices above this many MiB are computed in query
   /// blocks (nn/chunked_attention.h; 64 is libshoestring's default, 0 = never).
   int64_t attention_chunk_mib = 64;

@@ -290,30 +290,46 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
   bool fp16_training = false;
   // zero_stage = 3: the outermost checkpointed block holding each trained
   // tensor (-1: none, resident), as train/block_streaming.h groups them.
-  std::vector<std::string> checkpointed_paths;
+  std::vector<std::string> checkpointed_paths, all_checkpointed_paths;
   for (const auto& m : r.resolution.modules) {
-    if (m.block && m.checkpointable && m.settings.checkpoint && m.trainable_parameters > 0)
-      checkpointed_paths.push_back(m.path + ".");
+    if (!m.block || !m.checkpointable || !m.settings.checkpoint) continue;
+    all_checkpointed_paths.push_back(m.path + ".");
+    if (m.trainable_parameters > 0) checkpointed_paths.push_back(m.path + ".");
   }
+  // The outermost (shortest) of `paths` holding parameter `path`: -1 when none.
+  auto outermost = [](const std::vector<std::string>& paths, const std::string& path) {
+    int group = -1;
+    size_t length = SIZE_MAX;
+    for (size_t b = 0; b < paths.size(); ++b) {
+      if (path.compare(0, paths[b].size(), paths[b]) == 0 && paths[b].size() < length) {
+        group = static_cast<int>(b);
+        length = paths[b].size();
+      }
+    }
+    return group;
+  };
+  // offload_params (train/block_streaming.h): every parameter of a
+  // checkpointed block in host memory, the block in use on the device.
+  int64_t offload_weights = 0, offload_grads = 0;
+  std::map<int, int64_t> offload_group_weights, offload_group_grads;
   std::vector<int> group_of_trained;       // per trained tensor
   std::vector<int64_t> weight_of_trained;  // its stored bytes
   for (const auto& q : r.resolution.params) {
     const precision::Settings& s = q.settings;
     p.weights_bytes += q.numel * precision::storage_bytes(q);
+    if (const int g = outermost(all_checkpointed_paths, q.path); g >= 0) {
+      offload_weights += q.numel * precision::storage_bytes(q);
+      offload_group_weights[g] += q.numel * precision::storage_bytes(q);
+      if (s.trainable) {
+        offload_grads += q.numel * precision::container_bytes(s.storage);
+        offload_group_grads[g] += q.numel * precision::container_bytes(s.storage);
+      }
+    }
     if (!s.trainable) {
       frozen_parameters += q.numel;
       continue;
     }
-    int group = -1;
-    size_t group_length = SIZE_MAX;
-    for (size_t b = 0; b < checkpointed_paths.size(); ++b) {
-      const std::string& prefix = checkpointed_paths[b];
-      if (q.path.compare(0, prefix.size(), prefix) == 0 && prefix.size() < group_length) {
-        group = static_cast<int>(b);  // the outermost (shortest) block path
-        group_length = prefix.size();
-      }
-    }
-    group_of_trained.push_back(group);
+    group_of_trained.push_back(outermost(checkpointed_paths, q.path));
     weight_of_trained.push_back(q.numel * precision::storage_bytes(q));
     const bool master = s.master_fp32 && s.storage != precision::Dtype::fp32;
     masters += master ? q.numel * 4 : 0;
@@ -438,10 +454,32 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
     }
   }
   p.weights_bytes -= std::max<int64_t>(0, stage3_weights_saved);
+  // offload_params (one process): the streamed weights and gradients in host
+  // memory, the largest block's on the device while it runs; its optimizer
+  // state in host memory as with offload_optimizer_state.
+  const bool offload = c.offload_params && world_size == 1 && !lora;
+  int64_t offload_device_grads = -1, offload_step_grads = -1;
+  if (offload) {
+    int64_t block_weights = 0, block_grads = 0;
+    for (const auto& [g, bytes] : offload_group_weights) block_weights = std::max(block_weights, bytes);
+    for (const auto& [g, bytes] : offload_group_grads) block_grads = std::max(block_grads, bytes);
+    p.weights_bytes -= offload_weights - block_weights;
+    p.host_bytes += offload_weights + offload_grads;
+    offload_device_grads = grad_bytes_storage - offload_grads + block_grads;
+    offload_step_grads = grad_bytes_storage - offload_grads;
+    p.notes.push_back(fmt::format(
+        "offload_params: {} of weights in {} checkpointed blocks and {} of their gradients live in host memory, "
+        "with the optimizer state; the largest block, {}, is on the device while it runs",
+        format_bytes(offload_weights), offload_group_weights.size(), format_bytes(offload_grads),
+        format_bytes(block_weights)));
+    if (offload_group_weights.empty())
+      p.notes.push_back("offload_params streams checkpointed blocks only: set gradient_checkpointing = true");
+  }
   p.largest_parameter = largest;
   p.ema_bytes = c.ema_decay > 0 ? p.parameters * 4 : 0;
-  const int64_t device_state = c.offload_optimizer_state ? 0 : state;
-  p.host_bytes = c.offload_optimizer_state ? state : 0;
+  const bool state_offloaded = c.offload_optimizer_state || offload;
+  const int64_t device_state = state_offloaded ? 0 : state;
+  p.host_bytes += state_offloaded ? state : 0;
   // The trainer charges fp32 masters to optimizer_state (as ZeRO counts them).
   p.optimizer_state_bytes = device_state + p.ema_bytes + masters;
 
@@ -449,7 +487,7 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
   // finish; clipped non-fused step: g.to(fp32) * scale), the optimizer's own,
   // offload staging (a device copy of one parameter's state).
   const int64_t grad_elem = weight_elem;
-  const int64_t staging = c.offload_optimizer_state ? largest_state : 0;
+  const int64_t staging = state_offloaded ? largest_state : 0;
   const int64_t accum = c.gradient_accumulation_steps;
 
   nn::TraceOptions to;
@@ -492,6 +530,7 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
   // Phase A: forward + backward of a micro-batch.
   Bytes a = tr.at_peak;
   if (stage3_gradients >= 0) a[kG] = std::min(a[kG], stage3_gradients);
+  if (offload_device_grads >= 0) a[kG] = std::min(a[kG], offload_device_grads);
   for (int k = 0; k < kNumMemoryCategories; ++k) a[k] += persistent[k];
   int64_t peak_a = 0;
   for (int64_t v : a) peak_a += v;
@@ -512,7 +551,9 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
     } else if (bridge) {
       b[kG] += fp32_grads;
     } else {
-      b[kG] += stage3_gradients >= 0 ? std::min(tr.gradients_after, stage3_gradients) : tr.gradients_after;
+      b[kG] += stage3_gradients >= 0    ? std::min(tr.gradients_after, stage3_gradients)
+               : offload_step_grads >= 0 ? std::min(tr.gradients_after, offload_step_grads)
+                                         : tr.gradients_after;
     }
     const int64_t norm_tmp = largest * ((grad_elem == 2 && !bridge) ? 8 : 4);
     const int64_t step_tmp = largest * 4 + scratch + staging;

@@ -105,6 +105,9 @@ struct TrainConfig {
   bool gradient_checkpointing = false;
   int64_t attention_chunk_mib = 64;      ///< attention score matrices above this run in query blocks (0 = never)
   bool offload_optimizer_state = false;  ///< optimizer state in host memory, streamed per parameter
+  /// Weights of checkpointed blocks (and their gradients and optimizer state)
+  /// in host memory, streamed to the device block by block (train/block_streaming.h).
+  bool offload_params = false;
   std::string mixed_precision = "no";    ///< no | bf16 | fp16 (compute dtype, fp32 weights)
   bool full_bf16 = false;                ///< bf16 weights, updates stochastically rounded
   bool full_fp16 = false;                ///< fp16 weights (SR updates), fp16 compute, loss scaling

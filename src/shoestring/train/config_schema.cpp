@@ -214,6 +214,11 @@ const std::vector<Field>& schema() {
        0, 1e9},
       {"offload_optimizer_state", &TrainConfig::offload_optimizer_state,
        "keep optimizer state in host memory and stream it per parameter around each update"},
+      {"offload_params", &TrainConfig::offload_params,
+       "keep the weights of the checkpointed blocks in host memory and copy each block's to the device for its "
+       "forward and its recompute in backward; their gradients and optimizer state stay in host memory and the "
+       "optimizer updates them there (DeepSpeed's offload_param; needs gradient_checkpointing; one process; CPU "
+       "only so far)"},
       {"mixed_precision",
        &TrainConfig::mixed_precision,
        "compute dtype with fp32 weights (shorthand for a precision rule; fp16 adds loss scaling)",

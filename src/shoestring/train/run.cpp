@@ -332,7 +332,7 @@ std::unique_ptr<GradientPath> make_run_gradient_path(const Run& run, const std::
   oopts.stochastic_rounding = c.stochastic_rounding;
   oopts.seed = static_cast<uint64_t>(c.seed);
   oopts.state_dtype = c.optimizer_state_dtype == "bf16" ? torch::kBFloat16 : torch::kFloat32;
-  oopts.offload_state = c.offload_optimizer_state;
+  oopts.offload_state = c.offload_optimizer_state || c.offload_params;  // offloaded weights: their state too
   GradientPathOptions go;
   go.accumulation_steps = c.gradient_accumulation_steps;
   go.max_grad_norm = c.max_grad_norm;
@@ -473,6 +473,11 @@ void check_data_parallel(const Run& run) {
         "WORLD_SIZE = {}{}: max_train_minutes is not supported with several processes yet (each rank would size "
         "max_train_steps from its own timing); set max_train_steps instead",
         run.world_size(), stage);
+  }
+  if (c.offload_params) {
+    fail("WORLD_SIZE = {}{}: offload_params is for one process for now (zero_stage = 3 shards the weights over the "
+         "ranks instead)",
+         run.world_size(), stage);
   }
   if (c.zero_stage == 3 && run.block_streaming && run.block_streaming->blocks() == 0) {
     fail(
@@ -789,6 +794,32 @@ std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions&
       run.gradient_averager = std::make_unique<dist::GradientAverager>(*run.group, params);
     }
   }
+  if (c.offload_params && !run.group) {
+    // Gradients go to host memory block by block: only autograd's .grad path.
+    if (run.gradients->name() != "autograd") {
+      fail(
+          "offload_params streams each block's weights and moves its gradients to host memory after its backward; "
+          "the '{}' gradient path ({}) keeps them elsewhere: remove it to offload",
+          run.gradients->name(),
+          run.gradients->name() == "fused backward" ? "fused_backward_pass = true"
+          : run.gradients->name() == "accumulator"
+              ? "full_bf16 = true with gradient_accumulation_steps > 1"
+              : "fp16 loss scaling or fp32 master weights");
+    }
+    if (!run.device.is_cpu()) {
+      fail("offload_params runs on the CPU only so far (device resolves to {}): its device copies are measured "
+           "through the memory ledger there; on CUDA it is not wired yet",
+           run.device.str());
+    }
+    run.block_streaming =
+        HostBlockStreaming::attach(run.model->block_tables(), run.model->module(), run.trainable, run.device);
+    if (run.block_streaming->blocks() == 0) {
+      fail(
+          "offload_params streams the weights of checkpointed blocks (copied to the device again for their "
+          "recompute in backward), and this run checkpoints none: set gradient_checkpointing = true (or precision "
+          "rules with checkpoint = true)");
+    }
+  }
   if (c.ema_decay > 0) run.ema = std::make_unique<EMA>(run.trainable, c.ema_decay);
   if (options.predict_memory) run.predicted_memory = options.predict_memory(c, run.model->plan_vocab_size());
 
@@ -812,18 +843,27 @@ std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions&
   } else if (run.writes_files()) {
     write_bytes_atomic(metrics_path, "");
   }
-  if (run.zero && run.zero->stage() == 3) {
+  if (run.block_streaming) {
     // The weights are final for the start (loaded, restored, equal on every
-    // rank): each rank keeps the streamed tensors it owns from now on.
-    run.zero->start_streaming();
+    // rank): ZeRO stage 3 keeps each rank's own streamed tensors from now
+    // on, offload_params moves the streamed weights to host memory.
+    run.block_streaming->start();
     const int64_t total = run.trainable_parameters;
-    const int64_t streamed = run.zero->streamed_elements();
-    if (!options.quiet)
+    const int64_t streamed = run.block_streaming->streamed_elements();
+    const double percent = total > 0 ? 100.0 * static_cast<double>(streamed) / static_cast<double>(total) : 0.0;
+    if (!options.quiet && run.zero) {
       spdlog::info(
-        "zero_stage = 3: {} of {} trainable weights ({:.1f}%) in {} checkpointed blocks are sharded, each rank "
-        "keeping about 1/{} and gathering a block's for its use; the other {} stay on every rank",
-        streamed, total, total > 0 ? 100.0 * static_cast<double>(streamed) / static_cast<double>(total) : 0.0,
-        run.block_streaming->blocks(), run.world_size(), total - streamed);
+          "zero_stage = 3: {} of {} trainable weights ({:.1f}%) in {} checkpointed blocks are sharded, each rank "
+          "keeping about 1/{} and gathering a block's for its use; the other {} stay on every rank",
+          streamed, total, percent, run.block_streaming->blocks(), run.world_size(), total - streamed);
+    } else if (!options.quiet) {
+      spdlog::info(
+          "offload_params: {} of {} trainable weights ({:.1f}%) in {} checkpointed blocks live in host memory ({} "
+          "with the frozen ones), copied to the device block by block; their gradients and optimizer state live "
+          "there too",
+          streamed, total, percent, run.block_streaming->blocks(),
+          format_bytes(static_cast<HostBlockStreaming&>(*run.block_streaming).streamed_bytes()));
+    }
   }
   if (!options.quiet) log_setup(run);
   return owned;

@@ -93,9 +93,10 @@ struct Run {
   /// trainable tensor (its optimizer updates and keeps state for those
   /// only), the reduction of the gradients, the broadcast of the updated weights.
   std::unique_ptr<dist::ZeroSharding> zero;
-  /// zero_stage = 3: the checkpointed blocks whose weights `zero` shards,
-  /// fetched and released around each use (train/block_streaming.h).
-  std::shared_ptr<ZeroBlockStreaming> block_streaming;
+  /// zero_stage = 3 (the checkpointed blocks whose weights `zero` shards) or
+  /// offload_params (their weights in host memory): fetched and released
+  /// around each use (train/block_streaming.h); null otherwise.
+  std::shared_ptr<RunBlockStreaming> block_streaming;
 
   int rank() const { return group ? group->rank() : 0; }
   int world_size() const { return group ? group->size() : 1; }

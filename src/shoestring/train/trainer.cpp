@@ -197,12 +197,14 @@ StepRecord train_step(Run& run, int64_t step, bool quiet) {
   const double loss = mean_over_ranks(run, loss_sum / static_cast<double>(c.gradient_accumulation_steps));
 
   const std::vector<std::string> overflowed = check_fp16_overflow(run, step);
+  if (run.block_streaming) run.block_streaming->before_step();  // offload_params: the host copies and gradients
   const GradientStepResult result = gradients.end_step(lr, std::isfinite(loss));
   if (result.stepped) share_updated_weights(run);  // every rank agrees on `stepped` (the norm is global)
   if (result.stepped && run.ema) {
     ScopedMemoryCategory category(MemoryCategory::temporaries);
     run.ema->update(gradients.optimizer().step_count());  // 1-based, across resumes
   }
+  if (run.block_streaming) run.block_streaming->after_step();
   count_nonfinite(run, step, loss, result, overflowed, quiet);
 
   StepRecord record;
@@ -244,22 +246,23 @@ void update_report(const Run& run) {
 
 bool every(int64_t n, int64_t step) { return n > 0 && step % n == 0; }
 
-/// ZeRO stage 3: every weight gathered onto rank 0 while it writes the
-/// checkpoint, samples and final files of a step (dist::ZeroSharding::hold_all_on),
-/// then released; nothing otherwise. Collective.
+/// Streamed blocks (ZeRO stage 3, offload_params): every weight present on
+/// rank 0 while it writes the checkpoint, samples and final files of a step
+/// (RunBlockStreaming::hold_all; collective for ZeRO), then released;
+/// nothing otherwise.
 class WeightsOnRankZero {
  public:
-  explicit WeightsOnRankZero(Run& run) : zero_(run.zero && run.zero->streaming() ? run.zero.get() : nullptr) {
-    if (zero_) zero_->hold_all_on(0);
+  explicit WeightsOnRankZero(Run& run) : streaming_(run.block_streaming.get()) {
+    if (streaming_) streaming_->hold_all();
   }
   ~WeightsOnRankZero() {
-    if (zero_) zero_->release_held();
+    if (streaming_) streaming_->release_held();
   }
   WeightsOnRankZero(const WeightsOnRankZero&) = delete;
   WeightsOnRankZero& operator=(const WeightsOnRankZero&) = delete;
 
  private:
-  dist::ZeroSharding* zero_;
+  RunBlockStreaming* streaming_;
 };
 
 /// Runs `write` (checkpoint, samples, final files of `step`) on rank 0
