@@ -52,6 +52,10 @@ TEST(ZeroPlan, OptimizerStateIsTheLargestRanksOwnedTensors) {
       int64_t most = 0;
       for (int r = 0; r < world; ++r) most = std::max(most, owners.elements_of(r));
       EXPECT_EQ(p.optimizer_state_bytes, 8 * most) << "world " << world << " stage " << stage;
+      // The EMA is sharded with its tensors: that rank's fp32 shadows.
+      TrainConfig with_ema = zero_config(stage);
+      with_ema.ema_decay = 0.99;
+      EXPECT_EQ(plan::plan_memory(with_ema, plan::kDefaultVocabSize, world).ema_bytes, 4 * most) << world;
       // The paper's per-rank model states at stage 1: 2 Psi + 2 Psi + K Psi / N.
       const int64_t paper = 2 * psi + 2 * psi + 8 * psi / world;
       const int64_t model_states = p.weights_bytes + 2 * psi + p.optimizer_state_bytes;
@@ -69,8 +73,11 @@ TEST(ZeroPlan, OptimizerStateIsTheLargestRanksOwnedTensors) {
       EXPECT_LT(p.predicted_peak_bytes, one.predicted_peak_bytes + p.communication_bytes) << world;
     }
   }
-  // zero_stage 0 (plain data parallel) keeps the whole state on every rank.
+  // zero_stage 0 (plain data parallel) keeps the whole state (and EMA) on every rank.
   EXPECT_EQ(plan::plan_memory(zero_config(0), plan::kDefaultVocabSize, 4).optimizer_state_bytes, 8 * psi);
+  TrainConfig ema0 = zero_config(0);
+  ema0.ema_decay = 0.99;
+  EXPECT_EQ(plan::plan_memory(ema0, plan::kDefaultVocabSize, 4).ema_bytes, 4 * psi);
   EXPECT_NE(shoestring::testing::error_of([] { plan::plan_memory(zero_config(1), plan::kDefaultVocabSize, 0); })
                 .find("world size"),
             std::string::npos);

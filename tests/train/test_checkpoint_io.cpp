@@ -181,13 +181,14 @@ TEST(ShardedCheckpoint, IndexNamesEveryTensorsFile) {
   fs::create_directories(dir);
   save_safetensors(dir + "/model.safetensors", {{"w", torch::ones({2, 3}), std::nullopt}});
   TrainingState s;
-  s.ema = {{"w", torch::ones({2, 3})}};
   s.rng_cpu = cpu_rng_state();
   save_training_state(dir + "/state.safetensors", s);
-  save_optimizer_shard(dir + "/" + optimizer_shard_name(0, 2), {{"w.exp_avg", torch::zeros({2, 3})}}, 0, 2, 4);
-  save_optimizer_shard(dir + "/" + optimizer_shard_name(1, 2), {{"b.exp_avg", torch::zeros({3})}}, 1, 2, 4);
+  // Each rank's optimizer state and EMA of the tensors it owns.
+  save_optimizer_shard(dir + "/" + optimizer_shard_name(0, 2), {{"w.exp_avg", torch::zeros({2, 3})}},
+                       {{"w", torch::ones({2, 3})}}, 0, 2, 4);
+  save_optimizer_shard(dir + "/" + optimizer_shard_name(1, 2), {{"b.exp_avg", torch::zeros({3})}}, {}, 1, 2, 4);
   // Left by an interrupted save of this step at 3 ranks.
-  save_optimizer_shard(dir + "/" + optimizer_shard_name(2, 3), {{"c.exp_avg", torch::zeros({1})}}, 2, 3, 4);
+  save_optimizer_shard(dir + "/" + optimizer_shard_name(2, 3), {{"c.exp_avg", torch::zeros({1})}}, {}, 2, 3, 4);
   EXPECT_FALSE(read_checkpoint_index(dir).has_value());
 
   write_checkpoint_index(dir, 4, 2, 2);
@@ -198,7 +199,7 @@ TEST(ShardedCheckpoint, IndexNamesEveryTensorsFile) {
   EXPECT_EQ(index->world_size, 2);
   EXPECT_EQ(index->zero_stage, 2);
   const std::map<std::string, std::string> want = {{"w", "model.safetensors"},
-                                                   {"ema.w", "state.safetensors"},
+                                                   {"ema.w", optimizer_shard_name(0, 2)},
                                                    {"rng.cpu", "state.safetensors"},
                                                    {"optimizer.w.exp_avg", optimizer_shard_name(0, 2)},
                                                    {"optimizer.b.exp_avg", optimizer_shard_name(1, 2)}};

@@ -150,7 +150,6 @@ ModelStepResult measure_model_step(const ModelStepOptions& o) {
       fail("model step: offload_params needs gradient checkpointing and no fused backward (--no-fused)");
     }
     offload = HostBlockStreaming::attach(models::denoiser_block_tables(*module), *module, params, at::kCPU);
-    offload->start();  // the blocks' weights to host memory
   }
   OptimizerOptions oo;
   oo.stochastic_rounding = o.bf16;
@@ -170,6 +169,9 @@ ModelStepResult measure_model_step(const ModelStepOptions& o) {
       if (p.grad().defined()) ledger.recharge(p.grad(), MemoryCategory::gradients);
     });
   }
+  // After the hooks: autograd's gradient accumulators keep the shape their
+  // parameter had when they were made, and streaming empties the parameters.
+  if (offload) offload->start();  // the blocks' weights to host memory
 
   models::DenoiserExample runner;
   {

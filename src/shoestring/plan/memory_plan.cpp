@@ -402,6 +402,7 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
   // of the rank that owns the most state.
   p.world_size = world_size;
   p.zero_stage = world_size > 1 ? c.zero_stage : 0;
+  int64_t ema_elements = p.parameters;  // ZeRO: the EMA of that rank's own tensors
   if (p.zero_stage >= 1) {
     const dist::TensorOwnership owners(numel_of_trained, world_size);
     std::vector<int64_t> per_rank(static_cast<size_t>(world_size), 0);
@@ -409,9 +410,10 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
     const auto most = std::max_element(per_rank.begin(), per_rank.end());
     p.notes.push_back(fmt::format(
         "ZeRO stage {} at world size {}: rank {} owns the most optimizer state, {} of {} in all (whole tensors "
-        "balanced by element count); {} whole on every rank",
+        "balanced by element count), and the EMA of those tensors{}",
         p.zero_stage, world_size, most - per_rank.begin(), format_bytes(*most), format_bytes(state),
-        p.zero_stage >= 3 ? "EMA stays" : p.zero_stage == 2 ? "weights and EMA stay" : "weights, gradients and EMA stay"));
+        p.zero_stage >= 3 ? "" : p.zero_stage == 2 ? "; weights stay whole on every rank" : "; weights and gradients stay whole on every rank"));
+    ema_elements = owners.elements_of(static_cast<int>(most - per_rank.begin()));
     if (p.zero_stage == 2) {
       p.notes.push_back(
           "stage 2 reduces each gradient to its owner after backward, when every gradient exists on every rank: "
@@ -476,7 +478,7 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
       p.notes.push_back("offload_params streams checkpointed blocks only: set gradient_checkpointing = true");
   }
   p.largest_parameter = largest;
-  p.ema_bytes = c.ema_decay > 0 ? p.parameters * 4 : 0;
+  p.ema_bytes = c.ema_decay > 0 ? ema_elements * 4 : 0;
   const bool state_offloaded = c.offload_optimizer_state || offload;
   const int64_t device_state = state_offloaded ? 0 : state;
   p.host_bytes += state_offloaded ? state : 0;

@@ -253,9 +253,11 @@ bool is_optimizer_shard_name(const std::string& name) {
 }
 
 void save_optimizer_shard(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& optimizer,
-                          int rank, int world, int64_t step) {
+                          const std::vector<std::pair<std::string, at::Tensor>>& ema, int rank, int world,
+                          int64_t step) {
   std::vector<NamedTensor> tensors;
   for (const auto& [name, t] : optimizer) tensors.push_back({"optimizer." + name, t, std::nullopt});
+  for (const auto& [name, t] : ema) tensors.push_back({"ema." + name, t, std::nullopt});
   save_safetensors(
       path, tensors,
       {{"rank", std::to_string(rank)}, {"world_size", std::to_string(world)}, {"step", std::to_string(step)}});

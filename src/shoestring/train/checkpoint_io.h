@@ -6,9 +6,9 @@
 //   samples/step-NNNNNN.png (+ .txt) sample grids with their prompts
 //   checkpoints/step-NNNNNN/model.safetensors   weights (storage dtype) + metadata
 //   checkpoints/step-NNNNNN/state.safetensors   optimizer state, EMA, RNG, counters (TrainingState)
-//   (ZeRO stages 1 and 2 on several ranks, a sharded checkpoint: state.safetensors
-//   holds no optimizer state; instead
-//   checkpoints/step-NNNNNN/optimizer-rank-RRRRR-of-WWWWW.safetensors  rank R's own tensors' state
+//   (ZeRO stages 1-3 on several ranks, a sharded checkpoint: state.safetensors
+//   holds no optimizer state and no EMA; instead
+//   checkpoints/step-NNNNNN/optimizer-rank-RRRRR-of-WWWWW.safetensors  rank R's own tensors' state and EMA
 //   checkpoints/step-NNNNNN/checkpoint.index.json  every tensor of the folder -> the file holding it)
 //   checkpoints/latest.json          names the newest complete checkpoint
 //   model.safetensors                final weights (EMA weights when EMA is on)
@@ -20,15 +20,17 @@
 //
 // A sharded checkpoint (docs/training.md, "Checkpoints of several
 // processes"): each rank writes its shard (the optimizer state of the
-// tensors it owns, "optimizer.<param>.<state>"), the ranks agree that every
-// shard is on disk (a collective), then rank 0 writes what every rank holds
-// alike once (model.safetensors / lora.safetensors, state.safetensors with
-// EMA, masters, RNG and counters), then the index, then latest.json. So the
+// tensors it owns, "optimizer.<param>.<state>", and their EMA shadows,
+// "ema.<param>"), the ranks agree that every shard is on disk (a
+// collective), then rank 0 writes what every rank holds alike once
+// (model.safetensors / lora.safetensors, state.safetensors with masters,
+// RNG and counters), then the index, then latest.json. So the
 // folder holds the model and the state once, not once per rank, and counts
 // only when latest.json names it. A resume at any world size and zero stage
-// (one process included) reads, through the index, the state of the tensors
-// each rank owns then; a single-file checkpoint resumes into a sharded run
-// the same way (its state.safetensors holds every optimizer tensor).
+// (one process included) reads, through the index, the state (and EMA) of
+// the tensors each rank owns then; a single-file checkpoint resumes into a
+// sharded run the same way (its state.safetensors holds every optimizer and
+// EMA tensor).
 #pragma once
 #include <map>
 #include <optional>
@@ -83,10 +85,13 @@ std::string optimizer_shard_name(int rank, int world);
 bool is_optimizer_shard_name(const std::string& name);
 
 /// Writes one rank's optimizer shard: `optimizer` ("<param>.<state>"
-/// tensors) as "optimizer.<param>.<state>", with metadata "rank",
-/// "world_size" and "step" (atomic). Throws shoestring::Error on I/O failure.
+/// tensors) as "optimizer.<param>.<state>" and, when the EMA is sharded, the
+/// rank's EMA shadows `ema` ("<param>") as "ema.<param>", with metadata
+/// "rank", "world_size" and "step" (atomic). Throws shoestring::Error on I/O
+/// failure.
 void save_optimizer_shard(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& optimizer,
-                          int rank, int world, int64_t step);
+                          const std::vector<std::pair<std::string, at::Tensor>>& ema, int rank, int world,
+                          int64_t step);
 
 /// Writes `dir`/checkpoint.index.json (atomic), after the files it names are
 /// complete: {"format": "shoestring.sharded_checkpoint", "version": 1,

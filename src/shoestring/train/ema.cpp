@@ -9,12 +9,21 @@
 
 namespace shoestring {
 
-EMA::EMA(const std::vector<std::pair<std::string, at::Tensor>>& params, double decay) : params_(params), decay_(decay) {
+EMA::EMA(const std::vector<std::pair<std::string, at::Tensor>>& params, double decay, std::vector<bool> owned)
+    : decay_(decay) {
   if (decay < 0 || decay >= 1) fail("ema_decay must be in [0, 1) (got {})", decay);
+  if (!owned.empty() && owned.size() != params.size()) {
+    fail("EMA: the ownership mask has {} entries for {} parameters", owned.size(), params.size());
+  }
   torch::NoGradGuard no_grad;
   ScopedMemoryCategory category(MemoryCategory::optimizer_state);
-  for (const auto& [name, p] : params_) shadow_.push_back(p.detach().to(torch::kFloat32).clone());
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (!owned.empty() && !owned[i]) continue;
+    params_.push_back(params[i]);
+    shadow_.push_back(params[i].second.detach().to(torch::kFloat32).clone());
+  }
 }
+
 
 double EMA::decay_at(int64_t step) const {
   if (step < 1) fail("EMA step must be >= 1 (got {})", step);

@@ -17,10 +17,19 @@ namespace shoestring {
 
 /// fp32 shadow copies of a set of named parameters (4 bytes/parameter, charged
 /// to the memory ledger's optimizer_state category).
+///
+/// Sharded (ZeRO stages 1-3 on several ranks): with an `owned` mask, a rank
+/// keeps the shadows of the parameters it owns only (the ones its optimizer
+/// updates, dist::ZeroSharding::owned()), so the EMA costs each rank about
+/// 1/world of it, as the optimizer state; update, swap_in, restore, tensors
+/// and load then touch those only (the trainer gathers the swapped-in
+/// weights onto rank 0 itself).
 class EMA {
  public:
-  /// params: (name, tensor) pairs; decay in [0, 1).
-  EMA(const std::vector<std::pair<std::string, at::Tensor>>& params, double decay);
+  /// params: (name, tensor) pairs; decay in [0, 1); `owned`: empty (every
+  /// parameter) or one entry per parameter. Throws shoestring::Error for a
+  /// decay outside [0, 1) or an `owned` of another size.
+  EMA(const std::vector<std::pair<std::string, at::Tensor>>& params, double decay, std::vector<bool> owned = {});
   /// The decay of optimizer step `step` (1-based): d_k above.
   double decay_at(int64_t step) const;
   /// shadow <- d * shadow + (1 - d) * param for every parameter, with
@@ -31,14 +40,16 @@ class EMA {
   /// and returns the previous live values so restore() can put them back.
   std::vector<at::Tensor> swap_in();
   void restore(const std::vector<at::Tensor>& saved);
-  /// Named shadow tensors ("<param name>"), for checkpoints.
+  /// Named shadow tensors ("<param name>") of the kept parameters, for checkpoints.
   std::vector<std::pair<std::string, at::Tensor>> tensors() const;
-  /// Throws shoestring::Error naming a missing or mis-shaped tensor.
+  /// The shadows of the kept parameters from `tensors` (others are ignored,
+  /// so a checkpoint of any world size re-shards). Throws shoestring::Error
+  /// naming a missing or mis-shaped tensor.
   void load(const std::map<std::string, at::Tensor>& tensors);
   double decay() const { return decay_; }
 
  private:
-  std::vector<std::pair<std::string, at::Tensor>> params_;
+  std::vector<std::pair<std::string, at::Tensor>> params_;  ///< the kept ones
   std::vector<at::Tensor> shadow_;
   double decay_;
 };

@@ -73,6 +73,10 @@ class EmaWeightsIn {
   std::vector<at::Tensor> saved_;
 };
 
+/// The EMA that the rank writing files swaps in by itself (EmaWeightsIn):
+/// null without EMA and when it is sharded over the ranks (the trainer then
+/// swaps and gathers it on every rank, EmaWeightsOnRankZero).
+
 /// Keeps only metrics records with step <= `keep_through` (used on resume so
 /// steps after the checkpoint are not listed twice). Atomic rewrite.
 void truncate_metrics(const std::string& path, int64_t keep_through) {
@@ -486,12 +490,6 @@ void check_data_parallel(const Run& run) {
         "gradient_checkpointing = true (or precision rules with checkpoint = true)",
         run.world_size(), stage);
   }
-  if (c.zero_stage == 3 && c.ema_decay > 0) {
-    fail(
-        "WORLD_SIZE = {}{}: ema_decay with stage 3 is not supported yet (the EMA copy would be whole on every rank "
-        "while the weights are sharded); use zero_stage = 2, or train without EMA",
-        run.world_size(), stage);
-  }
 }
 
 /// The optimizer state of checkpoint `dir` that this rank keeps, by key
@@ -525,6 +523,21 @@ std::map<std::string, at::Tensor> owned_optimizer_state(const Run& run, const st
     if (name.rfind(prefix, 0) != 0) continue;
     const std::string key = name.substr(prefix.size());
     if (keeps(key, files.file_of(name))) out.emplace(key, files.get(name));
+  }
+  return out;
+}
+
+/// The EMA shadows in the shards of sharded checkpoint `dir` ("ema.<param>"
+/// tensors, mapped lazily), by parameter name; empty for a single-file
+/// checkpoint (its EMA is in state.safetensors).
+std::map<std::string, at::Tensor> checkpoint_ema(const std::string& dir) {
+  std::map<std::string, at::Tensor> out;
+  const std::optional<CheckpointIndex> index = read_checkpoint_index(dir);
+  if (!index) return out;
+  const std::string prefix = "ema.";
+  const WeightFiles files = WeightFiles::open((fs::path(dir) / kCheckpointIndexFile).string());
+  for (const auto& [name, file] : index->weight_map) {
+    if (name.rfind(prefix, 0) == 0) out.emplace(name.substr(prefix.size()), files.get(name));
   }
   return out;
 }
@@ -820,7 +833,10 @@ std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions&
           "rules with checkpoint = true)");
     }
   }
-  if (c.ema_decay > 0) run.ema = std::make_unique<EMA>(run.trainable, c.ema_decay);
+  // ZeRO: each rank keeps the EMA of the tensors it owns (their updated
+  // values are on the owner first), saved in its checkpoint shard.
+  if (c.ema_decay > 0)
+    run.ema = std::make_unique<EMA>(run.trainable, c.ema_decay, run.zero ? run.zero->owned() : std::vector<bool>{});
   if (options.predict_memory) run.predicted_memory = options.predict_memory(c, run.model->plan_vocab_size());
 
   // ---- run folder ----
@@ -878,6 +894,10 @@ void set_max_train_steps(Run& run, int64_t steps, const std::string& why) {
 
 bool shards_checkpoints(const Run& run) { return run.zero != nullptr && run.world_size() > 1; }
 
+bool shards_ema(const Run& run) { return run.ema != nullptr && shards_checkpoints(run); }
+
+EMA* local_ema(Run& run) { return shards_ema(run) ? nullptr : run.ema.get(); }
+
 void write_checkpoint_shards(Run& run, int64_t step) {
   if (!shards_checkpoints(run)) return;
   const fs::path dir = fs::path(run.run_dir) / "checkpoints" / step_name(step);
@@ -885,7 +905,9 @@ void write_checkpoint_shards(Run& run, int64_t step) {
   try {
     fs::create_directories(dir);
     save_optimizer_shard((dir / optimizer_shard_name(run.rank(), run.world_size())).string(),
-                         run.gradients->optimizer().state_tensors(), run.rank(), run.world_size(), step);
+                         run.gradients->optimizer().state_tensors(),
+                         shards_ema(run) ? run.ema->tensors() : std::vector<std::pair<std::string, at::Tensor>>{},
+                         run.rank(), run.world_size(), step);
   } catch (const std::exception& e) {
     error = e.what();
   }
@@ -941,7 +963,7 @@ std::string write_checkpoint(Run& run, int64_t step) {
   state.counters = counters;
   // Sharded: every rank's optimizer state is in its shard (write_checkpoint_shards).
   if (!sharded) state.optimizer = run.gradients->optimizer().state_tensors();
-  if (run.ema) state.ema = run.ema->tensors();
+  if (run.ema && !shards_ema(run)) state.ema = run.ema->tensors();  // sharded: in the shards
   state.master = path_state.masters;
   state.rng_cpu = cpu_rng_state();
   save_training_state((dir / "state.safetensors").string(), state);
@@ -1046,10 +1068,13 @@ int64_t restore_checkpoint(Run& run, const std::string& dir) {
   path_state.masters = state.master;
   run.gradients->load_state(path_state);
   if (run.ema) {
-    if (state.ema.empty()) {
+    // A sharded checkpoint's EMA is in its ranks' shards: each rank keeps its own tensors' shadows (EMA::load).
+    std::map<std::string, at::Tensor> ema = checkpoint_ema(dir);
+    ema.insert(state.ema.begin(), state.ema.end());
+    if (ema.empty()) {
       spdlog::warn("{}: no EMA state saved; EMA restarts from the current weights", state_path);
     } else {
-      run.ema->load({state.ema.begin(), state.ema.end()});
+      run.ema->load(ema);
     }
   }
   run.gradients->optimizer().set_step_count(state.counters.optimizer_step_count);
@@ -1065,7 +1090,7 @@ int64_t restore_checkpoint(Run& run, const std::string& dir) {
 
 void save_final_files(Run& run, int64_t step) {
   const TrainConfig& c = run.config;
-  EmaWeightsIn ema_weights(run.ema.get());
+  EmaWeightsIn ema_weights(local_ema(run));
   const std::string final_path = (fs::path(run.run_dir) / "model.safetensors").string();
   if (!run.lora_only()) {
     try {
@@ -1095,7 +1120,7 @@ std::string write_samples(Run& run, int64_t step) {
   req.cfg = run.config.sample_cfg;
   at::Tensor images;
   {
-    EmaWeightsIn ema_weights(run.ema.get());
+    EmaWeightsIn ema_weights(local_ema(run));
     ScopedMemoryCategory category(MemoryCategory::temporaries);
     images = run.model->sample(req);
   }

@@ -148,6 +148,12 @@ void remove_expired_checkpoints(Run& run, int64_t step);
 /// ranks; train/checkpoint_io.h): each rank writes its optimizer shard.
 bool shards_checkpoints(const Run& run);
 
+/// True when `run`'s EMA is sharded with its parameters (ZeRO on several
+/// ranks: EMA's owned mask): each rank keeps, and writes into its checkpoint
+/// shard, the shadows of the tensors it owns; samples and final files need
+/// them swapped in and gathered by every rank (train/trainer.cpp).
+bool shards_ema(const Run& run);
+
 /// Every rank of a sharded run (nothing otherwise): writes this rank's
 /// optimizer shard into checkpoints/step-NNNNNN/, then learns from every
 /// rank whether theirs is on disk (a collective), so that rank 0 indexes the

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <exception>
 #include <functional>
 
 #include <spdlog/spdlog.h>
@@ -265,13 +266,48 @@ class WeightsOnRankZero {
   RunBlockStreaming* streaming_;
 };
 
-/// Runs `write` (checkpoint, samples, final files of `step`) on rank 0
-/// only; the other ranks wait for it, longer than ddp_timeout (a large
-/// checkpoint on a slow disk), and stop with rank 0's error when it failed.
-/// One process just runs it.
-void on_rank_zero(Run& run, int64_t step, const std::function<void()>& write) {
+/// A sharded EMA (shards_ema: ZeRO on several ranks, each rank keeping the
+/// shadows of its own tensors): for this object's lifetime, every rank's own
+/// tensors hold their EMA weights and rank 0 holds all of them (the owners
+/// broadcast the resident ones, as after an optimizer step; ZeRO stage 3
+/// gathers the streamed ones onto rank 0 with hold_all), so that rank 0
+/// samples and writes the final files from the EMA weights. Collective,
+/// construction and destruction both; nothing without a sharded EMA. The
+/// trained weights come back, bit for bit, on every rank; when leaving by an
+/// exception the destructor does no collective (the run is over and a peer
+/// may be gone).
+class EmaWeightsOnRankZero {
+ public:
+  explicit EmaWeightsOnRankZero(Run& run) : run_(shards_ema(run) ? &run : nullptr) {
+    if (!run_) return;
+    ScopedMemoryCategory category(MemoryCategory::temporaries);
+    saved_ = run_->ema->swap_in();
+    run_->zero->broadcast_updated_parameters();
+    if (run_->block_streaming) run_->block_streaming->hold_all();
+  }
+  ~EmaWeightsOnRankZero() {
+    if (!run_) return;
+    if (run_->block_streaming) run_->block_streaming->release_held();
+    run_->ema->restore(saved_);
+    if (std::uncaught_exceptions() > 0) return;
+    ScopedMemoryCategory category(MemoryCategory::temporaries);
+    run_->zero->broadcast_updated_parameters();
+  }
+  EmaWeightsOnRankZero(const EmaWeightsOnRankZero&) = delete;
+  EmaWeightsOnRankZero& operator=(const EmaWeightsOnRankZero&) = delete;
+
+ private:
+  Run* run_;
+  std::vector<at::Tensor> saved_;
+};
+
+/// Runs `write` (`what`: the checkpoint, samples, final files of `step`) on
+/// rank 0 only; the other ranks wait for it, longer than ddp_timeout (a
+/// large checkpoint on a slow disk), and stop with rank 0's error when it
+/// failed. One process just runs it.
+void on_rank_zero(Run& run, int64_t step, const std::string& what, const std::function<void()>& write) {
   if (!run.group) return write();
-  const std::string key = fmt::format("written/step-{}", step);
+  const std::string key = fmt::format("written/step-{}/{}", step, what);
   if (run.writes_files()) {
     try {
       write();
@@ -284,7 +320,7 @@ void on_rank_zero(Run& run, int64_t step, const std::function<void()>& write) {
   }
   const auto timeout = std::max<std::chrono::milliseconds>(run.group->timeout(), std::chrono::minutes(30));
   const std::string answer =
-      run.group->wait_for_signal(key, fmt::format("its checkpoint / samples of step {}", step), timeout);
+      run.group->wait_for_signal(key, fmt::format("its {} of step {}", what, step), timeout);
   if (answer != "ok") fail("rank 0 failed writing step {}: {}", step, answer);
 }
 
@@ -324,13 +360,24 @@ TrainSummary train(const TrainConfig& config, const TrainRunOptions& options) {
     const bool samples = every(c.sample_every_n_steps, step) || last;
     if (!saves && !samples) continue;
     if (saves) write_checkpoint_shards(*run, step);  // ZeRO on several ranks: each rank its optimizer shard
-    WeightsOnRankZero gathered(*run);                  // zero_stage 3: the whole model on rank 0 meanwhile
-    on_rank_zero(*run, step, [&] {
-      std::string checkpoint;
-      if (saves) checkpoint = write_checkpoint(*run, step);  // sharded: indexed last
+    std::string checkpoint;
+    auto samples_and_final_files = [&] {
       if (samples) sample(*run, report, step);
       if (last) save_final_files(*run, step);  // EMA weights when EMA is on
-      update_report(*run);                     // the steps so far and the grids
+    };
+    {
+      WeightsOnRankZero gathered(*run);  // zero_stage 3: the whole model on rank 0 meanwhile
+      on_rank_zero(*run, step, "checkpoint and samples", [&] {
+        if (saves) checkpoint = write_checkpoint(*run, step);  // sharded: indexed last
+        if (!shards_ema(*run)) samples_and_final_files();      // the EMA weights swapped in there
+      });
+    }
+    if (shards_ema(*run)) {
+      EmaWeightsOnRankZero ema_weights(*run);  // every rank swaps its EMA shards in, rank 0 gathers them
+      on_rank_zero(*run, step, "EMA samples and final files", samples_and_final_files);
+    }
+    on_rank_zero(*run, step, "report", [&] {
+      update_report(*run);  // the steps so far and the grids
       // latest.json moves last: a checkpoint counts once everything of its
       // step is written, and a run is complete when latest.json names its
       // last step. Killed before, a run resumes from its previous checkpoint
