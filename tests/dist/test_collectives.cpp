@@ -7,12 +7,14 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "dist_testing.h"
 #include "shoestring/core/error.h"
 #include "shoestring/dist/data_parallel.h"
 #include "shoestring/dist/process_group.h"
+#include "shoestring/optim/grad_hooks.h"
 
 namespace shoestring::dist {
 namespace {
@@ -137,6 +139,61 @@ void check_collectives(ProcessGroup& g) {
     EXPECT_FALSE(p3.grad().defined());
     p1.mutable_grad() = g1;
     p2.mutable_grad() = g2;
+  }
+
+  // GradientAverager overlapping backward: post-accumulate-grad hooks tell
+  // it each gradient's arrival. The first armed backward only counts; from
+  // the second on, every bucket (one per tensor here) starts during
+  // backward, and the averaged gradients are the plain call's: the loss is
+  // linear in the rank's input (r + 1) * x, so each mean is (w + 1) / 2
+  // times the gradient at x (torch::autograd::grad, which fires no hook).
+  {
+    at::Tensor a = (at::arange(16, f32).reshape({4, 4}) / 16).requires_grad_();
+    at::Tensor b = (at::arange(4, f32) / 4 + 1).requires_grad_();
+    at::Tensor c = at::full({1}, 2.0f, f32).requires_grad_();
+    const at::Tensor x = at::arange(4, f32).reshape({1, 4});
+    auto loss_of = [&](const at::Tensor& input, bool c_twice) {
+      at::Tensor loss = (at::matmul(input, a) * b).sum() * c.sum();
+      return c_twice ? loss + c.sum() * input.sum() : loss;
+    };
+    // c_twice: a second backward pass reaches c again before the reduction
+    // (as a re-entrant checkpoint recompute or a repeated pass would).
+    auto backward = [&](const at::Tensor& input, bool c_twice) {
+      loss_of(input, false).backward();
+      if (c_twice) (c.sum() * input.sum()).backward();
+    };
+    for (const bool c_twice : {false, true}) {
+      const std::vector<at::Tensor> at_x = torch::autograd::grad({loss_of(x, c_twice)}, {a, b, c});
+      GradientAverager averager(g, {a, b, c}, 4);
+      PostAccumulateGradHooks hooks;
+      hooks.install({a, b, c}, [&](size_t i, at::Tensor&) { averager.gradient_ready(i); });
+      for (int step = 0; step < 3; ++step) {
+        for (at::Tensor* p : {&a, &b, &c}) p->mutable_grad().reset();
+        averager.start_overlap();
+        backward(x * (r + 1), c_twice);
+        // A tensor reached twice before the reduction keeps the overlap off.
+        EXPECT_EQ(averager.buckets_started_in_backward(), step == 0 || c_twice ? 0u : averager.bucket_count())
+            << "step " << step << (c_twice ? ", c used twice" : "");
+        averager.all_reduce_gradients();
+        const double mean_factor = (w + 1) / 2.0;
+        const std::vector<at::Tensor> got = {a.grad(), b.grad(), c.grad()};
+        for (size_t i = 0; i < got.size(); ++i)
+          EXPECT_TRUE(got[i].allclose(at_x[i] * mean_factor, 1e-6, 0)) << "tensor " << i << ": " << got[i];
+      }
+    }
+    // With the overlap on, a second gradient into one tensor (the graph changed) is an error naming it.
+    GradientAverager averager(g, {a, b, c}, 4);
+    PostAccumulateGradHooks hooks;
+    hooks.install({a, b, c}, [&](size_t i, at::Tensor&) { averager.gradient_ready(i); });
+    for (int step = 0; step < 2; ++step) {
+      averager.start_overlap();
+      backward(x, false);
+      averager.all_reduce_gradients();
+    }
+    averager.start_overlap();
+    EXPECT_THAT([&] { backward(x, true); },
+                ::testing::ThrowsMessage<std::exception>(AllOf(HasSubstr("trainable tensor 2 of 3"),
+                                                           HasSubstr("second gradient in one backward"))));
   }
 
   // Parameters differing per rank become rank 0's.

@@ -69,7 +69,8 @@ struct Child {
 /// Starts rank `rank` of `world`: `self COMMAND...` with the launch variables.
 Child start_rank(int rank, int world, int port, const std::vector<std::string>& command) {
   int fds[2];
-  if (::pipe(fds) != 0) fail("launch: cannot create a pipe for rank {}: {}", rank, std::strerror(errno));
+  // Close-on-exec: later ranks must not inherit this rank's pipe.
+  if (::pipe2(fds, O_CLOEXEC) != 0) fail("launch: cannot create a pipe for rank {}: {}", rank, std::strerror(errno));
   const pid_t parent = ::getpid();
   const pid_t pid = ::fork();
   if (pid < 0) fail("launch: cannot start rank {}: {}", rank, std::strerror(errno));
@@ -248,8 +249,12 @@ void register_launch(CLI::App& app) {
     ::sigaction(SIGHUP, &sa, nullptr);
     std::vector<Child> children;
     try {
-      for (int rank = 0; rank < args->nproc; ++rank)
+      for (int rank = 0; rank < args->nproc; ++rank) {
+        if (g_interrupted)
+          fail("launch: interrupted by signal {} while starting rank {} of {}", static_cast<int>(g_interrupted), rank,
+               args->nproc);
         children.push_back(start_rank(rank, args->nproc, port, args->command));
+      }
     } catch (const Error&) {
       for (auto& c : children) ::kill(c.pid, SIGKILL);
       for (auto& c : children) ::waitpid(c.pid, nullptr, 0);

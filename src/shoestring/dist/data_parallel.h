@@ -6,10 +6,16 @@
 // fp32 buckets of about 25 MiB, each summed with one all-reduce, two in
 // flight (the next bucket fills while the previous one is summed), as
 // PyTorch DDP's Reducer does (torch/csrc/distributed/c10d/reducer.hpp,
-// bucket_cap_mb = 25); unlike DDP the all-reduces start after backward, not
-// during it.
+// bucket_cap_mb = 25). As in DDP, the buckets are filled in reverse
+// parameter order (the order backward produces gradients in) and their
+// all-reduces start during backward: a bucket is sent once every gradient
+// in it has arrived (GradientAverager::gradient_ready, from a
+// post-accumulate-grad hook), buckets always in the same order on every
+// rank, so Gloo (which runs collectives on its own threads) sums the early
+// buckets while backward computes the rest.
 #pragma once
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <string>
 #include <vector>
@@ -70,10 +76,57 @@ class GradientAverager {
   /// Number of buckets (at least one per call when there are parameters).
   size_t bucket_count() const { return buckets_.size(); }
 
+  // ---- overlap with backward ----
+  //
+  // The trainer calls start_overlap() before the backward of a step's last
+  // micro-batch and gradient_ready(i) from a post-accumulate-grad hook on
+  // parameter i (optim/grad_hooks.h); all_reduce_gradients() then starts the
+  // buckets not started yet and waits for all. The first such step only
+  // counts the gradients each parameter receives in one backward; from the
+  // next step on, when every parameter received at most one (a static graph,
+  // as DDP's static_graph assumes), the buckets whose gradients are all
+  // present start during backward. The sums and the averaged gradients are
+  // those of the plain call, bit for bit.
+
+  /// Arms the overlap for the backward that follows (the step's last micro-batch).
+  void start_overlap();
+  /// Parameter `index`'s gradient has been accumulated into its .grad. Outside
+  /// an armed backward it does nothing. Collective when it starts buckets.
+  /// Throws shoestring::Error naming the parameter when, with the overlap
+  /// on, a parameter receives a second gradient in one backward (its
+  /// bucket may already be summed: the graph is not static), and what
+  /// PendingCollective::wait throws.
+  void gradient_ready(size_t index);
+  /// Buckets whose all-reduce started during the last armed backward (0 while
+  /// the overlap is off).
+  size_t buckets_started_in_backward() const { return started_in_backward_; }
+  /// The overlap is on (an armed backward was counted and every tensor got one gradient).
+  bool overlapping() const { return overlap_; }
+
  private:
+  struct InFlight {
+    const GradientBucket* bucket;
+    at::Tensor flat;  ///< [bucket->numel] fp32
+    PendingCollective pending;
+  };
+  /// Packs bucket `b`'s gradients and starts its all-reduce; with two in
+  /// flight already, first finishes the oldest.
+  void start_bucket(size_t b);
+  /// Waits for the oldest bucket in flight and writes its mean into the gradients.
+  void finish_oldest();
+
   ProcessGroup& group_;
   std::vector<at::Tensor> params_;
   std::vector<GradientBucket> buckets_;
+  std::vector<size_t> bucket_of_;    ///< per parameter
+  std::vector<int> arrived_;         ///< per parameter: gradients in this armed backward
+  std::vector<size_t> complete_;     ///< per bucket: parameters whose gradient arrived
+  bool armed_ = false;               ///< between start_overlap and all_reduce_gradients
+  bool probed_ = false;              ///< one armed backward counted
+  bool overlap_ = false;             ///< the graph is static: buckets start during backward
+  size_t next_bucket_ = 0;           ///< the next bucket to start, in order
+  size_t started_in_backward_ = 0;
+  std::deque<InFlight> in_flight_;
 };
 
 /// Copies rank `root`'s values of `tensors` (parameters, buffers) into every

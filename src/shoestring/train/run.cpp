@@ -805,6 +805,8 @@ std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions&
       run.gradients->optimizer().set_update_subset(run.zero->owned());
     } else {
       run.gradient_averager = std::make_unique<dist::GradientAverager>(*run.group, params);
+      dist::GradientAverager* averager = run.gradient_averager.get();
+      run.averager_hooks.install(params, [averager](size_t i, at::Tensor&) { averager->gradient_ready(i); });
     }
   }
   if (c.offload_params && !run.group) {

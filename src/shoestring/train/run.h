@@ -89,6 +89,8 @@ struct Run {
   std::unique_ptr<dist::ProcessGroup> group;
   /// With `group` at zero_stage = 0: averages the step's gradients on every rank.
   std::unique_ptr<dist::GradientAverager> gradient_averager;
+  /// Tell `gradient_averager` each gradient's arrival, so its all-reduces overlap backward.
+  PostAccumulateGradHooks averager_hooks;
   /// With `group` at zero_stage = 1, 2 or 3 (dist/zero.h): which rank owns each
   /// trainable tensor (its optimizer updates and keeps state for those
   /// only), the reduction of the gradients, the broadcast of the updated weights.

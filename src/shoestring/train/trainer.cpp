@@ -71,9 +71,17 @@ TrainBatch this_ranks_rows(const Run& run, TrainBatch global) {
 /// reductions), so that the update is the one of the whole global batch.
 /// zero_stage 0 and 1 (dist/data_parallel.h, dist/zero.h): every rank then
 /// holds every mean gradient; stage 2: each tensor's owner alone holds it.
-void reduce_gradients(Run& run) {
+void reduce_gradients(Run& run, bool quiet) {
   ScopedMemoryCategory category(MemoryCategory::temporaries);  // the buckets
-  if (run.gradient_averager) run.gradient_averager->all_reduce_gradients();
+  if (run.gradient_averager) {
+    dist::GradientAverager& averager = *run.gradient_averager;
+    const bool was_overlapping = averager.overlapping();
+    averager.all_reduce_gradients();
+    if (!was_overlapping && averager.overlapping() && !quiet && run.writes_files()) {
+      spdlog::info("from the next step on, the gradient all-reduce ({} bucket{}) overlaps backward",
+                   averager.bucket_count(), averager.bucket_count() == 1 ? "" : "s");
+    }
+  }
   if (run.zero) run.zero->reduce_gradients();
 }
 
@@ -186,6 +194,8 @@ StepRecord train_step(Run& run, int64_t step, bool quiet) {
     }
     const at::Tensor rng = cpu_rng_state();  // a repeated pass replays the same dropout
     gradients.begin_micro_batch(micro);
+    // zero_stage 0: the last micro-batch's backward starts the gradient all-reduces as buckets fill.
+    if (run.gradient_averager && micro + 1 == c.gradient_accumulation_steps) run.gradient_averager->start_overlap();
     loss_sum += forward_backward(run, batch);
     while (gradients.repeat_micro_batch()) {
       set_cpu_rng_state(rng);
@@ -194,7 +204,7 @@ StepRecord train_step(Run& run, int64_t step, bool quiet) {
     gradients.end_micro_batch(micro);
     ++run.counters.micro_steps;
   }
-  reduce_gradients(run);  // several ranks: the global batch's mean gradient (zero_stage 2: on its owner)
+  reduce_gradients(run, quiet);  // several ranks: the global batch's mean gradient (zero_stage 2: on its owner)
   const double loss = mean_over_ranks(run, loss_sum / static_cast<double>(c.gradient_accumulation_steps));
 
   const std::vector<std::string> overflowed = check_fp16_overflow(run, step);
