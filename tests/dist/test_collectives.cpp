@@ -192,8 +192,8 @@ void check_collectives(ProcessGroup& g) {
     }
     averager.start_overlap();
     EXPECT_THAT([&] { backward(x, true); },
-                ::testing::ThrowsMessage<std::exception>(AllOf(HasSubstr("trainable tensor 2 of 3"),
-                                                           HasSubstr("second gradient in one backward"))));
+                ::testing::ThrowsMessage<std::exception>(
+                    AllOf(HasSubstr("trainable tensor 2 of 3"), HasSubstr("second gradient in one backward"))));
   }
 
   // Parameters differing per rank become rank 0's.

@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -150,8 +151,7 @@ TEST(Torchrun, ARestartedGroupResumesFromItsLastCheckpoint) {
               std::to_string(port), "-r", "1", "-t", "1", "--no_python", wrapper, "train", config_for("restarted")},
              dir + "/restarted.txt");
   ASSERT_EQ(l.wait(std::chrono::seconds(170)), 0) << l.output();
-  EXPECT_THAT(l.output(), AllOf(HasSubstr("restart 1 of an elastic launch"), HasSubstr("resumed from")))
-      << l.output();
+  EXPECT_THAT(l.output(), AllOf(HasSubstr("restart 1 of an elastic launch"), HasSubstr("resumed from"))) << l.output();
   const SafetensorsFile a = SafetensorsFile::open(dir + "/whole/model.safetensors");
   const SafetensorsFile b = SafetensorsFile::open(dir + "/restarted/model.safetensors");
   ASSERT_EQ(a.tensors().size(), b.tensors().size());
@@ -180,7 +180,14 @@ TEST(Launch, RefusesCommandsOtherThanTrainAndCache) {
               dir + "/grid.png"},
              dir + "/out.txt");
   EXPECT_EQ(l.wait(), 1);
-  EXPECT_THAT(l.output(), AllOf(HasSubstr("must be `train` or `cache`"), HasSubstr("`sample`"), Not(HasSubstr("[rank"))));
+  EXPECT_THAT(l.output(),
+              AllOf(HasSubstr("must be `train` or `cache`"), HasSubstr("`sample`"), Not(HasSubstr("[rank"))));
+  // Far more ranks than CPUs (each a process with its own model copy): refused before any starts.
+  const int too_many = 4 * std::max(2, static_cast<int>(std::thread::hardware_concurrency())) + 1;
+  Launcher many({"launch", "--nproc", std::to_string(std::max(9, too_many)), "--", "train", dir + "/run.toml"},
+                dir + "/many.txt");
+  EXPECT_EQ(many.wait(), 1);
+  EXPECT_THAT(many.output(), AllOf(HasSubstr("--nproc"), HasSubstr("CPU"), Not(HasSubstr("[rank"))));
 }
 
 TEST(Launch, AKilledRankStopsTheRunAndLeavesNoProcess) {
@@ -252,7 +259,8 @@ TEST(Launch, TwoRanksEncodeDisjointSharesOfTheDiskCache) {
   EXPECT_GT(r1[0], 0);
   for (const char* kind : {"latents", "text"}) {
     for (const char* rank : {"r0", "r1"})
-      EXPECT_TRUE(std::filesystem::exists(fmt::format("{}/{}/manifest-{}.json", f.cache(), kind, rank))) << kind << " " << rank;
+      EXPECT_TRUE(std::filesystem::exists(fmt::format("{}/{}/manifest-{}.json", f.cache(), kind, rank)))
+          << kind << " " << rank;
   }
   // Complete: one process encodes nothing more.
   const LdmCacheStats again = build_ldm_caches(f.config(), true);

@@ -392,17 +392,20 @@ TEST(ZeroCheckpoint, ShardedResumesAtOneTwoAndThreeRanksAndConsolidates) {
   // --dtype bf16 is libtorch's rounding of it.
   const std::string cli = std::string(SHOESTRING_BINARY) + " consolidate ";
   ASSERT_EQ(std::system((cli + dir + "/s2/checkpoints/step-000004 " + dir + "/s2.safetensors > " + dir +
-                         "/consolidate.txt 2>&1").c_str()),
+                         "/consolidate.txt 2>&1")
+                            .c_str()),
             0)
       << read_text(dir + "/consolidate.txt");
   EXPECT_THAT(read_text(dir + "/consolidate.txt"), HasSubstr("sharded checkpoint"));
   compare_files(dir + "/s2.safetensors", dir + "/s2/model.safetensors");
   std::cout << "consolidated 2-rank checkpoint vs one process's final file: max |diff| "
             << compare_files(dir + "/s2.safetensors", dir + "/one/model.safetensors", 5e-5) << "\n";
-  ASSERT_EQ(std::system((cli + dir + "/one/checkpoints/step-000004 " + dir + "/one.safetensors > /dev/null").c_str()), 0);
+  ASSERT_EQ(std::system((cli + dir + "/one/checkpoints/step-000004 " + dir + "/one.safetensors > /dev/null").c_str()),
+            0);
   compare_files(dir + "/one.safetensors", dir + "/one/model.safetensors");
   ASSERT_EQ(std::system((cli + dir + "/s2/checkpoints/step-000002 " + dir + "/s2_bf16.safetensors --dtype bf16 > " +
-                         dir + "/consolidate.txt 2>&1").c_str()),
+                         dir + "/consolidate.txt 2>&1")
+                            .c_str()),
             0)
       << read_text(dir + "/consolidate.txt");
   const auto bf16 = SafetensorsFile::open(dir + "/s2_bf16.safetensors");
@@ -436,7 +439,8 @@ TEST(ZeroCheckpoint, Stage3ResumesAtTwoRanksAndOneProcess) {
   expect_resumed_matches(r1, s3[0], 5e-5, "stage 3, resumed in one process");
   const std::string cli = std::string(SHOESTRING_BINARY) + " consolidate ";
   ASSERT_EQ(std::system((cli + dir + "/s3/checkpoints/step-000004 " + dir + "/s3.safetensors > " + dir +
-                         "/consolidate.txt 2>&1").c_str()),
+                         "/consolidate.txt 2>&1")
+                            .c_str()),
             0)
       << read_text(dir + "/consolidate.txt");
   compare_files(dir + "/s3.safetensors", dir + "/s3/model.safetensors");

@@ -78,8 +78,9 @@ TEST(ZeroPlan, OptimizerStateIsTheLargestRanksOwnedTensors) {
   TrainConfig ema0 = zero_config(0);
   ema0.ema_decay = 0.99;
   EXPECT_EQ(plan::plan_memory(ema0, plan::kDefaultVocabSize, 4).ema_bytes, 4 * psi);
-  EXPECT_NE(shoestring::testing::error_of([] { plan::plan_memory(zero_config(1), plan::kDefaultVocabSize, 0); })
-                .find("world size"),
+  EXPECT_NE(shoestring::testing::error_of([] {
+              plan::plan_memory(zero_config(1), plan::kDefaultVocabSize, 0);
+            }).find("world size"),
             std::string::npos);
 }
 

@@ -208,6 +208,30 @@ TEST(ShardedCheckpoint, IndexNamesEveryTensorsFile) {
   EXPECT_EQ(j["files"][optimizer_shard_name(1, 2)]["rank"], 1);
   EXPECT_EQ(j["files"]["model.safetensors"]["bytes"], fs::file_size(dir + "/model.safetensors"));
 
+  // A shard of another step copied over this one's, or an index edited to
+  // another world size: named, with what its metadata says.
+  auto error_of = [&] {
+    try {
+      read_checkpoint_index(dir);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  save_optimizer_shard(dir + "/" + optimizer_shard_name(1, 2), {{"b.exp_avg", torch::zeros({3})}}, {}, 1, 2, 3);
+  std::string error = error_of();
+  EXPECT_NE(error.find(optimizer_shard_name(1, 2)), std::string::npos) << error;
+  EXPECT_NE(error.find("metadata step 3"), std::string::npos) << error;
+  save_optimizer_shard(dir + "/" + optimizer_shard_name(1, 2), {{"b.exp_avg", torch::zeros({3})}}, {}, 1, 2, 4);
+  EXPECT_EQ(error_of(), "no error");
+  const std::string index_text = read_file(dir + "/" + kCheckpointIndexFile);
+  nlohmann::json edited = nlohmann::json::parse(index_text);
+  edited["world_size"] = 5;
+  write_bytes_atomic(dir + "/" + kCheckpointIndexFile, edited.dump());
+  error = error_of();
+  EXPECT_NE(error.find("world size 5"), std::string::npos) << error;
+  write_bytes_atomic(dir + "/" + kCheckpointIndexFile, index_text);
+
   // A shard the index needs is missing: named.
   fs::remove(dir + "/" + optimizer_shard_name(1, 2));
   try {

@@ -12,23 +12,23 @@
 
 #include <nlohmann/json.hpp>
 
+#include "ldm_cache_fixture.h"
 #include "shoestring/core/content_hash.h"
 #include "shoestring/core/error.h"
 #include "shoestring/io/atomic_file.h"
 #include "shoestring/train/config.h"
 #include "shoestring/train/ldm_cache.h"
 #include "shoestring/train/trainer.h"
-#include "ldm_cache_fixture.h"
 #include "train_testing.h"
 
 namespace fs = std::filesystem;
 using namespace shoestring;
-using shoestring::testing::losses_of;
-using shoestring::testing::quiet;
 using shoestring::testing::CacheFixture;
 using shoestring::testing::kImages;
 using shoestring::testing::kTexts;
 using shoestring::testing::kWords;
+using shoestring::testing::losses_of;
+using shoestring::testing::quiet;
 
 TEST(LdmDiskCache, SecondRunEncodesNothing) {
   CacheFixture f("keyed");
@@ -155,6 +155,27 @@ TEST(LdmDiskCache, TrainingFromTheDiskCacheGivesTheInMemoryLosses) {
   EXPECT_EQ(losses_of(first.run_dir + "/metrics.jsonl"), expected);
   EXPECT_EQ(losses_of(second.run_dir + "/metrics.jsonl"), expected);
   EXPECT_EQ(build_ldm_caches(f.config(), true).latents_encoded, 0);
+
+  // The latents made another writer's (rank 1 of a 2-rank `launch -- cache`:
+  // r1's shard and manifest), then that shard's header damaged: this run
+  // (writer r0) may not delete it, so it encodes its entries again into a
+  // shard of its own and must read those, not the damaged shard its
+  // manifest still lists, later in the index.
+  const std::string latents = f.cache() + "/latents";
+  ASSERT_EQ(f.shards("latents").size(), 1u);
+  const std::string r1_shard = latents + "/r1-000001.safetensors";
+  fs::rename(f.shards("latents").at(0), r1_shard);
+  std::string manifest = read_file(latents + "/manifest-r0.json");
+  for (size_t at; (at = manifest.find("\"r0")) != std::string::npos;) manifest.replace(at, 3, "\"r1");
+  write_bytes_atomic(latents + "/manifest-r1.json", manifest);
+  fs::remove(latents + "/manifest-r0.json");
+  {
+    std::fstream io(r1_shard, std::ios::in | std::ios::out | std::ios::binary);
+    io.write("\xff\xff\xff\xff\xff\xff\xff\x7f", 8);  // a header length past the end of the file
+  }
+  const auto third = train(f.config(f.root + "/disk3", disk), quiet());
+  EXPECT_EQ(losses_of(third.run_dir + "/metrics.jsonl"), expected);
+  EXPECT_TRUE(fs::exists(r1_shard)) << "another writer's shard is left to it";
 }
 
 // With the disk cache an image is decoded only when its latents are encoded

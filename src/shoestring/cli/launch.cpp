@@ -19,11 +19,13 @@
 #include <unistd.h>
 #include <netinet/in.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <csignal>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <CLI/CLI.hpp>
@@ -229,7 +231,8 @@ void register_launch(CLI::App& app) {
          "--master-port", args->port,
          "TCP port of rank 0's store, reached at 127.0.0.1 (default: a free one; the store listens on every interface)")
       ->check(CLI::Range(1, 65535));
-  cmd->add_option("command", args->command, "the shoestring command each rank runs, after --: -- train run.toml (or -- cache run.toml)")
+  cmd->add_option("command", args->command,
+                  "the shoestring command each rank runs, after --: -- train run.toml (or -- cache run.toml)")
       ->required();
   cmd->callback([args] {
     // Only training and cache have ranks (cache: each encodes a share of the
@@ -240,6 +243,16 @@ void register_launch(CLI::App& app) {
           "launch: the command must be `train` or `cache` (got `{}`): only those run as ranks; run other commands "
           "once",
           args->command.front());
+    }
+    // Each rank is a whole process with its own copy of the model and its
+    // share of the CPUs: far more ranks than CPUs only exhausts the memory.
+    const int cpus = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+    const int most = std::max(8, 4 * cpus);
+    if (args->nproc > most) {
+      fail(
+          "launch: --nproc {} is more ranks than this machine runs: each rank is a process holding its own copy of "
+          "the model, and they share its {} CPU{}; at most {} here (4 per CPU, at least 8)",
+          args->nproc, cpus, cpus == 1 ? "" : "s", most);
     }
     const int port = args->port > 0 ? args->port : free_port();
     struct sigaction sa {};

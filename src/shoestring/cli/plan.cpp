@@ -8,12 +8,12 @@
 #include "shoestring/cli/commands.h"
 #include "shoestring/core/error.h"
 #include "shoestring/core/units.h"
-#include "shoestring/models/architecture.h"
 #include "shoestring/dist/launch_env.h"
+#include "shoestring/models/architecture.h"
 #include "shoestring/plan/explain.h"
 #include "shoestring/plan/memory_plan.h"
-#include "shoestring/train/training_model.h"
 #include "shoestring/train/config.h"
+#include "shoestring/train/training_model.h"
 
 namespace shoestring::cli {
 namespace fs = std::filesystem;
@@ -42,7 +42,9 @@ void print_plan(const TrainConfig& c, const plan::MemoryPlan& p) {
   for (MemoryCategory cat : kShown) {
     fmt::print("  {:<16} {:>12}\n", to_string(cat), format_bytes(p.at_peak[static_cast<int>(cat)]));
   }
-  if (p.host_bytes > 0) fmt::print("  host memory (offloaded optimizer state) {}\n", format_bytes(p.host_bytes));
+  if (p.host_bytes > 0)
+    fmt::print("  host memory (offloaded optimizer state{}) {}\n", c.offload_params ? ", weights and gradients" : "",
+               format_bytes(p.host_bytes));
   if (p.ema_bytes > 0) fmt::print("  (optimizer_state includes the EMA copy: {})\n", format_bytes(p.ema_bytes));
   fmt::print("first step peak {} (its optimizer state is created during the update)\n",
              format_bytes(p.first_step_peak_bytes));

@@ -118,13 +118,13 @@ class GradientAverager {
   ProcessGroup& group_;
   std::vector<at::Tensor> params_;
   std::vector<GradientBucket> buckets_;
-  std::vector<size_t> bucket_of_;    ///< per parameter
-  std::vector<int> arrived_;         ///< per parameter: gradients in this armed backward
-  std::vector<size_t> complete_;     ///< per bucket: parameters whose gradient arrived
-  bool armed_ = false;               ///< between start_overlap and all_reduce_gradients
-  bool probed_ = false;              ///< one armed backward counted
-  bool overlap_ = false;             ///< the graph is static: buckets start during backward
-  size_t next_bucket_ = 0;           ///< the next bucket to start, in order
+  std::vector<size_t> bucket_of_;  ///< per parameter
+  std::vector<int> arrived_;       ///< per parameter: gradients in this armed backward
+  std::vector<size_t> complete_;   ///< per bucket: parameters whose gradient arrived
+  bool armed_ = false;             ///< between start_overlap and all_reduce_gradients
+  bool probed_ = false;            ///< one armed backward counted
+  bool overlap_ = false;           ///< the graph is static: buckets start during backward
+  size_t next_bucket_ = 0;         ///< the next bucket to start, in order
   size_t started_in_backward_ = 0;
   std::deque<InFlight> in_flight_;
 };

@@ -1,6 +1,10 @@
 #include "shoestring/io/tensor_cache.h"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <list>
 #include <set>
@@ -234,9 +238,7 @@ TensorCache TensorCache::open(const std::string& dir, const std::string& kind, c
     }
     // A manifest is untrusted text: a key of the wrong JSON type is refused
     // by name, never read through nlohmann's throwing conversions.
-    const auto field = [&m](const char* key) {
-      return m.is_object() && m.contains(key) ? m[key] : nlohmann::json();
-    };
+    const auto field = [&m](const char* key) { return m.is_object() && m.contains(key) ? m[key] : nlohmann::json(); };
     if (field("format") != kFormat)
       fail("{}: \"format\" must be \"{}\" (not a shoestring cache manifest)", path, kFormat);
     if (field("version") != kVersion)
@@ -339,6 +341,14 @@ CacheVerifyReport TensorCache::verify(const std::vector<std::string>& keys) {
 void TensorCache::verify_shard(size_t i, CacheVerifyReport& report) {
   const State::Shard& shard = s_->shards[i];
   const std::string path = s_->path_of(shard);
+  // Another user's shard this process may not read is not damaged: refused
+  // as it is, so a shared cache never loses entries to a permission problem.
+  if (::access(path.c_str(), R_OK) != 0 && (errno == EACCES || errno == EPERM)) {
+    fail(
+        "{}: this process may not read the cache shard ({}); it is left as it is. Give this user read access to "
+        "the cache folder's files, or set cache_dir to a folder of its own",
+        path, std::strerror(errno));
+  }
   std::string problem;
   try {
     SafetensorsFile f = SafetensorsFile::open(path);
@@ -359,7 +369,15 @@ void TensorCache::verify_shard(size_t i, CacheVerifyReport& report) {
   ++report.shards_checked;
   if (!problem.empty()) {
     report.problems.push_back(problem);
+    report.failed_shards.push_back(path);
     s_->drop(i, /*delete_file=*/true);
+  }
+}
+
+void TensorCache::exclude_shards(const std::vector<std::string>& paths) {
+  const std::set<std::string> excluded(paths.begin(), paths.end());
+  for (size_t i = 0; i < s_->shards.size(); ++i) {
+    if (!s_->shards[i].dropped && excluded.count(s_->path_of(s_->shards[i]))) s_->drop(i, /*delete_file=*/false);
   }
 }
 

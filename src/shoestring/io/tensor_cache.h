@@ -23,7 +23,8 @@
 // Data parallel: each rank opens the cache as writer "r<rank>", encodes its
 // disjoint share of the missing keys (train/ldm_cache.h, cache_key_owner)
 // into its own shards and manifest, and every reader takes the union of all
-// manifests (and shards), so writers never touch each other's files. One process writes as a given writer at a time (a FolderLock on
+// manifests (and shards), so writers never touch each other's files. One process writes as a given writer at a time (a
+// FolderLock on
 // "<dir>/.lock-<writer>").
 #pragma once
 #include <cstdint>
@@ -54,6 +55,8 @@ struct CacheVerifyReport {
   /// dropped from the index (to be encoded again) and, when the shard is this
   /// writer's, the file is deleted and the manifest rewritten without it.
   std::vector<std::string> problems;
+  /// The paths of those shards (for TensorCache::exclude_shards of a later open).
+  std::vector<std::string> failed_shards;
 };
 
 /// The checksum of an entry's tensors: content_hash64 over, per tensor in
@@ -96,8 +99,15 @@ class TensorCache {
   /// safetensors file of this kind, and every entry's tensors match its
   /// checksum. Failing shards are dropped (see CacheVerifyReport::problems);
   /// an entry another shard also holds falls back to that copy, checked too.
-  /// Memory: one shard at a time.
+  /// Memory: one shard at a time. Throws shoestring::Error naming the shard
+  /// when it exists but this process may not read it (a permission error is
+  /// not damage: the shard is neither dropped nor deleted).
   CacheVerifyReport verify(const std::vector<std::string>& keys);
+  /// Drops the shards at `paths` (CacheVerifyReport::failed_shards of an
+  /// earlier verify, maybe of another TensorCache over this folder) from the
+  /// index without touching the files: their entries fall back to other
+  /// shards' copies, or count as absent. Paths not in the folder are ignored.
+  void exclude_shards(const std::vector<std::string>& paths);
 
   /// Writes `entries` as one new shard of this writer, then its manifest
   /// (each atomically). Entries whose key is already in the index are

@@ -412,7 +412,9 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
         "ZeRO stage {} at world size {}: rank {} owns the most optimizer state, {} of {} in all (whole tensors "
         "balanced by element count), and the EMA of those tensors{}",
         p.zero_stage, world_size, most - per_rank.begin(), format_bytes(*most), format_bytes(state),
-        p.zero_stage >= 3 ? "" : p.zero_stage == 2 ? "; weights stay whole on every rank" : "; weights and gradients stay whole on every rank"));
+        p.zero_stage >= 3   ? ""
+        : p.zero_stage == 2 ? "; weights stay whole on every rank"
+                            : "; weights and gradients stay whole on every rank"));
     ema_elements = owners.elements_of(static_cast<int>(most - per_rank.begin()));
     if (p.zero_stage == 2) {
       p.notes.push_back(
@@ -553,7 +555,7 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
     } else if (bridge) {
       b[kG] += fp32_grads;
     } else {
-      b[kG] += stage3_gradients >= 0    ? std::min(tr.gradients_after, stage3_gradients)
+      b[kG] += stage3_gradients >= 0     ? std::min(tr.gradients_after, stage3_gradients)
                : offload_step_grads >= 0 ? std::min(tr.gradients_after, offload_step_grads)
                                          : tr.gradients_after;
     }

@@ -347,6 +347,31 @@ std::optional<CheckpointIndex> read_checkpoint_index(const std::string& dir) {
     if (!fs::exists(fs::path(dir) / file))
       fail("{}: weight_map[\"{}\"] names {}, which is missing", path.string(), tensor, file);
   }
+  // Every optimizer shard is this checkpoint's: its own metadata (written
+  // with it) names the index's step and world size and the rank of its name.
+  std::set<std::string> shards;
+  for (const auto& [tensor, file] : out.weight_map) {
+    if (is_optimizer_shard_name(file)) shards.insert(file);
+  }
+  for (const std::string& file : shards) {
+    const int rank = std::stoi(file.substr(std::string("optimizer-rank-").size(), 5));
+    const int world = std::stoi(file.substr(std::string("optimizer-rank-00000-of-").size(), 5));
+    const SafetensorsFile shard = SafetensorsFile::open((fs::path(dir) / file).string());
+    auto meta = [&](const char* key) {
+      const auto it = shard.metadata().find(key);
+      return it == shard.metadata().end() ? std::string("(none)") : it->second;
+    };
+    const std::string want_step = std::to_string(out.step), want_world = std::to_string(out.world_size);
+    if (world != out.world_size || meta("world_size") != want_world || meta("rank") != std::to_string(rank) ||
+        meta("step") != want_step) {
+      fail(
+          "{}: this optimizer shard is not part of the checkpoint {} indexes (step {}, world size {}): its name says "
+          "rank {} of {}, its metadata step {}, rank {}, world_size {}; a shard of another checkpoint or run was "
+          "copied here",
+          shard.path(), path.string(), out.step, out.world_size, rank, world, meta("step"), meta("rank"),
+          meta("world_size"));
+    }
+  }
   return out;
 }
 

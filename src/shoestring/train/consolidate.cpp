@@ -27,6 +27,10 @@ bool is_model_file(const std::string& name) { return name == "model.safetensors"
 ConsolidateResult consolidate_checkpoint(const std::string& checkpoint_dir, const std::string& out,
                                          const ConsolidateOptions& options) {
   const fs::path dir(checkpoint_dir);
+  if (fs::is_regular_file(dir)) {
+    fail("consolidate: '{}' is a file; give the checkpoint folder that holds it ({}), RUN_DIR/checkpoints/step-NNNNNN",
+         checkpoint_dir, dir.parent_path().string());
+  }
   if (!fs::is_directory(dir)) fail("consolidate: checkpoint folder '{}' does not exist", checkpoint_dir);
   if (fs::is_directory(out)) fail("consolidate: output '{}' is a folder, expected a .safetensors file path", out);
   {
@@ -47,8 +51,7 @@ ConsolidateResult consolidate_checkpoint(const std::string& checkpoint_dir, cons
   }
   // Read through the index (every file of the folder mapped, nothing read
   // until a tensor is written), or the single model file.
-  const WeightFiles files =
-      WeightFiles::open(index ? (dir / kCheckpointIndexFile).string() : model.string());
+  const WeightFiles files = WeightFiles::open(index ? (dir / kCheckpointIndexFile).string() : model.string());
   std::vector<std::pair<std::string, at::Tensor>> tensors;
   std::set<std::string> sources;
   std::map<std::string, std::string> metadata;
@@ -79,8 +82,9 @@ ConsolidateResult consolidate_checkpoint(const std::string& checkpoint_dir, cons
   result.tensors = static_cast<int64_t>(tensors.size());
   for (const auto& [name, t] : tensors) {
     const bool cast = options.dtype && t.is_floating_point();
-    result.bytes += t.numel() * (cast ? static_cast<int64_t>(c10::elementSize(precision::container_dtype(*options.dtype)))
-                                      : static_cast<int64_t>(t.element_size()));
+    result.bytes +=
+        t.numel() * (cast ? static_cast<int64_t>(c10::elementSize(precision::container_dtype(*options.dtype)))
+                          : static_cast<int64_t>(t.element_size()));
   }
   result.files_read = static_cast<int64_t>(sources.size());
   return result;

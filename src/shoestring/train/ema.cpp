@@ -24,7 +24,6 @@ EMA::EMA(const std::vector<std::pair<std::string, at::Tensor>>& params, double d
   }
 }
 
-
 double EMA::decay_at(int64_t step) const {
   if (step < 1) fail("EMA step must be >= 1 (got {})", step);
   const double k = static_cast<double>(step - 1);

@@ -113,7 +113,8 @@ int cache_key_owner(const std::string& key, int world_size) {
 }
 
 TensorCache wait_for_cache_entries(const std::string& dir, const std::string& kind,
-                                   const std::vector<std::string>& keys, const CacheShare& share, const char* what) {
+                                   const std::vector<std::string>& keys, const CacheShare& share, const char* what,
+                                   const std::vector<std::string>& excluded) {
   using clock = std::chrono::steady_clock;
   const std::set<std::string> wanted(keys.begin(), keys.end());
   auto count_missing = [&](const TensorCache& cache) {
@@ -122,6 +123,7 @@ TensorCache wait_for_cache_entries(const std::string& dir, const std::string& ki
     return missing;
   };
   TensorCache cache = TensorCache::open(dir, kind, "");
+  cache.exclude_shards(excluded);
   int64_t missing = count_missing(cache);
   auto last_progress = clock::now();
   bool announced = false;
@@ -146,6 +148,7 @@ TensorCache wait_for_cache_entries(const std::string& dir, const std::string& ki
     }
     std::this_thread::sleep_for(std::chrono::seconds(1));
     TensorCache again = TensorCache::open(dir, kind, "");
+    again.exclude_shards(excluded);
     const int64_t now_missing = count_missing(again);
     if (now_missing < missing) last_progress = clock::now();
     missing = now_missing;

@@ -89,18 +89,21 @@ int cache_key_owner(const std::string& key, int world_size);
 /// messages. Throws shoestring::Error naming the cache folder, the ranks
 /// whose entries are missing (cache_key_owner) and how many, when no new
 /// entry appeared for `share.patience`; and what TensorCache::open throws.
+/// The shards at `excluded` (found damaged by this rank's check; their
+/// writer encodes their entries again) never count.
 TensorCache wait_for_cache_entries(const std::string& dir, const std::string& kind,
-                                   const std::vector<std::string>& keys, const CacheShare& share, const char* what);
+                                   const std::vector<std::string>& keys, const CacheShare& share, const char* what,
+                                   const std::vector<std::string>& excluded = {});
 
 /// What the caches of one run (or `shoestring cache`) held and did.
 struct LdmCacheStats {
-  std::string dir;                 ///< ldm_cache_dir
-  int64_t latent_entries = 0;      ///< distinct latent entries the dataset needs (0: latents not on disk)
-  int64_t latents_encoded = 0;     ///< of them, encoded now (by this rank, with a CacheShare of several)
-  int64_t text_entries = 0;        ///< distinct text entries (captions, "", sample prompts; 0: not on disk)
-  int64_t text_encoded = 0;        ///< of them, encoded now (by this rank)
-  int64_t latents_waited = 0;      ///< latent entries missing at the start that other ranks encoded
-  int64_t text_waited = 0;         ///< text entries missing at the start that other ranks encoded
+  std::string dir;                    ///< ldm_cache_dir
+  int64_t latent_entries = 0;         ///< distinct latent entries the dataset needs (0: latents not on disk)
+  int64_t latents_encoded = 0;        ///< of them, encoded now (by this rank, with a CacheShare of several)
+  int64_t text_entries = 0;           ///< distinct text entries (captions, "", sample prompts; 0: not on disk)
+  int64_t text_encoded = 0;           ///< of them, encoded now (by this rank)
+  int64_t latents_waited = 0;         ///< latent entries missing at the start that other ranks encoded
+  int64_t text_waited = 0;            ///< text entries missing at the start that other ranks encoded
   std::vector<std::string> problems;  ///< corrupt / unreadable shards found (then encoded again), by file
 };
 

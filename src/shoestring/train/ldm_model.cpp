@@ -329,9 +329,7 @@ class LdmTrainingModel final : public TrainingModel {
   /// keep only the keys in memory (prepare reads a batch at a time).
   void cache_captions(bool quiet);
   /// True when this rank encodes the cache entry `key` (all of them in one process).
-  bool owns(const std::string& key) const {
-    return cache_key_owner(key, cache_share_.world_size) == cache_share_.rank;
-  }
+  bool owns(const std::string& key) const { return cache_key_owner(key, cache_share_.world_size) == cache_share_.rank; }
   void cache_images(bool quiet);
   /// The identity of the VAE's weights (cache keys).
   std::string vae_identity();
@@ -644,16 +642,20 @@ class ShardWriter {
 /// (taking that writer's lock, removing its interrupted writes' temporaries,
 /// recording its unlisted shards in its manifest, deleting its damaged ones)
 /// and checked, for the caller to encode what is missing. `*writing` says
-/// which it is.
+/// which it is. The paths of the damaged shards found go to `damaged`: a
+/// later open of the folder (to read what was encoded) must leave them out,
+/// since another writer's damaged shard stays on disk, and its manifest
+/// still lists its entries, until that writer deletes it.
 TensorCache open_cache(const std::string& dir, const char* kind, const std::vector<std::string>& keys,
                        const CacheShare& share, const std::string& writer, bool tidy, const char* what, bool quiet,
-                       std::vector<std::string>& problems, bool* writing) {
+                       std::vector<std::string>& problems, std::vector<std::string>& damaged, bool* writing) {
   // The keys the writer checks: all of them (tidy), else those the read-only
   // check found missing or damaged (the intact shards are not read twice).
   std::vector<std::string> to_check = keys;
   if (!tidy) {
     TensorCache cache = TensorCache::open(dir, kind, "");
-    (void)cache.verify(keys);
+    const CacheVerifyReport checked = cache.verify(keys);
+    damaged.insert(damaged.end(), checked.failed_shards.begin(), checked.failed_shards.end());
     to_check.clear();
     for (const std::string& k : keys) {
       if (!cache.contains(k) && cache_key_owner(k, share.world_size) == share.rank) to_check.push_back(k);
@@ -670,7 +672,9 @@ TensorCache open_cache(const std::string& dir, const char* kind, const std::vect
     fail("{} cache (cache_dir, else .shoestring-cache beside the dataset): {}", what, e.what());
   }
   TensorCache cache = std::move(*opened);
+  cache.exclude_shards(damaged);
   const CacheVerifyReport report = cache.verify(to_check);  // deletes this writer's damaged shards
+  damaged.insert(damaged.end(), report.failed_shards.begin(), report.failed_shards.end());
   if (!quiet) {
     for (const std::string& n : cache.notes()) spdlog::info("{} cache: {}", what, n);
   }
@@ -735,8 +739,9 @@ void LdmTrainingModel::cache_captions(bool quiet) {
   std::vector<std::string> all = text_key_;
   all.insert(all.end(), sample_keys.begin(), sample_keys.end());
   bool writing = false;
+  std::vector<std::string> damaged;  // shards to leave out when the folder is opened again
   text_cache_.emplace(open_cache(dir, "text", all, cache_share_, cache_writer_, cache_tidy_, "text", quiet,
-                                 cache_stats_.problems, &writing));
+                                 cache_stats_.problems, damaged, &writing));
   // The distinct texts missing, in order.
   std::vector<std::string> texts = unique;
   texts.insert(texts.end(), prompts.begin(), prompts.end());
@@ -781,10 +786,11 @@ void LdmTrainingModel::cache_captions(bool quiet) {
   }
   // Training reads without the writer's lock: other runs may share the folder.
   if (cache_share_.world_size > 1) {
-    text_cache_.emplace(wait_for_cache_entries(dir, "text", all, cache_share_, "text"));
+    text_cache_.emplace(wait_for_cache_entries(dir, "text", all, cache_share_, "text", damaged));
     cache_stats_.text_waited = by_other_ranks;
   } else if (writing) {
     text_cache_.emplace(TensorCache::open(dir, "text", ""));
+    text_cache_->exclude_shards(damaged);
   }
   cache_stats_.text_entries = static_cast<int64_t>(distinct.size());
   cache_stats_.text_encoded = static_cast<int64_t>(missing);
@@ -830,8 +836,9 @@ void LdmTrainingModel::cache_images(bool quiet) {
   }
   const std::string dir = (fs::path(cache_stats_.dir) / "latents").string();
   bool writing = false;
+  std::vector<std::string> damaged;  // shards to leave out when the folder is opened again
   latent_cache_.emplace(open_cache(dir, "latents", latent_key_, cache_share_, cache_writer_, cache_tidy_, "latent",
-                                   quiet, cache_stats_.problems, &writing));
+                                   quiet, cache_stats_.problems, damaged, &writing));
 
   // The images of each bucket (as encode_images groups them) whose entry is missing.
   std::vector<std::vector<int64_t>> groups;
@@ -917,10 +924,11 @@ void LdmTrainingModel::cache_images(bool quiet) {
         undecodable.size() == 1 ? "the file" : "the files");
   }
   if (cache_share_.world_size > 1) {
-    latent_cache_.emplace(wait_for_cache_entries(dir, "latents", latent_key_, cache_share_, "latent"));
+    latent_cache_.emplace(wait_for_cache_entries(dir, "latents", latent_key_, cache_share_, "latent", damaged));
     cache_stats_.latents_waited = static_cast<int64_t>(by_other_ranks.size());
   } else if (writing) {
     latent_cache_.emplace(TensorCache::open(dir, "latents", ""));
+    latent_cache_->exclude_shards(damaged);
   }
   cache_stats_.latent_entries = static_cast<int64_t>(distinct.size());
   cache_stats_.latents_encoded = encoded;

@@ -479,9 +479,10 @@ void check_data_parallel(const Run& run) {
         run.world_size(), stage);
   }
   if (c.offload_params) {
-    fail("WORLD_SIZE = {}{}: offload_params is for one process for now (zero_stage = 3 shards the weights over the "
-         "ranks instead)",
-         run.world_size(), stage);
+    fail(
+        "WORLD_SIZE = {}{}: offload_params is for one process for now (zero_stage = 3 shards the weights over the "
+        "ranks instead)",
+        run.world_size(), stage);
   }
   if (c.zero_stage == 3 && run.block_streaming && run.block_streaming->blocks() == 0) {
     fail(
@@ -819,12 +820,14 @@ std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions&
           run.gradients->name() == "fused backward" ? "fused_backward_pass = true"
           : run.gradients->name() == "accumulator"
               ? "full_bf16 = true with gradient_accumulation_steps > 1"
-              : "fp16 loss scaling or fp32 master weights");
+              : "fp16 loss scaling, from mixed_precision = \"fp16\" or full_fp16 = true, or fp32 master weights, from "
+                "precision rules with master = \"fp32\"");
     }
     if (!run.device.is_cpu()) {
-      fail("offload_params runs on the CPU only so far (device resolves to {}): its device copies are measured "
-           "through the memory ledger there; on CUDA it is not wired yet",
-           run.device.str());
+      fail(
+          "offload_params runs on the CPU only so far (device resolves to {}): its device copies are measured "
+          "through the memory ledger there; on CUDA it is not wired yet",
+          run.device.str());
     }
     run.block_streaming =
         HostBlockStreaming::attach(run.model->block_tables(), run.model->module(), run.trainable, run.device);

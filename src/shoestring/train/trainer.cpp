@@ -329,8 +329,7 @@ void on_rank_zero(Run& run, int64_t step, const std::string& what, const std::fu
     return;
   }
   const auto timeout = std::max<std::chrono::milliseconds>(run.group->timeout(), std::chrono::minutes(30));
-  const std::string answer =
-      run.group->wait_for_signal(key, fmt::format("its {} of step {}", what, step), timeout);
+  const std::string answer = run.group->wait_for_signal(key, fmt::format("its {} of step {}", what, step), timeout);
   if (answer != "ok") fail("rank 0 failed writing step {}: {}", step, answer);
 }
 
