@@ -71,6 +71,12 @@ TEST(ZeroPlan, OptimizerStateIsTheLargestRanksOwnedTensors) {
       EXPECT_GT(p.communication_bytes, cap);
       EXPECT_LE(p.communication_bytes, 2 * std::max(cap, 4 * largest));
       EXPECT_LT(p.predicted_peak_bytes, one.predicted_peak_bytes + p.communication_bytes) << world;
+      // Stage 2 reduces into owners: a bucket holds one owner's tensors
+      // (dist::ZeroSharding), so its buffers are never larger than stage 1's.
+      if (stage == 2) {
+        const plan::MemoryPlan s1 = plan::plan_memory(zero_config(1), plan::kDefaultVocabSize, world);
+        EXPECT_LE(p.communication_bytes, s1.communication_bytes) << world;
+      }
     }
   }
   // zero_stage 0 (plain data parallel) keeps the whole state (and EMA) on every rank.

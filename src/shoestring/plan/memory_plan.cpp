@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <map>
 #include <mutex>
+#include <optional>
 
 #include "shoestring/core/device.h"
 #include "shoestring/core/error.h"
@@ -240,18 +241,39 @@ nlohmann::json MemoryPlan::to_json() const {
 
 namespace {
 
-/// The fp32 buckets a gradient reduction holds at once (dist/data_parallel.h,
-/// dist/zero.h): whole tensors in parameter order, at most
-/// dist::kDefaultBucketBytes each (a larger tensor alone), two in flight.
-int64_t reduction_buffer_bytes(const std::vector<int64_t>& numels) {
+/// The fp32 buckets a gradient reduction after backward holds at once, two
+/// in flight, each whole tensors of at most dist::kDefaultBucketBytes (a
+/// larger tensor alone). Stages 0-1 (dist/data_parallel.h): the tensors in
+/// (reverse) parameter order. ZeRO stage >= 2 (`owners` given;
+/// dist::ZeroSharding::make_buckets): a bucket holds one owner's tensors,
+/// filled per owner in parameter order, the buckets ordered by their first
+/// tensor; `resident` (stage 3: the tensors in no streamed block; empty: all)
+/// says which take part.
+int64_t reduction_buffer_bytes(const std::vector<int64_t>& numels, const dist::TensorOwnership* owners,
+                               const std::vector<bool>& resident) {
   const int64_t cap = dist::kDefaultBucketBytes / 4;
-  std::vector<int64_t> buckets;
-  for (int64_t n : numels) {
-    if (buckets.empty() || (buckets.back() > 0 && buckets.back() + n > cap)) buckets.push_back(0);
-    buckets.back() += n;
+  struct Bucket {
+    size_t first = 0;
+    int64_t numel = 0;
+  };
+  std::vector<Bucket> done;
+  std::map<int, Bucket> filling;  // per owner (-1: stages 0-1, one stream)
+  for (size_t i = 0; i < numels.size(); ++i) {
+    if (!resident.empty() && !resident[i]) continue;
+    Bucket& b = filling[owners ? owners->owner(i) : -1];
+    if (b.numel > 0 && b.numel + numels[i] > cap) {
+      done.push_back(b);
+      b = Bucket{};
+    }
+    if (b.numel == 0) b.first = i;
+    b.numel += numels[i];
   }
-  int64_t most = buckets.empty() ? 0 : buckets.front();
-  for (size_t i = 1; i < buckets.size(); ++i) most = std::max(most, buckets[i - 1] + buckets[i]);
+  for (const auto& [owner, b] : filling) {
+    if (b.numel > 0) done.push_back(b);
+  }
+  std::stable_sort(done.begin(), done.end(), [](const Bucket& x, const Bucket& y) { return x.first < y.first; });
+  int64_t most = done.empty() ? 0 : done.front().numel;
+  for (size_t i = 1; i < done.size(); ++i) most = std::max(most, done[i - 1].numel + done[i].numel);
   return most * 4;
 }
 
@@ -562,7 +584,15 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
     const int64_t norm_tmp = largest * ((grad_elem == 2 && !bridge) ? 8 : 4);
     const int64_t step_tmp = largest * 4 + scratch + staging;
     const int64_t ema_tmp = (p.ema_bytes > 0 && weight_elem == 2) ? largest * 4 : 0;
-    p.communication_bytes = world_size > 1 ? reduction_buffer_bytes(numel_of_trained) : 0;
+    if (world_size > 1) {
+      std::optional<dist::TensorOwnership> owners;
+      std::vector<bool> resident;
+      if (p.zero_stage >= 2) owners.emplace(numel_of_trained, world_size);
+      if (p.zero_stage == 3 && !lora) {
+        for (int g : group_of_trained) resident.push_back(g < 0);
+      }
+      p.communication_bytes = reduction_buffer_bytes(numel_of_trained, owners ? &*owners : nullptr, resident);
+    }
     b[kT] += std::max({norm_tmp, step_tmp, ema_tmp, p.communication_bytes});
     for (int64_t v : b) peak_b += v;
     if (bridge) {
