@@ -567,6 +567,9 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
   // first copied to fp32 (both alive until the copies replace them).
   Bytes b = persistent;
   int64_t peak_b = 0;
+  // Bytes by which the gradient reduction (before the update, when step 1
+  // has no optimizer state yet) exceeds the update's own temporaries in peak_b.
+  int64_t reduction_excess = 0;
   if (!c.fused_backward_pass) {
     const bool accumulator = accum > 1 && weight_elem == 2 && !bridge;
     const int64_t fp32_grads = p.parameters * 4;
@@ -593,7 +596,9 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
       }
       p.communication_bytes = reduction_buffer_bytes(numel_of_trained, owners ? &*owners : nullptr, resident);
     }
-    b[kT] += std::max({norm_tmp, step_tmp, ema_tmp, p.communication_bytes});
+    const int64_t update_tmp = std::max({norm_tmp, step_tmp, ema_tmp});
+    b[kT] += std::max(update_tmp, p.communication_bytes);
+    reduction_excess = std::max<int64_t>(0, p.communication_bytes - update_tmp);
     for (int64_t v : b) peak_b += v;
     if (bridge) {
       // The moment of the copy: the gradients as backward left them and their fp32 copies.
@@ -602,6 +607,7 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
       copy_peak += tr.gradients_after + fp32_grads;
       if (copy_peak > peak_b) {
         peak_b = copy_peak;
+        reduction_excess = 0;
         b = persistent;
         b[kG] += tr.gradients_after + fp32_grads;
       }
@@ -617,8 +623,9 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
     p.peak_phase = "optimizer step";
   }
   // Step 1: no optimizer state before the update; it exists in full at the
-  // end of the step's updates.
-  p.first_step_peak_bytes = std::max(peak_a - device_state, peak_b);
+  // end of the step's updates. Several ranks: the gradient reduction comes
+  // before the update, so step 1 holds its buckets without the state.
+  p.first_step_peak_bytes = std::max(peak_a - device_state, peak_b - std::min(reduction_excess, device_state));
   if (c.fused_backward_pass) {
     p.first_step_peak_bytes =
         std::max(peak_a - device_state,

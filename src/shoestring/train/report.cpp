@@ -111,8 +111,11 @@ void RunReport::step(const StepRecord& r) {
   if (std::isfinite(r.loss)) smoothed_ = std::isnan(smoothed_) ? r.loss : 0.95 * smoothed_ + 0.05 * r.loss;
 
   if (first && !run_.predicted_memory.is_null() && !options_.quiet) {
-    // The plan excludes the dataset held in memory (ledger "other").
-    const int64_t predicted = run_.predicted_memory.value("first_step_peak_bytes", int64_t{0});
+    // The plan excludes the dataset held in memory (ledger "other"). A
+    // resumed run's first step already holds its optimizer state: the
+    // steady-state prediction.
+    const int64_t predicted =
+        run_.predicted_memory.value(r.step == 1 ? "first_step_peak_bytes" : "predicted_peak_bytes", int64_t{0});
     const int64_t measured = ledger.device_peak_total() - peaks[static_cast<int>(MemoryCategory::other)];
     spdlog::info(
         "step {} memory: predicted {} (shoestring plan), measured {} ({:+.1f}%)", r.step, format_bytes(predicted),
