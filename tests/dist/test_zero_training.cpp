@@ -444,6 +444,19 @@ TEST(ZeroCheckpoint, Stage3ResumesAtTwoRanksAndOneProcess) {
             0)
       << read_text(dir + "/consolidate.txt");
   compare_files(dir + "/s3.safetensors", dir + "/s3/model.safetensors");
+  // The model alone is read: a checkpoint that lost an optimizer shard still
+  // gives its weights. Given the model file instead of its folder: named.
+  const std::string lost = dir + "/lost_shard";
+  fs::copy(dir + "/s3/checkpoints/step-000004", lost, fs::copy_options::recursive);
+  fs::remove(lost + "/" + optimizer_shard_name(1, 2));
+  ASSERT_EQ(std::system((cli + lost + " " + dir + "/lost.safetensors > " + dir + "/consolidate.txt 2>&1").c_str()), 0)
+      << read_text(dir + "/consolidate.txt");
+  compare_files(dir + "/lost.safetensors", dir + "/s3/model.safetensors");
+  EXPECT_NE(
+      std::system(
+          (cli + lost + "/model.safetensors " + dir + "/file.safetensors > " + dir + "/consolidate.txt 2>&1").c_str()),
+      0);
+  EXPECT_THAT(read_text(dir + "/consolidate.txt"), HasSubstr("is a file; give the checkpoint folder"));
 }
 
 // EMA with ZeRO on 2 ranks (stages 2 and 3): each rank keeps the EMA of the

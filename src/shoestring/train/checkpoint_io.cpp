@@ -321,7 +321,7 @@ void remove_sharded_files(const std::string& dir) {
   }
 }
 
-std::optional<CheckpointIndex> read_checkpoint_index(const std::string& dir) {
+std::optional<CheckpointIndex> read_checkpoint_index(const std::string& dir, bool optimizer_shards) {
   const fs::path path = fs::path(dir) / kCheckpointIndexFile;
   if (!fs::exists(path)) return std::nullopt;
   nlohmann::json j;
@@ -344,6 +344,7 @@ std::optional<CheckpointIndex> read_checkpoint_index(const std::string& dir) {
   for (const auto& [tensor, file] : out.weight_map) {
     if (file.empty() || file.find('/') != std::string::npos || file == "." || file == "..")
       fail("{}: weight_map[\"{}\"] = \"{}\" must be a file of the checkpoint folder", path.string(), tensor, file);
+    if (!optimizer_shards && is_optimizer_shard_name(file)) continue;
     if (!fs::exists(fs::path(dir) / file))
       fail("{}: weight_map[\"{}\"] names {}, which is missing", path.string(), tensor, file);
   }
@@ -351,7 +352,7 @@ std::optional<CheckpointIndex> read_checkpoint_index(const std::string& dir) {
   // with it) names the index's step and world size and the rank of its name.
   std::set<std::string> shards;
   for (const auto& [tensor, file] : out.weight_map) {
-    if (is_optimizer_shard_name(file)) shards.insert(file);
+    if (optimizer_shards && is_optimizer_shard_name(file)) shards.insert(file);
   }
   for (const std::string& file : shards) {
     const int rank = std::stoi(file.substr(std::string("optimizer-rank-").size(), 5));

@@ -123,8 +123,10 @@ struct CheckpointIndex {
 /// Reads `dir`/checkpoint.index.json; nullopt when the folder has none (a
 /// single-file checkpoint). Throws shoestring::Error naming the index when
 /// it is not JSON or lacks a field, or names a file outside the folder or
-/// missing from it.
-std::optional<CheckpointIndex> read_checkpoint_index(const std::string& dir);
+/// missing from it, and naming an optimizer shard whose metadata (step,
+/// rank, world size) is not the index's. Without `optimizer_shards` (to
+/// read the model alone: consolidate) the optimizer shards are not looked at.
+std::optional<CheckpointIndex> read_checkpoint_index(const std::string& dir, bool optimizer_shards = true);
 
 /// The counters of a run that a resume restores: what the loop has done so
 /// far and the state of its fp16 machinery. Stored as the JSON

@@ -1,6 +1,7 @@
 #include "shoestring/train/consolidate.h"
 
 #include <filesystem>
+#include <list>
 #include <map>
 #include <set>
 #include <utility>
@@ -40,7 +41,8 @@ ConsolidateResult consolidate_checkpoint(const std::string& checkpoint_dir, cons
       fail("consolidate: output '{}' is inside the checkpoint folder it reads ({})", out, checkpoint_dir);
   }
   ConsolidateResult result;
-  const std::optional<CheckpointIndex> index = read_checkpoint_index(checkpoint_dir);
+  // The model alone is read: a checkpoint whose optimizer shards are lost still gives its weights.
+  const std::optional<CheckpointIndex> index = read_checkpoint_index(checkpoint_dir, /*optimizer_shards=*/false);
   result.sharded = index.has_value();
   const fs::path model = dir / "model.safetensors";
   if (!index && !fs::exists(model)) {
@@ -49,9 +51,8 @@ ConsolidateResult consolidate_checkpoint(const std::string& checkpoint_dir, cons
              ? " (a LoRA run on a pretrained base checkpoints its adapters only: lora.safetensors is the file)"
              : "");
   }
-  // Read through the index (every file of the folder mapped, nothing read
-  // until a tensor is written), or the single model file.
-  const WeightFiles files = WeightFiles::open(index ? (dir / kCheckpointIndexFile).string() : model.string());
+  // The model files, mapped (nothing read until a tensor is written).
+  std::list<WeightFiles> mapped;  // a list: the mappings never move
   std::vector<std::pair<std::string, at::Tensor>> tensors;
   std::set<std::string> sources;
   std::map<std::string, std::string> metadata;
@@ -66,10 +67,12 @@ ConsolidateResult consolidate_checkpoint(const std::string& checkpoint_dir, cons
     for (const std::string& file : model_files) {
       const SafetensorsFile f = SafetensorsFile::open((dir / file).string());
       if (metadata.empty()) metadata = f.metadata();
+      const WeightFiles& files = mapped.emplace_back(WeightFiles::open((dir / file).string()));
       for (const auto& info : f.tensors()) tensors.emplace_back(info.name, files.get(info.name));
       sources.insert(file);
     }
   } else {
+    const WeightFiles& files = mapped.emplace_back(WeightFiles::open(model.string()));
     metadata = files.metadata();
     const SafetensorsFile f = SafetensorsFile::open(model.string());
     for (const auto& info : f.tensors()) tensors.emplace_back(info.name, files.get(info.name));
