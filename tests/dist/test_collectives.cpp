@@ -310,22 +310,28 @@ TEST(Collectives, DeadPeerFailsTheNextCollectiveNamingIt) {
   const std::vector<int> status = run_workers("dead_peer", 2, dir);
   EXPECT_EQ(status, (std::vector<int>{0, 3}));
   EXPECT_THAT(read_text(dir + "/rank0.txt"),
-              AllOf(HasSubstr("all_reduce_sum on rank 0 of 2 failed"), HasSubstr("another rank exited")));
+              AllOf(HasSubstr("all_reduce_sum on rank 0 of 2 failed"), HasSubstr("another rank exited"),
+                    HasSubstr("rank 1 did not report this failure")));
 }
 
 TEST(Collectives, DeadPeerOfThree) {
   const std::string dir = fresh_dist_dir("dead3");
   const std::vector<int> status = run_workers("dead_peer", 3, dir);
   EXPECT_EQ(status, (std::vector<int>{0, 0, 3}));
-  EXPECT_THAT(read_text(dir + "/rank0.txt"), HasSubstr("all_reduce_sum on rank 0 of 3 failed"));
-  EXPECT_THAT(read_text(dir + "/rank1.txt"), HasSubstr("all_reduce_sum on rank 1 of 3 failed"));
+  // The two that are left both saw the failure: each names the dead one only.
+  for (int r : {0, 1}) {
+    EXPECT_THAT(read_text(dir + "/rank" + std::to_string(r) + ".txt"),
+                AllOf(HasSubstr(fmt::format("all_reduce_sum on rank {} of 3 failed", r)),
+                      HasSubstr("; rank 2 did not report this failure")));
+  }
 }
 
 TEST(Collectives, StuckPeerTimesOut) {
   const std::string dir = fresh_dist_dir("stuck");
   EXPECT_EQ(run_workers("stuck_peer", 2, dir), (std::vector<int>{0, 0}));
-  EXPECT_THAT(read_text(dir + "/rank0.txt"), AllOf(HasSubstr("all_reduce_sum on rank 0 of 2 failed"),
-                                                   HasSubstr("Timed out"), HasSubstr("ddp_timeout = 2 s")));
+  EXPECT_THAT(read_text(dir + "/rank0.txt"),
+              AllOf(HasSubstr("all_reduce_sum on rank 0 of 2 failed"), HasSubstr("Timed out"),
+                    HasSubstr("ddp_timeout = 2 s"), HasSubstr("rank 1 did not report this failure")));
 }
 
 TEST(Collectives, RendezvousTimesOutNamingTheStore) {

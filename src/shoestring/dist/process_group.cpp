@@ -3,10 +3,14 @@
 // file sees c10d and gloo headers.
 #include "shoestring/dist/process_group.h"
 
+#include <condition_variable>
 #include <cstdlib>
 #include <exception>
 #include <functional>
+#include <mutex>
+#include <optional>
 #include <sstream>
+#include <thread>
 
 #include <spdlog/spdlog.h>
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
@@ -45,11 +49,76 @@ std::vector<std::shared_ptr<::gloo::transport::Device>> gloo_devices(const std::
 struct ProcessGroup::Impl {
   c10::intrusive_ptr<c10d::Store> store;
   c10::intrusive_ptr<c10d::ProcessGroupGloo> group;
+  int rank = 0, size = 1;
+  std::optional<std::string> diagnosis;  ///< the first failure's (unresponsive_ranks)
+
+  /// After a collective failed: which ranks do not answer. Every rank that
+  /// sees a collective fail leaves "shoestring/failed/<rank>" in the store
+  /// and looks for the others' for a few seconds; a rank that left none is
+  /// the stopped, hung or dead one (or still computing). Asked once per
+  /// group (later failures reuse the answer), within about 4 s even when the
+  /// store itself does not answer (its host, rank 0, stopped).
+  std::string unresponsive_ranks() {
+    if (diagnosis) return *diagnosis;
+    struct Shared {
+      std::mutex m;
+      std::condition_variable done;
+      bool finished = false;
+      std::vector<int> silent;
+      std::string error;
+    };
+    auto shared = std::make_shared<Shared>();
+    std::thread([shared, store = store, rank = rank, size = size] {
+      std::vector<int> silent;
+      std::string error;
+      try {
+        const std::string value = "1";
+        store->set("shoestring/failed/" + std::to_string(rank), std::vector<uint8_t>(value.begin(), value.end()));
+        std::vector<bool> answered(static_cast<size_t>(size), false);
+        answered[static_cast<size_t>(rank)] = true;
+        const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(3);
+        for (;;) {
+          bool all = true;
+          for (int r = 0; r < size; ++r) {
+            if (!answered[static_cast<size_t>(r)])
+              answered[static_cast<size_t>(r)] = store->check({"shoestring/failed/" + std::to_string(r)});
+            all = all && answered[static_cast<size_t>(r)];
+          }
+          if (all || std::chrono::steady_clock::now() >= until) break;
+          std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        }
+        for (int r = 0; r < size; ++r) {
+          if (!answered[static_cast<size_t>(r)]) silent.push_back(r);
+        }
+      } catch (const std::exception& e) {
+        error = e.what();
+      }
+      std::lock_guard<std::mutex> lock(shared->m);
+      shared->silent = std::move(silent);
+      shared->error = std::move(error);
+      shared->finished = true;
+      shared->done.notify_all();
+    }).detach();
+    std::unique_lock<std::mutex> lock(shared->m);
+    const bool finished = shared->done.wait_for(lock, std::chrono::seconds(4), [&] { return shared->finished; });
+    if (!finished || !shared->error.empty()) {
+      diagnosis = "; the store does not answer either (rank 0 or torchrun's agent hosts it: stopped or gone?)";
+    } else if (shared->silent.empty()) {
+      diagnosis = "; every rank saw a collective fail (a mismatch of collectives, or a network fault?)";
+    } else {
+      diagnosis = fmt::format(
+          "; rank{} {} did not report this failure within 3 s: stopped, hung or exited (or still "
+          "computing)",
+          shared->silent.size() == 1 ? "" : "s", fmt::join(shared->silent, ", "));
+    }
+    return *diagnosis;
+  }
 };
 
 struct PendingCollective::State {
-  std::string what;  ///< "all_reduce_sum on rank 1 of 2"
-  std::string hint;  ///< what the timeout is
+  std::string what;                     ///< "all_reduce_sum on rank 1 of 2"
+  std::string hint;                     ///< what the timeout is
+  ProcessGroup::Impl* group = nullptr;  ///< asked which ranks do not answer when it failed
   c10::intrusive_ptr<c10d::Work> work;
   std::function<void()> finish;  ///< copies results back after the wait
   bool done = false;
@@ -74,7 +143,8 @@ void PendingCollective::wait() {
   try {
     state_->work->wait();
   } catch (const std::exception& e) {
-    fail("{} failed: {}; {}", state_->what, e.what(), state_->hint);
+    fail("{} failed: {}; {}{}", state_->what, e.what(), state_->hint,
+         state_->group ? state_->group->unresponsive_ranks() : std::string());
   }
   if (state_->finish) state_->finish();
 }
@@ -84,14 +154,15 @@ namespace {
 /// Issues a collective (`issue` returns its Work) and returns it in flight;
 /// an error raised by the call itself becomes shoestring::Error like one
 /// raised at wait(). `finish` runs after a successful wait.
-PendingCollective start(std::string what, std::string hint,
+PendingCollective start(ProcessGroup::Impl* group, std::string what, std::string hint,
                         const std::function<c10::intrusive_ptr<c10d::Work>()>& issue,
                         std::function<void()> finish = {}) {
   auto state = std::make_unique<PendingCollective::State>();
+  state->group = group;
   try {
     state->work = issue();
   } catch (const std::exception& e) {
-    fail("{} failed: {}; {}", what, e.what(), hint);
+    fail("{} failed: {}; {}{}", what, e.what(), hint, group ? group->unresponsive_ranks() : std::string());
   }
   state->what = std::move(what);
   state->hint = std::move(hint);
@@ -106,7 +177,10 @@ bool gloo_sums(at::ScalarType t) {
 }  // namespace
 
 ProcessGroup::ProcessGroup(std::unique_ptr<Impl> impl, int rank, int size, std::chrono::milliseconds timeout)
-    : impl_(std::move(impl)), rank_(rank), size_(size), timeout_(timeout) {}
+    : impl_(std::move(impl)), rank_(rank), size_(size), timeout_(timeout) {
+  impl_->rank = rank;
+  impl_->size = size;
+}
 
 ProcessGroup::~ProcessGroup() = default;
 
@@ -180,12 +254,13 @@ std::string hint_for(std::chrono::milliseconds timeout) {
 /// flat tensor `flat`, all in flight together, and waits for them: the
 /// reduce-scatter (per-chunk reduce) and all-gather (per-rank broadcast) that
 /// Debian 1.13 Gloo lacks. `op(v, root)` issues the collective on v = {chunk}.
-void for_each_root_chunk(const std::string& what, const std::string& hint, const at::Tensor& flat, int64_t n, int size,
+void for_each_root_chunk(ProcessGroup::Impl* group, const std::string& what, const std::string& hint,
+                         const at::Tensor& flat, int64_t n, int size,
                          const std::function<c10::intrusive_ptr<c10d::Work>(std::vector<at::Tensor>&, int)>& op) {
   std::vector<PendingCollective> pending;
   for (int root = 0; root < size; ++root) {
     std::vector<at::Tensor> v{flat.narrow(0, root * n, n)};
-    pending.push_back(start(what, hint, [&] { return op(v, root); }));
+    pending.push_back(start(group, what, hint, [&] { return op(v, root); }));
   }
   for (auto& p : pending) p.wait();
 }
@@ -196,7 +271,7 @@ PendingCollective ProcessGroup::all_reduce_sum_async(const at::Tensor& tensor) {
   if (!tensor.is_contiguous() || !gloo_sums(tensor.scalar_type()))
     fail("{}: all_reduce_sum_async needs a contiguous fp32 / fp64 / integer tensor, got {} {}", what,
          c10::toString(tensor.scalar_type()), format_shape(tensor.sizes()));
-  return start(what, hint_for(timeout_), [&] {
+  return start(impl_.get(), what, hint_for(timeout_), [&] {
     std::vector<at::Tensor> v{tensor};
     return impl_->group->allreduce(v);
   });
@@ -208,7 +283,7 @@ PendingCollective ProcessGroup::reduce_sum_async(const at::Tensor& tensor, int r
   if (!tensor.is_contiguous() || !gloo_sums(tensor.scalar_type()))
     fail("{}: reduce_sum_async needs a contiguous fp32 / fp64 / integer tensor, got {} {}", what,
          c10::toString(tensor.scalar_type()), format_shape(tensor.sizes()));
-  return start(what, hint_for(timeout_), [&] {
+  return start(impl_.get(), what, hint_for(timeout_), [&] {
     std::vector<at::Tensor> v{tensor};
     c10d::ReduceOptions o;
     o.rootRank = root;
@@ -244,7 +319,7 @@ void ProcessGroup::broadcast(at::Tensor& tensor, int root) {
   at::Tensor wire = work;
   if (work.scalar_type() == at::kBFloat16) wire = work.view(at::kHalf);
   if (work.scalar_type() == at::kBool || work.scalar_type() == at::kShort) wire = work.view(at::kByte);
-  start(what, hint_for(timeout_), [&] {
+  start(impl_.get(), what, hint_for(timeout_), [&] {
     std::vector<at::Tensor> v{wire};
     c10d::BroadcastOptions o;
     o.rootRank = root;
@@ -263,7 +338,7 @@ at::Tensor ProcessGroup::reduce_scatter_sum(const at::Tensor& input) {
   // Gloo's reduce may use every rank's buffer as scratch: work on an fp32 copy.
   at::Tensor work = input.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true).contiguous();
   const int64_t n = input.numel() / size_;
-  for_each_root_chunk(what, hint_for(timeout_), work, n, size_, [&](std::vector<at::Tensor>& v, int root) {
+  for_each_root_chunk(impl_.get(), what, hint_for(timeout_), work, n, size_, [&](std::vector<at::Tensor>& v, int root) {
     c10d::ReduceOptions o;
     o.rootRank = root;
     return impl_->group->reduce(v, o);
@@ -280,7 +355,7 @@ at::Tensor ProcessGroup::all_gather(const at::Tensor& input) {
   at::Tensor wire = out;
   if (out.scalar_type() == at::kBFloat16) wire = out.view(at::kHalf);
   if (out.scalar_type() == at::kBool || out.scalar_type() == at::kShort) wire = out.view(at::kByte);
-  for_each_root_chunk(what, hint_for(timeout_), wire, n, size_, [&](std::vector<at::Tensor>& v, int root) {
+  for_each_root_chunk(impl_.get(), what, hint_for(timeout_), wire, n, size_, [&](std::vector<at::Tensor>& v, int root) {
     c10d::BroadcastOptions o;
     o.rootRank = root;
     return impl_->group->broadcast(v, o);
@@ -289,7 +364,7 @@ at::Tensor ProcessGroup::all_gather(const at::Tensor& input) {
 }
 
 void ProcessGroup::barrier() {
-  start("barrier on " + where(), hint_for(timeout_), [&] { return impl_->group->barrier(); }).wait();
+  start(impl_.get(), "barrier on " + where(), hint_for(timeout_), [&] { return impl_->group->barrier(); }).wait();
 }
 
 void ProcessGroup::signal(const std::string& key, const std::string& message) {

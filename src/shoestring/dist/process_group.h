@@ -129,8 +129,9 @@ class ProcessGroup {
   /// "rank 1 of 2" for messages.
   std::string where() const;
 
+  struct Impl;  ///< defined in process_group.cpp (the store, the Gloo group)
+
  private:
-  struct Impl;
   ProcessGroup(std::unique_ptr<Impl> impl, int rank, int size, std::chrono::milliseconds timeout);
   std::unique_ptr<Impl> impl_;
   int rank_;
