@@ -54,9 +54,9 @@ struct ProcessGroup::Impl {
 
   /// After a collective failed: which ranks do not answer. Every rank that
   /// sees a collective fail leaves "shoestring/failed/<rank>" in the store
-  /// and looks for the others' for a few seconds; a rank that left none is
+  /// and looks for the others' for 1.5 s; a rank that left none is
   /// the stopped, hung or dead one (or still computing). Asked once per
-  /// group (later failures reuse the answer), within about 4 s even when the
+  /// group (later failures reuse the answer), within about 3 s even when the
   /// store itself does not answer (its host, rank 0, stopped).
   std::string unresponsive_ranks() {
     if (diagnosis) return *diagnosis;
@@ -76,7 +76,7 @@ struct ProcessGroup::Impl {
         store->set("shoestring/failed/" + std::to_string(rank), std::vector<uint8_t>(value.begin(), value.end()));
         std::vector<bool> answered(static_cast<size_t>(size), false);
         answered[static_cast<size_t>(rank)] = true;
-        const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(3);
+        const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(1500);
         for (;;) {
           bool all = true;
           for (int r = 0; r < size; ++r) {
@@ -100,14 +100,14 @@ struct ProcessGroup::Impl {
       shared->done.notify_all();
     }).detach();
     std::unique_lock<std::mutex> lock(shared->m);
-    const bool finished = shared->done.wait_for(lock, std::chrono::seconds(4), [&] { return shared->finished; });
+    const bool finished = shared->done.wait_for(lock, std::chrono::seconds(3), [&] { return shared->finished; });
     if (!finished || !shared->error.empty()) {
       diagnosis = "; the store does not answer either (rank 0 or torchrun's agent hosts it: stopped or gone?)";
     } else if (shared->silent.empty()) {
       diagnosis = "; every rank saw a collective fail (a mismatch of collectives, or a network fault?)";
     } else {
       diagnosis = fmt::format(
-          "; rank{} {} did not report this failure within 3 s: stopped, hung or exited (or still "
+          "; rank{} {} did not report this failure within 1.5 s: stopped, hung or exited (or still "
           "computing)",
           shared->silent.size() == 1 ? "" : "s", fmt::join(shared->silent, ", "));
     }
