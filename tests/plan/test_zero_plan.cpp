@@ -81,6 +81,13 @@ TEST(ZeroPlan, OptimizerStateIsTheLargestRanksOwnedTensors) {
   }
   // zero_stage 0 (plain data parallel) keeps the whole state (and EMA) on every rank.
   EXPECT_EQ(plan::plan_memory(zero_config(0), plan::kDefaultVocabSize, 4).optimizer_state_bytes, 8 * psi);
+  // offload_params at several ranks: planned without it, said in a note (train refuses it).
+  TrainConfig offloaded = zero_config(2);
+  offloaded.offload_params = true;
+  bool noted = false;
+  for (const std::string& n : plan::plan_memory(offloaded, plan::kDefaultVocabSize, 2).notes)
+    noted = noted || n.find("offload_params is for one process") != std::string::npos;
+  EXPECT_TRUE(noted);
   TrainConfig ema0 = zero_config(0);
   ema0.ema_decay = 0.99;
   EXPECT_EQ(plan::plan_memory(ema0, plan::kDefaultVocabSize, 4).ema_bytes, 4 * psi);

@@ -484,6 +484,15 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
   // memory, the largest block's on the device while it runs; its optimizer
   // state in host memory as with offload_optimizer_state.
   const bool offload = c.offload_params && world_size == 1 && !lora;
+  // What `train` refuses is planned as the run it would be, with a note.
+  if (c.offload_params && world_size > 1) {
+    p.notes.push_back(fmt::format(
+        "offload_params is for one process: `train` refuses it at world size {} (planned without it)", world_size));
+  } else if (c.offload_params && c.fused_backward_pass) {
+    p.notes.push_back(
+        "offload_params with fused_backward_pass: `train` refuses the pair (the fused backward steps each "
+        "gradient where it is made); planned as offloaded");
+  }
   int64_t offload_device_grads = -1, offload_step_grads = -1;
   if (offload) {
     int64_t block_weights = 0, block_grads = 0;
