@@ -98,6 +98,22 @@ void Adafactor::update(size_t index, const at::Tensor& grad_in, double lr, int64
   // (optim/fused_kernels.h), instead of the op chain's dozen, with no
   // full-size temporary. Same formulas; sums are accumulated in double, so
   // results match the op chain to rounding, not bit for bit.
+  // The fused kernels' scalars and rounding keys of this update.
+  auto fused_scalars = [&] {
+    FusedAdafactorScalars s;
+    s.beta2t = beta2t;
+    s.eps1 = adafactor_.eps1;
+    s.clip_threshold = adafactor_.clip_threshold;
+    s.step_size = step_size(step, lr, adafactor_.scale_parameter ? rms(as_fp32(live)) : 0.0);
+    s.weight_decay = wd;
+    return s;
+  };
+  auto fused_keys = [&] {
+    FusedRoundingKeys keys;
+    keys.stochastic_rounding = options_.stochastic_rounding;
+    keys.param = rounding_key(index, step);
+    return keys;
+  };
   auto fusable = [](const at::Tensor& x) {
     return fast_cpu_path(x) && x.layout() == at::kStrided && x.is_contiguous() &&
            (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16);
@@ -110,16 +126,7 @@ void Adafactor::update(size_t index, const at::Tensor& grad_in, double lr, int64
         !col.is_contiguous()) {
       fail("Adafactor: state '{}.exp_avg_sq_row' / '.exp_avg_sq_col' must be contiguous float32", pname);
     }
-    FusedAdafactorScalars s;
-    s.beta2t = beta2t;
-    s.eps1 = adafactor_.eps1;
-    s.clip_threshold = adafactor_.clip_threshold;
-    s.step_size = step_size(step, lr, adafactor_.scale_parameter ? rms(as_fp32(live)) : 0.0);
-    s.weight_decay = wd;
-    FusedRoundingKeys keys;
-    keys.stochastic_rounding = options_.stochastic_rounding;
-    keys.param = rounding_key(index, step);
-    fused_adafactor_factored_step(live, grad_in, row, col, n, m, s, keys);
+    fused_adafactor_factored_step(live, grad_in, row, col, n, m, fused_scalars(), fused_keys());
     return;
   }
 
@@ -127,17 +134,9 @@ void Adafactor::update(size_t index, const at::Tensor& grad_in, double lr, int64
   if (!factored && !first_moment && fusable(live) && fusable(grad_in)) {
     at::Tensor& v = ensure("exp_avg_sq", live.sizes(), options_.state_dtype);
     if (fused_adafactor_unfactored_supported(live, grad_in, v)) {
-      FusedAdafactorScalars s;
-      s.beta2t = beta2t;
-      s.eps1 = adafactor_.eps1;
-      s.clip_threshold = adafactor_.clip_threshold;
-      s.step_size = step_size(step, lr, adafactor_.scale_parameter ? rms(as_fp32(live)) : 0.0);
-      s.weight_decay = wd;
-      FusedRoundingKeys keys;
-      keys.stochastic_rounding = options_.stochastic_rounding;
-      keys.param = rounding_key(index, step);
+      FusedRoundingKeys keys = fused_keys();
       keys.state1 = rounding_key(index, step, kSlotSq);
-      fused_adafactor_unfactored_step(live, grad_in, v, s, keys);
+      fused_adafactor_unfactored_step(live, grad_in, v, fused_scalars(), keys);
       return;
     }
   }

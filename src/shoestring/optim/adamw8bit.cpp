@@ -294,8 +294,8 @@ bool AdamW8bit::prepare(size_t index, const at::Tensor& grad_in) {
   return eight_bit;
 }
 
-std::optional<FusedAdamW8bitTensor> AdamW8bit::fused_task(size_t index, const at::Tensor& grad, double lr,
-                                                          int64_t step, double grad_scale) {
+std::optional<FusedAdamW8bitTensor> AdamW8bit::fused_task(size_t index, const at::Tensor& grad, double lr, int64_t step,
+                                                          double grad_scale) {
   const bool eight_bit = prepare(index, grad);
   const at::Tensor& live = params_[index].param;
   auto& st = state_[index];
@@ -307,15 +307,9 @@ std::optional<FusedAdamW8bitTensor> AdamW8bit::fused_task(size_t index, const at
                                  st["exp_avg_sq_absmax"], adam8_.block_size)) {
     return std::nullopt;
   }
-  FusedAdamW8bitTensor t{live,
-                         grad,
-                         st["exp_avg_q"],
-                         st["exp_avg_absmax"],
-                         st["exp_avg_sq_q"],
-                         st["exp_avg_sq_absmax"],
-                         adam8_.block_size,
-                         {},
-                         {}};
+  FusedAdamW8bitTensor t{
+      live, grad, st["exp_avg_q"], st["exp_avg_absmax"], st["exp_avg_sq_q"], st["exp_avg_sq_absmax"], adam8_.block_size,
+      {},   {}};
   const AdamWOptions& a = adam8_.adam;
   t.scalars.lr = lr;
   t.scalars.beta1 = a.beta1;
@@ -330,16 +324,10 @@ std::optional<FusedAdamW8bitTensor> AdamW8bit::fused_task(size_t index, const at
 }
 
 void AdamW8bit::update_many(const std::vector<size_t>& indices, double lr, int64_t step, double grad_scale) {
-  std::vector<FusedAdamW8bitTensor> fused;
-  fused.reserve(indices.size());
-  for (size_t i : indices) {
-    if (auto t = fused_task(i, params_[i].param.grad(), lr, step, grad_scale)) {
-      fused.push_back(std::move(*t));
-    } else {
-      update(i, scaled_grad(i, grad_scale), lr, step);
-    }
-  }
-  fused_adamw8bit_step_many(fused);
+  update_many_fused<FusedAdamW8bitTensor>(
+      indices, lr, step, grad_scale,
+      [this](size_t i, const at::Tensor& g, double l, int64_t s, double gs) { return fused_task(i, g, l, s, gs); },
+      fused_adamw8bit_step_many);
 }
 
 void AdamW8bit::update(size_t index, const at::Tensor& grad_in, double lr, int64_t step) {

@@ -36,16 +36,10 @@ std::optional<FusedLionTensor> Lion::fused_task(size_t index, const at::Tensor& 
 }
 
 void Lion::update_many(const std::vector<size_t>& indices, double lr, int64_t step, double grad_scale) {
-  std::vector<FusedLionTensor> fused;
-  fused.reserve(indices.size());
-  for (size_t i : indices) {
-    if (auto t = fused_task(i, params_[i].param.grad(), lr, step, grad_scale)) {
-      fused.push_back(std::move(*t));
-    } else {
-      update(i, scaled_grad(i, grad_scale), lr, step);
-    }
-  }
-  fused_lion_step_many(fused);
+  update_many_fused<FusedLionTensor>(
+      indices, lr, step, grad_scale,
+      [this](size_t i, const at::Tensor& g, double l, int64_t s, double gs) { return fused_task(i, g, l, s, gs); },
+      fused_lion_step_many);
 }
 
 void Lion::update(size_t index, const at::Tensor& grad_in, double lr, int64_t step) {

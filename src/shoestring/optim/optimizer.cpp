@@ -196,7 +196,7 @@ AdamW::AdamW(std::vector<OptimParam> params, AdamWOptions adam, OptimizerOptions
     : Optimizer(std::move(params), options), adam_(adam) {}
 
 std::optional<FusedAdamWTensor> AdamW::fused_task(size_t index, const at::Tensor& grad, double lr, int64_t step,
-                                                   double grad_scale) {
+                                                  double grad_scale) {
   const at::Tensor& live = params_[index].param;
   create_zero_state(index, {"exp_avg", "exp_avg_sq"});
   const at::Tensor& m = state(index, "exp_avg");
@@ -218,16 +218,10 @@ std::optional<FusedAdamWTensor> AdamW::fused_task(size_t index, const at::Tensor
 }
 
 void AdamW::update_many(const std::vector<size_t>& indices, double lr, int64_t step, double grad_scale) {
-  std::vector<FusedAdamWTensor> fused;
-  fused.reserve(indices.size());
-  for (size_t i : indices) {
-    if (auto t = fused_task(i, params_[i].param.grad(), lr, step, grad_scale)) {
-      fused.push_back(std::move(*t));
-    } else {
-      update(i, scaled_grad(i, grad_scale), lr, step);
-    }
-  }
-  fused_adamw_step_many(fused);
+  update_many_fused<FusedAdamWTensor>(
+      indices, lr, step, grad_scale,
+      [this](size_t i, const at::Tensor& g, double l, int64_t s, double gs) { return fused_task(i, g, l, s, gs); },
+      fused_adamw_step_many);
 }
 
 void AdamW::update(size_t index, const at::Tensor& grad_in, double lr, int64_t step) {

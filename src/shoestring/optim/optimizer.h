@@ -129,6 +129,24 @@ class Optimizer {
   /// region (fused_kernels.h, *_step_many), passing grad_scale to the kernel
   /// instead of copying the gradient, and the others through update().
   virtual void update_many(const std::vector<size_t>& indices, double lr, int64_t step, double grad_scale);
+  /// update_many of an optimizer with fused CPU kernels: `task_of(index,
+  /// grad, lr, step, grad_scale)` gives a parameter's kernel task (nullopt
+  /// for what the kernels do not take, which goes through update() with the
+  /// scaled gradient); `step_many` runs every task in one parallel region.
+  template <typename Task, typename TaskOf>
+  void update_many_fused(const std::vector<size_t>& indices, double lr, int64_t step, double grad_scale,
+                         const TaskOf& task_of, void (*step_many)(const std::vector<Task>&)) {
+    std::vector<Task> fused;
+    fused.reserve(indices.size());
+    for (size_t i : indices) {
+      if (std::optional<Task> t = task_of(i, params_[i].param.grad(), lr, step, grad_scale)) {
+        fused.push_back(std::move(*t));
+      } else {
+        update(i, scaled_grad(i, grad_scale), lr, step);
+      }
+    }
+    step_many(fused);
+  }
   /// params_[index].param.grad() times `grad_scale` (the gradient itself when
   /// it is 1; else an fp32 copy, or the fp32 gradient scaled in place).
   at::Tensor scaled_grad(size_t index, double grad_scale) const;

@@ -493,52 +493,49 @@ void check_data_parallel(const Run& run) {
   }
 }
 
-/// The optimizer state of checkpoint `dir` that this rank keeps, by key
-/// ("<param>.<state>"): with ZeRO, the state of the tensors this rank owns
-/// under this run's TensorOwnership (so a checkpoint of any world size and
-/// stage re-shards on load); otherwise all of it. Read through the index of
-/// a sharded checkpoint (each rank maps the shard files and reads only its
-/// tensors), or from `state` (a single-file checkpoint's state.safetensors,
-/// lazily mapped). Throws shoestring::Error naming the file of a key that
-/// belongs to no trainable parameter.
-std::map<std::string, at::Tensor> owned_optimizer_state(const Run& run, const std::string& dir,
-                                                        const TrainingState& state) {
+/// What a rank restores of checkpoint `dir` beside the weights.
+struct RestoredState {
+  /// The optimizer state this rank keeps, by key ("<param>.<state>"): with
+  /// ZeRO, that of the tensors it owns under this run's TensorOwnership (so
+  /// a checkpoint of any world size and stage re-shards on load); otherwise
+  /// all of it.
+  std::map<std::string, at::Tensor> optimizer;
+  /// Every EMA shadow of the checkpoint, by parameter name (EMA::load keeps
+  /// its own): a sharded checkpoint's are in its ranks' shards.
+  std::map<std::string, at::Tensor> ema;
+};
+
+/// Reads RestoredState through the index of a sharded checkpoint (read and
+/// its files mapped once; each rank reads only its tensors), or from `state`
+/// (a single-file checkpoint's state.safetensors, lazily mapped). Throws
+/// shoestring::Error naming the file of an optimizer key that belongs to no
+/// trainable parameter, and what read_checkpoint_index throws.
+RestoredState restored_state(const Run& run, const std::string& dir, const TrainingState& state) {
   auto keeps = [&](const std::string& key, const std::string& file) {
     if (!run.zero) return true;
     const std::optional<size_t> param = run.zero->parameter_of_state(key);
     if (!param) fail("{}: optimizer state '{}' belongs to no trainable parameter of this run", file, key);
     return run.zero->ownership().owner(*param) == run.rank();
   };
-  std::map<std::string, at::Tensor> out;
+  RestoredState out;
+  out.ema.insert(state.ema.begin(), state.ema.end());
   const std::optional<CheckpointIndex> index = read_checkpoint_index(dir);
   if (!index) {
     const std::string file = (fs::path(dir) / "state.safetensors").string();
     for (const auto& [key, t] : state.optimizer) {
-      if (keeps(key, file)) out.emplace(key, t);
+      if (keeps(key, file)) out.optimizer.emplace(key, t);
     }
     return out;
   }
-  const std::string prefix = "optimizer.";
+  const std::string optimizer_prefix = "optimizer.", ema_prefix = "ema.";
   const WeightFiles files = WeightFiles::open((fs::path(dir) / kCheckpointIndexFile).string());
   for (const auto& [name, file] : index->weight_map) {
-    if (name.rfind(prefix, 0) != 0) continue;
-    const std::string key = name.substr(prefix.size());
-    if (keeps(key, files.file_of(name))) out.emplace(key, files.get(name));
-  }
-  return out;
-}
-
-/// The EMA shadows in the shards of sharded checkpoint `dir` ("ema.<param>"
-/// tensors, mapped lazily), by parameter name; empty for a single-file
-/// checkpoint (its EMA is in state.safetensors).
-std::map<std::string, at::Tensor> checkpoint_ema(const std::string& dir) {
-  std::map<std::string, at::Tensor> out;
-  const std::optional<CheckpointIndex> index = read_checkpoint_index(dir);
-  if (!index) return out;
-  const std::string prefix = "ema.";
-  const WeightFiles files = WeightFiles::open((fs::path(dir) / kCheckpointIndexFile).string());
-  for (const auto& [name, file] : index->weight_map) {
-    if (name.rfind(prefix, 0) == 0) out.emplace(name.substr(prefix.size()), files.get(name));
+    if (name.rfind(optimizer_prefix, 0) == 0) {
+      const std::string key = name.substr(optimizer_prefix.size());
+      if (keeps(key, files.file_of(name))) out.optimizer.emplace(key, files.get(name));
+    } else if (name.rfind(ema_prefix, 0) == 0) {
+      out.ema.emplace(name.substr(ema_prefix.size()), files.get(name));
+    }
   }
   return out;
 }
@@ -1065,7 +1062,8 @@ int64_t restore_checkpoint(Run& run, const std::string& dir) {
   const std::string state_path = (fs::path(dir) / "state.safetensors").string();
   TrainingState state = load_training_state(state_path);
   set_cpu_rng_state(state.rng_cpu);
-  run.gradients->optimizer().load_state_tensors(owned_optimizer_state(run, dir, state));
+  RestoredState restored = restored_state(run, dir, state);
+  run.gradients->optimizer().load_state_tensors(restored.optimizer);
   GradientPathState path_state;
   path_state.loss_scale = state.counters.loss_scale;
   path_state.loss_scale_growth_tracker = state.counters.loss_scale_growth_tracker;
@@ -1073,13 +1071,10 @@ int64_t restore_checkpoint(Run& run, const std::string& dir) {
   path_state.masters = state.master;
   run.gradients->load_state(path_state);
   if (run.ema) {
-    // A sharded checkpoint's EMA is in its ranks' shards: each rank keeps its own tensors' shadows (EMA::load).
-    std::map<std::string, at::Tensor> ema = checkpoint_ema(dir);
-    ema.insert(state.ema.begin(), state.ema.end());
-    if (ema.empty()) {
+    if (restored.ema.empty()) {
       spdlog::warn("{}: no EMA state saved; EMA restarts from the current weights", state_path);
     } else {
-      run.ema->load(ema);
+      run.ema->load(restored.ema);  // each rank keeps its own tensors' shadows
     }
   }
   run.gradients->optimizer().set_step_count(state.counters.optimizer_step_count);
