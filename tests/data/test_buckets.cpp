@@ -110,6 +110,16 @@ TEST(Buckets, SettingsAreAdjustedAndCheckedAsKohyaDoes) {
   s.min_bucket_reso = 256;
   s.max_bucket_reso = 448;
   EXPECT_THROW_WITH(adjust_bucket_settings(s, "x", nullptr), "max_bucket_reso = 448");
+  // A resolution under bucket_reso_steps has no bucket: named with the key to change.
+  BucketSettings small;
+  small.resolution = {32, 32};
+  small.enable_bucket = true;
+  small.min_bucket_reso = 32;
+  small.max_bucket_reso = 1024;
+  EXPECT_THROW_WITH(adjust_bucket_settings(small, "run.toml", nullptr), "set bucket_reso_steps to at most 32");
+  // A min_bucket_reso under the steps rounds up to one step, never to 0.
+  small.resolution = {128, 128};
+  EXPECT_EQ(adjust_bucket_settings(small, "run.toml", nullptr).min_bucket_reso, 64);
   // no_upscale: an image with a side under the steps has no bucket.
   BucketManager m(true, {512, 512}, 256, 1024, 64);
   EXPECT_THROW_WITH(m.select_bucket(40, 300), "under bucket_reso_steps");

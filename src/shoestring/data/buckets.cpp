@@ -43,8 +43,16 @@ BucketSettings adjust_bucket_settings(BucketSettings s, const std::string& where
   if (!s.enable_bucket) return s;
   if (s.bucket_reso_steps < 1) fail("{}: bucket_reso_steps must be >= 1, got {}", where, s.bucket_reso_steps);
   const int64_t steps = s.bucket_reso_steps;
+  const int64_t shorter = std::min(s.resolution.width, s.resolution.height);
+  if (shorter < steps) {
+    fail(
+        "{}: resolution {} is smaller than bucket_reso_steps = {}, and every bucket side is a multiple of it: set "
+        "bucket_reso_steps to at most {} (and min_bucket_reso to a multiple of it)",
+        where, to_string(s.resolution), steps, shorter);
+  }
   if (s.min_bucket_reso % steps != 0) {
-    const int64_t adjusted = s.min_bucket_reso - s.min_bucket_reso % steps;
+    // Rounded down, as kohya does, but never to 0.
+    const int64_t adjusted = std::max(steps, s.min_bucket_reso - s.min_bucket_reso % steps);
     if (notes) {
       notes->push_back(fmt::format("{}: min_bucket_reso {} is not a multiple of bucket_reso_steps {}; using {}", where,
                                    s.min_bucket_reso, steps, adjusted));

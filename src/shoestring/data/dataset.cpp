@@ -341,9 +341,10 @@ ImageCaptionDataset ImageCaptionDataset::load(const std::string& path, int resol
   const fs::path p(path);
   if (!fs::exists(p, ec)) {
     fail(
-        "dataset path {} does not exist. For the emoji example, run scripts/fetch_twemoji.sh: it "
-        "downloads emoji-datasource-twitter@16.0.0 and prints the dataset path to use "
-        "(by default ~/.cache/shoestring/emoji-datasource-twitter-16.0.0)",
+        "dataset path {} does not exist (train_data_dir: a folder of images with caption files, or the Twemoji "
+        "set; a relative path is taken from the working directory). The emoji example's Twemoji set comes from "
+        "scripts/fetch_twemoji.sh, which prints its path (by default "
+        "~/.cache/shoestring/emoji-datasource-twitter-16.0.0)",
         path);
   }
   if (fs::is_regular_file(p, ec) && p.filename() == "emoji.json") {
