@@ -3,7 +3,11 @@
 // tensors shaped like the SDXL UNet's.
 //
 //   build/bench/optimizer_memory [--params 100e6] [--steps 3] [--threads 0] [--only TEXT] [--json] [--flat]
-//                                [--isa avx512|avx2|portable]
+//                                [--isa avx512|avx2|portable] [--generic]
+//
+// --generic: every optimizer takes its device-generic path (ATen op chains,
+// what GPU tensors take; force_device_generic_optimizers), to measure the
+// fused CPU kernels against the op chains side by side.
 //
 // --isa: the most the fused kernels may use (fused_kernels_limit_isa), to
 // measure the AVX2 (x86-64-v3) or portable code on an AVX-512 machine; the
@@ -513,6 +517,7 @@ int main(int argc, char** argv) {
   bool json = false;
   bool flat = false;
   std::string isa = "avx512";
+  bool generic = false;
   app.add_option("--params", target, "approximate number of parameters (default 100e6)")->check(CLI::Range(1e4, 3e9));
   app.add_option("--steps", steps, "timed optimizer steps per configuration (median)")->check(CLI::Range(1, 1000));
   app.add_option("--threads", threads, "intra-op threads (0 = every allowed CPU)");
@@ -522,9 +527,12 @@ int main(int argc, char** argv) {
                "one [--params / 1024, 1024] matrix instead of the SDXL-shaped list (no per-tensor costs)");
   app.add_option("--isa", isa, "the most the fused kernels may use (fused_kernels_limit_isa)")
       ->check(CLI::IsMember({"avx512", "avx2", "portable"}));
+  app.add_flag("--generic", generic, "the device-generic optimizer paths (ATen op chains), not the fused CPU kernels");
   CLI11_PARSE(app, argc, argv);
+  force_device_generic_optimizers(generic);
   fused_kernels_limit_isa(isa == "avx512" ? FusedKernelIsa::avx512
-                                          : isa == "avx2" ? FusedKernelIsa::avx2 : FusedKernelIsa::portable);
+                          : isa == "avx2" ? FusedKernelIsa::avx2
+                                          : FusedKernelIsa::portable);
   shoestring::bench::print_machine(json);
   try {
     MemoryLedger::global().install();

@@ -49,9 +49,9 @@ inline GoldenParams golden_params(const nlohmann::json& ref, const nlohmann::jso
 
 /// Steps `opt` through the run's gradients at its lr; after each step the
 /// gradients must be unchanged and, where the file has a snapshot, every
-/// parameter within 1e-6 relative of it. Returns the snapshots compared.
+/// parameter within `tolerance` (max_rel) of it. Returns the snapshots compared.
 inline int replay_golden_steps(Optimizer& opt, std::vector<at::Tensor>& params, const nlohmann::json& ref,
-                               const nlohmann::json& run, const std::string& key) {
+                               const nlohmann::json& run, const std::string& key, double tolerance = 1e-6) {
   const double lr = run["lr"];
   int checked = 0;
   for (size_t s = 0; s < run["steps"].size(); ++s) {
@@ -67,7 +67,7 @@ inline int replay_golden_steps(Optimizer& opt, std::vector<at::Tensor>& params, 
     }
     if (!rec.contains("params")) continue;
     for (size_t i = 0; i < params.size(); ++i) {
-      EXPECT_LT(max_rel(params[i].detach(), golden_tensor(rec["params"][i], ref["shapes"][i])), 1e-6)
+      EXPECT_LT(max_rel(params[i].detach(), golden_tensor(rec["params"][i], ref["shapes"][i])), tolerance)
           << key << " step " << s + 1 << " param " << i;
       ++checked;
     }

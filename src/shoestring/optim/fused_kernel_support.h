@@ -1,5 +1,5 @@
 // Internal to optim/: what the fused CPU kernels (fused_kernels.cpp: AdamW
-// and Lion; fused_adamw8bit.cpp; fused_adafactor.cpp) share: the compile
+// and Lion; fused_adamw8bit.cpp; fused_adafactor.cpp; fused_sparkles.cpp) share: the compile
 // options their loops need, bf16 bit handling, rounding on store, the AdamW
 // constants and the checks of the public entry points (optim/fused_kernels.h).
 // Include it first in a kernel file, and compile that file as CMakeLists.txt

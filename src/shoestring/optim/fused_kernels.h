@@ -256,6 +256,83 @@ bool fused_adafactor_unfactored_supported(const at::Tensor& param, const at::Ten
 void fused_adafactor_unfactored_step(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_avg_sq,
                                      const FusedAdafactorScalars& scalars, const FusedRoundingKeys& keys);
 
+/// Scalars of one SPARKLES step (optim/sparkles.h has the formulas and the
+/// meaning of each; rakki194/SPARKLES sparkles.py with the fixes of
+/// docs/optimizers/sparkles.md).
+struct FusedSparklesScalars {
+  double lr = 1e-3;                    ///< learning rate of this step
+  int64_t step = 1;                    ///< 1-based step t (bias corrections; permutation only for t > 1)
+  double beta1 = 0.9, beta2 = 0.999;   ///< moment decays
+  double eps = 1e-8;                   ///< added to the bias-corrected sqrt(v)
+  double weight_decay = 0.0;           ///< coupled (g + wd p) unless decouple_weight_decay
+  bool decouple_weight_decay = false;  ///< p (1 - s wd) instead
+  double centralization = 0.5;         ///< c: g - c mean(g over dims >= 1), tensors of >= 2 dims
+  double normalization = 0.5;          ///< a: interpolation towards g / (std(g) + 1e-8)
+  bool normalize_channels = true;      ///< std per slice of dim 0 (else of the whole tensor)
+  double amp_fac = 2.0;                ///< amplification of the first moment
+  bool clip_gradients = false;         ///< clamp the update to +-t^0.25
+  double stochastic_threshold = 1e-6;  ///< permute when ||gh - prev_grad||_2 < this (0 = never)
+  double grad_scale = 1.0;             ///< the gradient is multiplied by this first (1 = none)
+};
+
+/// Rounding keys of a SPARKLES step: the parameter as FusedRoundingKeys
+/// says; the three states (bf16: always stochastic rounding) with their own.
+struct FusedSparklesKeys {
+  bool stochastic_rounding = true;
+  RoundingKey param, ema, ema_squared, prev_grad;
+};
+
+/// True when fused_sparkles_step can run: param, grad, ema, ema_squared,
+/// prev_grad defined, CPU, strided and contiguous, of one numel; param and
+/// grad float32 or bfloat16; the three states float32, or all three bfloat16.
+bool fused_sparkles_supported(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& ema,
+                              const at::Tensor& ema_squared, const at::Tensor& prev_grad);
+
+/// One SPARKLES step (optim/sparkles.h) of `param` in two passes over memory
+/// instead of the op chain's ~20, with no full-size temporary. Slices are
+/// those of dim 0 for tensors of >= 2 dims (the whole tensor is one slice
+/// for vectors and scalars); grad is read in param's shape.
+///  Pass 1, per slice (in cache): mean and unbiased variance of the gradient
+///  (fp32 partials added into double), hence the centralization c mean_r and
+///  the normalization factor f = (1 - a) + a / (std + 1e-8) (per slice, or
+///  of the whole tensor from the slices' moments, Chan et al. 1979); when
+///  t > 1 and the threshold is > 0, also ||gh - prev_grad||^2 with gh as
+///  pass 2 will compute it (a third pass, on one thread between the two,
+///  when the normalization is global over several slices: normalize_channels
+///  off).
+///  Pass 2, per element in fp32: g = ((g grad_scale - c mean) f) [+ wd p coupled];
+///  m = fma(g, 1 - b1, m b1); gh = fma(m, amp, g);
+///  v = fma((1 - b2) gh, gh, v b2); u = gh / (sqrt(v) / sqrt(1 - b2^t) + eps)
+///  * lr / (1 - b1^t) [clamped]; p = p [(1 - s wd)] - u; prev_grad = gh;
+///  stored as fused_adamw_step stores (keys: param, ema, ema_squared, prev_grad).
+/// Differences from the op chain (Sparkles::update's generic path): the
+/// interpolation is g f rather than at::lerp(g, g / s, a), and the sums are
+/// more accurate than libtorch's fp32 reductions: results match it to fp32
+/// rounding, not bit for bit (tests/optim/test_device_generic.cpp).
+/// Returns false, having written nothing, when the permutation criterion
+/// holds (||gh - prev_grad|| < threshold at t > 1): the caller then runs the
+/// op chain, which permutes. Chunks are fixed by the shape, so results do not
+/// depend on the thread count; both passes run in one parallel region (on the
+/// calling thread below 262144 elements' worth of work). Throws shoestring::Error when
+/// !fused_sparkles_supported(...), naming the tensor.
+bool fused_sparkles_step(at::Tensor& param, const at::Tensor& grad, at::Tensor& ema, at::Tensor& ema_squared,
+                         at::Tensor& prev_grad, const FusedSparklesScalars& scalars, const FusedSparklesKeys& keys);
+
+/// One tensor of fused_sparkles_step_many: the arguments of fused_sparkles_step.
+struct FusedSparklesTensor {
+  at::Tensor param, grad, ema, ema_squared, prev_grad;
+  FusedSparklesScalars scalars;
+  FusedSparklesKeys keys;
+};
+
+/// fused_sparkles_step on every entry (multi-tensor apply): pass 1 of all of
+/// them, then pass 2 of all of them, in one parallel region; entry i of the
+/// result is what fused_sparkles_step returns for it (false: permuted, not
+/// written). The same bits as calling fused_sparkles_step on each. Every entry
+/// is checked first: throws shoestring::Error naming the first unsupported
+/// one before any tensor is written. No two entries may share memory.
+std::vector<bool> fused_sparkles_step_many(const std::vector<FusedSparklesTensor>& tensors);
+
 /// The instruction sets every fused kernel is built for, in order: portable
 /// (baseline x86-64 or any other target), avx2 (x86-64-v3: AVX2 + FMA) and
 /// avx512 (x86-64-v4); AdamW8bit's avx2 and avx512 kernels are written with

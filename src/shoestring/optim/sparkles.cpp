@@ -55,10 +55,9 @@ at::Tensor Sparkles::permutation(int64_t n, RoundingKey key) {
   return perm;
 }
 
-void Sparkles::update(size_t index, const at::Tensor& grad_in, double lr, int64_t step) {
-  at::Tensor& live = params_[index].param;
-  check_gradient(index, grad_in, "SPARKLES");
-  const double wd = params_[index].weight_decay;
+bool Sparkles::prepare(size_t index, const at::Tensor& grad) {
+  const at::Tensor& live = params_[index].param;
+  check_gradient(index, grad, "SPARKLES");
   create_zero_state(index, {"ema", "ema_squared", "prev_grad"});
   permuted_[index] = 0;
   for (const char* name : {"ema", "ema_squared", "prev_grad"}) {
@@ -68,7 +67,73 @@ void Sparkles::update(size_t index, const at::Tensor& grad_in, double lr, int64_
            c10::str(live.sizes()));
     }
   }
-  if (live.numel() == 0) return;
+  return live.numel() != 0;
+}
+
+std::optional<FusedSparklesTensor> Sparkles::fused_task(size_t index, const at::Tensor& grad, double lr, int64_t step,
+                                                        double grad_scale) {
+  const at::Tensor& live = params_[index].param;
+  const at::Tensor& m = state(index, "ema");
+  const at::Tensor& v = state(index, "ema_squared");
+  const at::Tensor& prev = state(index, "prev_grad");
+  if (!fast_cpu_path(live) || !fused_sparkles_supported(live, grad, m, v, prev)) return std::nullopt;
+  FusedSparklesTensor t{live, grad, m, v, prev, {}, {}};
+  FusedSparklesScalars& s = t.scalars;
+  s.lr = lr;
+  s.step = step;
+  s.beta1 = sparkles_.beta1;
+  s.beta2 = sparkles_.beta2;
+  s.eps = sparkles_.eps;
+  s.weight_decay = params_[index].weight_decay;
+  s.decouple_weight_decay = sparkles_.decouple_weight_decay;
+  s.centralization = sparkles_.centralization;
+  s.normalization = sparkles_.normalization;
+  s.normalize_channels = sparkles_.normalize_channels;
+  s.amp_fac = sparkles_.amp_fac;
+  s.clip_gradients = sparkles_.clip_gradients;
+  s.stochastic_threshold = sparkles_.stochastic_threshold;
+  s.grad_scale = grad_scale;
+  t.keys.stochastic_rounding = options_.stochastic_rounding;
+  t.keys.param = rounding_key(index, step);
+  t.keys.ema = rounding_key(index, step, 1);
+  t.keys.ema_squared = rounding_key(index, step, 2);
+  t.keys.prev_grad = rounding_key(index, step, 3);
+  return t;
+}
+
+void Sparkles::update(size_t index, const at::Tensor& grad_in, double lr, int64_t step) {
+  if (!prepare(index, grad_in)) return;
+  // CPU tensors: two passes over memory (optim/fused_kernels.h), the op
+  // chain's results to fp32 rounding. A step whose update is permuted (rare)
+  // is left to the op chain.
+  if (std::optional<FusedSparklesTensor> t = fused_task(index, grad_in, lr, step, 1.0)) {
+    if (fused_sparkles_step_many({*t})[0]) return;
+  }
+  update_op_chain(index, grad_in, lr, step);
+}
+
+void Sparkles::update_many(const std::vector<size_t>& indices, double lr, int64_t step, double grad_scale) {
+  // The kernel scales the gradient as it reads it: no fp32 copies.
+  std::vector<FusedSparklesTensor> fused;
+  std::vector<size_t> fused_index;
+  for (size_t i : indices) {
+    if (!prepare(i, params_[i].param.grad())) continue;
+    if (std::optional<FusedSparklesTensor> t = fused_task(i, params_[i].param.grad(), lr, step, grad_scale)) {
+      fused.push_back(std::move(*t));
+      fused_index.push_back(i);
+    } else {
+      update_op_chain(i, scaled_grad(i, grad_scale), lr, step);
+    }
+  }
+  const std::vector<bool> done = fused_sparkles_step_many(fused);
+  for (size_t j = 0; j < fused.size(); ++j) {
+    if (!done[j]) update_op_chain(fused_index[j], scaled_grad(fused_index[j], grad_scale), lr, step);
+  }
+}
+
+void Sparkles::update_op_chain(size_t index, const at::Tensor& grad_in, double lr, int64_t step) {
+  at::Tensor& live = params_[index].param;
+  const double wd = params_[index].weight_decay;
   at::Tensor& m_stored = state(index, "ema");
   at::Tensor& v_stored = state(index, "ema_squared");
   at::Tensor& prev_stored = state(index, "prev_grad");

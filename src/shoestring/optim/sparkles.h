@@ -26,6 +26,7 @@
 // State ema (m), ema_squared (v), prev_grad: 12 bytes/parameter in fp32, 6 in
 // bf16 with stochastic rounding (OptimizerOptions::state_dtype).
 #pragma once
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -61,6 +62,10 @@ class Sparkles : public Optimizer {
   /// params()[index].weight_decay. Throws shoestring::Error on a gradient of
   /// the wrong size, naming the parameter.
   void update(size_t index, const at::Tensor& grad, double lr, int64_t step) override;
+  /// update() on each: CPU tensors that fused_sparkles_supported accepts in
+  /// one fused_sparkles_step_many (one parallel region), the rest, and any
+  /// whose update is permuted, through the op chain.
+  void update_many(const std::vector<size_t>& indices, double lr, int64_t step, double grad_scale) override;
 
   /// True when the last update of parameter `index` permuted its update
   /// (sparkles.py's state["stochastic_applied"]; not saved in checkpoints).
@@ -78,6 +83,17 @@ class Sparkles : public Optimizer {
   static at::Tensor permutation(int64_t n, RoundingKey key);
 
  private:
+  /// Checks the gradient and creates or checks the state; false when the
+  /// parameter is empty (nothing to do).
+  bool prepare(size_t index, const at::Tensor& grad);
+  /// The fused kernel's task for parameter `index` (its gradient times
+  /// grad_scale), or nullopt when the kernel does not take its tensors
+  /// (prepare() first).
+  std::optional<FusedSparklesTensor> fused_task(size_t index, const at::Tensor& grad, double lr, int64_t step,
+                                                double grad_scale);
+  /// The ATen op chain (any device and dtype; the permutation).
+  void update_op_chain(size_t index, const at::Tensor& grad, double lr, int64_t step);
+
   SparklesOptions sparkles_;
   std::vector<char> permuted_;
 };
