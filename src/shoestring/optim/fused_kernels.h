@@ -297,9 +297,9 @@ bool fused_sparkles_supported(const at::Tensor& param, const at::Tensor& grad, c
 ///  the normalization factor f = (1 - a) + a / (std + 1e-8) (per slice, or
 ///  of the whole tensor from the slices' moments, Chan et al. 1979); when
 ///  t > 1 and the threshold is > 0, also ||gh - prev_grad||^2 with gh as
-///  pass 2 will compute it (a third pass, on one thread between the two,
-///  when the normalization is global over several slices: normalize_channels
-///  off).
+///  pass 2 will compute it (a pass of its own, after the whole tensor's
+///  factor, when the normalization is global over several slices:
+///  normalize_channels off, or slices of one element such as [N, 1]).
 ///  Pass 2, per element in fp32: g = ((g grad_scale - c mean) f) [+ wd p coupled];
 ///  m = fma(g, 1 - b1, m b1); gh = fma(m, amp, g);
 ///  v = fma((1 - b2) gh, gh, v b2); u = gh / (sqrt(v) / sqrt(1 - b2^t) + eps)
@@ -312,8 +312,11 @@ bool fused_sparkles_supported(const at::Tensor& param, const at::Tensor& grad, c
 /// Returns false, having written nothing, when the permutation criterion
 /// holds (||gh - prev_grad|| < threshold at t > 1): the caller then runs the
 /// op chain, which permutes. Chunks are fixed by the shape, so results do not
-/// depend on the thread count; both passes run in one parallel region (on the
-/// calling thread below 262144 elements' worth of work). Throws shoestring::Error when
+/// depend on the thread count or the instruction set; both passes run in one
+/// parallel region (three with such a pass of its own; on the calling thread
+/// below 262144 elements' worth of work). Without coupled weight decay the
+/// weight does not enter g (its bits are masked), so an inf weight stays out
+/// of the state as on the op chain. Throws shoestring::Error when
 /// !fused_sparkles_supported(...), naming the tensor.
 bool fused_sparkles_step(at::Tensor& param, const at::Tensor& grad, at::Tensor& ema, at::Tensor& ema_squared,
                          at::Tensor& prev_grad, const FusedSparklesScalars& scalars, const FusedSparklesKeys& keys);

@@ -30,6 +30,12 @@ SHOESTRING_ALWAYS_INLINE double lane_sum(int64_t n, const Term& term) {
   return total;
 }
 
+SHOESTRING_ALWAYS_INLINE float float_of(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
 struct SparklesArgs {
   void* param;
   const void* grad;
@@ -41,6 +47,8 @@ struct SparklesArgs {
   const float* scale;   // [rows]: f of the slice (1 without normalization)
   float grad_scale;     // the gradient is multiplied by this first
   float wd;             // coupled weight decay (0 when decoupled or none)
+  uint32_t p_mask;      // ~0 with coupled decay, else 0: the weight's bits enter g only then
+  int64_t update_k;     // pass 2's slice length: k, or n when every slice has the same factors
   float beta1, one_minus_beta1, beta2, one_minus_beta2, amp, bias_correction2_sqrt, eps, step_size;
   float decay;  // 1 - s wd with decoupled decay, else 1
   float clip;   // t^0.25 when clipping, else +inf
@@ -114,8 +122,9 @@ SHOESTRING_ALWAYS_INLINE double change_norm2(const SparklesArgs& a, int64_t r0, 
 
 // Pass 2 over elements [e0, e1). Straight-line arithmetic without selects
 // on the options (GCC 12 unswitched such a loop on them and ran an
-// unvectorized copy): wd is 0 without coupled decay (fma(p, 0, g) = g for a
-// finite p), decay 1 without decoupled decay, clip +inf without clipping.
+// unvectorized copy): without coupled decay wd is 0 and the weight's bits are
+// masked to +0 (so an inf weight cannot turn g into NaN), decay is 1 without
+// decoupled decay, clip +inf without clipping.
 template <typename P, typename G, typename S, Rounding kParamRounding>
 SHOESTRING_ALWAYS_INLINE void update_elements(const SparklesArgs& a, int64_t e0, int64_t e1) {
   P* __restrict p_ptr = static_cast<P*>(a.param);
@@ -126,11 +135,13 @@ SHOESTRING_ALWAYS_INLINE void update_elements(const SparklesArgs& a, int64_t e0,
   const float wd = a.wd, beta1 = a.beta1, one_minus_beta1 = a.one_minus_beta1, beta2 = a.beta2;
   const float one_minus_beta2 = a.one_minus_beta2, amp = a.amp, bc2 = a.bias_correction2_sqrt, eps = a.eps;
   const float step_size = a.step_size, decay = a.decay, clip = a.clip, grad_scale = a.grad_scale;
+  const uint32_t p_mask = a.p_mask;
+  const int64_t k = a.update_k;
   StoreWords<P, kParamRounding> p_words;
   StoreWords<S, Rounding::stochastic> m_words, v_words, prev_words;
   for (int64_t e = e0; e < e1;) {
-    const int64_t r = e / a.k;
-    const int64_t end = std::min(e1, (r + 1) * a.k);
+    const int64_t r = e / k;
+    const int64_t end = std::min(e1, (r + 1) * k);
     const float center = a.center[r], scale = a.scale[r];
     for (int64_t b = e; b < end; b += kRandom16BlockSize) {
       const int64_t len = std::min(kRandom16BlockSize, end - b);
@@ -143,7 +154,7 @@ SHOESTRING_ALWAYS_INLINE void update_elements(const SparklesArgs& a, int64_t e0,
         const int64_t i = b + q;
         const float p0 = load(p_ptr, i);
         const float g1 = (load(g_ptr, i) * grad_scale - center) * scale;
-        const float g = fma_f32(p0, wd, g1);
+        const float g = fma_f32(float_of(bits_of(p0) & p_mask), wd, g1);
         const float m = fma_f32(g, one_minus_beta1, load(m_ptr, i) * beta1);
         const float gh = fma_f32(m, amp, g);
         const float v = fma_f32(one_minus_beta2 * gh, gh, load(v_ptr, i) * beta2);
@@ -279,11 +290,14 @@ struct SparklesPlan {
     if (change_in_pass1) chunk_norm2[static_cast<size_t>(q)] = change(a, r0, r1);
   }
 
+  // The change norm of a whole-tensor normalization needs the whole
+  // tensor's factor first: a pass of its own between pass 1 and the decision.
+  bool needs_change_pass() const { return norm == Norm::whole && check_change; }
+
   // Between the passes (one thread): the factors of a whole-tensor
   // normalization from the slices' moments (Chan, Golub & LeVeque's pairwise
-  // combination, in slice order) and then, for such a tensor, its change norm
-  // (one thread: only with normalize_channels off); the permutation decision.
-  void between() {
+  // combination, in slice order).
+  void finish_factors() {
     if (norm == Norm::whole) {
       double total_mean = 0.0;
       for (int64_t r = 0; r < a.rows; ++r) {
@@ -299,11 +313,16 @@ struct SparklesPlan {
         total_m2 += m2[i] + static_cast<double>(a.k) * d * d;
       }
       std::fill(scale.begin(), scale.end(), scale_of(total_m2, n));
-      if (check_change) {
-        std::fill(chunk_norm2.begin(), chunk_norm2.end(), 0.0);
-        chunk_norm2[0] = change(a, 0, a.rows);  // slice_chunks >= 1 here
-      }
     }
+  }
+
+  // The change-norm pass of needs_change_pass(), slice chunk q.
+  void change_pass(int64_t q) {
+    chunk_norm2[static_cast<size_t>(q)] = change(a, q * slice_rows, std::min(a.rows, (q + 1) * slice_rows));
+  }
+
+  // The permutation decision from the chunks' change norms (in chunk order).
+  void decide() {
     if (check_change) {
       double norm2 = 0.0;
       for (double x : chunk_norm2) norm2 += x;
@@ -371,6 +390,8 @@ SparklesPlan make_plan(const FusedSparklesTensor& t) {
   const bool coupled = s.weight_decay != 0 && !s.decouple_weight_decay;
   a.wd = coupled ? static_cast<float>(s.weight_decay) : 0.0f;
   a.coupled = coupled;
+  a.p_mask = coupled ? ~0u : 0u;
+  a.update_k = plan.center_on || plan.norm == SparklesPlan::Norm::per_slice ? a.k : n;
   a.beta1 = static_cast<float>(s.beta1);
   a.one_minus_beta1 = static_cast<float>(1.0 - s.beta1);
   a.beta2 = static_cast<float>(s.beta2);
@@ -420,26 +441,56 @@ std::vector<bool> fused_sparkles_step_many(const std::vector<FusedSparklesTensor
     work += plan.n * (plan.change_in_pass1 ? 4 : 3);
   }
   // Both passes in one parallel region (PhasedChunks); the thread that
-  // finishes the last pass-1 chunk runs every tensor's between() (no
-  // allocation there: it must not throw while the others wait).
+  // finishes the last pass-1 chunk computes every tensor's factors and
+  // decision (no allocation there: it must not throw while the others wait).
+  // A tensor normalized as a whole and checked for the permutation needs a
+  // pass in between: then three regions.
   const auto n1 = static_cast<int64_t>(first.size()), n2 = static_cast<int64_t>(second.size());
-  PhasedChunks phases(n1, n2);
-  auto between = [&] {
-    for (SparklesPlan& plan : plans) {
-      if (plan.n > 0) plan.between();
-    }
-    phases.open_second();
+  auto run_pass = [&](const std::vector<ChunkRef>& chunks, auto&& body) {
+    run_chunks(static_cast<int64_t>(chunks.size()), work, [&](ChunkQueue& queue) {
+      for (int64_t c; (c = queue.take()) >= 0;) {
+        const ChunkRef& ref = chunks[static_cast<size_t>(c)];
+        body(plans[static_cast<size_t>(ref.plan)], ref.chunk);
+      }
+    });
   };
-  if (n1 == 0) between();
-  run_chunks(n1 + n2, work, [&](ChunkQueue&) {
-    for (int64_t c; (c = phases.take_first()) >= 0;) {
-      plans[static_cast<size_t>(first[static_cast<size_t>(c)].plan)].pass1(first[static_cast<size_t>(c)].chunk);
-      if (phases.finish_first()) between();
+  bool change_pass = false;
+  for (const SparklesPlan& plan : plans) change_pass = change_pass || (plan.n > 0 && plan.needs_change_pass());
+  if (change_pass) {
+    run_pass(first, [](SparklesPlan& plan, int64_t q) { plan.pass1(q); });
+    std::vector<ChunkRef> middle;
+    for (size_t p = 0; p < plans.size(); ++p) {
+      if (plans[p].n == 0) continue;
+      plans[p].finish_factors();
+      if (!plans[p].needs_change_pass()) continue;
+      for (int64_t q = 0; q < plans[p].slice_chunks; ++q) middle.push_back({static_cast<int64_t>(p), q});
     }
-    for (int64_t c; (c = phases.take_second()) >= 0;) {
-      plans[static_cast<size_t>(second[static_cast<size_t>(c)].plan)].pass2(second[static_cast<size_t>(c)].chunk);
+    run_pass(middle, [](SparklesPlan& plan, int64_t q) { plan.change_pass(q); });
+    for (SparklesPlan& plan : plans) {
+      if (plan.n > 0) plan.decide();
     }
-  });
+    run_pass(second, [](SparklesPlan& plan, int64_t q) { plan.pass2(q); });
+  } else {
+    PhasedChunks phases(n1, n2);
+    auto between = [&] {
+      for (SparklesPlan& plan : plans) {
+        if (plan.n == 0) continue;
+        plan.finish_factors();
+        plan.decide();
+      }
+      phases.open_second();
+    };
+    if (n1 == 0) between();
+    run_chunks(n1 + n2, work, [&](ChunkQueue&) {
+      for (int64_t c; (c = phases.take_first()) >= 0;) {
+        plans[static_cast<size_t>(first[static_cast<size_t>(c)].plan)].pass1(first[static_cast<size_t>(c)].chunk);
+        if (phases.finish_first()) between();
+      }
+      for (int64_t c; (c = phases.take_second()) >= 0;) {
+        plans[static_cast<size_t>(second[static_cast<size_t>(c)].plan)].pass2(second[static_cast<size_t>(c)].chunk);
+      }
+    });
+  }
   std::vector<bool> done(tensors.size());
   for (size_t i = 0; i < tensors.size(); ++i) {
     done[i] = !plans[i].permute;
