@@ -132,21 +132,27 @@ void expect_sharded_state(const std::vector<Trajectory>& ranks, double total, co
   std::cout << what << ": optimizer state bytes per rank" << per_rank << " of " << total << " in one process\n";
 }
 
-/// 2 ranks x batch 2 at zero_stage 0, 1 and 2 with the optimizer settings
-/// `extra` (TOML): stages 1 and 2 train as stage 0.
-void expect_stages_train_as_stage_0(const std::string& name, const std::string& extra) {
+/// 2 ranks x batch 2 at zero_stage 0 and 2 (and 1 when `stage_1`) with the
+/// optimizer settings `extra` (TOML): stages 1 and 2 train as stage 0. (Stage
+/// 1 shards only the optimizer state, which stage 2 shards the same way: it
+/// runs for one optimizer, to keep the suite's time.)
+void expect_stages_train_as_stage_0(const std::string& name, const std::string& extra, bool stage_1 = false) {
   const std::string dir = fresh_dist_dir("zero_" + name);
   // 2 ranks x batch 2 at zero_stage 0, 1 and 2 (clipping on: max_grad_norm 1 by default).
   const std::vector<Trajectory> s0 = train_ranks(dir, {"s0", 2, 2, 0, extra});
-  const std::vector<Trajectory> s1 = train_ranks(dir, {"s1", 2, 2, 1, extra});
   const std::vector<Trajectory> s2 = train_ranks(dir, {"s2", 2, 2, 2, extra});
   ASSERT_EQ(s0.size(), 2u);
-  ASSERT_EQ(s1.size(), 2u);
   ASSERT_EQ(s2.size(), 2u);
-  // Stage 1 reduces as stage 0 and clips with the same local norm; each
-  // tensor's owner applies the very update stage 0 applies everywhere.
-  expect_matches_one_process(s1[0], s0[0], 1e-5);
-  expect_same_weights(s1[0], s0[0], "zero_stage 1 vs 0");
+  if (stage_1) {
+    const std::vector<Trajectory> s1 = train_ranks(dir, {"s1", 2, 2, 1, extra});
+    ASSERT_EQ(s1.size(), 2u);
+    // Stage 1 reduces as stage 0 and clips with the same local norm; each
+    // tensor's owner applies the very update stage 0 applies everywhere.
+    expect_matches_one_process(s1[0], s0[0], 1e-5);
+    expect_same_weights(s1[0], s0[0], "zero_stage 1 vs 0");
+    std::cout << name << ": max |weight diff| stage 1 vs 0 " << max_weight_diff(s1[0], s0[0]) << "\n";
+    expect_sharded_state(s1, s0[0].optimizer_state_peak, name + " stage 1");
+  }
   // Stage 2: the same sums (a + b for two ranks), the norm summed in
   // another order: equal up to the last bits of the clipping factor.
   expect_matches_one_process(s2[0], s0[0], 1e-5);
@@ -157,15 +163,13 @@ void expect_stages_train_as_stage_0(const std::string& name, const std::string& 
     EXPECT_NEAR(s2[0].grad_norms[s], s0[0].grad_norms[s], 1e-9 * s0[0].grad_norms[s]) << "step " << s + 1;
     EXPECT_NEAR(s2[1].grad_norms[s], s0[0].grad_norms[s], 1e-9 * s0[0].grad_norms[s]) << "step " << s + 1;
   }
-  std::cout << name << ": max |weight diff| stage 1 vs 0 " << max_weight_diff(s1[0], s0[0]) << ", stage 2 vs 0 "
-            << max_weight_diff(s2[0], s0[0]) << "\n";
+  std::cout << name << ": max |weight diff| stage 2 vs 0 " << max_weight_diff(s2[0], s0[0]) << "\n";
   // zero_stage 0 keeps the whole state on every rank; stages 1 and 2 about half each.
   EXPECT_EQ(s0[0].optimizer_state_peak, s0[1].optimizer_state_peak);
-  expect_sharded_state(s1, s0[0].optimizer_state_peak, name + " stage 1");
   expect_sharded_state(s2, s0[0].optimizer_state_peak, name + " stage 2");
 }
 
-TEST(ZeroTwoRanks, AdamW) { expect_stages_train_as_stage_0("AdamW", "optimizer_type = \"AdamW\""); }
+TEST(ZeroTwoRanks, AdamW) { expect_stages_train_as_stage_0("AdamW", "optimizer_type = \"AdamW\"", /*stage_1=*/true); }
 TEST(ZeroTwoRanks, AdamW8bit) { expect_stages_train_as_stage_0("AdamW8bit", "optimizer_type = \"AdamW8bit\""); }
 TEST(ZeroTwoRanks, Adafactor) { expect_stages_train_as_stage_0("Adafactor", "optimizer_type = \"Adafactor\""); }
 // bf16 weights, updated through stochastic rounding keyed by the parameter's index.
