@@ -111,6 +111,10 @@ def make_rows(args, bf16_units):
             sys.exit(f"peer_step: unknown row(s) {', '.join(unknown)}{' with --quick' if args.quick else ''}; "
                      f"rows: {', '.join(known)}")
         rows = [r for r in rows if r["name"] in wanted]
+    if args.dtype:
+        rows = [r for r in rows if r["dtype"] == args.dtype]
+    if args.fused:
+        rows = [r for r in rows if r["fused"] == (args.fused == "yes")]
     for r in rows:
         if args.rounds:
             r["rounds"] = args.rounds
@@ -182,6 +186,8 @@ def main():
     ap.add_argument("--quick", action="store_true", help="tiny widths (checks the setup in about a minute)")
     ap.add_argument("--rows", default="", help="comma-separated row names (emoji, sd15-256, sd15-512, sdxl-512; "
                     "quick: emoji, sd15-tiny-64, sdxl-tiny-64)")
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="", help="only the rows of this dtype")
+    ap.add_argument("--fused", choices=["yes", "no"], default="", help="only the fused (or unfused) rows")
     ap.add_argument("--rounds", type=int, default=0, help="alternations per row (default: per row)")
     ap.add_argument("--steps", type=int, default=0, help="steps per process, first one not counted (default: per row)")
     ap.add_argument("--build-dir", default=os.environ.get("SHOESTRING_BUILD_DIR", os.path.join(ROOT, "build")))
