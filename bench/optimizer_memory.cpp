@@ -520,7 +520,7 @@ int main(int argc, char** argv) {
   bool generic = false;
   app.add_option("--params", target, "approximate number of parameters (default 100e6)")->check(CLI::Range(1e4, 3e9));
   app.add_option("--steps", steps, "timed optimizer steps per configuration (median)")->check(CLI::Range(1, 1000));
-  app.add_option("--threads", threads, "intra-op threads (0 = every allowed CPU)");
+  app.add_option("--threads", threads, "intra-op threads (0 = every allowed CPU)")->check(CLI::NonNegativeNumber);
   app.add_option("--only", only, "run only configurations whose name contains this text");
   app.add_flag("--json", json, "one JSON object per configuration, one per line");
   app.add_flag("--flat", flat,
@@ -529,6 +529,10 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"avx512", "avx2", "portable"}));
   app.add_flag("--generic", generic, "the device-generic optimizer paths (ATen op chains), not the fused CPU kernels");
   CLI11_PARSE(app, argc, argv);
+  if (generic && app.count("--isa") > 0) {
+    std::cerr << "optimizer_memory: --isa limits the fused kernels, which --generic does not run\n";
+    return 2;
+  }
   force_device_generic_optimizers(generic);
   fused_kernels_limit_isa(isa == "avx512" ? FusedKernelIsa::avx512
                           : isa == "avx2" ? FusedKernelIsa::avx2
@@ -547,17 +551,18 @@ int main(int argc, char** argv) {
     for (const auto& s : specs) by_kind[static_cast<int>(s.kind)] += numel_of(s);
     const int64_t total = total_params(specs);
     const double load_before = load_average();
+    const std::string paths = generic ? std::string("op chains (--generic)")
+                                      : fmt::format("fused kernels {}", fused_kernel_isa_name(fused_kernels_isa()));
     if (!json && flat) {
-      std::cout << fmt::format(
-          "one [{}, 1024] matrix, {} parameters\n  threads {}, fused kernels {}, load average {:.2f} at start\n",
-          specs[0].shape[0], total, at::get_num_threads(), fused_kernel_isa_name(fused_kernels_isa()), load_before);
+      std::cout << fmt::format("one [{}, 1024] matrix, {} parameters\n  threads {}, {}, load average {:.2f} at start\n",
+                               specs[0].shape[0], total, at::get_num_threads(), paths, load_before);
     } else if (!json) {
       std::cout << fmt::format(
           "SDXL-UNet-shaped parameter set: model_channels {} (SDXL: 320), {} tensors, {} parameters\n"
           "  conv {:.1f}%, linear {:.1f}%, norm {:.2f}%, bias {:.2f}%\n"
-          "  threads {}, fused kernels {}, load average {:.2f} at start\n",
+          "  threads {}, {}, load average {:.2f} at start\n",
           c0, specs.size(), total, 100.0 * by_kind[0] / total, 100.0 * by_kind[1] / total, 100.0 * by_kind[2] / total,
-          100.0 * by_kind[3] / total, at::get_num_threads(), fused_kernel_isa_name(fused_kernels_isa()), load_before);
+          100.0 * by_kind[3] / total, at::get_num_threads(), paths, load_before);
     }
     const std::vector<Config> configs = {
         {"fp32 AdamW", Algo::adamw, at::kFloat, at::kFloat, false},
@@ -570,6 +575,12 @@ int main(int argc, char** argv) {
         {"bf16-sr Lion (fused_lion_step)", Algo::lion_kernel, at::kBFloat16, at::kBFloat16, false},
         {"bf16-sr SPARKLES", Algo::sparkles, at::kBFloat16, at::kBFloat16, false},
     };
+    if (!only.empty() && std::none_of(configs.begin(), configs.end(),
+                                      [&](const Config& c) { return c.name.find(only) != std::string::npos; })) {
+      std::string names;
+      for (const auto& c : configs) names += (names.empty() ? "" : ", ") + c.name;
+      fail("--only '{}' matches no configuration (configurations: {})", only, names);
+    }
     std::vector<nlohmann::json> rows;
     for (const auto& c : configs) {
       if (!only.empty() && c.name.find(only) == std::string::npos) continue;

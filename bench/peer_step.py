@@ -104,7 +104,9 @@ def make_rows(args, bf16_units):
         add("sd15-512", "sd15", 512, 1, "Adafactor", True, 2, 2, params_estimate=859.5e6)
         add("sdxl-512", "sdxl", 512, 1, "Adafactor", True, 2, 2, params_estimate=2567.5e6)
     if args.rows:
-        wanted = set(args.rows.split(","))
+        wanted = {name.strip() for name in args.rows.split(",") if name.strip()}
+        if not wanted:
+            sys.exit(f"peer_step: --rows {args.rows!r} names no row")
         known = sorted({r["name"] for r in rows})
         unknown = sorted(wanted - set(known))
         if unknown:
@@ -112,6 +114,9 @@ def make_rows(args, bf16_units):
                      f"rows: {', '.join(known)}")
         rows = [r for r in rows if r["name"] in wanted]
     if args.dtype:
+        if args.dtype == "bf16" and not bf16_units:
+            sys.exit("peer_step: --dtype bf16: this CPU has no bf16 units (avx512_bf16 / amx_bf16), so there are "
+                     "no bf16 rows")
         rows = [r for r in rows if r["dtype"] == args.dtype]
     if args.fused:
         rows = [r for r in rows if r["fused"] == (args.fused == "yes")]
@@ -261,6 +266,8 @@ def main():
     print(header)
     for r in results:
         print(format_row(r))
+    if not results:
+        sys.exit("peer_step: no row ran (every selected row was skipped: see above)")
 
 
 def format_row(r):

@@ -421,12 +421,14 @@ TEST(Sparkles, ParsesKohyaArgs) {
   expect_names({"normalization=1.5"}, "normalization must be in [0, 1]");
   expect_names({"centralization=-1"}, "centralization must be in [0, 1]");
   expect_names({"amp_fac=two"}, "amp_fac");
-  expect_names({"stochastic_threshold=-1"}, "stochastic_threshold must be >= 0");
+  expect_names({"stochastic_threshold=-1"}, "stochastic_threshold must be a finite number >= 0");
+  expect_names({"stochastic_threshold=inf"},
+               "stochastic_threshold must be a finite number >= 0 for SPARKLES (got inf)");
   expect_names({"normalize_channels=maybe"}, "normalize_channels=maybe for SPARKLES: expected True or False");
   expect_names({"permutation_strategy=magnitude"},
                "permutation_strategy=magnitude for SPARKLES: expected one of global");
   expect_names({"betas=1,0.9"}, "betas must be in [0, 1)");
-  expect_names({"eps=0"}, "eps must be > 0");
+  expect_names({"eps=0"}, "eps must be a finite number > 0");
   expect_names({"amp_fac"}, "must look like key=value");
   // The factory parses them the same way.
   EXPECT_THROW(validate_optimizer("SPARKLES", {"normalization=half"}), Error);

@@ -203,9 +203,11 @@ SparklesOptions parse_sparkles_args(const std::vector<std::string>& args) {
   // sparkles.py's "magnitude", "local" and "adaptive" strategies are not implemented.
   a.get_choice("permutation_strategy", "global", {"global"});
   if (!(o.weight_decay >= 0) || !std::isfinite(o.weight_decay)) {
-    fail("optimizer_args: weight_decay must be >= 0 for SPARKLES (got {})", o.weight_decay);
+    fail("optimizer_args: weight_decay must be a finite number >= 0 for SPARKLES (got {})", o.weight_decay);
   }
-  if (!(o.eps > 0) || !std::isfinite(o.eps)) fail("optimizer_args: eps must be > 0 for SPARKLES (got {})", o.eps);
+  if (!(o.eps > 0) || !std::isfinite(o.eps)) {
+    fail("optimizer_args: eps must be a finite number > 0 for SPARKLES (got {})", o.eps);
+  }
   if (!(o.beta1 >= 0 && o.beta1 < 1 && o.beta2 >= 0 && o.beta2 < 1)) {
     fail("optimizer_args: betas must be in [0, 1) for SPARKLES (got {},{})", o.beta1, o.beta2);
   }
@@ -217,7 +219,8 @@ SparklesOptions parse_sparkles_args(const std::vector<std::string>& args) {
   }
   if (!std::isfinite(o.amp_fac)) fail("optimizer_args: amp_fac must be finite for SPARKLES (got {})", o.amp_fac);
   if (!(o.stochastic_threshold >= 0) || !std::isfinite(o.stochastic_threshold)) {
-    fail("optimizer_args: stochastic_threshold must be >= 0 for SPARKLES (got {})", o.stochastic_threshold);
+    fail("optimizer_args: stochastic_threshold must be a finite number >= 0 for SPARKLES (got {})",
+         o.stochastic_threshold);
   }
   return o;
 }
