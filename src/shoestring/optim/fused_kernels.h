@@ -282,16 +282,24 @@ struct FusedSparklesKeys {
   RoundingKey param, ema, ema_squared, prev_grad;
 };
 
-/// True when fused_sparkles_step can run: param, grad, ema, ema_squared,
-/// prev_grad defined, CPU, strided and contiguous, of one numel; param and
-/// grad float32 or bfloat16; the three states float32, or all three bfloat16.
+/// True when fused_sparkles_step_many can take these tensors: param, grad,
+/// ema, ema_squared, prev_grad defined, CPU, strided and contiguous, of one
+/// numel; param and grad float32 or bfloat16; the three states float32, or
+/// all three bfloat16.
 bool fused_sparkles_supported(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& ema,
                               const at::Tensor& ema_squared, const at::Tensor& prev_grad);
 
-/// One SPARKLES step (optim/sparkles.h) of `param` in two passes over memory
-/// instead of the op chain's ~20, with no full-size temporary. Slices are
-/// those of dim 0 for tensors of >= 2 dims (the whole tensor is one slice
-/// for vectors and scalars); grad is read in param's shape.
+/// One tensor of fused_sparkles_step_many.
+struct FusedSparklesTensor {
+  at::Tensor param, grad, ema, ema_squared, prev_grad;
+  FusedSparklesScalars scalars;
+  FusedSparklesKeys keys;
+};
+
+/// One SPARKLES step (optim/sparkles.h) of each entry's `param` in two passes
+/// over memory instead of the op chain's ~20, with no full-size temporary.
+/// Slices are those of dim 0 for tensors of >= 2 dims (the whole tensor is one
+/// slice for vectors and scalars); grad is read in param's shape.
 ///  Pass 1, per slice (in cache): mean and unbiased variance of the gradient
 ///  (fp32 partials added into double), hence the centralization c mean_r and
 ///  the normalization factor f = (1 - a) + a / (std + 1e-8) (per slice, or
@@ -308,32 +316,19 @@ bool fused_sparkles_supported(const at::Tensor& param, const at::Tensor& grad, c
 /// Differences from the op chain (Sparkles::update's generic path): the
 /// interpolation is g f rather than at::lerp(g, g / s, a), and the sums are
 /// more accurate than libtorch's fp32 reductions: results match it to fp32
-/// rounding, not bit for bit (tests/optim/test_device_generic.cpp).
-/// Returns false, having written nothing, when the permutation criterion
-/// holds (||gh - prev_grad|| < threshold at t > 1): the caller then runs the
-/// op chain, which permutes. Chunks are fixed by the shape, so results do not
-/// depend on the thread count or the instruction set; both passes run in one
-/// parallel region (three with such a pass of its own; on the calling thread
-/// below 262144 elements' worth of work). Without coupled weight decay the
-/// weight does not enter g (its bits are masked), so an inf weight stays out
-/// of the state as on the op chain. Throws shoestring::Error when
-/// !fused_sparkles_supported(...), naming the tensor.
-bool fused_sparkles_step(at::Tensor& param, const at::Tensor& grad, at::Tensor& ema, at::Tensor& ema_squared,
-                         at::Tensor& prev_grad, const FusedSparklesScalars& scalars, const FusedSparklesKeys& keys);
-
-/// One tensor of fused_sparkles_step_many: the arguments of fused_sparkles_step.
-struct FusedSparklesTensor {
-  at::Tensor param, grad, ema, ema_squared, prev_grad;
-  FusedSparklesScalars scalars;
-  FusedSparklesKeys keys;
-};
-
-/// fused_sparkles_step on every entry (multi-tensor apply): pass 1 of all of
-/// them, then pass 2 of all of them, in one parallel region; entry i of the
-/// result is what fused_sparkles_step returns for it (false: permuted, not
-/// written). The same bits as calling fused_sparkles_step on each. Every entry
-/// is checked first: throws shoestring::Error naming the first unsupported
-/// one before any tensor is written. No two entries may share memory.
+/// rounding, not bit for bit (tests/optim/test_device_generic.cpp). Without
+/// coupled weight decay the weight does not enter g (its bits are masked), so
+/// an inf weight stays out of the state as on the op chain.
+/// Entry i of the result is false, that entry left unwritten, when its
+/// permutation criterion holds (||gh - prev_grad|| < threshold at t > 1): the
+/// caller then runs the op chain, which permutes.
+/// Every entry's passes share one parallel region (multi-tensor apply; three
+/// regions when an entry needs the change-norm pass of its own; on the calling
+/// thread below 262144 elements' worth of work). Chunks are fixed by the
+/// shapes, so results do not depend on the thread count or the instruction
+/// set. Every entry is checked first: throws shoestring::Error naming the
+/// first unsupported one (!fused_sparkles_supported) before any tensor is
+/// written. No two entries may share memory.
 std::vector<bool> fused_sparkles_step_many(const std::vector<FusedSparklesTensor>& tensors);
 
 /// The instruction sets every fused kernel is built for, in order: portable

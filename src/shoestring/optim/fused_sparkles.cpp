@@ -502,9 +502,4 @@ std::vector<bool> fused_sparkles_step_many(const std::vector<FusedSparklesTensor
   return done;
 }
 
-bool fused_sparkles_step(at::Tensor& param, const at::Tensor& grad, at::Tensor& ema, at::Tensor& ema_squared,
-                         at::Tensor& prev_grad, const FusedSparklesScalars& scalars, const FusedSparklesKeys& keys) {
-  return fused_sparkles_step_many({{param, grad, ema, ema_squared, prev_grad, scalars, keys}})[0];
-}
-
 }  // namespace shoestring
