@@ -41,12 +41,18 @@ inline std::map<std::string, torch::Tensor> load_reference(const std::string& na
   return out;
 }
 
-/// Copies every "param.<path>" tensor into the module's parameter <path>;
-/// fails the test if the sets of names differ.
-inline void load_params(torch::nn::Module& m, const std::map<std::string, torch::Tensor>& ref) {
+/// Copies every "param.<path>" tensor into the module's parameter <path>
+/// (and buffer <path> when with_buffers: BatchNorm statistics); fails the
+/// test if the sets of names differ.
+inline void load_params(torch::nn::Module& m, const std::map<std::string, torch::Tensor>& ref,
+                        bool with_buffers = false) {
   torch::NoGradGuard no_grad;
   size_t used = 0;
-  for (auto& kv : m.named_parameters()) {
+  auto targets = m.named_parameters();
+  if (with_buffers) {
+    for (auto& kv : m.named_buffers()) targets.insert(kv.key(), kv.value());
+  }
+  for (auto& kv : targets) {
     auto it = ref.find("param." + kv.key());
     ASSERT_NE(it, ref.end()) << "reference lacks parameter " << kv.key();
     ASSERT_EQ(it->second.sizes(), kv.value().sizes()) << kv.key();

@@ -92,6 +92,57 @@ torch::Tensor Conv2dImpl::forward(const torch::Tensor& x) {
   return adapter ? y + adapter(x) : y;
 }
 
+ConvTranspose2dImpl::ConvTranspose2dImpl(int64_t in, int64_t out, int64_t k, int64_t s, int64_t p, bool with_bias,
+                                         const LayerInit& init, int64_t g)
+    : in_channels(in), out_channels(out), kernel_size(k), stride(s), padding(p), groups(g) {
+  require_positive("ConvTranspose2d in_channels", in);
+  require_positive("ConvTranspose2d out_channels", out);
+  require_positive("ConvTranspose2d kernel_size", k);
+  require_positive("ConvTranspose2d stride", s);
+  require_positive("ConvTranspose2d groups", g);
+  if (p < 0) fail("ConvTranspose2d padding must be >= 0, got {}", p);
+  if (in % g != 0 || out % g != 0) fail("ConvTranspose2d: groups {} must divide in {} and out {}", g, in, out);
+  const double bound = 1.0 / std::sqrt(static_cast<double>(out / g * k * k));
+  weight = register_parameter("weight", uniform_param({in, out / g, k, k}, bound, init));
+  if (with_bias) bias = register_parameter("bias", uniform_param({out}, bound, init));
+}
+
+torch::Tensor ConvTranspose2dImpl::forward(const torch::Tensor& x) {
+  if (x.dim() != 4 || x.size(1) != in_channels)
+    fail("ConvTranspose2d: expected input [B, {}, H, W], got {}", in_channels, format_shape(x.sizes()));
+  torch::Tensor xc = to_compute_dtype(x), w = to_compute_dtype(weight), b = to_compute_dtype(bias);
+  // libtorch's CPU kernel has no fp16 form, and its bf16 (oneDNN) form reads
+  // the weight as [out, in, k, k] and fails (1.13): compute those in fp32.
+  const bool half = xc.scalar_type() == torch::kBFloat16 || xc.scalar_type() == torch::kHalf;
+  if (half && xc.device().is_cpu()) {
+    auto f32 = [](const torch::Tensor& t) { return t.defined() ? t.to(torch::kFloat32) : t; };
+    return torch::conv_transpose2d(f32(xc), f32(w), f32(b), {stride, stride}, {padding, padding}, {0, 0}, groups)
+        .to(xc.scalar_type());
+  }
+  return torch::conv_transpose2d(xc, w, b, {stride, stride}, {padding, padding}, {0, 0}, groups);
+}
+
+BatchNorm2dImpl::BatchNorm2dImpl(int64_t c, double e, bool affine, const LayerInit& init) : channels(c), eps(e) {
+  require_positive("BatchNorm2d channels", c);
+  if (!(e > 0)) fail("BatchNorm2d eps must be > 0, got {}", e);
+  if (affine) {
+    weight = register_parameter("weight", filled_param(c, 1.0, init));
+    bias = register_parameter("bias", filled_param(c, 0.0, init));
+  }
+  running_mean = register_buffer("running_mean", filled_param(c, 0.0, init));
+  running_var = register_buffer("running_var", filled_param(c, 1.0, init));
+}
+
+torch::Tensor BatchNorm2dImpl::forward(const torch::Tensor& x) {
+  if (x.dim() != 4 || x.size(1) != channels)
+    fail("BatchNorm2d: expected input [B, {}, H, W], got {}", channels, format_shape(x.sizes()));
+  torch::Tensor xf = to_float_if_half(x);
+  auto as = [&](const torch::Tensor& t) { return t.defined() ? t.to(xf.scalar_type()) : t; };
+  return torch::batch_norm(xf, as(weight), as(bias), as(running_mean), as(running_var), /*training=*/false,
+                           /*momentum=*/0.0, eps, /*cudnn_enabled=*/true)
+      .to(x.scalar_type());
+}
+
 GroupNormImpl::GroupNormImpl(int64_t g, int64_t c, double e, bool affine, const LayerInit& init)
     : groups(g), channels(c), eps(e) {
   require_positive("GroupNorm groups", g);

@@ -88,6 +88,44 @@ class Conv2dImpl : public torch::nn::Module {
 };
 TORCH_MODULE(Conv2d);
 
+/// Transposed 2-D convolution (torch.nn.ConvTranspose2d, no output padding,
+/// no dilation). weight: [in, out / groups, k, k]; bias: [out]. Output size
+/// (H - 1) * stride - 2 * padding + k. Initialised as PyTorch does (uniform,
+/// bound 1 / sqrt(out / groups * k * k)). Throws shoestring::Error on
+/// non-positive sizes or in/out not divisible by groups.
+class ConvTranspose2dImpl : public torch::nn::Module {
+ public:
+  ConvTranspose2dImpl(int64_t in_channels, int64_t out_channels, int64_t kernel_size, int64_t stride = 1,
+                      int64_t padding = 0, bool bias = true, const LayerInit& init = {}, int64_t groups = 1);
+  /// x: [B, in_channels, H, W] -> [B, out_channels, H', W'] in x's (or the
+  /// block's compute) dtype; bf16 / fp16 on the CPU are computed in fp32.
+  torch::Tensor forward(const torch::Tensor& x);
+  int64_t in_channels, out_channels, kernel_size, stride, padding, groups;
+  torch::Tensor weight, bias;
+};
+TORCH_MODULE(ConvTranspose2d);
+
+/// Batch normalisation (Ioffe & Szegedy 2015) in evaluation form only, for
+/// frozen pretrained networks (Stable Cascade's EfficientNet encoder and
+/// previewer): y = (x - running_mean) / sqrt(running_var + eps) * weight + bias
+/// per channel of [B, C, ...], with the stored statistics whatever the
+/// module's training flag (batch statistics are never computed or updated).
+/// Buffers running_mean, running_var [C] (0 and 1 initially); weight and bias
+/// [C] when affine. torch.nn.BatchNorm2d's num_batches_tracked counter is not
+/// kept (nothing here reads it; loaders skip the key). Computes in fp32 for
+/// bf16/fp16 inputs and returns the input dtype. Throws shoestring::Error on a
+/// non-positive channel count or a wrong input shape.
+class BatchNorm2dImpl : public torch::nn::Module {
+ public:
+  BatchNorm2dImpl(int64_t channels, double eps = 1e-5, bool affine = true, const LayerInit& init = {});
+  /// x: [B, channels, H, W] -> same shape and dtype.
+  torch::Tensor forward(const torch::Tensor& x);
+  int64_t channels;
+  double eps;
+  torch::Tensor weight, bias, running_mean, running_var;
+};
+TORCH_MODULE(BatchNorm2d);
+
 /// Group normalisation (Wu & He 2018) over [B, C, ...]; weight and bias [C]
 /// when affine. Computes in fp32 for bf16/fp16 inputs and returns the input
 /// dtype. Throws shoestring::Error when groups does not divide channels.
