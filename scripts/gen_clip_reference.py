@@ -158,7 +158,9 @@ def openclip_params(width, layers, mlp, projection):
     return p
 
 
-def openclip_forward(p, ids, layers, heads):
+def openclip_forward(p, ids, layers, heads, attention_mask=None):
+    """attention_mask: [B, L], 1 = token, 0 = padding (Hugging Face's convention, as Stable Cascade passes it
+    to CLIPTextModelWithProjection); padding keys are then excluded through torch's key_padding_mask."""
     p = {k: v.double() for k, v in p.items()}
     B, L = ids.shape
     x = p["token_embedding.weight"][ids] + p["positional_embedding"][:L]
@@ -171,7 +173,7 @@ def openclip_forward(p, ids, layers, heads):
         a, _ = F.multi_head_attention_forward(
             h, h, h, W, heads, p[k + "attn.in_proj_weight"], p[k + "attn.in_proj_bias"], None, None, False, 0.0,
             p[k + "attn.out_proj.weight"], p[k + "attn.out_proj.bias"], training=False, need_weights=False,
-            attn_mask=causal_mask(L))
+            attn_mask=causal_mask(L), key_padding_mask=None if attention_mask is None else attention_mask == 0)
         x = x + a
         h = F.gelu(F.linear(ln(p, k + "ln_2", x), p[k + "mlp.c_fc.weight"], p[k + "mlp.c_fc.bias"]))
         x = x + F.linear(h, p[k + "mlp.c_proj.weight"], p[k + "mlp.c_proj.bias"])
@@ -212,6 +214,17 @@ def main():
     extra = {"conditioner.embedders.0.transformer.unrelated.weight": torch.zeros(3)}
     write("clip_openclip_micro", "conditioner.embedders.1.model.", p, extra, ids,
           openclip_forward(p, ids, layers, 5), layers)
+
+    # The same tower as Stable Cascade runs bigG: padded with <|endoftext|> and an attention mask that is 1
+    # through the first EOS (a tokenizer's padding="max_length" mask), so padding positions see only the
+    # caption. Outputs only (the weights are clip_openclip_micro.safetensors').
+    ids = make_ids(pad=EOS)
+    first_eos = (ids == EOS).int().argmax(dim=-1, keepdim=True)
+    mask = (torch.arange(POSITIONS).unsqueeze(0) <= first_eos).long()
+    hidden_states, last, pooled, _ = openclip_forward(p, ids, layers, 5, attention_mask=mask)
+    reference_data.write_case(OUT_DIR, "clip_openclip_micro_masked",
+                              {"input.ids": ids.float(), "input.attention_mask": mask.float(),
+                               "hidden.1": hidden_states[-1], "pooled": pooled}, "scripts/gen_clip_reference.py")
 
 
 if __name__ == "__main__":

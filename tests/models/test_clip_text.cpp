@@ -186,6 +186,38 @@ TEST(ClipText, OpenClipLayoutMatchesPyTorchReference) {
   expect_matches_reference(micro_openclip(), "clip_openclip_micro", models::kSdxlClipGPrefix);
 }
 
+// Stable Cascade's use of bigG: the last layer's states without the final
+// LayerNorm (skip 1) and the projected pooled vector, with the tokenizer's
+// attention mask (padding with EOS, mask 1 through the first EOS) against
+// torch's key_padding_mask in the reference.
+TEST(ClipText, AttentionMaskMatchesPyTorchReference) {
+  torch::NoGradGuard no_grad;
+  ClipTextModel model(micro_openclip());
+  models::load_clip_text_weights(*model, WeightFiles::open(data("clip_openclip_micro.safetensors")),
+                                 models::kSdxlClipGPrefix);
+  const auto ref = shoestring::testing::load_case("clip_openclip_micro_masked");
+  const torch::Tensor ids = ref.at("input.ids").to(torch::kLong);
+  const torch::Tensor mask = models::clip_attention_mask(ids, /*eos_id=*/99);  // the micro vocabulary's EOS
+  EXPECT_TRUE(torch::equal(mask, ref.at("input.attention_mask").to(torch::kLong)));
+  const auto out = model->forward(ids, 1, mask);
+  EXPECT_LT(max_diff(out.hidden, ref.at("hidden.1")), 1e-4);
+  EXPECT_LT(max_diff(out.pooled, ref.at("pooled")), 1e-4);
+  // The mask matters after EOS only: without it the padding positions differ.
+  const auto unmasked = model->forward(ids, 1);
+  EXPECT_GT(max_diff(unmasked.hidden, ref.at("hidden.1")), 1e-2);
+  EXPECT_LT(max_diff(unmasked.hidden.select(1, 0), ref.at("hidden.1").select(1, 0)), 1e-4);
+  EXPECT_LT(max_diff(unmasked.pooled, ref.at("pooled")), 1e-4);
+
+  EXPECT_THROW(model->forward(ids, 1, mask.slice(1, 0, 76)), Error);  // shape
+  EXPECT_THROW(model->forward(ids, 1, mask * 2), Error);               // values
+  torch::Tensor no_bos = mask.clone();
+  no_bos.select(1, 0).fill_(0);
+  EXPECT_THROW(model->forward(ids, 1, no_bos), Error);
+  // A row without EOS (truncated without one) is all tokens.
+  EXPECT_TRUE(models::clip_attention_mask(torch::ones({1, 5}, torch::kLong)).eq(1).all().item<bool>());
+  EXPECT_THROW(models::clip_attention_mask(ids.to(torch::kFloat32)), Error);
+}
+
 // Inside a bf16 block (nn/block_precision.h) the encoder computes in bf16 and
 // stays close to the fp32 reference (bf16 keeps 8 bits of mantissa).
 TEST(ClipText, RunsInABf16Block) {

@@ -99,7 +99,7 @@ ClipTextLayerImpl::ClipTextLayerImpl(const ClipTextOptions& o) : options_(o) {
   }
 }
 
-torch::Tensor ClipTextLayerImpl::forward(const torch::Tensor& x) {
+torch::Tensor ClipTextLayerImpl::forward(const torch::Tensor& x, const torch::Tensor& padding) {
   const int64_t B = x.size(0), L = x.size(1), W = options_.width(), H = options_.heads(), D = W / H;
   torch::Tensor h = norm1(x);
   torch::Tensor q, k, v;
@@ -119,9 +119,10 @@ torch::Tensor ClipTextLayerImpl::forward(const torch::Tensor& x) {
   v = heads(v);
   torch::Tensor scores = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(D)));
   // Causal mask: query i attends to keys 0..i (HF _build_causal_attention_mask, OpenCLIP build_attention_mask).
-  const torch::Tensor future =
-      torch::ones({L, L}, torch::TensorOptions().dtype(torch::kBool).device(x.device())).triu(1);
-  scores = scores.masked_fill(future, -std::numeric_limits<float>::infinity());
+  torch::Tensor masked = torch::ones({L, L}, torch::TensorOptions().dtype(torch::kBool).device(x.device())).triu(1);
+  // Padding keys: HF's expanded attention_mask, torch's key_padding_mask ([B, 1, 1, L] over the heads and queries).
+  if (padding.defined()) masked = masked.logical_or(padding.view({B, 1, 1, L}));
+  scores = scores.masked_fill(masked, -std::numeric_limits<float>::infinity());
   torch::Tensor probs = torch::softmax(scores, -1, torch::kFloat32).to(v.scalar_type());
   torch::Tensor a = torch::matmul(probs, v).transpose(1, 2).reshape({B, L, W});
   torch::Tensor y = x + out_proj(a);
@@ -180,7 +181,7 @@ ClipTextModelImpl::ClipTextModelImpl(const ClipTextOptions& o) : options_(o) {
 
 torch::Tensor ClipTextModelImpl::final_norm(const torch::Tensor& x) { return final_layer_norm(x); }
 
-ClipTextOutput ClipTextModelImpl::forward(const torch::Tensor& ids, int64_t skip) {
+ClipTextOutput ClipTextModelImpl::forward(const torch::Tensor& ids, int64_t skip, const torch::Tensor& attention_mask) {
   const ClipTextOptions& o = options_;
   if (ids.dim() != 2 || ids.size(1) < 1 || ids.size(1) > o.max_positions())
     fail("ClipTextModel: ids must be [batch, length] with 1 <= length <= {}, got {}", o.max_positions(),
@@ -190,12 +191,24 @@ ClipTextOutput ClipTextModelImpl::forward(const torch::Tensor& ids, int64_t skip
   if (skip < 1 || skip > o.layers())
     fail("ClipTextModel: skip must be in [1, {}] (hidden_states[-skip]), got {}", o.layers(), skip);
   const int64_t L = ids.size(1);
+  torch::Tensor padding;
+  if (attention_mask.defined()) {
+    if (attention_mask.sizes() != ids.sizes())
+      fail("ClipTextModel: attention_mask must have the shape of ids {}, got {}", format_shape(ids.sizes()),
+           format_shape(attention_mask.sizes()));
+    const torch::Tensor m = attention_mask.to(ids.device());
+    if (!m.eq(0).logical_or(m.eq(1)).all().item<bool>())
+      fail("ClipTextModel: attention_mask values must be 0 (padding) or 1 (token)");
+    if (!m.select(1, 0).eq(1).all().item<bool>())
+      fail("ClipTextModel: attention_mask masks the first position of a row (BOS): nothing would be left to attend");
+    padding = m.eq(0);
+  }
   torch::Tensor x = token_embedding(ids);
   x = x + position_table.slice(0, 0, L).to(x.scalar_type());
   ClipTextOutput out;
   const int64_t n = static_cast<int64_t>(layers->size());
   for (int64_t i = 0; i < n; ++i) {
-    x = layers->at<ClipTextLayerImpl>(i).forward(x);
+    x = layers->at<ClipTextLayerImpl>(i).forward(x, padding);
     if (i + 1 == n + 1 - skip) out.hidden = x;  // HF hidden_states[n + 1 - skip]
   }
   out.last_hidden = final_layer_norm(x);
@@ -204,6 +217,17 @@ ClipTextOutput ClipTextModelImpl::forward(const torch::Tensor& ids, int64_t skip
   out.pooled = out.last_hidden.index({torch::arange(ids.size(0), eos.options()), eos});
   if (text_projection.defined()) out.pooled = torch::matmul(out.pooled, text_projection.to(out.pooled.scalar_type()));
   return out;
+}
+
+torch::Tensor clip_attention_mask(const torch::Tensor& ids, int64_t eos_id) {
+  if (ids.dim() != 2 || ids.scalar_type() != torch::kLong)
+    fail("clip_attention_mask: ids must be int64 [batch, length], got {} {}", c10::toString(ids.scalar_type()),
+         format_shape(ids.sizes()));
+  const torch::Tensor is_eos = ids.eq(eos_id);
+  // Position of each row's first EOS (argmax of a 0/1 row gives the first 1), length - 1 without one.
+  torch::Tensor first = is_eos.to(torch::kInt).argmax(1, /*keepdim=*/true);
+  first = torch::where(is_eos.any(1, /*keepdim=*/true), first, torch::full_like(first, ids.size(1) - 1));
+  return torch::arange(ids.size(1), ids.options()).unsqueeze(0).le(first).to(torch::kLong);
 }
 
 // ---- loading ------------------------------------------------------------------

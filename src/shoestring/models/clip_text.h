@@ -139,8 +139,10 @@ struct ClipTextOutput {
 class ClipTextLayerImpl : public torch::nn::Module {
  public:
   ClipTextLayerImpl(const ClipTextOptions& o);
-  /// x: [B, L, W] -> [B, L, W]; causal self-attention (position i sees 0..i).
-  torch::Tensor forward(const torch::Tensor& x);
+  /// x: [B, L, W] -> [B, L, W]; causal self-attention (position i sees 0..i),
+  /// and, when `padding` (bool [B, L], true = a padding key) is given, no
+  /// query sees a padding key.
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& padding = {});
   nn::LayerNorm norm1{nullptr}, norm2{nullptr};
   /// HF layout: separate projections (q_proj/k_proj/v_proj); OpenCLIP: packed in_proj.
   nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, out_proj{nullptr};
@@ -161,9 +163,16 @@ class ClipTextModelImpl : public torch::nn::Module {
   explicit ClipTextModelImpl(const ClipTextOptions& options);
   /// ids: int64 [B, L] with 1 <= L <= max_positions (CLIP tokenizers pad to
   /// 77), every id in [0, vocab_size). skip: which hidden state `hidden`
-  /// holds (1 <= skip <= layers; see ClipTextOutput). Throws shoestring::Error
-  /// on a bad ids shape or dtype, out-of-range ids or a bad skip.
-  ClipTextOutput forward(const torch::Tensor& ids, int64_t skip = 2);
+  /// holds (1 <= skip <= layers; see ClipTextOutput). attention_mask: none
+  /// (CLIP as SD 1.x / SDXL run it: padding tokens are attended to like any
+  /// other), or [B, L] of any dtype with 1 for tokens and 0 for padding
+  /// (Hugging Face's convention; Stable Cascade passes the tokenizer's mask,
+  /// StableCascade train/base.py get_conditions; see clip_attention_mask()),
+  /// which removes padding positions from every query's keys (changing only
+  /// the states after EOS). Throws shoestring::Error on a bad ids shape or
+  /// dtype, out-of-range ids, a bad skip, or a mask of another shape, with
+  /// values other than 0 and 1, or masking a row's first position.
+  ClipTextOutput forward(const torch::Tensor& ids, int64_t skip = 2, const torch::Tensor& attention_mask = {});
   /// final_layer_norm / ln_final: [.., W] -> [.., W].
   torch::Tensor final_norm(const torch::Tensor& x);
   const ClipTextOptions& options() const { return options_; }
@@ -180,6 +189,13 @@ class ClipTextModelImpl : public torch::nn::Module {
   ClipTextOptions options_;
 };
 TORCH_MODULE(ClipTextModel);
+
+/// The attention mask a Hugging Face CLIP tokenizer returns with
+/// padding="max_length" for `ids` (int64 [B, L], each row BOS, tokens, EOS,
+/// then padding): int64 [B, L], 1 through each row's first EOS (`eos_id`,
+/// 49407 for CLIP's vocabulary) and 0 after it; rows without EOS (truncated
+/// without one) are all 1. Throws shoestring::Error on a bad shape or dtype.
+torch::Tensor clip_attention_mask(const torch::Tensor& ids, int64_t eos_id = 49407);
 
 /// Keys (below the prefix) that a file may lack without harm: the buffers
 /// `text_model.embeddings.position_ids` and `logit_scale` (see the file comment).
