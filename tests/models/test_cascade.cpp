@@ -158,7 +158,7 @@ TEST(StageC, TinyVariantTrainsOnCpu) {
   torch::Tensor x0 = torch::randn({B, 16, 8, 8}), noise = torch::randn({B, 16, 8, 8});
   torch::Tensor r = torch::tensor({0.3f, 0.7f});
   torch::Tensor xt = (1 - r).view({B, 1, 1, 1}) * x0 + r.view({B, 1, 1, 1}) * noise;
-  torch::Tensor text = torch::randn({B, 8, 1280}), pooled = torch::randn({B, 1, 1280}), img = torch::randn({B, 1, 768});
+  torch::Tensor text = torch::randn({B, 8, 32}), pooled = torch::randn({B, 1, 32}), img = torch::randn({B, 1, 32});
   torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(3e-3).weight_decay(0.0));
   std::vector<float> losses;
   for (int step = 0; step < 12; ++step) {
@@ -180,7 +180,7 @@ TEST(StageC, TinyVariantRunsInBf16) {
     for (auto& p : net->parameters()) p.add_(torch::randn_like(p) * 0.02);
   }
   torch::Tensor x = torch::randn({1, 16, 6, 6}), r = torch::rand({1});
-  torch::Tensor text = torch::randn({1, 4, 1280}), pooled = torch::randn({1, 1, 1280}), img = torch::randn({1, 768});
+  torch::Tensor text = torch::randn({1, 4, 32}), pooled = torch::randn({1, 1, 32}), img = torch::randn({1, 32});
   torch::NoGradGuard no_grad;
   torch::Tensor ref = net->forward(x, r, text, pooled, img);
   net->to(torch::kBFloat16);
@@ -194,7 +194,7 @@ TEST(StageC, TinyVariantRunsInBf16) {
 TEST(StageC, RejectsBadInputsAndOptions) {
   StageC net(StageCOptions::tiny());
   torch::Tensor x = torch::randn({1, 16, 4, 4}), r = torch::rand({1});
-  torch::Tensor text = torch::randn({1, 3, 1280}), pooled = torch::randn({1, 1, 1280}), img = torch::randn({1, 1, 768});
+  torch::Tensor text = torch::randn({1, 3, 32}), pooled = torch::randn({1, 1, 32}), img = torch::randn({1, 1, 32});
   EXPECT_THROW(net->forward(torch::randn({1, 8, 4, 4}), r, text, pooled, img), Error);
   EXPECT_THROW(net->forward(x, torch::rand({2}), text, pooled, img), Error);
   EXPECT_THROW(net->forward(x, r, torch::randn({1, 3, 768}), pooled, img), Error);
@@ -225,8 +225,8 @@ TEST(StageC, ResamplingRepeatsAndPatchesRun) {
     for (auto& p : net->parameters()) p.add_(torch::randn_like(p) * 0.02);
   }
   torch::Tensor x = torch::randn({2, 16, 10, 14}, torch::requires_grad());
-  torch::Tensor out = net->forward(x, torch::rand({2}), torch::randn({2, 3, 1280}), torch::randn({2, 1, 1280}),
-                                   torch::randn({2, 1, 768}));
+  torch::Tensor out = net->forward(x, torch::rand({2}), torch::randn({2, 3, 32}), torch::randn({2, 1, 32}),
+                                   torch::randn({2, 1, 32}));
   EXPECT_EQ(out.sizes(), x.sizes());
   out.square().mean().backward();
   EXPECT_GT(x.grad().abs().sum().item<float>(), 0.0f);
@@ -241,7 +241,7 @@ TEST(StageC, GradientCheckpointingKeepsGradients) {
     for (auto& p : net->parameters()) p.add_(torch::randn_like(p) * 0.02);
   }
   torch::Tensor x = torch::randn({2, 16, 6, 6}), r = torch::rand({2});
-  torch::Tensor text = torch::randn({2, 3, 1280}), pooled = torch::randn({2, 1, 1280}), img = torch::randn({2, 1, 768});
+  torch::Tensor text = torch::randn({2, 3, 32}), pooled = torch::randn({2, 1, 32}), img = torch::randn({2, 1, 32});
   auto grads = [&](bool ckpt) {
     shoestring::testing::checkpoint_by_rule(*net, ckpt);
     net->zero_grad();

@@ -105,8 +105,8 @@ TEST(CascadeCoders, MicroPreviewerMatchesPyTorchReference) {
   torch::NoGradGuard g;
   torch::Tensor out = prev->forward(ref.at("input.x"));
   ASSERT_EQ(out.sizes(), ref.at("output").sizes());
-  EXPECT_TRUE(torch::allclose(out, ref.at("output"), 1e-4, 1e-4)) << "max abs error "
-                                                                  << max_abs_diff(out, ref.at("output"));
+  EXPECT_TRUE(torch::allclose(out, ref.at("output"), 1e-4, 1e-4))
+      << "max abs error " << max_abs_diff(out, ref.at("output"));
 }
 
 // encode() takes images in [-1, 1]: ((x + 1) / 2 - mean) / std by channel, then

@@ -56,6 +56,8 @@ TEST(Registry, ConditioningMatchesTheModels) {
         EXPECT_EQ(c.latent_channels, o.in_channels()) << a.name;
         EXPECT_EQ(c.context_width, o.clip_text_dim()) << a.name;
         EXPECT_EQ(c.pooled_width, o.clip_text_pooled_dim()) << a.name;
+        EXPECT_EQ(c.vae_downscale, 32) << a.name;
+        EXPECT_EQ(a.latent_side(768), 24) << a.name;  // Stability's stage C training size
         break;
       }
       case Family::tiny_unet: {
@@ -111,7 +113,7 @@ TEST(Registry, NamesFamiliesAndIdentifiers) {
   EXPECT_EQ(models::denoiser_architectures(),
             (std::vector<std::string>{"tiny-unet", "sd15", "sdxl", "ssd1b", "sd35m", "cascade-c", "cascade-c-lite"}));
   EXPECT_EQ(models::denoiser_architectures(/*trainable_only=*/true),
-            (std::vector<std::string>{"tiny-unet", "sd15", "sdxl", "ssd1b"}));
+            (std::vector<std::string>{"tiny-unet", "sd15", "sdxl", "ssd1b", "cascade-c", "cascade-c-lite"}));
   EXPECT_EQ(models::join_names({"a", "b", "c"}), "a, b, c");
   EXPECT_EQ(models::find_architecture(models::kTinyUNet).family, Family::tiny_unet);
 

@@ -50,16 +50,19 @@ std::shared_ptr<torch::nn::Module> build_tiny_unet(const nn::LayerInit& init, bo
   return TinyUNet(o.init(init)).ptr();
 }
 
-// Latent sides: the SD VAE and SD3.5's VAE downscale by 8; stage C works on
-// max(8, 3 * resolution / 128) (24 at 1024 px, its 42.67x compression).
+// Latent sides: the SD VAE and SD3.5's VAE downscale by 8; stage C's
+// EfficientNet by 32, with resolution the image it sees (as the trainer feeds
+// it, train/cascade_model.cpp): Stability trains at 768 px for 24 x 24
+// latents, which stage B decodes to 1024 px.
 int64_t vae8_latent_side(int64_t resolution) {
   if (resolution < 8 || resolution % 8 != 0)
     fail("resolution {} is not a positive multiple of 8 (VAE factor 8)", resolution);
   return resolution / 8;
 }
 int64_t stage_c_latent_side(int64_t resolution) {
-  if (resolution < 8) fail("resolution {} is too small", resolution);
-  return std::max<int64_t>(8, resolution * 3 / 128);
+  if (resolution < 32 || resolution % 32 != 0)
+    fail("resolution {} is not a positive multiple of 32 (Stable Cascade's EfficientNet factor 32)", resolution);
+  return resolution / 32;
 }
 
 // Sets the family-and-identity block of `a` (see Architecture) and returns it.
@@ -114,7 +117,7 @@ std::vector<Architecture> make_registry() {
             [](const nn::LayerInit& i, bool tiny) -> std::shared_ptr<torch::nn::Module> {
               return StageC(tiny ? StageCOptions::tiny() : StageCOptions::cascade_c(), i).ptr();
             }},
-           Family::stage_c, false, Objective::epsilon, {16, 0, 77, 1280, 1280}),
+           Family::stage_c, true, Objective::epsilon, {16, 32, 77, 1280, 1280}),
       with({"cascade-c-lite", "Stable Cascade stage C lite 1B (stage_c_lite.safetensors; keys without prefix)", "",
             1'030'785'040,
             "StableCascade train/train_c.py '1B' = stable-cascade-prior prior_lite/config.json (no exact public "
@@ -122,7 +125,7 @@ std::vector<Architecture> make_registry() {
             [](const nn::LayerInit& i, bool tiny) -> std::shared_ptr<torch::nn::Module> {
               return StageC(tiny ? StageCOptions::tiny() : StageCOptions::cascade_c_lite(), i).ptr();
             }},
-           Family::stage_c, false, Objective::epsilon, {16, 0, 77, 1280, 1280}),
+           Family::stage_c, true, Objective::epsilon, {16, 32, 77, 1280, 1280}),
       with({"sd35m", "Stable Diffusion 3.5 Medium MMDiT-X", "model.diffusion_model.", 2'243'171'520,
             "stabilityai/stable-diffusion-3.5-medium SD3Transformer2DModel parameter count; the file adds the "
             "226,492,416-element pos_embed buffer",
@@ -241,6 +244,14 @@ LdmUNetOptions ldm_unet_options(const std::string& name, bool tiny) {
   }
   LdmUNetOptions o = a.ldm_preset();
   return tiny ? o.tiny() : o;
+}
+
+StageCOptions stage_c_options(const std::string& name, bool tiny) {
+  const Architecture& a = find_architecture(name);
+  if (a.family != Family::stage_c)
+    fail("architecture '{}' is a {}, not Stable Cascade's stage C", name, to_string(a.family));
+  if (tiny) return StageCOptions::tiny();
+  return name == "cascade-c-lite" ? StageCOptions::cascade_c_lite() : StageCOptions::cascade_c();
 }
 
 const Architecture& find_architecture(const std::string& name) {

@@ -26,6 +26,7 @@
 namespace shoestring::models {
 
 struct LdmUNetOptions;
+struct StageCOptions;
 
 /// Registry name of the emoji example's model (the default model.architecture).
 inline constexpr const char* kTinyUNet = "tiny-unet";
@@ -64,7 +65,7 @@ struct Conditioning {
   /// Channels of the denoiser's input x (latent channels; 3 for pixel space).
   int64_t latent_channels = 0;
   /// Image pixels per latent pixel along one side (8 for the SD VAE, 1 for
-  /// pixel space; 0 where it is no integer: Stable Cascade's 1024 px -> 24).
+  /// pixel space, 32 for Stable Cascade's EfficientNet: 768 px -> 24).
   int64_t vae_downscale = 0;
   /// Text tokens of the cross-attention context (CLIP: 77; SD3: 77 CLIP + 77 T5 = 154).
   int64_t context_tokens = 0;
@@ -160,6 +161,11 @@ std::string join_names(const std::vector<std::string>& names);
 /// `tiny`, LdmUNetOptions::tiny() of it). Throws shoestring::Error for
 /// unknown names and for architectures of another family.
 LdmUNetOptions ldm_unet_options(const std::string& name, bool tiny = false);
+
+/// The StageCOptions of Stable Cascade architecture `name` (cascade-c,
+/// cascade-c-lite; with `tiny`, StageCOptions::tiny()). Throws
+/// shoestring::Error for unknown names and architectures of another family.
+StageCOptions stage_c_options(const std::string& name, bool tiny = false);
 
 /// Builds architecture `name`; the module's named_parameters() are the keys
 /// below the architecture's prefix. On LayerInit{torch::kMeta} no parameter

@@ -68,7 +68,16 @@ StageCOptions StageCOptions::cascade_c_lite() {
 }
 
 StageCOptions StageCOptions::tiny() {
-  return StageCOptions().cond_dim(32).hidden({32, 32}).heads({2, 2}).down_blocks({1, 2}).up_blocks({2, 1}).dropout(0.0);
+  return StageCOptions()
+      .cond_dim(32)
+      .hidden({32, 32})
+      .heads({2, 2})
+      .down_blocks({1, 2})
+      .up_blocks({2, 1})
+      .dropout(0.0)
+      .clip_text_dim(32)
+      .clip_text_pooled_dim(32)
+      .clip_image_dim(32);
 }
 
 GlobalResponseNormImpl::GlobalResponseNormImpl(int64_t dim, const nn::LayerInit& init) {

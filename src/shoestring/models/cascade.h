@@ -98,9 +98,10 @@ struct StageCOptions {
   /// train/train_c.py model_version "1B" (c_cond 1536, c_hidden [1536, 1536],
   /// nhead [24, 24], blocks [[4, 12], [12, 4]]).
   static StageCOptions cascade_c_lite();
-  /// Same block structure and input widths as the releases, small channels
-  /// (hidden 32, 2 heads, cond 32) and few blocks (down 1 + 2, up 2 + 1),
-  /// no dropout: for tests that train on the CPU.
+  /// Same block structure as the releases, small channels (hidden 32, 2
+  /// heads, cond 32), few blocks (down 1 + 2, up 2 + 1), no dropout, and
+  /// CLIP input widths 32 (text, pooled and image: what a tiny bigG gives,
+  /// ClipTextOptions::clip_g().tiny()): for tests that train on the CPU.
   static StageCOptions tiny();
 };
 

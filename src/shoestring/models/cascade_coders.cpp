@@ -115,8 +115,8 @@ EfficientNetEncoderImpl::EfficientNetEncoderImpl(const EfficientNetEncoderOption
     std::vector<EfficientNetBlock> blocks;
     for (int64_t i = 0; i < st.layers; ++i) {
       const int64_t in = i == 0 ? st.in_channels : st.out_channels;
-      blocks.push_back(stage->register_module(std::to_string(i),
-                                              EfficientNetBlock(st, in, i == 0 ? st.stride : 1, init)));
+      blocks.push_back(
+          stage->register_module(std::to_string(i), EfficientNetBlock(st, in, i == 0 ? st.stride : 1, init)));
     }
     stages.push_back(std::move(blocks));
     channels = st.out_channels;
@@ -156,7 +156,8 @@ PreviewerImpl::PreviewerImpl(const PreviewerOptions& o) : options_(o) {
     convs.push_back(blocks->register_module(std::to_string(index), nn::Conv2d(in, out, k, 1, (k - 1) / 2, true, init)));
   };
   auto up = [&](int index, int64_t in, int64_t out) {
-    upsamplers.push_back(blocks->register_module(std::to_string(index), nn::ConvTranspose2d(in, out, 2, 2, 0, true, init)));
+    upsamplers.push_back(
+        blocks->register_module(std::to_string(index), nn::ConvTranspose2d(in, out, 2, 2, 0, true, init)));
   };
   auto norm = [&](int index, int64_t c) {
     norms.push_back(blocks->register_module(std::to_string(index), nn::BatchNorm2d(c, 1e-5, true, init)));
@@ -199,8 +200,8 @@ LoadWeightsReport load_cascade_coder(torch::nn::Module& module, const WeightFile
   LoadWeightsOptions lo;
   lo.key_map = [](const std::string& key) -> std::string {
     static const std::string counter = ".num_batches_tracked";
-    const bool is_counter = key.size() >= counter.size() && key.compare(key.size() - counter.size(), counter.size(),
-                                                                        counter) == 0;
+    const bool is_counter =
+        key.size() >= counter.size() && key.compare(key.size() - counter.size(), counter.size(), counter) == 0;
     return is_counter ? "" : key;
   };
   return load_weights(module, files, lo);

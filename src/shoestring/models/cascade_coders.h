@@ -168,15 +168,15 @@ class PreviewerImpl : public torch::nn::Module {
   /// Throws shoestring::Error when hidden_channels is not a positive multiple of 4.
   explicit PreviewerImpl(const PreviewerOptions& options = {});
   /// latents: [B, in_channels, h, w] -> [B, out_channels, 8h, 8w] in the
-  /// parameters' dtype (latents are cast to it), roughly in [0, 1] (not clamped; kohya's stable_cascade.py clamps to [0, 1] for
-  /// display). Throws shoestring::Error on a wrong shape.
+  /// parameters' dtype (latents are cast to it), roughly in [0, 1] (not clamped; kohya's stable_cascade.py clamps to
+  /// [0, 1] for display). Throws shoestring::Error on a wrong shape.
   torch::Tensor forward(const torch::Tensor& latents);
 
   const PreviewerOptions& options() const { return options_; }
 
-  std::vector<nn::Conv2d> convs;                  ///< blocks 0, 3, 9, 15, 21, 24
-  std::vector<nn::ConvTranspose2d> upsamplers;    ///< blocks 6, 12, 18
-  std::vector<nn::BatchNorm2d> norms;             ///< blocks 2, 5, 8, 11, 14, 17, 20, 23
+  std::vector<nn::Conv2d> convs;                ///< blocks 0, 3, 9, 15, 21, 24
+  std::vector<nn::ConvTranspose2d> upsamplers;  ///< blocks 6, 12, 18
+  std::vector<nn::BatchNorm2d> norms;           ///< blocks 2, 5, 8, 11, 14, 17, 20, 23
 
  private:
   PreviewerOptions options_;

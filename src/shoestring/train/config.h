@@ -128,6 +128,10 @@ struct TrainConfig {
   std::string pretrained_model_name_or_path;  ///< base weights (shoestring model.safetensors or a single-file
                                               ///< checkpoint); "" = random init
   std::string vae;  ///< VAE file for registered LDM architectures ("" = the checkpoint's first_stage_model.*)
+  // Stable Cascade's frozen parts (kohya's stable-cascade names; "" = random, model.tiny only).
+  std::string effnet_checkpoint_path;      ///< stage C latent encoder (effnet_encoder.safetensors)
+  std::string previewer_checkpoint_path;   ///< latent previewer for samples (previewer.safetensors)
+  std::string text_model_checkpoint_path;  ///< OpenCLIP bigG (SDXL single file or open_clip layout)
   std::string
       tokenizer_dir;  ///< folder with CLIP's vocab.json + merges.txt ("" = word tokenizer built from the captions)
   bool v_parameterization = false;  ///< LDM UNets: v-prediction target instead of epsilon (kohya's name)

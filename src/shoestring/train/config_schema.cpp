@@ -264,6 +264,18 @@ const std::vector<Field>& schema() {
             "VAE weights for an LDM architecture (a file with the VAE alone or under first_stage_model.); \"\" = the "
             "pretrained checkpoint's"}
           .with(kResumePath | kReleasedModelOnly),
+      Field{"effnet_checkpoint_path", &TrainConfig::effnet_checkpoint_path,
+            "Stable Cascade: the stage C latent encoder (effnet_encoder.safetensors; kohya's name); \"\" = a random "
+            "one (model.tiny only)"}
+          .with(kResumePath | kReleasedModelOnly),
+      Field{"previewer_checkpoint_path", &TrainConfig::previewer_checkpoint_path,
+            "Stable Cascade: the latent previewer that decodes samples (previewer.safetensors; kohya's name); \"\" = "
+            "a random one (model.tiny only; samples are then noise)"}
+          .with(kResumePath | kReleasedModelOnly),
+      Field{"text_model_checkpoint_path", &TrainConfig::text_model_checkpoint_path,
+            "Stable Cascade: OpenCLIP bigG (ViT-bigG-14 laion2b) in OpenCLIP layout: an SDXL single file "
+            "(conditioner.embedders.1.model.*) or open_clip's own file; \"\" = a random one (model.tiny only)"}
+          .with(kResumePath | kReleasedModelOnly),
       Field{"tokenizer_dir", &TrainConfig::tokenizer_dir,
             "folder holding CLIP's vocab.json and merges.txt (e.g. ComfyUI's comfy/sd1_tokenizer); \"\" = a word "
             "tokenizer built from the captions"}

@@ -16,18 +16,6 @@ constexpr int64_t kTextLength = 77;
 
 bool starts_with(const std::string& s, const std::string& p) { return s.compare(0, p.size(), p) == 0; }
 
-/// Runs `build` with libtorch's global CPU generator seeded by `seed`,
-/// restoring it after: random frozen parts are reproducible and leave the
-/// caller's random stream where it was.
-template <class F>
-auto with_seed(uint64_t seed, F&& build) {
-  at::Tensor saved = cpu_rng_state();
-  torch::manual_seed(seed);
-  auto result = build();
-  set_cpu_rng_state(saved);
-  return result;
-}
-
 }  // namespace
 
 at::Tensor LdmTokenizer::encode(const std::vector<std::string>& captions, ClipPadding pad) const {

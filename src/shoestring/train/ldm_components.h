@@ -18,6 +18,7 @@
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <torch/torch.h>
 
 #include "shoestring/data/clip_tokenizer.h"
 #include "shoestring/data/tokenizer.h"
@@ -25,8 +26,21 @@
 #include "shoestring/models/clip_text.h"
 #include "shoestring/models/unet_ldm.h"
 #include "shoestring/models/vae.h"
+#include "shoestring/train/checkpoint_io.h"
 
 namespace shoestring {
+
+/// Runs `build` with libtorch's global CPU generator seeded by `seed`,
+/// restoring it after: random frozen parts (tiny variants' encoders) are
+/// reproducible and leave the caller's random stream where it was.
+template <class F>
+auto with_seed(uint64_t seed, F&& build) {
+  at::Tensor saved = cpu_rng_state();
+  torch::manual_seed(static_cast<int64_t>(seed));
+  auto result = build();
+  set_cpu_rng_state(saved);
+  return result;
+}
 
 /// Token ids of the text encoders: CLIP's BPE, or (tiny variants trained
 /// without tokenizer_dir) the word tokenizer built from the captions.

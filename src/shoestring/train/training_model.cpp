@@ -8,6 +8,7 @@
 #include "shoestring/data/dataset.h"
 #include "shoestring/io/safetensors.h"
 #include "shoestring/models/architecture.h"
+#include "shoestring/models/cascade.h"
 #include "shoestring/models/unet_ldm.h"
 #include "shoestring/precision/save_guard.h"
 #include "shoestring/train/config.h"
@@ -95,10 +96,22 @@ void check_training_config(const TrainConfig& config) {
                                 : "h");
       }
     }
+  } else if (a.family == models::Family::stage_c) {
+    const char* ldm_only = config.v_parameterization                      ? "v_parameterization"
+                           : config.min_snr_gamma > 0                     ? "min_snr_gamma"
+                           : config.debiased_estimation_loss              ? "debiased_estimation_loss"
+                           : huber && config.huber_schedule != "constant" ? "huber_schedule"
+                                                                          : nullptr;
+    if (ldm_only)
+      fail(
+          "{}: model.architecture = \"{}\" trains on GDF's epsilon objective with the P2 loss weight "
+          "(train/gdf.h); that key follows the DDPM timesteps of the LDM UNets{}",
+          ldm_only, config.architecture,
+          std::string(ldm_only) == "huber_schedule" ? "; use huber_schedule = \"constant\"" : "");
   } else if (!a.trainable_from_config) {
     fail(
         "model.architecture = \"{}\": training it from a config is not supported yet (its latent encoder — the "
-        "SD3 16-channel VAE or Stable Cascade's EfficientNet — and text encoders are not in shoestring); "
+        "SD3 16-channel VAE — and text encoders are not in shoestring); "
         "supported: {}. `shoestring plan`, `inspect --arch` and bench/model_step do cover it",
         config.architecture, models::join_names(models::denoiser_architectures(/*trainable_only=*/true)));
   }
@@ -107,22 +120,29 @@ void check_training_config(const TrainConfig& config) {
 
 void check_training_datasets(const TrainConfig& config, const std::vector<DatasetSpec>& specs) {
   const models::Architecture& a = models::find_architecture(config.architecture);
-  if (a.family != models::Family::ldm_unet) return;  // tiny-unet refuses kohya datasets in check_training_config
-  const models::LdmUNetOptions unet = models::ldm_unet_options(config.architecture, config.tiny);
-  const int64_t multiple = 8 * (int64_t{1} << (static_cast<int64_t>(unet.channel_mult().size()) - 1));
+  // tiny-unet refuses kohya datasets in check_training_config.
+  if (a.family != models::Family::ldm_unet && a.family != models::Family::stage_c) return;
+  int64_t multiple = 0;
+  std::string why;
+  if (a.family == models::Family::ldm_unet) {
+    const models::LdmUNetOptions unet = models::ldm_unet_options(config.architecture, config.tiny);
+    multiple = 8 * (int64_t{1} << (static_cast<int64_t>(unet.channel_mult().size()) - 1));
+    why = "VAE factor 8 x its UNet downsamplings";
+  } else {
+    multiple = cascade_pixel_multiple(models::stage_c_options(config.architecture, config.tiny));
+    why = "EfficientNet's factor 32 x stage C's downscales";
+  }
   for (const DatasetSpec& d : specs) {
     const BucketSettings& b = d.buckets;
     if (b.enable_bucket && b.bucket_reso_steps % multiple != 0) {
       fail(
-          "{}: bucket_reso_steps = {}: {} needs bucket sides that are multiples of {} pixels (VAE factor 8 x its "
-          "UNet downsamplings); use a multiple of {}",
-          d.where, b.bucket_reso_steps, config.architecture, multiple, multiple);
+          "{}: bucket_reso_steps = {}: {} needs bucket sides that are multiples of {} pixels ({}); use a multiple "
+          "of {}",
+          d.where, b.bucket_reso_steps, config.architecture, multiple, why, multiple);
     }
     if (b.resolution.width % multiple != 0 || b.resolution.height % multiple != 0) {
-      fail(
-          "{}: resolution {}: {} needs a multiple of {} pixels on each side (VAE factor 8 x its UNet "
-          "downsamplings)",
-          d.where, to_string(b.resolution), config.architecture, multiple);
+      fail("{}: resolution {}: {} needs a multiple of {} pixels on each side ({})", d.where, to_string(b.resolution),
+           config.architecture, multiple, why);
     }
     for (const DatasetSubset& s : d.subsets) {
       if (s.random_crop) {
@@ -147,6 +167,7 @@ std::unique_ptr<TrainingModel> make_training_model(const TrainConfig& config, co
   switch (models::find_architecture(config.architecture).family) {
     case models::Family::tiny_unet: return make_tiny_unet_training_model(config, dataset, source);
     case models::Family::ldm_unet: return make_ldm_training_model(config, dataset, source);
+    case models::Family::stage_c: return make_cascade_training_model(config, dataset, source);
     default: break;
   }
   check_training_config(config);  // throws: not trainable from a config

@@ -1,0 +1,468 @@
+// Stable Cascade stage C (cascade-c, cascade-c-lite) as a TrainingModel, the
+// way Stability's train/train_c.py, kohya's stable-cascade branch
+// (stable_cascade_train_stage_c.py) and OneTrainer train it:
+//  - images -> EfficientNet latents [16, H/32, W/32] (models/cascade_coders.h),
+//    captions -> OpenCLIP bigG's last-layer states with the tokenizer's
+//    attention mask and its projected pooled vector (models/clip_text.h),
+//    each once before training, in host memory; the encoders are then freed;
+//  - the image embedding clip_img is zeros (text-to-image fine-tuning: kohya
+//    and OneTrainer always pass zeros; Stability swaps in a CLIP image
+//    embedding for 10 % of its pretraining samples);
+//  - the objective is GDF's (train/gdf.h): variance-preserving noise on the
+//    cosine schedule, epsilon target, the model's time input r, P2 loss weight;
+//  - samples: GDF's DDPM sampler with classifier-free guidance (rho 0.7) and
+//    shift 2 (kohya's stage C sampling default), decoded by the previewer
+//    (8x the latent size: a preview, not stage B + A's full decode);
+//  - the trained stage C is saved with its released keys (no prefix), so the
+//    file loads where stage_c.safetensors does.
+// The image that the EfficientNet sees is the dataset's: Stability trains at
+// 768 px (24 x 24 latents, decoded by stage B to 1024 px); set resolution
+// (or the buckets) accordingly.
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <spdlog/spdlog.h>
+#include <torch/torch.h>
+
+#include "shoestring/core/error.h"
+#include "shoestring/core/memory_ledger.h"
+#include "shoestring/core/units.h"
+#include "shoestring/data/dataset.h"
+#include "shoestring/io/weight_files.h"
+#include "shoestring/models/architecture.h"
+#include "shoestring/models/cascade.h"
+#include "shoestring/models/cascade_coders.h"
+#include "shoestring/models/clip_text.h"
+#include "shoestring/train/checkpoint_io.h"
+#include "shoestring/train/config.h"
+#include "shoestring/train/diffusion_loss.h"
+#include "shoestring/train/gdf.h"
+#include "shoestring/train/ldm_components.h"
+#include "shoestring/train/sampling.h"
+#include "shoestring/train/training_model_impl.h"
+
+namespace shoestring {
+namespace {
+
+constexpr int64_t kTextLength = 77;
+// kohya's stage C sampling (stable_cascade_utils sample_image_inference) and ComfyUI's default shift.
+constexpr double kSampleShift = 2.0;
+// GDF.sample's default cfg_rho.
+constexpr double kGuidanceRho = 0.7;
+// The SDXL single-file prefix of bigG (the same laion2b weights Stable Cascade conditions on).
+constexpr const char* kBigGPrefixes[] = {models::kSdxlClipGPrefix, ""};
+
+class CascadeTrainingModel final : public TrainingModel {
+ public:
+  CascadeTrainingModel(const TrainConfig& config, const ImageCaptionDataset& dataset, const ModelSource& source)
+      : config_(config), dataset_(dataset), device_(source.device) {
+    const std::string& arch = config.architecture;
+    storage_ = config.full_bf16 ? torch::kBFloat16 : config.full_fp16 ? torch::kHalf : torch::kFloat32;
+    cache_dtype_ = storage_ == torch::kHalf ? torch::kFloat32 : storage_;
+    if (config.cache_latents_to_disk || config.cache_text_encoder_outputs_to_disk || source.encode_only) {
+      fail(
+          "{}: model.architecture = \"{}\" keeps its latents and text embeddings in memory; disk caches are not "
+          "implemented for Stable Cascade yet: remove it",
+          config.cache_latents_to_disk                ? "cache_latents_to_disk"
+          : config.cache_text_encoder_outputs_to_disk ? "cache_text_encoder_outputs_to_disk"
+                                                      : "shoestring cache",
+          arch);
+    }
+    if (!source.pretrained.empty()) base_.emplace(WeightFiles::open(source.pretrained));
+    if (!config.tiny) {
+      const char* missing = !base_                                      ? "pretrained_model_name_or_path"
+                            : config.effnet_checkpoint_path.empty()     ? "effnet_checkpoint_path"
+                            : config.text_model_checkpoint_path.empty() ? "text_model_checkpoint_path"
+                                                                        : nullptr;
+      if (missing) {
+        fail(
+            "model.architecture = \"{}\" needs {} (stage_c.safetensors, effnet_encoder.safetensors and OpenCLIP "
+            "bigG: pretrained_model_name_or_path, effnet_checkpoint_path, text_model_checkpoint_path); only "
+            "model.tiny = true trains from random init",
+            arch, missing);
+      }
+    }
+    options_ = models::stage_c_options(arch, config.tiny);
+    sample_size_ =
+        dataset.bucketed() ? dataset.dataset_resolution(0) : BucketReso{config.resolution, config.resolution};
+    check_size(sample_size_.height, sample_size_.width, "resolution");
+    for (const DatasetBucket& b : dataset.buckets()) check_size(b.reso.height, b.reso.width, "bucket");
+    if (source.check_module) {
+      models::StageC meta(options_, nn::LayerInit{torch::TensorOptions().dtype(storage_).device(torch::kMeta)});
+      source.check_module(*meta, lora_components(true));
+    }
+
+    build_tokenizer();
+    encode_captions();
+    encode_images();
+
+    {
+      ScopedMemoryCategory category(MemoryCategory::weights);
+      nn::LayerInit init{torch::TensorOptions().dtype(storage_)};
+      init.initialize = !base_;
+      stage_c_ = models::StageC(options_, init);
+      if (base_) load_weights(*stage_c_, *base_);
+    }
+    if (!source.quiet) {
+      int64_t bytes = clip_text_.nbytes() + clip_pooled_.nbytes();
+      std::vector<std::string> shapes;
+      for (const at::Tensor& l : latents_) {
+        bytes += l.nbytes();
+        shapes.push_back(fmt::format("{} x {}", l.size(0), format_shape(l.sizes().slice(1))));
+      }
+      spdlog::info("cached EfficientNet latents {} and {} bigG text embeddings {} ({}); encoders freed",
+                   fmt::join(shapes, ", "), clip_text_.size(0), format_shape(clip_text_.sizes().slice(1)),
+                   format_bytes(bytes));
+    }
+  }
+
+  torch::nn::Module& module() override { return *stage_c_; }
+  std::vector<nn::BlockTable*> block_tables() override { return {stage_c_->block_table()}; }
+  std::vector<nn::LoraComponent> lora_components(bool) const override {
+    // OneTrainer's and kohya's stage C LoRA prefix; text embeddings are cached, so only stage C carries one.
+    return {{"lora_prior_unet", ""}};
+  }
+
+  TrainBatch prepare(const std::vector<int64_t>& idx) override {
+    const auto b = static_cast<int64_t>(idx.size());
+    if (b == 0) fail("internal: empty batch");
+    const int64_t bucket = dataset_.bucketed() ? dataset_.bucket_of(idx.front()) : 0;
+    std::vector<int64_t> latent_rows;
+    for (const int64_t i : idx) {
+      if (dataset_.bucketed() && dataset_.bucket_of(i) != bucket)
+        fail("internal: images {} and {} of one batch are in different buckets", idx.front(), i);
+      latent_rows.push_back(latent_row_[static_cast<size_t>(i)]);
+    }
+    const at::Tensor x0 = latents_[static_cast<size_t>(bucket)]
+                              .index_select(0, torch::tensor(latent_rows, torch::kInt64))
+                              .to(torch::kFloat32);
+    // Caption dropout: the empty caption's embedding (the last row), as
+    // Stability replaces the caption by "" (train_c.py).
+    at::Tensor rows = caption_row_.index_select(0, torch::tensor(idx, torch::kInt64)).clone();
+    const at::Tensor drop = torch::rand({b});
+    for (int64_t i = 0; i < b; ++i) {
+      const int64_t image = idx[static_cast<size_t>(i)];
+      const double rate = dataset_.bucketed() ? dataset_.caption_dropout_rate(image) : config_.caption_dropout_rate;
+      if (drop[i].item<double>() < rate) rows[i] = caption_rows_ - 1;
+    }
+    at::Tensor eps = torch::randn_like(x0);
+    if (config_.noise_offset > 0) eps = apply_noise_offset(eps, x0, config_.noise_offset, config_.adaptive_noise_scale);
+    if (config_.multires_noise_iterations > 0)
+      eps = pyramid_noise(eps, config_.multires_noise_iterations, config_.multires_noise_discount);
+    const at::Tensor t = gdf_sample_times(b);
+    const at::Tensor log_snr = schedule_.log_snr(t);
+    TrainBatch batch;
+    const at::Tensor clip_img = torch::zeros({b, 1, options_.clip_image_dim()}, cache_dtype_);
+    batch.inputs = {gdf_diffuse(x0, eps, log_snr), schedule_.noise_cond(log_snr), clip_text_.index_select(0, rows),
+                    clip_pooled_.index_select(0, rows), clip_img};
+    batch.target = eps;
+    batch.loss_weight = gdf_p2_weight(log_snr);
+    return batch;
+  }
+
+  at::Tensor forward(const TrainBatch& b) override {
+    const auto dtype = nn::value_dtype(stage_c_->clip_txt_mapper->weight);
+    return stage_c_->forward(b.inputs[0].to(dtype), b.inputs[1], b.inputs[2].to(dtype), b.inputs[3].to(dtype),
+                             b.inputs[4].to(dtype));
+  }
+
+  at::Tensor sample(const SampleRequest& request) override;
+
+  std::map<std::string, std::string> metadata(int64_t step) const override {
+    std::map<std::string, std::string> meta = {
+        {"format", "shoestring"},
+        {"architecture", config_.architecture},
+        {"tiny", config_.tiny ? "true" : "false"},
+        {"layout", "stable-cascade"},
+        {"step", std::to_string(step)},
+        {"config_hash", config_hash(config_)},
+        {"objective", "gdf_epsilon"},
+        {"dtype", config_.full_bf16   ? "bf16"
+                  : config_.full_fp16 ? "fp16"
+                                      : "fp32"},
+        {"title", fmt::format("{} step {}", std::filesystem::path(config_.output_dir).filename().string(), step)}};
+    if (tokenizer_.words) meta["tokenizer"] = tokenizer_.words->to_json().dump();
+    return meta;
+  }
+
+  void save_final(const std::string& path, int64_t step, bool storage_dtype) override {
+    TrainConfig c = config_;
+    if (storage_dtype) c.save_precision = "auto";
+    save_module_tensors(path, module_tensors(*stage_c_), metadata(step), c);
+  }
+  bool base_reloadable() const override { return base_.has_value(); }
+
+ private:
+  // Latent sides must survive the effnet's /32 and stage C's downscales.
+  void check_size(int64_t height, int64_t width, const std::string& what) const {
+    const int64_t multiple = cascade_pixel_multiple(options_);
+    if (height % multiple != 0 || width % multiple != 0) {
+      fail(
+          "{} {} x {} px: {} needs multiples of {} pixels (EfficientNet's factor 32 x stage C's downscales); "
+          "Stability trains stage C at 768 px",
+          what, width, height, config_.architecture, multiple);
+    }
+  }
+
+  void build_tokenizer() {
+    if (!config_.tokenizer_dir.empty()) {
+      tokenizer_.clip.emplace(ClipTokenizer::load(expand_path(config_.tokenizer_dir)));
+    } else if (config_.tiny) {
+      std::vector<std::string> texts = dataset_.captions();
+      for (size_t i = 0; i < config_.sample_prompts.size(); ++i) {
+        const SamplePrompt p = parse_sample_prompt(config_.sample_prompts[i], fmt::format("sample_prompts[{}]", i));
+        texts.push_back(p.prompt);
+        texts.push_back(p.negative);
+      }
+      tokenizer_.words.emplace(WordTokenizer::build(texts, kTextLength));
+    } else {
+      fail(
+          "tokenizer_dir is not set: Stable Cascade conditions on OpenCLIP bigG, whose tokenizer (CLIP's "
+          "vocab.json and merges.txt) is not stored in checkpoints; point tokenizer_dir at a folder holding them");
+    }
+  }
+
+  models::ClipTextModel build_text_encoder() const {
+    models::ClipTextOptions o = config_.tiny ? models::ClipTextOptions::clip_g().tiny(options_.clip_text_dim())
+                                             : models::ClipTextOptions::clip_g();
+    if (config_.text_model_checkpoint_path.empty()) {
+      return with_seed(static_cast<uint64_t>(config_.seed) + 101, [&] { return models::ClipTextModel(o); });
+    }
+    const std::string path = expand_path(config_.text_model_checkpoint_path);
+    const WeightFiles files = WeightFiles::open(path);
+    std::string prefix;
+    bool found = false;
+    for (const char* p : kBigGPrefixes) {
+      if (files.find(std::string(p) + "token_embedding.weight")) {
+        prefix = p;
+        found = true;
+        break;
+      }
+    }
+    if (!found) {
+      fail(
+          "text_model_checkpoint_path {}: holds no OpenCLIP text tower (no '{}token_embedding.weight' or "
+          "'token_embedding.weight'); give an SDXL single file or open_clip's ViT-bigG-14 text weights",
+          path, models::kSdxlClipGPrefix);
+    }
+    nn::LayerInit init;
+    init.initialize = false;
+    models::ClipTextModel te(o.init(init));
+    models::load_clip_text_weights(*te, files, prefix);
+    return te;
+  }
+
+  // Token ids [N, 77] and their attention mask (1 through EOS; the word
+  // tokenizer of tiny runs: 1 for <bos> and words, 0 for <pad>).
+  std::pair<at::Tensor, at::Tensor> tokens(const std::vector<std::string>& captions) const {
+    at::Tensor ids = tokenizer_.encode(captions, ClipPadding::kEndOfText);
+    at::Tensor mask;
+    if (tokenizer_.clip) {
+      mask = models::clip_attention_mask(ids);
+    } else {
+      mask = ids.ne(WordTokenizer::kPad).to(torch::kLong);
+      mask.select(1, 0).fill_(1);
+    }
+    return {ids, mask};
+  }
+
+  // Last-layer states [N, 77, W] and pooled [N, 1, P] of `captions` (cache dtype, host memory).
+  std::pair<at::Tensor, at::Tensor> encode_text(models::ClipTextModel& te, const std::vector<std::string>& captions) {
+    torch::NoGradGuard no_grad;
+    auto [ids, mask] = tokens(captions);
+    const models::ClipTextOutput out = te->forward(ids.to(device_), /*skip=*/1, mask.to(device_));
+    return {out.hidden.to(at::kCPU, cache_dtype_), out.pooled.unsqueeze(1).to(at::kCPU, cache_dtype_)};
+  }
+
+  void encode_captions() {
+    ScopedMemoryCategory category(MemoryCategory::other);
+    models::ClipTextModel te = build_text_encoder();
+    te->eval();
+    te->to(device_);
+    if (tokenizer_.clip && tokenizer_.clip->vocab_size() > te->options().vocab_size()) {
+      fail("the CLIP tokenizer (vocab.json) has ids up to {}, but bigG's vocabulary has {} entries",
+           tokenizer_.clip->vocab_size() - 1, te->options().vocab_size());
+    }
+    // Each distinct caption once, in dataset order, then "" (caption dropout).
+    std::vector<std::string> unique;
+    std::map<std::string, int64_t> row;
+    std::vector<int64_t> rows;
+    for (const auto& c : dataset_.captions()) {
+      auto [it, inserted] = row.emplace(c, static_cast<int64_t>(unique.size()));
+      if (inserted) unique.push_back(c);
+      rows.push_back(it->second);
+    }
+    unique.push_back("");
+    caption_row_ = torch::tensor(rows, torch::kInt64);
+    caption_rows_ = static_cast<int64_t>(unique.size());
+    std::vector<at::Tensor> texts, pools;
+    for (size_t i = 0; i < unique.size(); i += 16) {
+      std::vector<std::string> part(unique.begin() + static_cast<std::ptrdiff_t>(i),
+                                    unique.begin() + static_cast<std::ptrdiff_t>(std::min(unique.size(), i + 16)));
+      auto [t, p] = encode_text(te, part);
+      texts.push_back(t);
+      pools.push_back(p);
+    }
+    clip_text_ = torch::cat(texts, 0);
+    clip_pooled_ = torch::cat(pools, 0);
+    // Sample prompts and their negatives, each text once.
+    std::vector<std::string> sample_texts;
+    for (size_t i = 0; i < config_.sample_prompts.size(); ++i) {
+      const SamplePrompt p = parse_sample_prompt(config_.sample_prompts[i], fmt::format("sample_prompts[{}]", i));
+      for (const std::string& t : {p.prompt, p.negative}) {
+        if (sample_row_.emplace(t, static_cast<int64_t>(sample_texts.size())).second) sample_texts.push_back(t);
+      }
+    }
+    if (!sample_texts.empty()) std::tie(sample_text_, sample_pooled_) = encode_text(te, sample_texts);
+  }
+
+  models::EfficientNetEncoder build_effnet() const {
+    models::EfficientNetEncoderOptions o =
+        config_.tiny ? models::EfficientNetEncoderOptions::micro() : models::EfficientNetEncoderOptions();
+    if (config_.effnet_checkpoint_path.empty()) {
+      return with_seed(static_cast<uint64_t>(config_.seed) + 100, [&] { return models::EfficientNetEncoder(o); });
+    }
+    nn::LayerInit init;
+    init.initialize = false;
+    models::EfficientNetEncoder enc(o.init(init));
+    models::load_cascade_coder(*enc, WeightFiles::open(expand_path(config_.effnet_checkpoint_path)));
+    return enc;
+  }
+
+  models::Previewer build_previewer() const {
+    models::PreviewerOptions o;
+    if (config_.tiny) o.hidden_channels(32);
+    if (config_.previewer_checkpoint_path.empty()) {
+      return with_seed(static_cast<uint64_t>(config_.seed) + 102, [&] { return models::Previewer(o); });
+    }
+    nn::LayerInit init;
+    init.initialize = false;
+    models::Previewer prev(o.init(init));
+    models::load_cascade_coder(*prev, WeightFiles::open(expand_path(config_.previewer_checkpoint_path)));
+    return prev;
+  }
+
+  void encode_images() {
+    models::EfficientNetEncoder effnet = build_effnet();
+    effnet->eval();
+    effnet->to(device_);
+    ScopedMemoryCategory category(MemoryCategory::other);
+    torch::NoGradGuard no_grad;
+    std::vector<std::vector<int64_t>> groups;
+    latent_row_.assign(static_cast<size_t>(dataset_.size()), 0);
+    if (dataset_.bucketed()) {
+      for (const DatasetBucket& b : dataset_.buckets()) groups.push_back(b.images);
+    } else {
+      groups.emplace_back();
+      for (int64_t i = 0; i < dataset_.size(); ++i) groups.back().push_back(i);
+    }
+    for (const std::vector<int64_t>& images : groups) {
+      const auto n = static_cast<int64_t>(images.size());
+      for (int64_t k = 0; k < n; ++k) latent_row_[static_cast<size_t>(images[static_cast<size_t>(k)])] = k;
+      std::vector<at::Tensor> parts;
+      for (int64_t i = 0; i < n; i += 8) {
+        const std::vector<int64_t> idx(images.begin() + i, images.begin() + std::min(n, i + 8));
+        parts.push_back(effnet->encode(dataset_.batch_images(idx).to(device_)).to(at::kCPU, cache_dtype_));
+      }
+      latents_.push_back(torch::cat(parts, 0));
+    }
+  }
+
+  TrainConfig config_;
+  const ImageCaptionDataset& dataset_;
+  c10::Device device_{c10::kCPU};
+  torch::Dtype storage_ = torch::kFloat32, cache_dtype_ = torch::kFloat32;
+  std::optional<WeightFiles> base_;
+  models::StageCOptions options_;
+  models::StageC stage_c_{nullptr};
+  GdfCosineSchedule schedule_;
+  LdmTokenizer tokenizer_;
+  BucketReso sample_size_;
+  // Latents per bucket [n_b, 16, H/32, W/32] and each image's row in its bucket;
+  // text [U + 1, 77, W] and pooled [U + 1, 1, P] (the empty caption last), each image's caption row.
+  std::vector<at::Tensor> latents_;
+  std::vector<int64_t> latent_row_;
+  at::Tensor clip_text_, clip_pooled_, caption_row_;
+  int64_t caption_rows_ = 0;
+  at::Tensor sample_text_, sample_pooled_;
+  std::map<std::string, int64_t> sample_row_;
+};
+
+at::Tensor CascadeTrainingModel::sample(const SampleRequest& request) {
+  if (request.prompts.empty() || request.seeds.empty()) fail("sample: no prompts or no seeds");
+  const bool was_training = stage_c_->is_training();
+  stage_c_->eval();
+  torch::NoGradGuard no_grad;
+  const auto dtype = nn::value_dtype(stage_c_->clip_txt_mapper->weight);
+  const at::Device device = stage_c_->clip_txt_mapper->weight.device();
+  std::vector<at::Tensor> latents;
+  for (size_t i = 0; i < request.prompts.size(); ++i) {
+    const SamplePrompt p = parse_sample_prompt(request.prompts[i], fmt::format("sample prompt {}", i + 1));
+    const auto cond = sample_row_.find(p.prompt), negative = sample_row_.find(p.negative);
+    if (cond == sample_row_.end() || negative == sample_row_.end())
+      fail("sample: prompt '{}' is not one of sample_prompts (encoded before training)", request.prompts[i]);
+    const int64_t height = p.height > 0 ? p.height : sample_size_.height;
+    const int64_t width = p.width > 0 ? p.width : sample_size_.width;
+    check_size(height, width, "sample prompt '" + request.prompts[i] + "':");
+    const double cfg = p.cfg.value_or(request.cfg);
+    const int64_t steps = p.steps > 0 ? p.steps : request.steps;
+    auto rows_of = [&](int64_t row) {
+      return std::make_pair(sample_text_.slice(0, row, row + 1).to(device, dtype),
+                            sample_pooled_.slice(0, row, row + 1).to(device, dtype));
+    };
+    const auto [text_c, pooled_c] = rows_of(cond->second);
+    const auto [text_u, pooled_u] = rows_of(negative->second);
+    for (const uint64_t seed : row_seeds(p, request)) {
+      // The seed's noise and the sampler's per-step noise from the global
+      // generator seeded by it, restored after (training's stream is untouched).
+      latents.push_back(with_seed(seed, [&] {
+        const at::Tensor noise = torch::randn({1, options_.in_channels(), height / 32, width / 32});
+        const at::Tensor img =
+            torch::zeros({2, 1, options_.clip_image_dim()}, torch::TensorOptions(dtype).device(device));
+        GdfPredictFn predict = [&](const at::Tensor& x, const at::Tensor& r) {
+          if (cfg == 1.0) {
+            return stage_c_->forward(x.to(device, dtype), r.to(device), text_c, pooled_c, img.slice(0, 0, 1))
+                .to(at::kCPU, torch::kFloat32);
+          }
+          const at::Tensor out = stage_c_
+                                     ->forward(torch::cat({x, x}).to(device, dtype), torch::cat({r, r}).to(device),
+                                               torch::cat({text_c, text_u}), torch::cat({pooled_c, pooled_u}), img)
+                                     .to(at::kCPU, torch::kFloat32);
+          return gdf_guidance(out.slice(0, 0, 1), out.slice(0, 1, 2), cfg, kGuidanceRho);
+        };
+        return gdf_sample(predict, noise, schedule_, steps, kSampleShift);
+      }));
+    }
+  }
+  models::Previewer previewer = build_previewer();
+  previewer->eval();
+  previewer->to(device);
+  std::vector<at::Tensor> images;
+  for (const at::Tensor& z : latents) {
+    // The previewer's RGB is about [0, 1]; samples are [-1, 1].
+    images.push_back(previewer->forward(z.to(device)).to(at::kCPU, torch::kFloat32).clamp(0, 1) * 2 - 1);
+  }
+  if (was_training) stage_c_->train();
+  return samples_to_uint8(torch::cat(images, 0), request);
+}
+
+}  // namespace
+
+int64_t cascade_pixel_multiple(const models::StageCOptions& o) {
+  int64_t multiple = 32 * o.patch_size();
+  for (const bool s : o.switch_level()) multiple *= s ? 2 : 1;
+  return multiple;
+}
+
+std::unique_ptr<TrainingModel> make_cascade_training_model(const TrainConfig& config,
+                                                           const ImageCaptionDataset& dataset,
+                                                           const ModelSource& source) {
+  return std::make_unique<CascadeTrainingModel>(config, dataset, source);
+}
+
+}  // namespace shoestring

@@ -1,0 +1,183 @@
+// Training Stable Cascade stage C from a config (model.architecture =
+// "cascade-c"), at test width (model.tiny = true) on the committed Twemoji
+// fixtures: EfficientNet latents and bigG text states cached, GDF's
+// objective, samples through the previewer, the final file in the released
+// key layout, fine-tuning, LoRA and resume from it, the frozen parts from
+// their own files (kohya's effnet_checkpoint_path, previewer_checkpoint_path,
+// text_model_checkpoint_path), and the errors a user meets.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <set>
+
+#include <torch/torch.h>
+
+#include "shoestring/core/error.h"
+#include "shoestring/io/safetensors.h"
+#include "shoestring/io/weight_files.h"
+#include "shoestring/models/architecture.h"
+#include "shoestring/models/cascade_coders.h"
+#include "shoestring/models/clip_text.h"
+#include "shoestring/train/config.h"
+#include "shoestring/train/trainer.h"
+#include "train_testing.h"
+
+namespace fs = std::filesystem;
+using namespace shoestring;
+using shoestring::testing::losses_of;
+using shoestring::testing::quiet;
+
+namespace {
+
+std::string temp_dir(const std::string& name) { return shoestring::testing::fresh_temp_dir("test_cascade", name); }
+
+// 64 px images: 2 x 2 EfficientNet latents.
+TrainConfig cascade_config(const std::string& out, const std::string& extra = "") {
+  TrainConfig c = shoestring::testing::tiny_ldm_config("cascade-c", out, extra);
+  c.resolution = 64;
+  return c;
+}
+
+std::vector<double> run_losses(const std::string& run_dir) { return losses_of(run_dir + "/metrics.jsonl"); }
+
+std::string message_of(const TrainConfig& c) {
+  try {
+    train(c, quiet());
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "no error";
+}
+
+void save_module(torch::nn::Module& m, const std::string& path, const std::string& prefix = "") {
+  std::vector<NamedTensor> tensors;
+  for (const auto& p : m.named_parameters()) tensors.push_back({prefix + p.key(), p.value().detach(), std::nullopt});
+  for (const auto& b : m.named_buffers()) tensors.push_back({prefix + b.key(), b.value(), std::nullopt});
+  save_safetensors(path, tensors);
+}
+
+}  // namespace
+
+TEST(CascadeTraining, TinyTrainsSamplesAndSavesTheReleasedLayout) {
+  TrainConfig cfg = cascade_config(temp_dir("tiny"));
+  cfg.max_train_steps = 40;
+  auto summary = train(cfg, quiet());
+  auto losses = run_losses(summary.run_dir);
+  ASSERT_EQ(losses.size(), 40u);
+  for (double l : losses) EXPECT_TRUE(std::isfinite(l));
+  // GDF draws a time per sample, so single losses are noisy: compare the first and last ten.
+  double first = 0, last = 0;
+  for (int i = 0; i < 10; ++i) first += losses[static_cast<size_t>(i)], last += losses[static_cast<size_t>(30 + i)];
+  EXPECT_LT(last, 0.8 * first) << "first-10 mean " << first / 10 << " last-10 mean " << last / 10;
+  EXPECT_TRUE(fs::exists(summary.last_sample));
+
+  // The final file holds stage C alone, under the released keys (no prefix),
+  // detected as the tiny cascade-c.
+  WeightFiles f = WeightFiles::open(summary.run_dir + "/model.safetensors");
+  auto reference = models::build_architecture("cascade-c", nn::LayerInit{torch::kMeta}, /*tiny=*/true);
+  std::set<std::string> want, got;
+  for (const auto& p : reference->named_parameters()) want.insert(p.key());
+  for (const auto& n : f.names()) got.insert(n);
+  EXPECT_EQ(got, want);
+  EXPECT_EQ(f.metadata().at("architecture"), "cascade-c");
+  EXPECT_EQ(f.metadata().at("objective"), "gdf_epsilon");
+
+  // Fine-tuning starts from exactly that file (a zero learning rate saves it back unchanged).
+  TrainConfig ft =
+      cascade_config(temp_dir("ft"), "pretrained_model_name_or_path = \"" + summary.run_dir + "/model.safetensors\"\n");
+  ft.max_train_steps = 1;
+  ft.learning_rate = 0;
+  auto a = load_safetensors(summary.run_dir + "/model.safetensors");
+  auto b = load_safetensors(train(ft, quiet()).run_dir + "/model.safetensors");
+  ASSERT_EQ(a.size(), b.size());
+  for (const auto& [k, v] : a) EXPECT_TRUE(torch::equal(v, b.at(k))) << k;
+
+  // LoRA on it: OneTrainer's / kohya's stage C prefix, adapters only.
+  TrainConfig lora = cascade_config(temp_dir("lora"), "pretrained_model_name_or_path = \"" + summary.run_dir +
+                                                          "/model.safetensors\"\nnetwork_module = \"networks.lora\"\n"
+                                                          "network_dim = 2\n");
+  lora.max_train_steps = 2;
+  auto ls = train(lora, quiet());
+  EXPECT_FALSE(fs::exists(ls.run_dir + "/model.safetensors"));
+  auto lf = SafetensorsFile::open(ls.run_dir + "/lora.safetensors");
+  bool prior = false;
+  for (const auto& t : lf.tensors()) prior = prior || t.name.rfind("lora_prior_unet_", 0) == 0;
+  EXPECT_TRUE(prior);
+}
+
+TEST(CascadeTraining, ResumeEqualsTheUninterruptedRun) {
+  TrainConfig full = cascade_config(temp_dir("full"), "full_bf16 = true\n");
+  full.max_train_steps = 4;
+  auto whole = run_losses(train(full, quiet()).run_dir);
+
+  TrainConfig part = cascade_config(temp_dir("part"), "full_bf16 = true\nsave_every_n_steps = 2\n");
+  part.max_train_steps = 2;
+  const std::string dir = train(part, quiet()).run_dir;
+  part.max_train_steps = 4;
+  TrainRunOptions o = quiet();
+  o.resume_dir = dir;
+  train(part, o);
+  auto resumed = run_losses(dir);
+  ASSERT_EQ(resumed.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) EXPECT_EQ(resumed[i], whole[i]) << "step " << i + 1;
+}
+
+// The frozen parts from files (as kohya's stable-cascade scripts take them):
+// the run encodes with them, so a different encoder file gives different
+// losses; a file of the wrong kind is refused by name.
+TEST(CascadeTraining, FrozenPartsFromTheirFiles) {
+  const std::string dir = temp_dir("files");
+  fs::create_directories(dir);
+  torch::manual_seed(11);
+  models::EfficientNetEncoder effnet(models::EfficientNetEncoderOptions::micro());
+  models::Previewer previewer(models::PreviewerOptions().hidden_channels(32));
+  models::ClipTextModel big_g(models::ClipTextOptions::clip_g().tiny(32));
+  save_module(*effnet, dir + "/effnet_encoder.safetensors");
+  save_module(*previewer, dir + "/previewer.safetensors");
+  save_module(*big_g, dir + "/sdxl.safetensors", models::kSdxlClipGPrefix);  // as an SDXL single file holds it
+
+  const std::string files = "effnet_checkpoint_path = \"" + dir + "/effnet_encoder.safetensors\"\n" +
+                            "previewer_checkpoint_path = \"" + dir + "/previewer.safetensors\"\n" +
+                            "text_model_checkpoint_path = \"" + dir + "/sdxl.safetensors\"\n";
+  TrainConfig with_files = cascade_config(temp_dir("with_files"), files);
+  with_files.max_train_steps = 2;
+  auto own = run_losses(train(with_files, quiet()).run_dir);
+  TrainConfig random = cascade_config(temp_dir("random"));
+  random.max_train_steps = 2;
+  auto rand_losses = run_losses(train(random, quiet()).run_dir);
+  ASSERT_EQ(own.size(), 2u);
+  EXPECT_TRUE(std::isfinite(own[1]));
+  // Stage C's output conv starts at zero (as Stability initialises it), so the
+  // first loss is the noise's alone; the second sees the latents and text.
+  EXPECT_EQ(own[0], rand_losses[0]);
+  EXPECT_NE(own[1], rand_losses[1]);
+
+  TrainConfig wrong =
+      cascade_config(temp_dir("wrong"), "effnet_checkpoint_path = \"" + dir + "/previewer.safetensors\"\n");
+  const std::string m = message_of(wrong);
+  EXPECT_NE(m.find("previewer.safetensors"), std::string::npos) << m;
+  EXPECT_NE(m.find("backbone.0.0.weight"), std::string::npos) << m;
+  TrainConfig no_text =
+      cascade_config(temp_dir("no_text"), "text_model_checkpoint_path = \"" + dir + "/effnet_encoder.safetensors\"\n");
+  const std::string t = message_of(no_text);
+  EXPECT_NE(t.find("holds no OpenCLIP text tower"), std::string::npos) << t;
+  fs::remove_all(dir);
+}
+
+TEST(CascadeTraining, RefusesWhatItCannotTrain) {
+  TrainConfig c = cascade_config(temp_dir("e1"));
+  c.tiny = false;
+  EXPECT_NE(message_of(c).find("pretrained_model_name_or_path"), std::string::npos) << message_of(c);
+  c = cascade_config(temp_dir("e2"));
+  c.resolution = 48;
+  EXPECT_NE(message_of(c).find("multiples of 32 pixels"), std::string::npos) << message_of(c);
+  c = cascade_config(temp_dir("e3"), "cache_latents_to_disk = true\n");
+  EXPECT_NE(message_of(c).find("cache_latents_to_disk"), std::string::npos) << message_of(c);
+  c = cascade_config(temp_dir("e4"), "v_parameterization = true\n");
+  EXPECT_NE(message_of(c).find("v_parameterization: model.architecture = \"cascade-c\" trains on GDF"),
+            std::string::npos)
+      << message_of(c);
+  c = cascade_config(temp_dir("e5"), "min_snr_gamma = 5\n");
+  EXPECT_NE(message_of(c).find("min_snr_gamma"), std::string::npos) << message_of(c);
+  EXPECT_FALSE(fs::exists(c.output_dir));  // refused before the run folder exists
+}
