@@ -161,6 +161,20 @@ TEST(CascadeTraining, FrozenPartsFromTheirFiles) {
       cascade_config(temp_dir("no_text"), "text_model_checkpoint_path = \"" + dir + "/effnet_encoder.safetensors\"\n");
   const std::string t = message_of(no_text);
   EXPECT_NE(t.find("holds no OpenCLIP text tower"), std::string::npos) << t;
+  EXPECT_NE(m.find("effnet_checkpoint_path: expected Stable Cascade's effnet_encoder.safetensors"), std::string::npos)
+      << m;
+  // A bad previewer is refused at the start, not when the first samples are drawn.
+  TrainConfig bad_preview =
+      cascade_config(temp_dir("bad_preview"), "previewer_checkpoint_path = \"" + dir + "/missing.safetensors\"\n");
+  const std::string pv = message_of(bad_preview);
+  EXPECT_NE(pv.find("previewer_checkpoint_path = \"" + dir + "/missing.safetensors\""), std::string::npos) << pv;
+  EXPECT_FALSE(fs::exists(bad_preview.output_dir));
+  // A base file that is not stage C: refused from its header, naming what it holds.
+  TrainConfig not_c =
+      cascade_config(temp_dir("not_c"), "pretrained_model_name_or_path = \"" + dir + "/sdxl.safetensors\"\n");
+  const std::string nc = message_of(not_c);
+  EXPECT_NE(nc.find("expected cascade-c (tiny) stage C with the released keys"), std::string::npos) << nc;
+  EXPECT_FALSE(fs::exists(not_c.output_dir));
   fs::remove_all(dir);
 }
 
@@ -179,5 +193,9 @@ TEST(CascadeTraining, RefusesWhatItCannotTrain) {
       << message_of(c);
   c = cascade_config(temp_dir("e5"), "min_snr_gamma = 5\n");
   EXPECT_NE(message_of(c).find("min_snr_gamma"), std::string::npos) << message_of(c);
+  // A sample size the EfficientNet grid cannot take: refused before training, not at the first grid.
+  c = cascade_config(temp_dir("e6"));
+  c.sample_prompts = {"red heart --w 50"};
+  EXPECT_NE(message_of(c).find("sample_prompts[0] (--w / --h) 50 x 64 px"), std::string::npos) << message_of(c);
   EXPECT_FALSE(fs::exists(c.output_dir));  // refused before the run folder exists
 }

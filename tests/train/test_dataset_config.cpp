@@ -211,6 +211,41 @@ batch_size = 2
   fs::remove_all(data);
 }
 
+// Stable Cascade with flip_aug: the mirror images' EfficientNet latents are
+// encoded beside the originals and drawn half the time, as the LDM families do.
+TEST(DatasetConfig, TinyCascadeTrainsWithFlipAug) {
+  const std::string out = shoestring::testing::fresh_temp_dir("test_dataset_config", "cascade_flip");
+  const fs::path data = fs::path(out + "_data");
+  fs::remove_all(data);
+  fs::create_directories(data / "square");
+  for (int i = 0; i < 4; ++i) {
+    write_image(data / "square" / fmt::format("s{}.png", i), 64, 64, i);
+    write_text(data / "square" / fmt::format("s{}.caption", i), fmt::format("square picture {}\n", i));
+  }
+  auto run = [&](bool flip) {
+    write_text(data / "datasets.toml",
+               fmt::format("[general]\nenable_bucket = true\nresolution = 64\nmin_bucket_reso = 32\nmax_bucket_reso = "
+                           "128\nbucket_reso_steps = 32\n"
+                           "batch_size = 2\n[[datasets]]\n  [[datasets.subsets]]\n  image_dir = \"{}/square\"\n"
+                           "  caption_extension = \".caption\"\n  flip_aug = {}\n",
+                           data.string(), flip ? "true" : "false"));
+    TrainConfig c =
+        parse_config(fmt::format("dataset_config = \"{}/datasets.toml\"\nresolution = 64\nmax_train_steps = 4\n"
+                                 "learning_rate = 2e-3\nseed = 5\nnum_threads = 1\noutput_dir = \"{}\"\n[model]\n"
+                                 "architecture = \"cascade-c\"\ntiny = true\n",
+                                 data.string(), out + (flip ? "_flip" : "_plain")),
+                     "cascade_flip.toml");
+    return shoestring::testing::losses_of(train(c, shoestring::testing::quiet()).run_dir + "/metrics.jsonl");
+  };
+  const auto flipped = run(true), plain = run(false);
+  ASSERT_EQ(flipped.size(), 4u);
+  for (double l : flipped) EXPECT_TRUE(std::isfinite(l));
+  EXPECT_NE(flipped, plain);
+  fs::remove_all(data);
+  fs::remove_all(out + "_flip");
+  fs::remove_all(out + "_plain");
+}
+
 // kohya's folder names (config_util.py, extract_dreambooth_params): the name
 // split at '_', the first part the repeats, the rest joined by '_' the class
 // tokens; anything else is no repeats folder.

@@ -385,8 +385,8 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
   const int64_t weight_elem = lora ? lora_elem : (p.parameters > 0 && grad_bytes_storage < 3 * p.parameters) ? 2 : 4;
   if (r.denoiser) {
     p.notes.push_back(
-        "the denoiser only: latents and text-encoder outputs are assumed cached (the VAE and text "
-        "encoders are not resident), inputs as bench/model_step feeds them");
+        "the denoiser only: latents and text-encoder outputs are assumed cached (the latent encoder and the "
+        "text encoders are not resident), inputs as bench/model_step feeds them");
     // Buffers stored with the weights (MMDiT's pos_embed: 226M elements at full size).
     const int64_t buffer_elem = (c.full_bf16 || c.full_fp16) ? 2 : 4;
     for (const auto& b : r.denoiser->buffers()) p.weights_bytes += b.numel() * buffer_elem;

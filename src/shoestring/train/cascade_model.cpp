@@ -73,7 +73,7 @@ class CascadeTrainingModel final : public TrainingModel {
                                                       : "shoestring cache",
           arch);
     }
-    if (!source.pretrained.empty()) base_.emplace(WeightFiles::open(source.pretrained));
+    if (!source.pretrained.empty()) base_.emplace(open_file("pretrained_model_name_or_path", source.pretrained));
     if (!config.tiny) {
       const char* missing = !base_                                      ? "pretrained_model_name_or_path"
                             : config.effnet_checkpoint_path.empty()     ? "effnet_checkpoint_path"
@@ -90,16 +90,42 @@ class CascadeTrainingModel final : public TrainingModel {
     options_ = models::stage_c_options(arch, config.tiny);
     sample_size_ =
         dataset.bucketed() ? dataset.dataset_resolution(0) : BucketReso{config.resolution, config.resolution};
+    for (int64_t i = 0; i < dataset.size() && dataset.bucketed(); ++i) has_flip_ = has_flip_ || dataset.flip_aug(i);
     check_size(sample_size_.height, sample_size_.width, "resolution");
     for (const DatasetBucket& b : dataset.buckets()) check_size(b.reso.height, b.reso.width, "bucket");
-    if (source.check_module) {
-      models::StageC meta(options_, nn::LayerInit{torch::TensorOptions().dtype(storage_).device(torch::kMeta)});
-      source.check_module(*meta, lora_components(true));
+    for (size_t i = 0; i < config.sample_prompts.size(); ++i) {
+      const SamplePrompt p = parse_sample_prompt(config.sample_prompts[i], fmt::format("sample_prompts[{}]", i));
+      check_size(p.height > 0 ? p.height : sample_size_.height, p.width > 0 ? p.width : sample_size_.width,
+                 fmt::format("sample_prompts[{}] (--w / --h)", i));
     }
+    warn_ignored(config);
+    // Everything that can be refused from file headers, before the encoders run.
+    {
+      models::StageC meta(options_, nn::LayerInit{torch::TensorOptions().dtype(storage_).device(torch::kMeta)});
+      if (base_) check_stage_c_file(*meta);
+      if (source.check_module) source.check_module(*meta, lora_components(true));
+    }
+    if (!config.previewer_checkpoint_path.empty()) build_previewer();  // a bad file is refused now, not at sample time
 
     build_tokenizer();
     encode_captions();
     encode_images();
+    if (!source.quiet) {
+      int64_t bytes = clip_text_.nbytes() + clip_pooled_.nbytes() +
+                      (sample_text_.defined() ? sample_text_.nbytes() : 0) +
+                      (sample_pooled_.defined() ? sample_pooled_.nbytes() : 0);
+      std::vector<std::string> shapes;
+      for (size_t b = 0; b < latents_.size(); ++b) {
+        bytes += latents_[b].nbytes() + (flipped_.empty() ? 0 : flipped_[b].nbytes());
+        shapes.push_back(fmt::format("{} x {}", latents_[b].size(0), format_shape(latents_[b].sizes().slice(1))));
+      }
+      spdlog::info(
+          "cached EfficientNet latents {}{} and bigG text embeddings {} for {} captions + the empty one (caption "
+          "dropout){} ({}); encoders freed",
+          fmt::join(shapes, ", "), flipped_.empty() ? "" : " (and their mirror images, flip_aug)",
+          format_shape(clip_text_.sizes().slice(1)), clip_text_.size(0) - 1,
+          sample_row_.empty() ? "" : fmt::format(" and {} sample texts", sample_row_.size()), format_bytes(bytes));
+    }
 
     {
       ScopedMemoryCategory category(MemoryCategory::weights);
@@ -107,17 +133,6 @@ class CascadeTrainingModel final : public TrainingModel {
       init.initialize = !base_;
       stage_c_ = models::StageC(options_, init);
       if (base_) load_weights(*stage_c_, *base_);
-    }
-    if (!source.quiet) {
-      int64_t bytes = clip_text_.nbytes() + clip_pooled_.nbytes();
-      std::vector<std::string> shapes;
-      for (const at::Tensor& l : latents_) {
-        bytes += l.nbytes();
-        shapes.push_back(fmt::format("{} x {}", l.size(0), format_shape(l.sizes().slice(1))));
-      }
-      spdlog::info("cached EfficientNet latents {} and {} bigG text embeddings {} ({}); encoders freed",
-                   fmt::join(shapes, ", "), clip_text_.size(0), format_shape(clip_text_.sizes().slice(1)),
-                   format_bytes(bytes));
     }
   }
 
@@ -138,9 +153,17 @@ class CascadeTrainingModel final : public TrainingModel {
         fail("internal: images {} and {} of one batch are in different buckets", idx.front(), i);
       latent_rows.push_back(latent_row_[static_cast<size_t>(i)]);
     }
-    const at::Tensor x0 = latents_[static_cast<size_t>(bucket)]
-                              .index_select(0, torch::tensor(latent_rows, torch::kInt64))
-                              .to(torch::kFloat32);
+    const at::Tensor lrows = torch::tensor(latent_rows, torch::kInt64);
+    at::Tensor x0 = latents_[static_cast<size_t>(bucket)].index_select(0, lrows).to(torch::kFloat32);
+    // flip_aug: the mirror image's latents with probability 1/2 (as the LDM
+    // families and kohya's flipped latents); drawn only when a subset flips.
+    if (has_flip_) {
+      const at::Tensor mirror = flipped_[static_cast<size_t>(bucket)].index_select(0, lrows).to(torch::kFloat32);
+      const at::Tensor draw = torch::rand({b});
+      for (int64_t i = 0; i < b; ++i) {
+        if (dataset_.flip_aug(idx[static_cast<size_t>(i)]) && draw[i].item<double>() < 0.5) x0[i] = mirror[i];
+      }
+    }
     // Caption dropout: the empty caption's embedding (the last row), as
     // Stability replaces the caption by "" (train_c.py).
     at::Tensor rows = caption_row_.index_select(0, torch::tensor(idx, torch::kInt64)).clone();
@@ -198,6 +221,53 @@ class CascadeTrainingModel final : public TrainingModel {
   bool base_reloadable() const override { return base_.has_value(); }
 
  private:
+  // Keys of the LDM families that this one reads nothing of, set away from their defaults.
+  static void warn_ignored(const TrainConfig& c) {
+    const TrainConfig d;
+    std::vector<std::string> ignored;
+    if (c.clip_skip != d.clip_skip) ignored.push_back("clip_skip (bigG's last layer is stage C's input)");
+    if (c.sample_sampler != d.sample_sampler) ignored.push_back("sample_sampler (GDF's DDPM sampler is used)");
+    if (!ignored.empty())
+      spdlog::warn("model.architecture = \"{}\" ignores {}", c.architecture, fmt::join(ignored, ", "));
+    if (c.full_fp16 || c.mixed_precision == "fp16")
+      spdlog::warn(
+          "{}: Stable Cascade's stage C overflows fp16 in its last up-block group (Stability: bf16 or fp32 only); "
+          "the loss scaler skips overflowing steps, but a full-width run may skip most of them; prefer bf16",
+          c.full_fp16 ? "full_fp16" : "mixed_precision = \"fp16\"");
+  }
+
+  // The base file must hold stage C under its released keys (no prefix): refused
+  // from the header, naming what the file holds instead.
+  void check_stage_c_file(torch::nn::Module& meta) const {
+    std::map<std::string, std::vector<int64_t>> expected, found;
+    for (const auto& p : meta.named_parameters()) expected[p.key()] = p.value().sizes().vec();
+    std::vector<models::TensorShape> shapes;
+    for (const auto& n : base_->names()) {
+      found[n] = base_->find(n)->shape;
+      shapes.emplace_back(n, base_->find(n)->shape);
+    }
+    const KeyDiff diff = diff_keys(expected, found);
+    if (diff.empty()) return;
+    std::vector<std::string> held;
+    for (const auto& d : models::detect_architectures(shapes)) {
+      held.push_back(fmt::format("{}{}{}", d.architecture, d.tiny ? " (tiny)" : "",
+                                 d.prefix.empty() ? "" : " under '" + d.prefix + "'"));
+    }
+    fail("pretrained_model_name_or_path {}: expected {}{} stage C with the released keys (no prefix){}; {}",
+         base_->path(), config_.architecture, config_.tiny ? " (tiny)" : "",
+         held.empty() ? "" : fmt::format(", found {}", fmt::join(held, ", ")), diff.describe());
+  }
+
+  // WeightFiles::open of a config key's path, errors naming the key.
+  static WeightFiles open_file(const std::string& key, const std::string& value) {
+    const std::string path = expand_path(value);
+    try {
+      return WeightFiles::open(path);
+    } catch (const Error& e) {
+      fail("{} = \"{}\": {}", key, value, e.what());
+    }
+  }
+
   // Latent sides must survive the effnet's /32 and stage C's downscales.
   void check_size(int64_t height, int64_t width, const std::string& what) const {
     const int64_t multiple = cascade_pixel_multiple(options_);
@@ -234,7 +304,7 @@ class CascadeTrainingModel final : public TrainingModel {
       return with_seed(static_cast<uint64_t>(config_.seed) + 101, [&] { return models::ClipTextModel(o); });
     }
     const std::string path = expand_path(config_.text_model_checkpoint_path);
-    const WeightFiles files = WeightFiles::open(path);
+    const WeightFiles files = open_file("text_model_checkpoint_path", config_.text_model_checkpoint_path);
     std::string prefix;
     bool found = false;
     for (const char* p : kBigGPrefixes) {
@@ -330,7 +400,13 @@ class CascadeTrainingModel final : public TrainingModel {
     nn::LayerInit init;
     init.initialize = false;
     models::EfficientNetEncoder enc(o.init(init));
-    models::load_cascade_coder(*enc, WeightFiles::open(expand_path(config_.effnet_checkpoint_path)));
+    try {
+      models::load_cascade_coder(*enc, open_file("effnet_checkpoint_path", config_.effnet_checkpoint_path));
+    } catch (const Error& e) {
+      if (std::string(e.what()).rfind("effnet_checkpoint_path", 0) == 0) throw;
+      fail("effnet_checkpoint_path: expected Stable Cascade's effnet_encoder.safetensors{}: {}",
+           config_.tiny ? " (the tiny test width)" : "", e.what());
+    }
     return enc;
   }
 
@@ -343,7 +419,13 @@ class CascadeTrainingModel final : public TrainingModel {
     nn::LayerInit init;
     init.initialize = false;
     models::Previewer prev(o.init(init));
-    models::load_cascade_coder(*prev, WeightFiles::open(expand_path(config_.previewer_checkpoint_path)));
+    try {
+      models::load_cascade_coder(*prev, open_file("previewer_checkpoint_path", config_.previewer_checkpoint_path));
+    } catch (const Error& e) {
+      if (std::string(e.what()).rfind("previewer_checkpoint_path", 0) == 0) throw;
+      fail("previewer_checkpoint_path: expected Stable Cascade's previewer.safetensors{}: {}",
+           config_.tiny ? " (the tiny test width)" : "", e.what());
+    }
     return prev;
   }
 
@@ -364,12 +446,15 @@ class CascadeTrainingModel final : public TrainingModel {
     for (const std::vector<int64_t>& images : groups) {
       const auto n = static_cast<int64_t>(images.size());
       for (int64_t k = 0; k < n; ++k) latent_row_[static_cast<size_t>(images[static_cast<size_t>(k)])] = k;
-      std::vector<at::Tensor> parts;
+      std::vector<at::Tensor> parts, mirrored;
       for (int64_t i = 0; i < n; i += 8) {
         const std::vector<int64_t> idx(images.begin() + i, images.begin() + std::min(n, i + 8));
-        parts.push_back(effnet->encode(dataset_.batch_images(idx).to(device_)).to(at::kCPU, cache_dtype_));
+        const at::Tensor pixels = dataset_.batch_images(idx).to(device_);
+        parts.push_back(effnet->encode(pixels).to(at::kCPU, cache_dtype_));
+        if (has_flip_) mirrored.push_back(effnet->encode(pixels.flip({3})).to(at::kCPU, cache_dtype_));
       }
       latents_.push_back(torch::cat(parts, 0));
+      if (has_flip_) flipped_.push_back(torch::cat(mirrored, 0));
     }
   }
 
@@ -385,8 +470,9 @@ class CascadeTrainingModel final : public TrainingModel {
   BucketReso sample_size_;
   // Latents per bucket [n_b, 16, H/32, W/32] and each image's row in its bucket;
   // text [U + 1, 77, W] and pooled [U + 1, 1, P] (the empty caption last), each image's caption row.
-  std::vector<at::Tensor> latents_;
+  std::vector<at::Tensor> latents_, flipped_;  // flipped_: the mirror images' latents (flip_aug)
   std::vector<int64_t> latent_row_;
+  bool has_flip_ = false;
   at::Tensor clip_text_, clip_pooled_, caption_row_;
   int64_t caption_rows_ = 0;
   at::Tensor sample_text_, sample_pooled_;

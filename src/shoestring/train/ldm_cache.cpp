@@ -161,10 +161,11 @@ LdmCacheStats build_ldm_caches(const TrainConfig& config_in, bool quiet, const C
   TrainConfig c = config_in;
   const models::Architecture& arch = models::find_architecture(c.architecture);
   if (arch.family != models::Family::ldm_unet) {
-    fail(
-        "cache: model.architecture = \"{}\" trains on images, not cached latents; `shoestring cache` is for the LDM "
-        "architectures (sd15, sdxl, ssd1b)",
-        c.architecture);
+    fail("cache: model.architecture = \"{}\" {}; `shoestring cache` is for the LDM architectures (sd15, sdxl, ssd1b)",
+         c.architecture,
+         arch.family == models::Family::stage_c
+             ? "keeps its latents and text embeddings in memory (no disk caches for Stable Cascade yet)"
+             : "trains on images, not cached latents");
   }
   const c10::Device device = resolve_device(c.device, "device");
   adapt_precision_to_device(c, device);  // the cache dtype follows the run's storage dtype

@@ -717,8 +717,8 @@ std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions&
     const int64_t global_batch = c.train_batch_size * run.world_size();
     if (run.dataset.size() < global_batch) {
       fail(
-          "{}: {} image{} loaded{}, fewer than train_batch_size {}{}: no full batch can be formed (the emoji "
-          "model trains full batches only); lower train_batch_size{}",
+          "{}: {} image{} loaded{}, fewer than train_batch_size {}{}: no full batch can be formed (without "
+          "buckets only full batches are trained); lower train_batch_size{}",
           data_dir, run.dataset.size(), run.dataset.size() == 1 ? "" : "s",
           c.max_train_images > 0 ? fmt::format(" (max_train_images = {})", c.max_train_images) : "", c.train_batch_size,
           run.world_size() > 1 ? fmt::format(" x {} ranks = {}", run.world_size(), global_batch) : "",
