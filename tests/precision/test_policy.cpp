@@ -260,7 +260,7 @@ TEST(Policy, ApplyCastsStorageFreezesAndConfiguresBlocks) {
   for (const auto& prow : res.params) EXPECT_EQ(prow.fp8_packed, prow.path == "head.weight") << prow.path;
 
   const std::string text = format_explain(res, p);
-  EXPECT_NE(text.find("down.1 [block]"), std::string::npos) << text;
+  EXPECT_NE(text.find("down.1 [block Module]"), std::string::npos) << text;
   EXPECT_NE(text.find("rule 3 ('head.*', test.toml): applies to 10 parameters"), std::string::npos) << text;
 }
 
@@ -303,4 +303,39 @@ TEST(Policy, Fp8WeightsTakeOneBytePerElementInTheLedger) {
     EXPECT_EQ(res.modules[0].weight_bytes, packed * 1 + container * 2);
   }
   EXPECT_EQ(ledger.current_bytes(MemoryCategory::weights), outside);
+}
+
+// `kind` selects modules by class where paths cannot: Stable Cascade's stage C
+// numbers its blocks (ResBlock, TimestepBlock, AttnBlock, ...), so "ResBlocks
+// in fp32, frozen, checkpointed; the rest fp16" (the fp16 forum recipe) needs
+// it. Every parameter under a CascadeResBlock follows the rule, no other does.
+TEST(Policy, KindSelectsModulesByClass) {
+  Tree tree;  // Conv2d, GroupNorm, Linear, ModuleList
+  EXPECT_EQ(module_kind(*tree->down[0]->children()[0]), "Conv2d");
+  EXPECT_EQ(module_kind(*tree->head), "Linear");
+  auto all = spec("*");
+  all.storage = "fp16";
+  all.compute = "fp16";
+  auto convs = spec("*");
+  convs.kind = "Conv2d";
+  convs.storage = "fp32";
+  convs.trainable = false;
+  auto none = spec("down.*");
+  none.kind = "Linear";  // no Linear below down: a warning naming the kinds there
+  Policy p = Policy::from_specs({all, convs, none});
+  Resolution r = resolve(*tree, p, {tree->table.get()});
+  for (const auto& row : r.params) {
+    const bool conv = row.path.find(".conv.") != std::string::npos;
+    EXPECT_EQ(row.settings.storage, conv ? Dtype::fp32 : Dtype::fp16) << row.path;
+    EXPECT_EQ(row.settings.trainable, !conv) << row.path;
+  }
+  ASSERT_EQ(r.warnings.size(), 1u);
+  EXPECT_NE(r.warnings[0].find("rule 3 ('down.*' kind Linear, test.toml) matches no module"), std::string::npos)
+      << r.warnings[0];
+  EXPECT_NE(r.warnings[0].find("Conv2d"), std::string::npos) << r.warnings[0];
+  auto empty = spec("*");
+  empty.kind = "";
+  EXPECT_THROW(Policy::from_specs({empty}), Error);
+  // Without a kind lookup a kind rule applies nowhere.
+  EXPECT_EQ(p.resolve("down.0.conv.weight").storage, Dtype::fp16);
 }

@@ -92,6 +92,33 @@ TEST(CascadeTraining, TinyTrainsSamplesAndSavesTheReleasedLayout) {
   ASSERT_EQ(a.size(), b.size());
   for (const auto& [k, v] : a) EXPECT_TRUE(torch::equal(v, b.at(k))) << k;
 
+  // The fp16 recipe (examples/cascade_c_fp16.toml): fp16 weights and compute
+  // with loss scaling, the ResBlocks (a precision rule by kind) fp32 and frozen.
+  TrainConfig fp16 = cascade_config(temp_dir("fp16"), "pretrained_model_name_or_path = \"" + summary.run_dir +
+                                                          "/model.safetensors\"\nfull_fp16 = true\n"
+                                                          "[[precision.rule]]\nmatch = \"*\"\n"
+                                                          "kind = \"CascadeResBlock\"\nstorage = \"fp32\"\n"
+                                                          "compute = \"fp32\"\ntrainable = false\n"
+                                                          "checkpoint = true\n");
+  fp16.max_train_steps = 3;
+  const std::string fp16_dir = train(fp16, quiet()).run_dir;
+  for (double l : run_losses(fp16_dir)) EXPECT_TRUE(std::isfinite(l));
+  auto h = load_safetensors(fp16_dir + "/model.safetensors");
+  int64_t res_blocks = 0, moved = 0;
+  for (const auto& [k, v] : h) {
+    // ResBlocks: depthwise conv and channelwise MLP (no other block has them in CTA levels).
+    const bool res = k.find(".depthwise.") != std::string::npos || k.find(".channelwise.") != std::string::npos;
+    EXPECT_EQ(v.scalar_type(), res ? torch::kFloat32 : torch::kHalf) << k;
+    if (res) {
+      ++res_blocks;
+      EXPECT_TRUE(torch::equal(v, a.at(k))) << "frozen ResBlock weight moved: " << k;
+    } else {
+      moved += !torch::equal(v.to(torch::kFloat32), a.at(k).to(torch::kHalf).to(torch::kFloat32));
+    }
+  }
+  EXPECT_GT(res_blocks, 0);
+  EXPECT_GT(moved, 0);
+
   // LoRA on it: OneTrainer's / kohya's stage C prefix, adapters only.
   TrainConfig lora = cascade_config(temp_dir("lora"), "pretrained_model_name_or_path = \"" + summary.run_dir +
                                                           "/model.safetensors\"\nnetwork_module = \"networks.lora\"\n"

@@ -158,8 +158,8 @@ TEST(PrecisionTraining, RulesInConfigRoundTripAndErrorsNameTheRule) {
 
 TEST(PrecisionTraining, ShorthandsConfigureTheModelsBlocks) {
   // bf16_compute = "bf16": the blocks compute in bf16 whatever this CPU has.
-  auto c = tiny_config("/tmp/unused",
-                       "mixed_precision = \"bf16\"\ngradient_checkpointing = true\nprecision.bf16_compute = \"bf16\"\n");
+  auto c = tiny_config(
+      "/tmp/unused", "mixed_precision = \"bf16\"\ngradient_checkpointing = true\nprecision.bf16_compute = \"bf16\"\n");
   TinyUNetModel model(TinyUNetModelOptions::from_config(c, 16));
   auto tables = model->block_tables();
   auto policy = precision_policy(c);
@@ -181,8 +181,8 @@ TEST(PrecisionTraining, ShorthandsConfigureTheModelsBlocks) {
   EXPECT_TRUE(model->unet->conv_in->weight.grad().defined());
   EXPECT_EQ(model->unet->conv_in->weight.grad().scalar_type(), at::kFloat);
   const std::string explain = precision::format_explain(res, policy);
-  EXPECT_NE(explain.find("unet.mid.res1 [block]"), std::string::npos) << explain;
-  EXPECT_NE(explain.find("unet [scope]"), std::string::npos) << explain;
+  EXPECT_NE(explain.find("unet.mid.res1 [block ResBlock]"), std::string::npos) << explain;
+  EXPECT_NE(explain.find("unet [scope TinyUNet]"), std::string::npos) << explain;
   EXPECT_NE(explain.find("shorthand mixed_precision"), std::string::npos) << explain;
 }
 

@@ -31,15 +31,23 @@ std::string rule_label(int index, const std::vector<Rule>& rules) {
 }  // namespace
 
 std::string Rule::describe() const {
-  return origin.empty() ? fmt::format("rule {} ('{}')", index, match)
-                        : fmt::format("rule {} ('{}', {})", index, match, origin);
+  const std::string pattern = kind ? fmt::format("'{}' kind {}", match, *kind) : fmt::format("'{}'", match);
+  return origin.empty() ? fmt::format("rule {} ({})", index, pattern)
+                        : fmt::format("rule {} ({}, {})", index, pattern, origin);
+}
+
+std::string module_kind(const torch::nn::Module& module) {
+  std::string n = module.name();
+  const size_t colon = n.rfind("::");
+  if (colon != std::string::npos) n = n.substr(colon + 2);
+  if (n.size() > 4 && n.compare(n.size() - 4, 4, "Impl") == 0) n.resize(n.size() - 4);
+  return n;
 }
 
 std::string Settings::describe() const {
   return fmt::format("storage {}, compute {}{}, {}{}, master {}", to_string(storage), to_string(compute),
-                     compute_substituted ? " (substituted)" : "",
-                     trainable ? "trainable" : "frozen", checkpoint ? ", checkpoint" : "",
-                     master_fp32 ? "fp32" : "none");
+                     compute_substituted ? " (substituted)" : "", trainable ? "trainable" : "frozen",
+                     checkpoint ? ", checkpoint" : "", master_fp32 ? "fp32" : "none");
 }
 
 bool glob_match(const std::string& pattern, const std::string& path) {
@@ -101,9 +109,15 @@ Policy Policy::from_specs(const std::vector<RuleSpec>& specs) {
     Rule r;
     r.index = ++index;
     r.match = s.match;
+    r.kind = s.kind;
     r.origin = s.origin;
     const std::string who = r.describe();
     if (s.match.empty()) fail("precision {}: 'match' must be a non-empty glob (e.g. \"*\" or \"unet.down.*\")", who);
+    if (s.kind && s.kind->empty())
+      fail(
+          "precision {}: 'kind' must name a module class (e.g. \"CascadeResBlock\"; `shoestring plan --explain` "
+          "shows each block's)",
+          who);
     if (s.storage) {
       Dtype d;
       if (!parse_dtype(*s.storage, d)) {
@@ -150,20 +164,38 @@ Policy Policy::from_specs(const std::vector<RuleSpec>& specs) {
   return policy;
 }
 
-bool Policy::applies(const Rule& rule, const std::string& path) const {
+namespace {
+
+// Whether `rule` matches the path prefix `p` itself (glob, and kind when set).
+bool matches_at(const Rule& rule, const std::string& p, const KindOf& kind_of) {
+  if (!glob_match(rule.match, p)) return false;
+  return !rule.kind || (kind_of && kind_of(p) == *rule.kind);
+}
+
+// KindOf over a path -> kind map (which must outlive it).
+KindOf kind_lookup(const std::map<std::string, std::string>& kinds) {
+  return [&kinds](const std::string& p) {
+    auto it = kinds.find(p);
+    return it == kinds.end() ? std::string() : it->second;
+  };
+}
+
+}  // namespace
+
+bool Policy::applies(const Rule& rule, const std::string& path, const KindOf& kind_of) const {
   for (const auto& p : prefixes(path)) {
-    if (glob_match(rule.match, p)) return true;
+    if (matches_at(rule, p, kind_of)) return true;
   }
   return false;
 }
 
-Settings Policy::resolve(const std::string& path) const {
+Settings Policy::resolve(const std::string& path, const KindOf& kind_of) const {
   Settings s;
   const auto pre = prefixes(path);
   for (const auto& r : rules_) {
     bool hit = false;
     for (const auto& p : pre) {
-      if (glob_match(r.match, p)) {
+      if (matches_at(r, p, kind_of)) {
         hit = true;
         break;
       }
@@ -188,10 +220,15 @@ Resolution resolve(const torch::nn::Module& model, const Policy& policy,
                    const std::vector<const nn::BlockTable*>& tables) {
   Resolution res;
   std::map<std::string, size_t> row_of;
+  std::map<std::string, std::string> kinds;
+  for (const auto& item : model.named_modules("", /*include_self=*/true))
+    kinds[item.key()] = module_kind(*item.value());
+  const KindOf kind_of = kind_lookup(kinds);
   for (const auto& item : model.named_modules("", /*include_self=*/true)) {
     ModuleRow row;
     row.path = item.key();
-    row.settings = policy.resolve(row.path);
+    row.kind = kinds[row.path];
+    row.settings = policy.resolve(row.path, kind_of);
     for (const auto* t : tables) {
       if (t && t->is_block(item.value().get())) {
         row.block = true;
@@ -207,7 +244,7 @@ Resolution resolve(const torch::nn::Module& model, const Policy& policy,
   for (const auto& item : model.named_parameters(/*recurse=*/true)) {
     ParamRow p;
     p.path = item.key();
-    p.settings = policy.resolve(p.path);
+    p.settings = policy.resolve(p.path, kind_of);
     p.numel = item.value().numel();
     p.shape = item.value().sizes().vec();
     const Settings& s = p.settings;
@@ -241,13 +278,23 @@ Resolution resolve(const torch::nn::Module& model, const Policy& policy,
   for (const auto& r : rules) {
     bool any = false;
     for (const auto& m : res.modules) {
-      if (glob_match(r.match, m.path)) {
+      if (matches_at(r, m.path, kind_of)) {
         any = true;
         break;
       }
     }
-    for (size_t i = 0; !any && i < res.params.size(); ++i) any = glob_match(r.match, res.params[i].path);
+    for (size_t i = 0; !any && !r.kind && i < res.params.size(); ++i) any = glob_match(r.match, res.params[i].path);
     if (any) continue;
+    if (r.kind) {
+      std::set<std::string> there;
+      for (const auto& m : res.modules) {
+        if (glob_match(r.match, m.path)) there.insert(m.kind);
+      }
+      res.warnings.push_back(fmt::format(
+          "precision {} matches no module: none of kind {} where '{}' matches{}", r.describe(), *r.kind, r.match,
+          there.empty() ? std::string() : fmt::format(" (kinds there: {})", fmt::join(there, ", "))));
+      continue;
+    }
     std::string hint;
     for (const std::string& alt : {"*." + r.match, "*" + r.match + "*"}) {
       bool alt_hits = false;
@@ -272,7 +319,7 @@ std::string format_explain(const Resolution& r, const Policy& policy) {
   for (const auto& m : r.modules) {
     const int depth = m.path.empty() ? 0 : 1 + static_cast<int>(std::count(m.path.begin(), m.path.end(), '.'));
     std::string name = std::string(2 * depth, ' ') + (m.path.empty() ? "(model)" : m.path) +
-                       (m.block ? (m.checkpointable ? " [block]" : " [scope]") : "");
+                       (m.block ? fmt::format(m.checkpointable ? " [block {}]" : " [scope {}]", m.kind) : "");
     const Settings& s = m.settings;
     std::set<int> used{s.storage_rule, s.compute_rule, s.trainable_rule, s.checkpoint_rule, s.master_rule};
     used.erase(0);
@@ -286,8 +333,11 @@ std::string format_explain(const Resolution& r, const Policy& policy) {
   out += "rules (later rules win, key by key):\n";
   for (const auto& rule : policy.rules()) {
     int64_t governed = 0;
+    std::map<std::string, std::string> kinds;
+    for (const auto& m : r.modules) kinds[m.path] = m.kind;
+    const KindOf kind_of = kind_lookup(kinds);
     for (const auto& p : r.params) {
-      if (policy.applies(rule, p.path)) governed += p.numel;
+      if (policy.applies(rule, p.path, kind_of)) governed += p.numel;
     }
     out += fmt::format("  {}: applies to {} parameters\n", rule.describe(), governed);
   }

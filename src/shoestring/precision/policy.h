@@ -10,6 +10,7 @@
 //   trainable = false
 //   checkpoint = true
 //   master = "none"           # none | fp32
+//   kind = "CascadeResBlock"  # only modules of this class (module_kind)
 // Every key but `match` is optional. Later rules win, key by key.
 //
 // Matching: the glob is anchored and matched against whole dotted paths;
@@ -18,12 +19,17 @@
 // module's path or the path of any ancestor module (the root's path is ""),
 // and to a parameter when it matches the parameter's full path or the path
 // of any module above it. So `unet.down.1.*` covers every module and
-// parameter below unet.down.1, `*.bias` every bias, `*` everything.
+// parameter below unet.down.1, `*.bias` every bias, `*` everything. With
+// `kind`, only paths of modules of that class count (the module itself or an
+// ancestor): match "*" with kind "CascadeResBlock" covers every ResBlock of
+// Stable Cascade's stage C and everything in them, which paths alone cannot
+// say (its blocks are numbered, ResBlocks every third).
 //
 // Defaults (no rule): storage fp32, compute fp32, trainable, no checkpoint,
 // master none.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -39,18 +45,20 @@ namespace shoestring::precision {
 struct RuleSpec {
   std::string match;
   std::optional<std::string> storage, compute, master;
+  std::optional<std::string> kind;  ///< module class (module_kind); unset = any
   std::optional<bool> trainable, checkpoint;
   /// Where the rule came from, for messages: "run.toml:12" or "shorthand full_bf16".
   std::string origin;
   bool operator==(const RuleSpec& o) const {
     return match == o.match && storage == o.storage && compute == o.compute && master == o.master &&
-           trainable == o.trainable && checkpoint == o.checkpoint;
+           trainable == o.trainable && checkpoint == o.checkpoint && kind == o.kind;
   }
 };
 
 /// A validated rule.
 struct Rule {
   std::string match;
+  std::optional<std::string> kind;
   std::optional<Dtype> storage, compute;
   std::optional<bool> trainable, checkpoint, master_fp32;
   std::string origin;
@@ -77,6 +85,15 @@ struct Settings {
 
 /// Anchored glob match: `*` any run of characters (dots too), `?` one character.
 bool glob_match(const std::string& pattern, const std::string& path);
+
+/// The kind a rule's `kind` names for `module`: its C++ class without
+/// namespace and libtorch's `Impl` suffix ("CascadeResBlock", "Linear",
+/// "LdmUNet"), or the name it was registered with for plain containers
+/// ("Sequential", "ModuleList").
+std::string module_kind(const torch::nn::Module& module);
+
+/// The module kind at each dotted path (path -> module_kind), for resolve().
+using KindOf = std::function<std::string(const std::string& path)>;
 
 /// The rules that the kohya-style shorthands expand to, in this order, placed
 /// before the user's rules (so user rules override them):
@@ -120,10 +137,12 @@ class Policy {
   const std::optional<ComputeSubstitution>& compute_substitution() const { return substitution_; }
 
   /// Settings of the module or parameter at dotted `path` ("" = root).
-  Settings resolve(const std::string& path) const;
+  /// `kind_of` gives the module kind at a path (rules with a `kind` apply
+  /// nowhere without it).
+  Settings resolve(const std::string& path, const KindOf& kind_of = {}) const;
 
   /// True if rule `index` (1-based) applies to `path` (see the file comment).
-  bool applies(const Rule& rule, const std::string& path) const;
+  bool applies(const Rule& rule, const std::string& path, const KindOf& kind_of = {}) const;
 
  private:
   std::vector<Rule> rules_;
@@ -133,6 +152,7 @@ class Policy {
 /// One module of a resolved model (for `shoestring plan --explain`).
 struct ModuleRow {
   std::string path;             ///< dotted module path, "" for the root
+  std::string kind;             ///< module_kind of the module
   Settings settings;            ///< resolved settings of the module itself
   bool block = false;           ///< a declared block (compute / checkpoint take effect here)
   bool checkpointable = false;  ///< a block that may be checkpointed (false for whole-model scopes)

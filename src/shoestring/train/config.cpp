@@ -128,10 +128,11 @@ void parse_precision_rules(TrainConfig& c, const toml::node& node, const std::st
       else if (key == "master") r.master = str(key, v);
       else if (key == "trainable") r.trainable = boolean(key, v);
       else if (key == "checkpoint") r.checkpoint = boolean(key, v);
+      else if (key == "kind") r.kind = str(key, v);
       else {
         fail(
-            "{}: precision rule {}: unknown key '{}' (expected match, storage, compute, trainable, checkpoint, "
-            "master)",
+            "{}: precision rule {}: unknown key '{}' (expected match, kind, storage, compute, trainable, "
+            "checkpoint, master)",
             where(source, v), index, key);
       }
     }
@@ -363,6 +364,7 @@ std::string to_toml(const TrainConfig& c) {
     for (const auto& r : c.precision_rules) {
       toml::table t;
       t.insert("match", r.match);
+      if (r.kind) t.insert("kind", *r.kind);
       if (r.storage) t.insert("storage", *r.storage);
       if (r.compute) t.insert("compute", *r.compute);
       if (r.trainable) t.insert("trainable", *r.trainable);
