@@ -16,6 +16,9 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <set>
+
 #include "run_cli.h"
 #include "shoestring/io/atomic_file.h"
 #include "shoestring/io/safetensors.h"
@@ -123,12 +126,25 @@ TEST(FaultInjection, RunKilledAtEveryWritePointFinishesWithTheSameBytes) {
   ASSERT_TRUE(reference.count("checkpoints/latest.json"));
 
   int write_points = 0;
+  // The second checkpoint repeats the first's writes (and samples/report
+  // theirs): after the first crash in a file of one kind (its path with the
+  // step digits removed), a crash in another of that kind is counted but not
+  // resumed again (the resume from the checkpoint before it is the same
+  // code path). Saves a third of the test's time on 2 cores.
+  std::set<std::string> resumed_kinds;
   for (int n = 1; n <= 60; ++n) {
     SCOPED_TRACE("killed at atomic write " + std::to_string(n));
     const auto crashed = run_cli(train, "SHOESTRING_TEST_CRASH_AT_WRITE=" + std::to_string(n));
     if (crashed.code == 0) break;  // the run has fewer writes than n
     ASSERT_EQ(crashed.code, shoestring::kCrashExitCode) << crashed.output;
     ++write_points;
+    const size_t to = crashed.output.rfind("' to '");
+    std::string kind = to == std::string::npos ? std::to_string(n) : crashed.output.substr(to + 6);
+    kind.erase(std::remove_if(kind.begin(), kind.end(), [](char ch) { return ch >= '0' && ch <= '9'; }), kind.end());
+    if (!resumed_kinds.insert(kind).second) {
+      fs::remove_all(run_dir);
+      continue;
+    }
     // What a user does next: resume the run, or, when the folder holds no
     // config yet, run the same command again.
     const bool resumable = fs::exists(run_dir / "config.toml");
@@ -142,6 +158,7 @@ TEST(FaultInjection, RunKilledAtEveryWritePointFinishesWithTheSameBytes) {
   // latest.json), two sample grids with their prompt files, the final model
   // and adapters, report.html at both checkpoints: 18.
   EXPECT_EQ(write_points, 18);
+  EXPECT_GE(resumed_kinds.size(), 9u);  // every kind of write was resumed from at least once
   fs::remove_all(work);
 }
 

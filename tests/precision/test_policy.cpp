@@ -336,6 +336,33 @@ TEST(Policy, KindSelectsModulesByClass) {
   auto empty = spec("*");
   empty.kind = "";
   EXPECT_THROW(Policy::from_specs({empty}), Error);
+  // A kind no module has (a misspelling) is an error naming the blocks' kinds.
+  auto typo = spec("*");
+  typo.kind = "Conv2D";
+  try {
+    resolve(*tree, Policy::from_specs({typo}), {tree->table.get()});
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("no module of this model is of kind Conv2D (its blocks' kinds: Module)"),
+              std::string::npos)
+        << e.what();
+  }
+  // Block settings follow kind rules too: a block is a module of its kind.
+  auto blocks = spec("down.*");
+  blocks.kind = "Module";
+  blocks.compute = "bf16";
+  blocks.checkpoint = true;
+  Resolution rb = resolve(*tree, Policy::from_specs({blocks}), {tree->table.get()});
+  for (const auto& m : rb.modules) {
+    if (m.path == "down.0" || m.path == "down.1") {
+      EXPECT_TRUE(m.block);
+      EXPECT_EQ(m.settings.compute, Dtype::bf16) << m.path;
+      EXPECT_TRUE(m.settings.checkpoint) << m.path;
+    }
+    if (m.path == "head") {
+      EXPECT_EQ(m.settings.compute, Dtype::fp32);
+    }
+  }
   // Without a kind lookup a kind rule applies nowhere.
   EXPECT_EQ(p.resolve("down.0.conv.weight").storage, Dtype::fp16);
 }

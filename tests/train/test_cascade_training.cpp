@@ -13,13 +13,16 @@
 #include <torch/torch.h>
 
 #include "shoestring/core/error.h"
+#include "shoestring/data/dataset.h"
 #include "shoestring/io/safetensors.h"
 #include "shoestring/io/weight_files.h"
 #include "shoestring/models/architecture.h"
 #include "shoestring/models/cascade_coders.h"
 #include "shoestring/models/clip_text.h"
 #include "shoestring/train/config.h"
+#include "shoestring/train/gdf.h"
 #include "shoestring/train/trainer.h"
+#include "shoestring/train/training_model.h"
 #include "train_testing.h"
 
 namespace fs = std::filesystem;
@@ -132,12 +135,51 @@ TEST(CascadeTraining, TinyTrainsSamplesAndSavesTheReleasedLayout) {
   EXPECT_TRUE(prior);
 }
 
+// prepare() wires GDF as train_c.py does: with the draws replayed in order
+// (caption dropout, eps, times), the target is eps, the time input is
+// CosineTNoiseCond(logSNR(t)), the weight is P2's 1 / (1 + SNR), and x_t is
+// a x0 + b eps for one x0 per image (the same from two different draws).
+TEST(CascadeTraining, PrepareFollowsGdf) {
+  TrainConfig c = cascade_config(temp_dir("prepare"));
+  c.sample_prompts.clear();
+  const ImageCaptionDataset data = ImageCaptionDataset::load(c.train_data_dir, static_cast<int>(c.resolution));
+  ModelSource source;
+  source.quiet = true;
+  auto model = make_training_model(c, data, source);
+  const std::vector<int64_t> idx{3, 0, 7};
+  const GdfCosineSchedule schedule;
+  std::vector<at::Tensor> x0s;
+  for (const int64_t seed : {1, 2}) {
+    torch::manual_seed(seed);
+    const TrainBatch batch = model->prepare(idx);
+    torch::manual_seed(seed);
+    torch::rand({3});  // caption dropout
+    const at::Tensor eps = torch::randn({3, 16, 2, 2});
+    const at::Tensor t = gdf_sample_times(3);
+    const at::Tensor log_snr = schedule.log_snr(t);
+    EXPECT_TRUE(torch::equal(batch.target, eps));
+    EXPECT_TRUE(torch::allclose(batch.inputs[1], schedule.noise_cond(log_snr)));
+    EXPECT_TRUE(torch::allclose(batch.loss_weight, (1 / (1 + log_snr.exp())).to(torch::kFloat32)));
+    auto [a, b] = gdf_vp_scalers(log_snr);
+    const at::Tensor a4 = a.view({3, 1, 1, 1}).to(torch::kFloat32), b4 = b.view({3, 1, 1, 1}).to(torch::kFloat32);
+    x0s.push_back((batch.inputs[0] - b4 * eps) / a4);
+    EXPECT_EQ(batch.inputs[2].sizes(), (std::vector<int64_t>{3, 77, 32}));  // bigG's last layer, tiny width
+    EXPECT_EQ(batch.inputs[3].sizes(), (std::vector<int64_t>{3, 1, 32}));   // pooled
+    EXPECT_TRUE(batch.inputs[4].eq(0).all().item<bool>());                  // clip_img zeros
+  }
+  EXPECT_TRUE(torch::allclose(x0s[0], x0s[1], 1e-4, 1e-4)) << (x0s[0] - x0s[1]).abs().max().item<double>();
+}
+
 TEST(CascadeTraining, ResumeEqualsTheUninterruptedRun) {
-  TrainConfig full = cascade_config(temp_dir("full"), "full_bf16 = true\n");
+  // Caption dropout draws, and a sample grid every step: sampling must leave the training stream alone.
+  TrainConfig full = cascade_config(temp_dir("full"), "full_bf16 = true\nsample_every_n_steps = 1\n");
   full.max_train_steps = 4;
+  full.caption_dropout_rate = 0.5;
   auto whole = run_losses(train(full, quiet()).run_dir);
 
-  TrainConfig part = cascade_config(temp_dir("part"), "full_bf16 = true\nsave_every_n_steps = 2\n");
+  TrainConfig part =
+      cascade_config(temp_dir("part"), "full_bf16 = true\nsave_every_n_steps = 2\nsample_every_n_steps = 1\n");
+  part.caption_dropout_rate = 0.5;
   part.max_train_steps = 2;
   const std::string dir = train(part, quiet()).run_dir;
   part.max_train_steps = 4;

@@ -169,7 +169,8 @@ std::shared_ptr<const ResolvedModel> resolve_model(const models::Architecture& a
   if (arch.family == models::Family::tiny_unet) key += TinyUNetModelOptions::from_config(c, vocab).to_json().dump();
   const precision::Policy policy = precision_policy(c);
   for (const auto& rule : policy.rules()) {
-    key += fmt::format("|{}:{}:{}:{}:{}:{}", rule.match, rule.storage ? precision::to_string(*rule.storage) : "-",
+    key += fmt::format("|{}:{}:{}:{}:{}:{}:{}", rule.match, rule.kind.value_or("-"),
+                       rule.storage ? precision::to_string(*rule.storage) : "-",
                        rule.compute ? precision::to_string(*rule.compute) : "-",
                        rule.trainable ? (*rule.trainable ? "t" : "f") : "-",
                        rule.checkpoint ? (*rule.checkpoint ? "t" : "f") : "-",

@@ -286,6 +286,18 @@ Resolution resolve(const torch::nn::Module& model, const Policy& policy,
     for (size_t i = 0; !any && !r.kind && i < res.params.size(); ++i) any = glob_match(r.match, res.params[i].path);
     if (any) continue;
     if (r.kind) {
+      // A kind no module has is a misspelling, not a rule for another model: an error, or a recipe such as
+      // "ResBlocks in fp32" would run without its rule.
+      std::set<std::string> blocks;
+      bool exists = false;
+      for (const auto& m : res.modules) {
+        exists = exists || m.kind == *r.kind;
+        if (m.block) blocks.insert(m.kind);
+      }
+      if (!exists) {
+        fail("precision {}: no module of this model is of kind {} (its blocks' kinds: {})", r.describe(), *r.kind,
+             fmt::join(blocks, ", "));
+      }
       std::set<std::string> there;
       for (const auto& m : res.modules) {
         if (glob_match(r.match, m.path)) there.insert(m.kind);

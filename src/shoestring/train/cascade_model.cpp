@@ -105,7 +105,15 @@ class CascadeTrainingModel final : public TrainingModel {
       if (base_) check_stage_c_file(*meta);
       if (source.check_module) source.check_module(*meta, lora_components(true));
     }
+    // The frozen parts' files, checked now rather than after minutes of encoding.
     if (!config.previewer_checkpoint_path.empty()) build_previewer();  // a bad file is refused now, not at sample time
+    if (!config.tiny && config.previewer_checkpoint_path.empty() && !config.sample_prompts.empty()) {
+      fail(
+          "sample_prompts are set but previewer_checkpoint_path is not: {} decodes sample grids with Stable "
+          "Cascade's previewer (previewer.safetensors); set it, or remove sample_prompts",
+          arch);
+    }
+    if (!config.effnet_checkpoint_path.empty()) build_effnet();
 
     build_tokenizer();
     encode_captions();
@@ -488,7 +496,12 @@ class CascadeTrainingModel final : public TrainingModel {
 
 at::Tensor CascadeTrainingModel::sample(const SampleRequest& request) {
   if (request.prompts.empty() || request.seeds.empty()) fail("sample: no prompts or no seeds");
-  const bool was_training = stage_c_->is_training();
+  // Back in training mode however sampling ends (a failed grid is a warning and training goes on).
+  struct RestoreMode {
+    torch::nn::Module& m;
+    bool was_training;
+    ~RestoreMode() { m.train(was_training); }
+  } restore{*stage_c_, stage_c_->is_training()};
   stage_c_->eval();
   torch::NoGradGuard no_grad;
   const auto dtype = nn::value_dtype(stage_c_->clip_txt_mapper->weight);
@@ -540,7 +553,6 @@ at::Tensor CascadeTrainingModel::sample(const SampleRequest& request) {
     // The previewer's RGB is about [0, 1]; samples are [-1, 1].
     images.push_back(previewer->forward(z.to(device)).to(at::kCPU, torch::kFloat32).clamp(0, 1) * 2 - 1);
   }
-  if (was_training) stage_c_->train();
   return samples_to_uint8(torch::cat(images, 0), request);
 }
 

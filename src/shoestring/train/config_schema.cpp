@@ -274,7 +274,8 @@ const std::vector<Field>& schema() {
           .with(kResumePath | kReleasedModelOnly),
       Field{"text_model_checkpoint_path", &TrainConfig::text_model_checkpoint_path,
             "Stable Cascade: OpenCLIP bigG (ViT-bigG-14 laion2b) in OpenCLIP layout: an SDXL single file "
-            "(conditioner.embedders.1.model.*) or open_clip's own file; \"\" = a random one (model.tiny only)"}
+            "(conditioner.embedders.1.model.*) or a file of the text tower's keys alone; \"\" = a random one "
+            "(model.tiny only)"}
           .with(kResumePath | kReleasedModelOnly),
       Field{"tokenizer_dir", &TrainConfig::tokenizer_dir,
             "folder holding CLIP's vocab.json and merges.txt (e.g. ComfyUI's comfy/sd1_tokenizer); \"\" = a word "
@@ -379,7 +380,8 @@ const std::vector<Field>& schema() {
             {"ddim", "euler", "euler_a", "dpmpp_2m", "k_euler", "k_euler_a", "dpmsolver++"}}
           .with(kReleasedModelOnly),
       {"log_every_n_steps", &TrainConfig::log_every_n_steps, "progress line cadence (no TTY)", 1, 1e9},
-      Field{"log_with", &TrainConfig::log_with,
+      Field{"log_with",
+            &TrainConfig::log_with,
             "\"tensorboard\": also write each step's metrics as TensorBoard event files into RUN_DIR/logs/ "
             "(`tensorboard --logdir RUN_DIR/logs`); \"\": metrics.jsonl and report.html only",
             -kInf,
@@ -495,6 +497,8 @@ std::string config_reference_markdown() {
       "[precision.md](precision.md). Keys of one rule:\n\n"
       "| key | allowed | meaning |\n|---|---|---|\n"
       "| `match` | a glob (`*` any run, `?` one character), required | module or parameter paths it applies to |\n"
+      "| `kind` | a module class (`CascadeResBlock`, `Linear`, ...; `plan --explain` shows each block's) | only "
+      "modules of this class count when matching |\n"
       "| `storage` | `fp32`, `bf16`, `fp16`, `fp8_e4m3`, `fp8_e5m2` | dtype the weights are kept in (fp8: frozen "
       "only) |\n"
       "| `compute` | `fp32`, `bf16`, `fp16` | dtype the blocks compute in (fp16 is emulated on CPUs) |\n"

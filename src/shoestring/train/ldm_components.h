@@ -31,15 +31,17 @@
 namespace shoestring {
 
 /// Runs `build` with libtorch's global CPU generator seeded by `seed`,
-/// restoring it after: random frozen parts (tiny variants' encoders) are
-/// reproducible and leave the caller's random stream where it was.
+/// restoring it after, also when `build` throws: random frozen parts (tiny
+/// variants' encoders) and sample noise are reproducible and leave the
+/// caller's random stream where it was.
 template <class F>
 auto with_seed(uint64_t seed, F&& build) {
-  at::Tensor saved = cpu_rng_state();
+  struct Restore {
+    at::Tensor saved = cpu_rng_state();
+    ~Restore() { set_cpu_rng_state(saved); }
+  } restore;
   torch::manual_seed(static_cast<int64_t>(seed));
-  auto result = build();
-  set_cpu_rng_state(saved);
-  return result;
+  return build();
 }
 
 /// Token ids of the text encoders: CLIP's BPE, or (tiny variants trained
