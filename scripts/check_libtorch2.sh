@@ -230,10 +230,12 @@ if [ "$cuda_link" != only ]; then
   else
     for t in "$@"; do
       build_in_root "$build" "$t"
-      tests_file="$src/build-libtorch2/${t}[1]_tests.cmake"
+      # The names registered for this executable: one per suite (cmake/gtest_suites.cmake), or
+      # one per test for test_cli and test_dist (gtest_discover_tests).
+      tests_file="$src/build-libtorch2/${t}_suites.cmake"
+      [ -f "$tests_file" ] || tests_file="$src/build-libtorch2/${t}[1]_tests.cmake"
       if [ -f "$tests_file" ]; then
-        # The names gtest_discover_tests registered for this executable.
-        sed -n 's/^add_test(\[=\[\(.*\)\]=\] .*/\1/p' "$tests_file" | $SUDO tee "$src/build-libtorch2/$t.tests" >/dev/null
+        sed -n 's/^add_test(\[=*\[\([^]]*\)\]=*\] .*/\1/p' "$tests_file" | $SUDO tee "$src/build-libtorch2/$t.tests" >/dev/null
         log "running the tests of $t ($(wc -l <"$src/build-libtorch2/$t.tests"))"
         run_ctest --tests-from-file "'$build/$t.tests'"
       fi

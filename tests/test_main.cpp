@@ -3,6 +3,7 @@
 // temporary folders this process made when every test passed.
 #include <unistd.h>
 
+#include <cstdlib>
 #include <filesystem>
 #include <string>
 #include <system_error>
@@ -39,6 +40,14 @@ void remove_own_temp_dirs() {
 
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
+  // ctest runs a suite per process (--gtest_filter=Suite.*, cmake/gtest_suites.cmake);
+  // SHOESTRING_TEST_EXCLUDE (gtest patterns joined by ':') leaves tests of it out,
+  // e.g. the slow ones under a sanitizer (scripts/test_sanitize.sh).
+  if (const char* exclude = std::getenv("SHOESTRING_TEST_EXCLUDE"); exclude && *exclude) {
+    std::string filter = ::testing::GTEST_FLAG(filter);
+    filter += (filter.find('-') == std::string::npos ? "-" : ":") + std::string(exclude);
+    ::testing::GTEST_FLAG(filter) = filter;
+  }
   // One intra-op thread per test process: ctest runs two processes at once
   // on the 2-core CI machine, and OpenMP barriers degrade badly when
   // oversubscribed. Tests that need more threads set them themselves.
