@@ -49,7 +49,6 @@
 namespace shoestring {
 namespace {
 
-constexpr int64_t kTextLength = 77;
 // kohya's stage C sampling (stable_cascade_utils sample_image_inference) and ComfyUI's default shift.
 constexpr double kSampleShift = 2.0;
 // GDF.sample's default cfg_rho.
@@ -115,7 +114,8 @@ class CascadeTrainingModel final : public TrainingModel {
     }
     if (!config.effnet_checkpoint_path.empty()) build_effnet();
 
-    build_tokenizer();
+    tokenizer_ = build_text_tokenizer(config.tokenizer_dir, config.tiny, dataset.captions(), config.sample_prompts,
+                                      "Stable Cascade's OpenCLIP bigG");
     encode_captions();
     encode_images();
     if (!source.quiet) {
@@ -294,24 +294,6 @@ class CascadeTrainingModel final : public TrainingModel {
     }
   }
 
-  void build_tokenizer() {
-    if (!config_.tokenizer_dir.empty()) {
-      tokenizer_.clip.emplace(ClipTokenizer::load(expand_path(config_.tokenizer_dir)));
-    } else if (config_.tiny) {
-      std::vector<std::string> texts = dataset_.captions();
-      for (size_t i = 0; i < config_.sample_prompts.size(); ++i) {
-        const SamplePrompt p = parse_sample_prompt(config_.sample_prompts[i], fmt::format("sample_prompts[{}]", i));
-        texts.push_back(p.prompt);
-        texts.push_back(p.negative);
-      }
-      tokenizer_.words.emplace(WordTokenizer::build(texts, kTextLength));
-    } else {
-      fail(
-          "tokenizer_dir is not set: Stable Cascade conditions on OpenCLIP bigG, whose tokenizer (CLIP's "
-          "vocab.json and merges.txt) is not stored in checkpoints; point tokenizer_dir at a folder holding them");
-    }
-  }
-
   models::ClipTextModel build_text_encoder() const {
     models::ClipTextOptions o = config_.tiny ? models::ClipTextOptions::clip_g().tiny(options_.clip_text_dim())
                                              : models::ClipTextOptions::clip_g();
@@ -373,17 +355,9 @@ class CascadeTrainingModel final : public TrainingModel {
       fail("the CLIP tokenizer (vocab.json) has ids up to {}, but bigG's vocabulary has {} entries",
            tokenizer_.clip->vocab_size() - 1, te->options().vocab_size());
     }
-    // Each distinct caption once, in dataset order, then "" (caption dropout).
-    std::vector<std::string> unique;
-    std::map<std::string, int64_t> row;
-    std::vector<int64_t> rows;
-    for (const auto& c : dataset_.captions()) {
-      auto [it, inserted] = row.emplace(c, static_cast<int64_t>(unique.size()));
-      if (inserted) unique.push_back(c);
-      rows.push_back(it->second);
-    }
-    unique.push_back("");
-    caption_row_ = torch::tensor(rows, torch::kInt64);
+    const CaptionRows captions = caption_rows(dataset_.captions());
+    const std::vector<std::string>& unique = captions.texts;
+    caption_row_ = torch::tensor(captions.rows, torch::kInt64);
     caption_rows_ = static_cast<int64_t>(unique.size());
     std::vector<at::Tensor> texts, pools;
     for (size_t i = 0; i < unique.size(); i += 16) {
@@ -395,53 +369,39 @@ class CascadeTrainingModel final : public TrainingModel {
     }
     clip_text_ = torch::cat(texts, 0);
     clip_pooled_ = torch::cat(pools, 0);
-    // Sample prompts and their negatives, each text once.
-    std::vector<std::string> sample_texts;
-    for (size_t i = 0; i < config_.sample_prompts.size(); ++i) {
-      const SamplePrompt p = parse_sample_prompt(config_.sample_prompts[i], fmt::format("sample_prompts[{}]", i));
-      for (const std::string& t : {p.prompt, p.negative}) {
-        if (sample_row_.emplace(t, static_cast<int64_t>(sample_texts.size())).second) sample_texts.push_back(t);
-      }
-    }
+    const std::vector<std::string> sample_texts = sample_prompt_texts(config_.sample_prompts, sample_row_);
     if (!sample_texts.empty()) std::tie(sample_text_, sample_pooled_) = encode_text(te, sample_texts);
   }
 
-  models::EfficientNetEncoder build_effnet() const {
-    models::EfficientNetEncoderOptions o =
-        config_.tiny ? models::EfficientNetEncoderOptions::micro() : models::EfficientNetEncoderOptions();
-    if (config_.effnet_checkpoint_path.empty()) {
-      return with_seed(static_cast<uint64_t>(config_.seed) + 100, [&] { return models::EfficientNetEncoder(o); });
-    }
+  // A frozen coder (EfficientNetEncoder, Previewer) from the file config key
+  // `key` names, or random from seed + `seed_offset` when it is "" (tiny).
+  template <class Coder, class Options>
+  Coder build_coder(Options o, const char* key, const std::string& path, uint64_t seed_offset,
+                    const char* released_file) const {
+    if (path.empty()) return with_seed(static_cast<uint64_t>(config_.seed) + seed_offset, [&] { return Coder(o); });
     nn::LayerInit init;
     init.initialize = false;
-    models::EfficientNetEncoder enc(o.init(init));
+    Coder coder(o.init(init));
+    const WeightFiles files = open_file(key, path);
     try {
-      models::load_cascade_coder(*enc, open_file("effnet_checkpoint_path", config_.effnet_checkpoint_path));
+      models::load_cascade_coder(*coder, files);
     } catch (const Error& e) {
-      if (std::string(e.what()).rfind("effnet_checkpoint_path", 0) == 0) throw;
-      fail("effnet_checkpoint_path: expected Stable Cascade's effnet_encoder.safetensors{}: {}",
-           config_.tiny ? " (the tiny test width)" : "", e.what());
+      fail("{}: expected Stable Cascade's {}{}: {}", key, released_file, config_.tiny ? " (the tiny test width)" : "",
+           e.what());
     }
-    return enc;
+    return coder;
+  }
+
+  models::EfficientNetEncoder build_effnet() const {
+    return build_coder<models::EfficientNetEncoder>(
+        config_.tiny ? models::EfficientNetEncoderOptions::micro() : models::EfficientNetEncoderOptions(),
+        "effnet_checkpoint_path", config_.effnet_checkpoint_path, 100, "effnet_encoder.safetensors");
   }
 
   models::Previewer build_previewer() const {
-    models::PreviewerOptions o;
-    if (config_.tiny) o.hidden_channels(32);
-    if (config_.previewer_checkpoint_path.empty()) {
-      return with_seed(static_cast<uint64_t>(config_.seed) + 102, [&] { return models::Previewer(o); });
-    }
-    nn::LayerInit init;
-    init.initialize = false;
-    models::Previewer prev(o.init(init));
-    try {
-      models::load_cascade_coder(*prev, open_file("previewer_checkpoint_path", config_.previewer_checkpoint_path));
-    } catch (const Error& e) {
-      if (std::string(e.what()).rfind("previewer_checkpoint_path", 0) == 0) throw;
-      fail("previewer_checkpoint_path: expected Stable Cascade's previewer.safetensors{}: {}",
-           config_.tiny ? " (the tiny test width)" : "", e.what());
-    }
-    return prev;
+    return build_coder<models::Previewer>(models::PreviewerOptions().hidden_channels(config_.tiny ? 32 : 512),
+                                          "previewer_checkpoint_path", config_.previewer_checkpoint_path, 102,
+                                          "previewer.safetensors");
   }
 
   void encode_images() {

@@ -6,6 +6,8 @@
 #include "shoestring/core/error.h"
 #include "shoestring/nn/timestep.h"
 #include "shoestring/train/checkpoint_io.h"
+#include "shoestring/train/config.h"
+#include "shoestring/train/sampling.h"
 
 namespace shoestring {
 
@@ -22,6 +24,54 @@ at::Tensor LdmTokenizer::encode(const std::vector<std::string>& captions, ClipPa
   if (clip) return clip->encode_batch(captions, kTextLength, pad);
   if (words) return words->encode_batch(captions);
   fail("internal: LDM text encoding without a tokenizer");
+}
+
+LdmTokenizer build_text_tokenizer(const std::string& tokenizer_dir, bool tiny, const std::vector<std::string>& captions,
+                                  const std::vector<std::string>& sample_prompts, const std::string& model) {
+  LdmTokenizer tokenizer;
+  if (!tokenizer_dir.empty()) {
+    tokenizer.clip.emplace(ClipTokenizer::load(expand_path(tokenizer_dir)));
+  } else if (tiny) {
+    std::vector<std::string> texts = captions;
+    for (size_t i = 0; i < sample_prompts.size(); ++i) {
+      const SamplePrompt p = parse_sample_prompt(sample_prompts[i], fmt::format("sample_prompts[{}]", i));
+      texts.push_back(p.prompt);
+      texts.push_back(p.negative);
+    }
+    tokenizer.words.emplace(WordTokenizer::build(texts, kTextLength));
+  } else {
+    fail(
+        "tokenizer_dir is not set: {} conditions on CLIP, whose tokenizer files (vocab.json and merges.txt) are "
+        "not stored in checkpoints; point tokenizer_dir at a folder holding them (e.g. ComfyUI's "
+        "comfy/sd1_tokenizer, or a diffusers model's tokenizer/ folder)",
+        model);
+  }
+  return tokenizer;
+}
+
+CaptionRows caption_rows(const std::vector<std::string>& captions) {
+  CaptionRows out;
+  std::map<std::string, int64_t> row;
+  for (const auto& c : captions) {
+    auto [it, inserted] = row.emplace(c, static_cast<int64_t>(out.texts.size()));
+    if (inserted) out.texts.push_back(c);
+    out.rows.push_back(it->second);
+  }
+  out.texts.push_back("");  // caption dropout
+  return out;
+}
+
+std::vector<std::string> sample_prompt_texts(const std::vector<std::string>& sample_prompts,
+                                             std::map<std::string, int64_t>& row_of) {
+  std::vector<std::string> texts;
+  row_of.clear();
+  for (size_t i = 0; i < sample_prompts.size(); ++i) {
+    const SamplePrompt p = parse_sample_prompt(sample_prompts[i], fmt::format("sample_prompts[{}]", i));
+    for (const std::string& t : {p.prompt, p.negative}) {
+      if (row_of.emplace(t, static_cast<int64_t>(texts.size())).second) texts.push_back(t);
+    }
+  }
+  return texts;
 }
 
 std::vector<models::ClipTextModel> build_ldm_text_encoders(const models::LdmUNetOptions& unet, bool tiny,

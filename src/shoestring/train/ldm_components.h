@@ -13,6 +13,7 @@
 // embeddings of original size (h, w), crop (top, left), target size (h, w)].
 #pragma once
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -52,6 +53,29 @@ struct LdmTokenizer {
   /// int64 [B, 77]. Throws shoestring::Error when neither is set.
   at::Tensor encode(const std::vector<std::string>& captions, ClipPadding pad) const;
 };
+
+/// The tokenizer of a run's CLIP text encoders: CLIP's BPE from
+/// `tokenizer_dir` when set; else, for `tiny` runs, a word tokenizer (77
+/// ids) built from `captions` and the sample prompts and their negatives.
+/// Throws shoestring::Error for a non-tiny run without tokenizer_dir (`model`
+/// names what conditions on CLIP, e.g. "sd15" or "Stable Cascade's bigG") and
+/// what ClipTokenizer::load throws.
+LdmTokenizer build_text_tokenizer(const std::string& tokenizer_dir, bool tiny, const std::vector<std::string>& captions,
+                                  const std::vector<std::string>& sample_prompts, const std::string& model);
+
+/// Caption rows of the cached text embeddings: each distinct caption once, in
+/// dataset order, then "" (caption dropout's row, the last).
+struct CaptionRows {
+  std::vector<std::string> texts;  ///< the distinct captions, then ""
+  std::vector<int64_t> rows;       ///< per image: its caption's index in texts
+};
+CaptionRows caption_rows(const std::vector<std::string>& captions);
+
+/// The sample prompts and their negatives (kohya's --n; "" by default), each
+/// text once, in order; `row_of` is cleared and receives each text's index.
+/// Throws shoestring::Error as parse_sample_prompt.
+std::vector<std::string> sample_prompt_texts(const std::vector<std::string>& sample_prompts,
+                                             std::map<std::string, int64_t>& row_of);
 
 /// The text encoders a UNet with `unet`'s options conditions on (one for SD
 /// 1.x, two for SDXL / SSD-1B; `tiny`: the test-sized ones), loaded from

@@ -441,24 +441,8 @@ void LdmTrainingModel::check_resolution() const {
 }
 
 void LdmTrainingModel::build_tokenizer() {
-  // The tokenizer: CLIP's BPE when given; a word tokenizer only for tiny runs.
-  if (!config_.tokenizer_dir.empty()) {
-    tokenizer_.clip.emplace(ClipTokenizer::load(expand_path(config_.tokenizer_dir)));
-  } else if (config_.tiny) {
-    std::vector<std::string> texts = dataset_.captions();
-    for (size_t i = 0; i < config_.sample_prompts.size(); ++i) {
-      const SamplePrompt p = parse_sample_prompt(config_.sample_prompts[i], fmt::format("sample_prompts[{}]", i));
-      texts.push_back(p.prompt);
-      texts.push_back(p.negative);
-    }
-    tokenizer_.words.emplace(WordTokenizer::build(texts, kTextLength));
-  } else {
-    fail(
-        "tokenizer_dir is not set: {} conditions on CLIP, whose tokenizer files (vocab.json and merges.txt) are "
-        "not stored in checkpoints; point tokenizer_dir at a folder holding them (e.g. ComfyUI's "
-        "comfy/sd1_tokenizer, or a diffusers model's tokenizer/ folder)",
-        config_.architecture);
-  }
+  tokenizer_ = build_text_tokenizer(config_.tokenizer_dir, config_.tiny, dataset_.captions(), config_.sample_prompts,
+                                    config_.architecture);
 }
 
 void LdmTrainingModel::load_text_encoders() {
@@ -483,18 +467,10 @@ at::Tensor LdmTrainingModel::sdxl_y(const at::Tensor& pooled, const std::vector<
 }
 
 std::vector<std::string> LdmTrainingModel::caption_texts() {
-  std::vector<std::string> unique;
-  std::map<std::string, int64_t> row;
-  std::vector<int64_t> rows;
-  for (const auto& c : dataset_.captions()) {
-    auto [it, inserted] = row.emplace(c, static_cast<int64_t>(unique.size()));
-    if (inserted) unique.push_back(c);
-    rows.push_back(it->second);
-  }
-  unique.push_back("");  // caption dropout
-  caption_row_ = torch::tensor(rows, torch::kInt64);
-  caption_rows_ = static_cast<int64_t>(unique.size());
-  return unique;
+  CaptionRows c = caption_rows(dataset_.captions());
+  caption_row_ = torch::tensor(c.rows, torch::kInt64);
+  caption_rows_ = static_cast<int64_t>(c.texts.size());
+  return std::move(c.texts);
 }
 
 void LdmTrainingModel::encode_captions() {
@@ -516,16 +492,7 @@ void LdmTrainingModel::encode_captions() {
 }
 
 std::vector<std::string> LdmTrainingModel::sample_texts() {
-  // Sample prompts and their negatives (kohya's --n; "" by default), each text once.
-  std::vector<std::string> texts;
-  sample_row_.clear();
-  for (size_t i = 0; i < config_.sample_prompts.size(); ++i) {
-    const SamplePrompt p = parse_sample_prompt(config_.sample_prompts[i], fmt::format("sample_prompts[{}]", i));
-    for (const std::string& t : {p.prompt, p.negative}) {
-      if (sample_row_.emplace(t, static_cast<int64_t>(texts.size())).second) texts.push_back(t);
-    }
-  }
-  return texts;
+  return sample_prompt_texts(config_.sample_prompts, sample_row_);
 }
 
 std::vector<std::string> LdmTrainingModel::text_encoder_identities() const {
