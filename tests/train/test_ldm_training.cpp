@@ -150,6 +150,23 @@ TEST(LdmTraining, FineTuneAndLoraStartFromTheSavedFile) {
     EXPECT_TRUE(torch::equal(v, b[k])) << k;
   }
 
+  // full_fp16 with the ResBlocks kept fp32 and frozen by a rule: those hold the
+  // base file's values exactly (the UNet is built in fp32 before the rest is
+  // cast down: build_dtype), not their fp16 rounding.
+  TrainConfig fp16 = ldm_config("sd15", temp_dir("fp16_rule"),
+                                "pretrained_model_name_or_path = \"" + base +
+                                    "\"\nfull_fp16 = true\n[[precision.rule]]\nmatch = \"*\"\nkind = \"ResBlock\"\n"
+                                    "storage = \"fp32\"\ntrainable = false\n");
+  fp16.max_train_steps = 1;
+  auto h = load_safetensors(train(fp16, quiet()).run_dir + "/model.safetensors");
+  int64_t kept_fp32 = 0;
+  for (const auto& [k, v] : h) {
+    if (k.rfind("model.diffusion_model.", 0) != 0 || v.scalar_type() != torch::kFloat32) continue;
+    ++kept_fp32;
+    EXPECT_TRUE(torch::equal(v, a.at(k))) << k;
+  }
+  EXPECT_GT(kept_fp32, 0);
+
   // LoRA on it: kohya names from the LDM layout, base weights untouched.
   TrainConfig lora = ldm_config(
       "sd15", temp_dir("lora"),

@@ -137,14 +137,7 @@ class CascadeTrainingModel final : public TrainingModel {
 
     {
       ScopedMemoryCategory category(MemoryCategory::weights);
-      // Built in the storage dtype of full_bf16 / full_fp16, but in fp32 when a
-      // precision rule keeps some weights in fp32 (the fp16 recipe's ResBlocks):
-      // those must load the file's values, not their fp16 rounding (the run's
-      // precision::apply casts the rest down after loading; transiently the
-      // whole model is fp32 in host memory).
-      bool fp32_rule = false;
-      for (const auto& r : config.precision_rules) fp32_rule = fp32_rule || (r.storage && *r.storage == "fp32");
-      nn::LayerInit init{torch::TensorOptions().dtype(fp32_rule ? torch::kFloat32 : storage_)};
+      nn::LayerInit init{torch::TensorOptions().dtype(build_dtype(config, storage_))};
       init.initialize = !base_;
       stage_c_ = models::StageC(options_, init);
       if (base_) load_weights(*stage_c_, *base_);

@@ -115,7 +115,7 @@ class LdmTrainingModel final : public TrainingModel {
     // ---- the UNet, built directly in its storage dtype, then loaded ----
     {
       ScopedMemoryCategory category(MemoryCategory::weights);
-      nn::LayerInit init{torch::TensorOptions().dtype(storage_)};
+      nn::LayerInit init{torch::TensorOptions().dtype(build_dtype(config, storage_))};
       init.initialize = !base_;
       root_ = build_unet_root(init, &unet_);
       if (base_) load_unet();

@@ -182,6 +182,13 @@ nn::LoraOptions lora_options(const TrainConfig& c) {
   return nn::apply_network_args(o, c.network_args);
 }
 
+torch::Dtype build_dtype(const TrainConfig& config, torch::Dtype storage) {
+  for (const auto& r : config.precision_rules) {
+    if (r.storage && *r.storage == "fp32") return torch::kFloat32;
+  }
+  return storage;
+}
+
 std::string config_hash(const TrainConfig& config) {
   const std::string text = to_toml(config);
   uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a 64 offset basis

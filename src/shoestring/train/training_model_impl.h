@@ -25,6 +25,14 @@ std::unique_ptr<TrainingModel> make_cascade_training_model(const TrainConfig& co
                                                            const ImageCaptionDataset& dataset,
                                                            const ModelSource& source);
 
+/// The dtype a family builds its trained module in before loading the base
+/// file: `storage` (full_bf16 / full_fp16's), or fp32 when a precision rule
+/// keeps some weights in fp32 (e.g. the fp16 recipe's frozen ResBlocks), so
+/// those hold the file's values rather than their half-precision rounding;
+/// precision::apply casts the rest down after loading (the whole module is
+/// then fp32 in host memory for a moment).
+torch::Dtype build_dtype(const TrainConfig& config, torch::Dtype storage);
+
 /// 16 hex digits: 64-bit FNV-1a of to_toml(config), the resolved config as the
 /// run folder's config.toml records it (the "training config hash" metadata).
 std::string config_hash(const TrainConfig& config);
