@@ -8,6 +8,8 @@ PKGS=(
   libtorch-dev libgloo-dev          # tensors, autograd, kernels; c10d's Gloo headers
   libopenblas0-pthread              # fast fp32 BLAS for libtorch (Debian's default is the reference BLAS)
   python3-torch                     # reference vectors for tests (scripts/gen_*.py)
+  python3-sentencepiece             # T5 tokenizer fixtures (scripts/gen_t5_tokenizer_fixture.py); the C++ side
+                                    # reads SentencePiece models itself (data/sentencepiece.h says why)
   libtomlplusplus-dev               # config
   libcli11-dev                      # command line
   nlohmann-json3-dev                # JSON (safetensors header, metrics)
