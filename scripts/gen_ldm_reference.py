@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Reference vectors for shoestring's LDM UNet and VAE (models/unet_ldm.h, models/vae.h).
 
-Writes tests/data/nn/ldm_unet_micro.{bin,json} and tests/data/nn/ldm_vae_micro.{bin,json} in the
+Writes tests/data/nn/ldm_unet_micro.{bin,json}, tests/data/nn/ldm_vae_micro.{bin,json} and
+tests/data/nn/ldm_vae_sd3_micro.{bin,json} (the SD3 / SD3.5 VAE: z 16, no quant convs) in the
 format of scripts/gen_nn_reference.py ("param.<LDM key>", "input.<name>", "output").
 
 The networks are written here in functional form with torch.nn.functional, following the public
@@ -10,7 +11,7 @@ Downsample, Upsample; ldm/modules/attention.py SpatialTransformer with use_linea
 ldm/modules/diffusionmodules/model.py Encoder, Decoder, ResnetBlock, AttnBlock, Downsample with
 asymmetric padding; ldm/models/autoencoder.py quant_conv / post_quant_conv), independently of the
 C++ code. Micro sizes keep the files small; the structure is SDXL's (label_emb, linear projections,
-transformer depth 2) and the SD VAE's.
+transformer depth 2) and the SD / SD3 VAEs'.
 
 Usage: /usr/bin/python3 scripts/gen_ldm_reference.py   (from the repository root)
 """
@@ -186,35 +187,71 @@ def vae_mid(p, key, h):
     return vae_resblock(p, key + ".block_2", vae_attn(p, key + ".attn_1", vae_resblock(p, key + ".block_1", h, c)), c)
 
 
+def vae_encode(p, img, ch, mult, num_res_blocks, z, quant):
+    """Encoder (+ quant_conv when quant) -> (mean, logvar clamped as DiagonalGaussianDistribution)."""
+    h = conv(p, "encoder.conv_in", img, 3, ch, 3, 1, 1)
+    for level, m in enumerate(mult):
+        for i in range(num_res_blocks):
+            h = vae_resblock(p, f"encoder.down.{level}.block.{i}", h, ch * m)
+        if level != len(mult) - 1:
+            h = conv(p, f"encoder.down.{level}.downsample.conv", F.pad(h, (0, 1, 0, 1)), h.shape[1], h.shape[1], 3, 2, 0)
+    h = vae_mid(p, "encoder.mid", h)
+    h = conv(p, "encoder.conv_out", F.silu(gn(p, "encoder.norm_out", h, 1e-6)), h.shape[1], 2 * z, 3, 1, 1)
+    if quant:
+        h = conv(p, "quant_conv", h, 2 * z, 2 * z, 1)
+    mean, logvar = h.chunk(2, dim=1)
+    return mean, logvar.clamp(-30.0, 20.0)
+
+
+def vae_decode(p, z_in, ch, mult, num_res_blocks, quant):
+    """(post_quant_conv when quant +) decoder: unscaled latent -> image."""
+    z = z_in.shape[1]
+    h = conv(p, "post_quant_conv", z_in, z, z, 1) if quant else z_in
+    h = conv(p, "decoder.conv_in", h, z, ch * mult[-1], 3, 1, 1)
+    h = vae_mid(p, "decoder.mid", h)
+    for level in reversed(range(len(mult))):
+        for i in range(num_res_blocks + 1):
+            h = vae_resblock(p, f"decoder.up.{level}.block.{i}", h, ch * mult[level])
+        if level != 0:
+            h = F.interpolate(h, scale_factor=2.0, mode="nearest")
+            h = conv(p, f"decoder.up.{level}.upsample.conv", h, h.shape[1], h.shape[1], 3, 1, 1)
+    return conv(p, "decoder.conv_out", F.silu(gn(p, "decoder.norm_out", h, 1e-6)), h.shape[1], 3, 3, 1, 1)
+
+
 def vae_case():
     torch.manual_seed(12)
     p = Params()
     ch, mult, z = 8, [1, 2], 4
     img = torch.rand(2, 3, 8, 8) * 2 - 1
-    h = conv(p, "encoder.conv_in", img, 3, ch, 3, 1, 1)
-    for level, m in enumerate(mult):
-        h = vae_resblock(p, f"encoder.down.{level}.block.0", h, ch * m)
-        if level != len(mult) - 1:
-            h = conv(p, f"encoder.down.{level}.downsample.conv", F.pad(h, (0, 1, 0, 1)), h.shape[1], h.shape[1], 3, 2, 0)
-    h = vae_mid(p, "encoder.mid", h)
-    h = conv(p, "encoder.conv_out", F.silu(gn(p, "encoder.norm_out", h, 1e-6)), h.shape[1], 2 * z, 3, 1, 1)
-    moments = conv(p, "quant_conv", h, 2 * z, 2 * z, 1)
-    mean, logvar = moments.chunk(2, dim=1)
-    logvar = logvar.clamp(-30.0, 20.0)
-    h = conv(p, "post_quant_conv", mean, z, z, 1)
-    h = conv(p, "decoder.conv_in", h, z, ch * mult[-1], 3, 1, 1)
-    h = vae_mid(p, "decoder.mid", h)
-    for level in reversed(range(len(mult))):
-        for i in range(2):
-            h = vae_resblock(p, f"decoder.up.{level}.block.{i}", h, ch * mult[level])
-        if level != 0:
-            h = F.interpolate(h, scale_factor=2.0, mode="nearest")
-            h = conv(p, f"decoder.up.{level}.upsample.conv", h, h.shape[1], h.shape[1], 3, 1, 1)
-    rec = conv(p, "decoder.conv_out", F.silu(gn(p, "decoder.norm_out", h, 1e-6)), h.shape[1], 3, 3, 1, 1)
+    mean, logvar = vae_encode(p, img, ch, mult, 1, z, quant=True)
+    rec = vae_decode(p, mean, ch, mult, 1, quant=True)
     write_case("ldm_vae_micro", {**{"param." + k: v for k, v in p.items()}, "input.image": img,
                                  "output.mean": mean, "output.logvar": logvar, "output.decoded": rec})
+
+
+# SD3 / SD3.5 VAE (Stability-AI/sd3.5 sd3_impls.py SDVAE, SD3LatentFormat; diffusers vae/config.json
+# of stable-diffusion-3.5-medium): the same encoder/decoder with 16 latent channels, no quant_conv /
+# post_quant_conv, and latents (z - shift) * scale for the MMDiT, z / scale + shift for the decoder.
+SD3_SCALE, SD3_SHIFT = 1.5305, 0.0609
+
+
+def vae_sd3_case():
+    torch.manual_seed(13)
+    p = Params()
+    ch, mult, nrb, z = 8, [1, 2, 2], 2, 16
+    img = torch.rand(2, 3, 16, 12) * 2 - 1
+    mean, logvar = vae_encode(p, img, ch, mult, nrb, z, quant=False)
+    rec = vae_decode(p, mean, ch, mult, nrb, quant=False)
+    latent = (mean - SD3_SHIFT) * SD3_SCALE                   # SD3LatentFormat.process_in
+    noisy = latent + 0.5 * torch.randn(latent.shape)          # a latent the MMDiT could produce
+    rec_noisy = vae_decode(p, noisy / SD3_SCALE + SD3_SHIFT, ch, mult, nrb, quant=False)  # process_out
+    write_case("ldm_vae_sd3_micro", {**{"param." + k: v for k, v in p.items()}, "input.image": img,
+                                     "input.latent": noisy, "output.mean": mean, "output.logvar": logvar,
+                                     "output.decoded": rec, "output.latent": latent,
+                                     "output.latent_decoded": rec_noisy})
 
 
 if __name__ == "__main__":
     unet_case()
     vae_case()
+    vae_sd3_case()

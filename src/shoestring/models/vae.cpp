@@ -1,6 +1,7 @@
 #include "shoestring/models/vae.h"
 
 #include <cmath>
+#include <string>
 
 #include <torch/torch.h>
 
@@ -10,6 +11,8 @@
 
 namespace shoestring::models {
 namespace {
+
+bool starts_with(const std::string& s, const std::string& p) { return s.compare(0, p.size(), p) == 0; }
 
 // LDM ResnetBlock: no time embedding, GroupNorm eps 1e-6, default-initialised conv2.
 nn::ResBlock vae_res(const VaeOptions& o, int64_t in, int64_t out) {
@@ -145,8 +148,10 @@ AutoencoderKLImpl::AutoencoderKLImpl(const VaeOptions& options) : options_(optio
   encoder = register_module("encoder", VaeEncoder(o));
   decoder = register_module("decoder", VaeDecoder(o));
   const int64_t z = o.z_channels();
-  quant_conv = register_module("quant_conv", nn::Conv2d(2 * z, 2 * z, 1, 1, 0, true, o.init()));
-  post_quant_conv = register_module("post_quant_conv", nn::Conv2d(z, z, 1, 1, 0, true, o.init()));
+  if (o.use_quant_conv()) {
+    quant_conv = register_module("quant_conv", nn::Conv2d(2 * z, 2 * z, 1, 1, 0, true, o.init()));
+    post_quant_conv = register_module("post_quant_conv", nn::Conv2d(z, z, 1, 1, 0, true, o.init()));
+  }
 }
 
 VaePosterior AutoencoderKLImpl::encode(const torch::Tensor& x) {
@@ -157,7 +162,9 @@ VaePosterior AutoencoderKLImpl::encode(const torch::Tensor& x) {
     fail("VAE encode: x must be [B, {}, H, W] with H, W divisible by {}, got {}", o.in_channels(), factor,
          x.defined() ? format_shape(x.sizes()) : "undefined");
   }
-  const auto moments = quant_conv->forward(encoder->forward(x)).chunk(2, 1);
+  torch::Tensor h = encoder->forward(x);
+  if (quant_conv) h = quant_conv->forward(h);
+  const auto moments = h.chunk(2, 1);
   return {moments[0], moments[1].clamp(-30.0, 20.0)};
 }
 
@@ -166,7 +173,7 @@ torch::Tensor AutoencoderKLImpl::decode(const torch::Tensor& z) {
     fail("VAE decode: z must be [B, {}, h, w], got {}", options_.z_channels(),
          z.defined() ? format_shape(z.sizes()) : "undefined");
   }
-  return decoder->forward(post_quant_conv->forward(z));
+  return decoder->forward(post_quant_conv ? post_quant_conv->forward(z) : z);
 }
 
 torch::Tensor AutoencoderKLImpl::encode_latents(const torch::Tensor& x, bool sample,
@@ -178,11 +185,53 @@ torch::Tensor AutoencoderKLImpl::encode_latents(const torch::Tensor& x, bool sam
     eps.normal_(0.0, 1.0, generator);
     z = p.mean + torch::exp(0.5 * p.logvar) * eps;
   }
+  // SD3LatentFormat.process_in; with shift 0 exactly the SD formula z * scale.
+  if (options_.shift_factor() != 0.0) z = z - options_.shift_factor();
   return z * options_.scaling_factor();
 }
 
 torch::Tensor AutoencoderKLImpl::decode_latents(const torch::Tensor& z) {
-  return decode(z / options_.scaling_factor());
+  // SD3LatentFormat.process_out.
+  torch::Tensor u = z / options_.scaling_factor();
+  if (options_.shift_factor() != 0.0) u = u + options_.shift_factor();
+  return decode(u);
+}
+
+LoadWeightsReport load_vae(AutoencoderKLImpl& vae, const WeightFiles& files) {
+  static const std::string prefix = "first_stage_model.";
+  const std::vector<std::string> names = files.names();
+  bool prefixed = false;
+  for (const auto& n : names) prefixed = prefixed || starts_with(n, prefix);
+  const std::string p = prefixed ? prefix : "";
+  const bool want_quant = static_cast<bool>(vae.quant_conv);
+  const int64_t z = vae.options().z_channels();
+  // Without the encoder's last conv the file holds no VAE: load_weights lists what is missing.
+  const TensorInfo* conv_out = files.find(p + "encoder.conv_out.weight");
+  for (const char* key : {"quant_conv.weight", "quant_conv.bias", "post_quant_conv.weight", "post_quant_conv.bias"}) {
+    const bool has = files.find(p + key) != nullptr;
+    if (has && !want_quant) {
+      fail(
+          "{}: unexpected tensor \"{}{}\": this VAE is built without quant_conv / post_quant_conv (the SD3 / SD3.5 "
+          "VAE, {} latent channels); the file holds an SD 1.x / SDXL-style VAE",
+          files.path(), p, key, z);
+    }
+    if (!has && want_quant && conv_out) {
+      fail(
+          "{}: missing tensor \"{}{}\": this VAE is built with quant_conv / post_quant_conv (the SD 1.x / SDXL "
+          "VAE, {} latent channels); a file without them holds an SD3 / SD3.5-style VAE",
+          files.path(), p, key, z);
+    }
+  }
+  if (conv_out && !conv_out->shape.empty() && conv_out->shape[0] != 2 * z) {
+    fail("{}: \"{}encoder.conv_out.weight\" is {}: the file's VAE has {} latent channels, this one {}", files.path(), p,
+         format_shape(conv_out->shape), conv_out->shape[0] / 2, z);
+  }
+  LoadWeightsOptions lo;
+  lo.key_map = [p](const std::string& key) -> std::string {
+    if (p.empty()) return key;
+    return starts_with(key, p) ? key.substr(p.size()) : "";
+  };
+  return load_weights(vae, files, lo);
 }
 
 }  // namespace shoestring::models

@@ -16,6 +16,15 @@
 // where decoder.up.<l> is stored at the index of the level it mirrors
 // (up.3 is the deepest, run first). SD 1.x and SDXL share this architecture
 // (83,653,863 parameters); they differ in weights and scaling factor.
+//
+// SD3 / SD3.5 use the same encoder/decoder with 16 latent channels and no
+// quant_conv / post_quant_conv (VaeOptions::sd3(): 83,819,683 parameters,
+// encoder 34,274,208 + decoder 49,545,475), and a latent shift as well as a
+// scale (Stability-AI/sd3.5 sd3_impls.py SDVAE and SD3LatentFormat; diffusers
+// vae/config.json of stabilityai/stable-diffusion-3.5-medium: latent_channels
+// 16, scaling_factor 1.5305, shift_factor 0.0609, use_quant_conv false,
+// use_post_quant_conv false). SD3.5 single files hold it under the same
+// `first_stage_model.` prefix (see load_vae).
 #pragma once
 #include <cstdint>
 #include <vector>
@@ -24,6 +33,7 @@
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/pimpl.h>
 
+#include "shoestring/io/weight_files.h"
 #include "shoestring/nn/layers.h"
 #include "shoestring/nn/resblock.h"
 
@@ -42,14 +52,30 @@ struct VaeOptions {
   TORCH_ARG(int64_t, z_channels) = 4;
   TORCH_ARG(int64_t, groups) = 32;
   /// Latent scale: SD 1.x 0.18215, SDXL 0.13025 (the `scale_factor` of the
-  /// LatentDiffusion config). Used by encode_latents / decode_latents only.
+  /// LatentDiffusion config), SD3 1.5305. Used by encode_latents /
+  /// decode_latents only.
   TORCH_ARG(double, scaling_factor) = 0.18215;
+  /// Latent shift, subtracted before scaling: 0 for SD 1.x / SDXL, SD3 0.0609
+  /// (SD3LatentFormat.shift_factor; diffusers `shift_factor`). Used by
+  /// encode_latents / decode_latents only.
+  TORCH_ARG(double, shift_factor) = 0.0;
+  /// Build quant_conv (1x1, 2z -> 2z, applied to the encoder's moments) and
+  /// post_quant_conv (1x1, z -> z, applied before the decoder), as LDM's
+  /// AutoencoderKL. False (SD3): neither exists, named_parameters() has no
+  /// such keys and the moments / latents pass straight through.
+  TORCH_ARG(bool, use_quant_conv) = true;
   /// Device/dtype of the parameters; nn::LayerInit{torch::kMeta} allocates nothing.
   TORCH_ARG(nn::LayerInit, init) = nn::LayerInit{};
 
  public:  // (TORCH_ARG leaves the section private)
   /// Same structure at test size: ch 32 (groups 32 still divide every width).
   VaeOptions tiny() const { return VaeOptions(*this).ch(32); }
+  /// SD3 / SD3.5 (Large, Medium, Turbo share it): z_channels 16, no quant
+  /// convs, scaling_factor 1.5305, shift_factor 0.0609; the rest as SD.
+  /// Encoder moments [B, 32, H/8, W/8], latents [B, 16, H/8, W/8].
+  static VaeOptions sd3() {
+    return VaeOptions().z_channels(16).use_quant_conv(false).scaling_factor(1.5305).shift_factor(0.0609);
+  }
 };
 
 /// Single-head self-attention over the pixels of a feature map (LDM AttnBlock):
@@ -126,23 +152,38 @@ class AutoencoderKLImpl : public torch::nn::Module {
   VaePosterior encode(const torch::Tensor& x);
   /// z: [B, z_channels, h, w] (unscaled latents) -> image [B, 3, 8h, 8w] (~[-1, 1]).
   torch::Tensor decode(const torch::Tensor& z);
-  /// Scaled latents for the diffusion model: scaling_factor * (mean + exp(logvar/2) * eps)
-  /// with eps ~ N(0, 1) from `generator` (or the default generator), or
-  /// scaling_factor * mean when sample is false.
+  /// Latents for the diffusion model, [B, z_channels, H/8, W/8] in the
+  /// parameters' dtype: (z - shift_factor) * scaling_factor with
+  /// z = mean + exp(logvar/2) * eps, eps ~ N(0, 1) from `generator` (or the
+  /// default generator), or z = mean when sample is false.
   torch::Tensor encode_latents(const torch::Tensor& x, bool sample = true,
                                c10::optional<at::Generator> generator = c10::nullopt);
-  /// decode(z / scaling_factor).
+  /// decode(z / scaling_factor + shift_factor): latents of encode_latents -> image.
   torch::Tensor decode_latents(const torch::Tensor& z);
 
   const VaeOptions& options() const { return options_; }
 
   VaeEncoder encoder{nullptr};
   VaeDecoder decoder{nullptr};
+  /// Null when options().use_quant_conv() is false.
   nn::Conv2d quant_conv{nullptr}, post_quant_conv{nullptr};
 
  private:
   VaeOptions options_;
 };
 TORCH_MODULE(AutoencoderKL);
+
+/// Loads a VAE from a single file or a standalone VAE file into `vae`
+/// (allocated, not meta): when any key starts with `first_stage_model.` (SD /
+/// SDXL / SD3.5 single files) only those keys are read, prefix stripped, and
+/// the rest of the file (UNet / MMDiT, text encoders) is ignored; otherwise
+/// every key must be a VAE key (vae-ft-mse-840000-ema-pruned.safetensors,
+/// sd3.5 `vae` extracts). Throws shoestring::Error naming the file and, before
+/// any copy, the first quant_conv / post_quant_conv tensor present in a file
+/// for a VAE built without them (an SD 1.x / SDXL VAE given where an SD3 one
+/// is expected) or absent from one for a VAE built with them, and the latent
+/// channels of the file when encoder.conv_out disagrees with z_channels;
+/// otherwise missing / unexpected / mis-shaped keys as load_weights does.
+LoadWeightsReport load_vae(AutoencoderKLImpl& vae, const WeightFiles& files);
 
 }  // namespace shoestring::models

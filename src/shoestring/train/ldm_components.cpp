@@ -163,10 +163,16 @@ models::AutoencoderKL build_ldm_vae(bool sdxl, bool tiny, const WeightFiles* fil
   models::VaeOptions o;
   o.scaling_factor(sdxl ? 0.13025 : 0.18215);
   if (tiny) o = o.tiny();
-  bool has = false, prefixed = false;
+  return build_vae_from(o, files, bare_keys_allowed, seed);
+}
+
+models::AutoencoderKL build_vae_from(const models::VaeOptions& o, const WeightFiles* files, bool bare_keys_allowed,
+                                     uint64_t seed) {
+  const bool tiny = o.ch() < models::VaeOptions().ch();
+  bool has = false;
   if (files) {
     for (const auto& n : files->names()) {
-      if (starts_with(n, kVaePrefix)) prefixed = has = true;
+      if (starts_with(n, kVaePrefix)) has = true;
     }
     if (bare_keys_allowed) has = true;
     if (!has) fail("{}: holds no VAE (no '{}*' keys)", files->path(), kVaePrefix);
@@ -176,16 +182,10 @@ models::AutoencoderKL build_ldm_vae(bool sdxl, bool tiny, const WeightFiles* fil
   models::AutoencoderKL vae = with_seed(seed + 100, [&] {
     nn::LayerInit init;
     init.initialize = !has;
-    return models::AutoencoderKL(o.init(init));
+    models::VaeOptions built = o;
+    return models::AutoencoderKL(built.init(init));
   });
-  if (has) {
-    LoadWeightsOptions lo;
-    lo.key_map = [prefixed](const std::string& key) -> std::string {
-      if (!prefixed) return key;
-      return starts_with(key, kVaePrefix) ? key.substr(std::string(kVaePrefix).size()) : "";
-    };
-    load_weights(*vae, *files, lo);
-  }
+  if (has) models::load_vae(*vae, *files);  // first_stage_model.* when present, else bare keys
   vae->eval();
   return vae;
 }

@@ -113,5 +113,12 @@ at::Tensor sdxl_vector_y(const at::Tensor& pooled, const std::vector<double>& si
 /// mode, float32, CPU. Throws shoestring::Error when the file holds no VAE.
 models::AutoencoderKL build_ldm_vae(bool sdxl, bool tiny, const WeightFiles* files, bool bare_keys_allowed,
                                     uint64_t seed);
+/// The VAE of options `o` (already tiny where wanted) from `files` as
+/// build_ldm_vae reads them, through models::load_vae (so an SD VAE given
+/// for SD3's, or the reverse, is refused by its quant convs), or random from
+/// `seed` + 100 when `files` is null; eval mode, float32, CPU. Throws
+/// shoestring::Error as build_ldm_vae and load_vae.
+models::AutoencoderKL build_vae_from(const models::VaeOptions& o, const WeightFiles* files, bool bare_keys_allowed,
+                                     uint64_t seed);
 
 }  // namespace shoestring
