@@ -7,7 +7,7 @@
 // Inputs per family (see each forward's docstring):
 //   LDM (sd15, sdxl, ssd1b): x [B, 4, h, w], timesteps [B] on 0..1000,
 //     context [B, L, context_dim], y [B, adm_in_channels] (SDXL / SSD-1B only);
-//   MMDiT (sd35m): x [B, 16, h, w], t [B] in [0, 1], context [B, L, 4096], y [B, 2048];
+//   MMDiT (sd35m): x [B, 16, h, w], t [B] in [0, 1], context [B, L, context_dim], y [B, adm_in_channels];
 //   StageC (cascade-c, cascade-c-lite): x [B, 16, h, w], r [B] in [0, 1],
 //     clip_text [B, L, 1280], clip_text_pooled [B, 1, 1280], clip_img [B, 1, 768].
 // The objective is noise prediction: x_t = x0 + sigma * eps with fixed x0, eps

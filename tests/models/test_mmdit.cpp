@@ -243,7 +243,7 @@ TEST(MMDiT, TinyVariantTrainsOnCpu) {
   torch::Tensor t = torch::tensor({0.3f, 0.7f});
   torch::Tensor xt = (1 - t).view({B, 1, 1, 1}) * x0 + t.view({B, 1, 1, 1}) * noise;
   torch::Tensor target = noise - x0;  // rectified-flow velocity
-  torch::Tensor ctx = torch::randn({B, 6, 4096}), y = torch::randn({B, 2048});
+  torch::Tensor ctx = torch::randn({B, 6, 64}), y = torch::randn({B, 64});
   torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(3e-3).weight_decay(0.0));
   std::vector<float> losses;
   for (int step = 0; step < 12; ++step) {
@@ -265,7 +265,7 @@ TEST(MMDiT, TinyVariantRunsInBf16) {
     for (auto& p : net->parameters()) p.add_(torch::randn_like(p) * 0.02);
   }
   torch::Tensor x = torch::randn({1, 16, 4, 6}), t = torch::rand({1});
-  torch::Tensor ctx = torch::randn({1, 3, 4096}), y = torch::randn({1, 2048});
+  torch::Tensor ctx = torch::randn({1, 3, 64}), y = torch::randn({1, 64});
   torch::NoGradGuard no_grad;
   torch::Tensor ref = net->forward(x, t, ctx, y);
   net->to(torch::kBFloat16);
@@ -291,6 +291,51 @@ TEST(MMDiT, RejectsBadInputsAndOptions) {
   EXPECT_THROW(MMDiT(small_options(0).hidden_size(30)), Error);                // not divisible by 4 heads
 }
 
+// Skip-layer guidance's forward: skipped joint blocks pass both streams
+// through unchanged (sd3.5 mmditx.py `if i in skip_layers: continue`). A
+// joint block whose adaLN modulations are zero is exactly the identity (every
+// residual branch is gated by a zero), so skipping block i of a model equals
+// the same model with block i's modulations zeroed.
+TEST(MMDiT, SkipLayersActAsIdentityBlocks) {
+  torch::manual_seed(6);
+  MMDiT net(small_options(0));
+  torch::NoGradGuard no_grad;
+  for (auto& p : net->parameters()) p.copy_(torch::randn_like(p) * 0.2);
+  const torch::Tensor x = torch::randn({2, 4, 4, 6}), t = torch::rand({2}), ctx = torch::randn({2, 3, 12}),
+                      y = torch::randn({2, 10});
+  const torch::Tensor full = net->forward(x, t, ctx, y);
+  EXPECT_TRUE(torch::equal(net->forward(x, t, ctx, y, {}), full));  // no skips: the plain forward
+
+  auto with_identity_blocks = [&](const std::vector<int64_t>& ids) {
+    MMDiT copy(small_options(0));
+    for (const auto& p : net->named_parameters()) copy->named_parameters()[p.key()].copy_(p.value());
+    copy->pos_embed.copy_(net->pos_embed);
+    for (int64_t i : ids) {
+      auto& block = *copy->joint_blocks[static_cast<size_t>(i)]->as<models::MMDiTJointBlockImpl>();
+      for (auto* s : {&block.context_block, &block.x_block}) {
+        (*s)->adaLN_modulation->weight.zero_();
+        (*s)->adaLN_modulation->bias.zero_();
+      }
+    }
+    return copy->forward(x, t, ctx, y);
+  };
+  for (const std::vector<int64_t>& ids : std::vector<std::vector<int64_t>>{{1}, {0}, {2}, {0, 2}, {0, 1, 2}}) {
+    const torch::Tensor skipped = net->forward(x, t, ctx, y, ids);
+    EXPECT_GT((skipped - full).abs().max().item<float>(), 1e-4f) << ids.size();  // skipping changes the output
+    EXPECT_TRUE(torch::allclose(skipped, with_identity_blocks(ids), 1e-6, 1e-6)) << ids.size() << " " << ids[0];
+  }
+  // Order and repeats do not matter.
+  EXPECT_TRUE(torch::equal(net->forward(x, t, ctx, y, {2, 0, 2}), net->forward(x, t, ctx, y, {0, 2})));
+  // The same under precision rules (the root scope and per-block checkpointing).
+  shoestring::testing::checkpoint_by_rule(*net, true);
+  EXPECT_TRUE(torch::allclose(net->forward(x, t, ctx, y, {1}), with_identity_blocks({1}), 1e-6, 1e-6));
+  EXPECT_THROW(net->forward(x, t, ctx, y, {3}), Error);
+  shoestring::testing::checkpoint_by_rule(*net, false);
+  EXPECT_THROW(net->forward(x, t, ctx, y, {3}), Error);  // depth 3
+  EXPECT_THROW(net->forward(x, t, ctx, y, {-1}), Error);
+  EXPECT_THROW(net->forward(x, t, ctx, y, {0, 7}), Error);
+}
+
 // Checkpointed joint blocks give the gradients of the plain forward.
 TEST(MMDiT, GradientCheckpointingKeepsGradients) {
   torch::manual_seed(8);
@@ -300,7 +345,7 @@ TEST(MMDiT, GradientCheckpointingKeepsGradients) {
     for (auto& p : net->parameters()) p.add_(torch::randn_like(p) * 0.02);
   }
   torch::Tensor x = torch::randn({2, 16, 4, 4}), t = torch::rand({2});
-  torch::Tensor ctx = torch::randn({2, 3, 4096}), y = torch::randn({2, 2048});
+  torch::Tensor ctx = torch::randn({2, 3, 64}), y = torch::randn({2, 64});
   auto grads = [&](bool ckpt) {
     shoestring::testing::checkpoint_by_rule(*net, ckpt);
     net->zero_grad();

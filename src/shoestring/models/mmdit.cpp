@@ -225,24 +225,31 @@ torch::Tensor MMDiTImpl::cropped_pos_embed(int64_t h, int64_t w) const {
 }
 
 torch::Tensor MMDiTImpl::forward(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& context,
-                                 const torch::Tensor& y) {
-  if (!block_table_->configured()) return forward_impl(x, t, context, y);
+                                 const torch::Tensor& y, const std::vector<int64_t>& skip_layers) {
+  std::vector<bool> skip(blocks_.size(), false);  // per joint block
+  for (int64_t i : skip_layers) {
+    if (i < 0 || i >= static_cast<int64_t>(blocks_.size()))
+      fail("MMDiT: skip layer {} is not a joint block index (depth {})", i, blocks_.size());
+    skip[static_cast<size_t>(i)] = true;
+  }
+  if (!block_table_->configured()) return forward_impl(x, t, context, y, skip);
   if (block_table_->find(this)) {
     auto self = std::static_pointer_cast<MMDiTImpl>(shared_from_this());
     const torch::Tensor time = t;  // captured: never rounded to the compute dtype
     return nn::run_block(block_table_.get(), self,
-                         [self, time](const std::vector<torch::Tensor>& in) {
-                           return std::vector<torch::Tensor>{self->forward_impl(in[0], time, in[1], in[2])};
+                         [self, time, skip](const std::vector<torch::Tensor>& in) {
+                           return std::vector<torch::Tensor>{self->forward_impl(in[0], time, in[1], in[2], skip)};
                          },
                          {x, context, y})[0];
   }
   std::optional<nn::ComputeDtypeGuard> guard;
   if (!nn::current_compute_dtype()) guard.emplace(nn::value_dtype(context_embedder->weight));
-  return forward_impl(x, t, context, y);
+  return forward_impl(x, t, context, y, skip);
 }
 
 torch::Tensor MMDiTImpl::forward_impl(const torch::Tensor& x_in, const torch::Tensor& t,
-                                      const torch::Tensor& context_in, const torch::Tensor& y) {
+                                      const torch::Tensor& context_in, const torch::Tensor& y,
+                                      const std::vector<bool>& skip) {
   const auto& o = options_;
   const int64_t p = o.patch_size();
   if (x_in.dim() != 4 || x_in.size(1) != o.in_channels() || x_in.size(2) % p != 0 || x_in.size(3) % p != 0)
@@ -264,6 +271,7 @@ torch::Tensor MMDiTImpl::forward_impl(const torch::Tensor& x_in, const torch::Te
   torch::Tensor context = context_embedder->forward(context_in);
 
   for (size_t i = 0; i < blocks_.size(); ++i) {
+    if (skip[i]) continue;  // skip-layer guidance: the block's outputs are its inputs
     MMDiTJointBlock block = blocks_[i];
     const bool last = i + 1 == blocks_.size();  // its context output is undefined
     std::vector<torch::Tensor> out;

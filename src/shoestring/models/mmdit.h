@@ -82,11 +82,20 @@ struct MMDiTOptions {
  public:
   /// SD3.5 Medium (sd3.5_medium.safetensors).
   static MMDiTOptions sd35_medium() { return MMDiTOptions(); }
-  /// Same structure and input widths as SD3.5 Medium (16 latent channels,
-  /// context 4096, pooled 2048), small: depth 3, hidden 64, 4 heads, attn2 in
-  /// blocks 0 and 1, a 32 x 32 patch grid at most. For tests that train on the CPU.
+  /// Same structure as SD3.5 Medium (16 latent channels, patch 2, qk-norm,
+  /// attn2), small: depth 3, hidden 64, 4 heads, attn2 in blocks 0 and 1, a
+  /// 32 x 32 patch grid at most, and context and pooled widths 64 (what the
+  /// tiny CLIP-L and bigG of width 32 give side by side, as 768 + 1280 =
+  /// 2048 do for the release). For tests that train on the CPU.
   static MMDiTOptions tiny() {
-    return MMDiTOptions().depth(3).hidden_size(64).num_heads(4).pos_embed_max_size(32).x_block_self_attn_layers({0, 1});
+    return MMDiTOptions()
+        .depth(3)
+        .hidden_size(64)
+        .num_heads(4)
+        .pos_embed_max_size(32)
+        .x_block_self_attn_layers({0, 1})
+        .context_dim(64)
+        .adm_in_channels(64);
   }
   int64_t hidden() const { return hidden_size_ > 0 ? hidden_size_ : 64 * depth_; }
   int64_t heads() const { return num_heads_ > 0 ? num_heads_ : depth_; }
@@ -160,9 +169,16 @@ class MMDiTImpl : public torch::nn::Module, public Denoiser {
   /// at most pos_embed_max_size patches per side; t: [B] flow-matching time
   /// (sigma) in [0, 1], embedded as timestep 1000 t as in SD3;
   /// context: [B, L, context_dim]; y: [B, adm_in_channels] pooled text.
-  /// Returns [B, out_channels, H, W]. Throws shoestring::Error on shape mismatch.
+  /// skip_layers: joint-block indices (0 .. depth - 1, any order, repeats
+  /// allowed) skipped entirely, both streams: a skipped block's outputs are
+  /// its inputs (sd3.5 reference mmditx.py forward_core_with_concat
+  /// `if i in skip_layers: continue`, used by skip-layer guidance,
+  /// sd3_impls.py SkipLayerCFGDenoiser; SD3.5 Medium skips 7, 8, 9). Skipping
+  /// the last block leaves the image stream as the previous block's output.
+  /// Returns [B, out_channels, H, W]. Throws shoestring::Error on shape
+  /// mismatch or a skip index outside [0, depth).
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& context,
-                        const torch::Tensor& y);
+                        const torch::Tensor& y, const std::vector<int64_t>& skip_layers = {});
 
   /// Centre crop of pos_embed for an h x w patch grid: [1, h * w, hidden].
   torch::Tensor cropped_pos_embed(int64_t h, int64_t w) const;
@@ -194,7 +210,7 @@ class MMDiTImpl : public torch::nn::Module, public Denoiser {
  private:
   void reset_parameters();
   torch::Tensor forward_impl(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& context,
-                             const torch::Tensor& y);
+                             const torch::Tensor& y, const std::vector<bool>& skip);
   MMDiTOptions options_;
   std::vector<MMDiTJointBlock> blocks_;
   std::shared_ptr<nn::BlockTable> block_table_ = std::make_shared<nn::BlockTable>();
