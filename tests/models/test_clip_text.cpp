@@ -4,6 +4,7 @@
 // single file, registry and detection.
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <iostream>
 #include <set>
 
@@ -305,7 +306,9 @@ TEST(ClipText, RejectsBadInputsAndOptions) {
   EXPECT_THROW(model->forward(ids, 4), Error);
   EXPECT_NO_THROW(model->forward(torch::zeros({2, 5}, torch::kLong)));  // shorter sequences are fine
   EXPECT_THROW(ClipTextModel(micro_hf().heads(5)), Error);
-  EXPECT_THROW(ClipTextModel(micro_hf().projection_dim(8)), Error);
+  // HF CLIPTextModelWithProjection has a projection but no logit_scale.
+  EXPECT_THROW(ClipTextModel(micro_hf().logit_scale(true)), Error);
+  EXPECT_EQ(ClipTextModel(micro_hf().projection_dim(8))->forward(ids).pooled.sizes(), (std::vector<int64_t>{1, 8}));
 }
 
 TEST(ClipText, TinyKeepsVocabularyAndLayout) {
@@ -364,4 +367,399 @@ TEST(ClipText, CheckpointRootHasTheSingleFileKeys) {
   const auto keys = shoestring::testing::module_keys(*root);
   EXPECT_TRUE(keys.count("conditioner.embedders.1.model.transformer.resblocks.31.attn.in_proj_weight"));
   EXPECT_TRUE(keys.count("conditioner.embedders.1.model.logit_scale"));
+}
+
+// ---- Hugging Face CLIPTextModelWithProjection layout (SD3 / SD3.5 clip_g, clip_l) -------
+
+namespace {
+
+using KeyShapes = std::map<std::string, std::vector<int64_t>>;
+
+// The released key set of CLIPTextModelWithProjection (transformers modeling_clip.py:
+// CLIPTextTransformer under text_model + text_projection = nn.Linear(width, P, bias=False)),
+// written out independently of the model.
+KeyShapes hf_with_projection_keys(int64_t vocab, int64_t positions, int64_t w, int64_t layers, int64_t m, int64_t p) {
+  KeyShapes k = {{"text_model.embeddings.token_embedding.weight", {vocab, w}},
+                 {"text_model.embeddings.position_embedding.weight", {positions, w}},
+                 {"text_model.embeddings.position_ids", {1, positions}},
+                 {"text_model.final_layer_norm.weight", {w}},
+                 {"text_model.final_layer_norm.bias", {w}},
+                 {"text_projection.weight", {p, w}}};
+  for (int64_t i = 0; i < layers; ++i) {
+    const std::string l = "text_model.encoder.layers." + std::to_string(i) + ".";
+    for (const char* n : {"layer_norm1", "layer_norm2"}) {
+      k[l + n + ".weight"] = {w};
+      k[l + n + ".bias"] = {w};
+    }
+    for (const char* n : {"q_proj", "k_proj", "v_proj", "out_proj"}) {
+      k[l + "self_attn." + n + ".weight"] = {w, w};
+      k[l + "self_attn." + n + ".bias"] = {w};
+    }
+    k[l + "mlp.fc1.weight"] = {m, w};
+    k[l + "mlp.fc1.bias"] = {m};
+    k[l + "mlp.fc2.weight"] = {w, m};
+    k[l + "mlp.fc2.bias"] = {w};
+  }
+  return k;
+}
+
+// A bigG-style micro model (exact GELU, projection 24 != width 40, so a transposed
+// projection cannot pass as the right one) in the OpenCLIP layout, with every
+// tensor perturbed off its init (LayerNorm 1/0, zero biases) so that swapped or
+// misplaced tensors change the outputs.
+ClipTextModel perturbed_openclip(uint64_t seed) {
+  torch::manual_seed(seed);
+  ClipTextModel m(micro_openclip());
+  torch::NoGradGuard no_grad;
+  for (auto& t : m->parameters()) t.add_(torch::randn_like(t) * 0.1);
+  return m;
+}
+
+// The independent reference conversion OpenCLIP -> HF CLIPTextModelWithProjection
+// (as transformers' convert scripts / kohya's bigG conversion do it): in_proj_weight
+// and in_proj_bias split into q | k | v rows, ln_1/ln_2/ln_final and c_fc/c_proj
+// renamed, text_projection [W, P] transposed into the Linear weight [P, W].
+// logit_scale has no HF counterpart and is dropped.
+std::vector<NamedTensor> openclip_to_hf(const torch::nn::Module& openclip, const std::string& prefix,
+                                        int64_t layers) {
+  const auto src = openclip.named_parameters();
+  std::vector<NamedTensor> out;
+  auto put = [&](const std::string& name, const torch::Tensor& t) {
+    out.push_back({prefix + name, t.contiguous().clone(), {}});
+  };
+  put("text_model.embeddings.token_embedding.weight", src["token_embedding.weight"]);
+  put("text_model.embeddings.position_embedding.weight", src["positional_embedding"]);
+  for (int64_t i = 0; i < layers; ++i) {
+    const std::string o = "transformer.resblocks." + std::to_string(i) + ".";
+    const std::string h = "text_model.encoder.layers." + std::to_string(i) + ".";
+    const auto w = src[o + "attn.in_proj_weight"].chunk(3, 0);
+    const auto b = src[o + "attn.in_proj_bias"].chunk(3, 0);
+    const char* names[] = {"q_proj", "k_proj", "v_proj"};
+    for (int j = 0; j < 3; ++j) {
+      put(h + "self_attn." + names[j] + ".weight", w[j]);
+      put(h + "self_attn." + names[j] + ".bias", b[j]);
+    }
+    for (const char* s : {"weight", "bias"}) {
+      put(h + "self_attn.out_proj." + s, src[o + "attn.out_proj." + s]);
+      put(h + "layer_norm1." + s, src[o + "ln_1." + s]);
+      put(h + "layer_norm2." + s, src[o + "ln_2." + s]);
+      put(h + "mlp.fc1." + s, src[o + "mlp.c_fc." + s]);
+      put(h + "mlp.fc2." + s, src[o + "mlp.c_proj." + s]);
+    }
+  }
+  put("text_model.final_layer_norm.weight", src["ln_final.weight"]);
+  put("text_model.final_layer_norm.bias", src["ln_final.bias"]);
+  put("text_projection.weight", src["text_projection"].t());
+  return out;
+}
+
+std::vector<NamedTensor> named_tensors(const torch::nn::Module& m, const std::string& prefix) {
+  std::vector<NamedTensor> out;
+  for (const auto& p : m.named_parameters()) out.push_back({prefix + p.key(), p.value(), {}});
+  for (const auto& b : m.named_buffers()) out.push_back({prefix + b.key(), b.value(), {}});
+  return out;
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "expected an error";
+  return "";
+}
+
+bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+}  // namespace
+
+// SD3's clip_g: OpenCLIP bigG's text tower in transformers' CLIPTextModelWithProjection
+// layout. 694,659,840 parameters, as the OpenCLIP layout without logit_scale (a
+// buffer here): the packed in_proj 3W x W + 3W equals q/k/v W x W + W each, and
+// the projection W x P is stored as P x W.
+TEST(ClipText, ClipGHfKeysAndParameterCountAreTheReleasedOnes) {
+  const ClipTextOptions o = ClipTextOptions::clip_g_hf();
+  EXPECT_EQ(o.layout(), ClipTextLayout::kHuggingFace);
+  EXPECT_EQ(o.activation(), models::ClipActivation::kGelu);
+  EXPECT_FALSE(o.logit_scale());
+  EXPECT_EQ(o.heads(), 20);
+  ClipTextModel model(ClipTextOptions(o).init(torch::kMeta));
+  const int64_t w = 1280, m = 5120, p = 1280, layers = 32;
+  const KeyShapes expected = hf_with_projection_keys(49408, 77, w, layers, m, p);
+  EXPECT_EQ(tensors_of(*model), expected);
+  const int64_t layer = 2 * 2 * w + 4 * (w * w + w) + (w * m + m) + (m * w + w);
+  const int64_t count = 49408 * w + 77 * w + layers * layer + 2 * w + p * w;
+  EXPECT_EQ(count, 694'659'840);
+  EXPECT_EQ(nn::parameter_count(*model), count);
+  EXPECT_EQ(nn::parameter_count(*ClipTextModel(ClipTextOptions::clip_g().init(torch::kMeta))), count);
+  for (const auto& t : model->parameters()) EXPECT_TRUE(t.is_meta());
+  EXPECT_EQ(model->projection_matrix().sizes(), (std::vector<int64_t>{w, p}));
+
+  // CLIP-L with its 768 x 768 projection (SD3's clip_l when the file has one):
+  // 123,060,480 + 768 * 768 = 123,650,304, one key more than CLIP-L.
+  ClipTextModel l(ClipTextOptions::clip_l().projection_dim(768).init(torch::kMeta));
+  EXPECT_EQ(tensors_of(*l), hf_with_projection_keys(49408, 77, 768, 12, 3072, 768));
+  EXPECT_EQ(nn::parameter_count(*l), 123'060'480 + 768 * 768);
+
+  const ClipTextOptions tiny = o.tiny();
+  EXPECT_EQ(tiny.layout(), ClipTextLayout::kHuggingFace);
+  EXPECT_EQ(tiny.projection_dim(), 32);
+}
+
+// The same weights in both layouts give the same outputs: the OpenCLIP micro
+// model against its conversion (openclip_to_hf above, the reference) saved as an
+// SD3.5 single file would hold clip_g, detected and loaded from there.
+TEST(ClipText, HfLayoutWithProjectionMatchesOpenClipLayout) {
+  shoestring::testing::TempDir dir;
+  torch::NoGradGuard no_grad;
+  ClipTextModel openclip = perturbed_openclip(7);
+  const ClipTextOptions o = micro_openclip();
+  std::vector<NamedTensor> tensors = openclip_to_hf(*openclip, models::kSd3ClipGPrefix, o.layers());
+  // Other tensors of the file (another encoder, the denoiser) are ignored.
+  for (auto& t : named_tensors(*ClipTextModel(micro_hf()), models::kSd3ClipLPrefix)) tensors.push_back(t);
+  tensors.push_back({"model.diffusion_model.x_embedder.proj.weight", torch::zeros({4, 4}), {}});
+  const std::string path = dir.file("sd3_single.safetensors");
+  save_safetensors(path, tensors);
+  const WeightFiles files = WeightFiles::open(path);
+
+  const models::ClipTextFileLayout layout = models::detect_clip_text_layout(files, models::kSd3ClipGPrefix);
+  EXPECT_EQ(layout.layout, ClipTextLayout::kHuggingFace);
+  EXPECT_EQ(layout.projection_dim, 24);
+  EXPECT_FALSE(layout.logit_scale);
+  ClipTextModel hf(layout.options(o));
+  EXPECT_EQ(hf->options().layout(), ClipTextLayout::kHuggingFace);
+  const LoadWeightsReport report = models::load_clip_text_weights(*hf, files, models::kSd3ClipGPrefix);
+  EXPECT_EQ(report.loaded, static_cast<int64_t>(hf->parameters().size()));  // all but position_ids
+  EXPECT_EQ(hf->text_projection.sizes(), (std::vector<int64_t>{24, 40}));  // as the file stores it
+
+  torch::manual_seed(3);
+  torch::Tensor ids = torch::randint(1, 98, {3, 77}, torch::kLong);
+  ids.index_put_({0, 10}, 99);  // EOS (the largest id) at different positions
+  ids.index_put_({1, 76}, 99);
+  ids.index_put_({2, 40}, 99);
+  double worst = 0;
+  for (int64_t skip = 1; skip <= o.layers(); ++skip) {
+    const auto a = openclip->forward(ids, skip), b = hf->forward(ids, skip);
+    const double d[] = {max_diff(a.last_hidden, b.last_hidden), max_diff(a.hidden, b.hidden),
+                        max_diff(a.hidden_normed, b.hidden_normed), max_diff(a.pooled, b.pooled),
+                        max_diff(a.pooled_unprojected, b.pooled_unprojected)};
+    for (double x : d) {
+      EXPECT_LT(x, 1e-5) << "skip " << skip;
+      worst = std::max(worst, x);
+    }
+    EXPECT_EQ(b.pooled.sizes(), (std::vector<int64_t>{3, 24}));
+  }
+  std::cout << "HF-with-projection vs OpenCLIP layout: largest difference " << worst << "\n";
+  // pooled = EOS state @ weight^T (nn.Linear), computed here from the file's tensor.
+  const auto out = hf->forward(ids);
+  const torch::Tensor eos = out.last_hidden.index({torch::arange(3), torch::tensor({10, 76, 40}, torch::kLong)});
+  EXPECT_TRUE(torch::equal(out.pooled_unprojected, eos));
+  const torch::Tensor weight = files.get(std::string(models::kSd3ClipGPrefix) + "text_projection.weight");
+  EXPECT_LT(max_diff(out.pooled, torch::linear(eos, weight)), 1e-5);
+  EXPECT_GT(out.pooled.abs().max().item<double>(), 1e-2);
+
+  // The projection follows the parameter through Module::to().
+  hf->to(torch::kFloat64);
+  EXPECT_EQ(hf->projection_matrix().scalar_type(), torch::kFloat64);
+  EXPECT_LT(max_diff(hf->forward(ids).pooled, out.pooled), 1e-5);
+}
+
+// The comparison above can fail: an untransposed square projection or swapped q/k
+// rows give other outputs.
+TEST(ClipText, LayoutConversionMistakesAreVisible) {
+  shoestring::testing::TempDir dir;
+  torch::NoGradGuard no_grad;
+  ClipTextModel openclip = perturbed_openclip(11);
+  const torch::Tensor ids = torch::randint(1, 99, {2, 77}, torch::kLong);
+  const auto expected = openclip->forward(ids);
+  auto load_variant = [&](const std::function<void(std::vector<NamedTensor>&)>& edit, int64_t projection) {
+    std::vector<NamedTensor> t = openclip_to_hf(*openclip, "", 3);
+    edit(t);
+    const std::string path = dir.file("variant.safetensors");
+    save_safetensors(path, t);
+    ClipTextModel hf(micro_openclip().layout(ClipTextLayout::kHuggingFace).logit_scale(false).projection_dim(projection));
+    models::load_clip_text_weights(*hf, WeightFiles::open(path), "");
+    return hf->forward(ids);
+  };
+  // Swapping q and k of layer 0.
+  const auto swapped = load_variant(
+      [](std::vector<NamedTensor>& t) {
+        NamedTensor *q = nullptr, *k = nullptr;
+        for (auto& x : t) {
+          if (x.name == "text_model.encoder.layers.0.self_attn.q_proj.weight") q = &x;
+          if (x.name == "text_model.encoder.layers.0.self_attn.k_proj.weight") k = &x;
+        }
+        std::swap(q->tensor, k->tensor);
+      },
+      24);
+  EXPECT_GT(max_diff(swapped.last_hidden, expected.last_hidden), 1e-3);
+  // A square projection stored without the transpose.
+  const torch::Tensor square = torch::randn({40, 40});
+  auto with_square = [&](bool transpose) {
+    return load_variant(
+        [&](std::vector<NamedTensor>& t) {
+          for (auto& x : t) {
+            if (x.name == "text_projection.weight") x.tensor = transpose ? square.t().contiguous() : square;
+          }
+        },
+        40);
+  };
+  const auto right = with_square(true), wrong = with_square(false);
+  EXPECT_LT(max_diff(right.pooled, torch::matmul(expected.pooled_unprojected, square)), 1e-4);
+  EXPECT_GT(max_diff(wrong.pooled, right.pooled), 1e-2);
+}
+
+TEST(ClipText, DetectsTheLayoutOfEachFile) {
+  shoestring::testing::TempDir dir;
+  torch::NoGradGuard no_grad;
+  struct Case {
+    std::string name;
+    ClipTextOptions options;
+    std::string prefix;
+  };
+  const std::vector<Case> cases = {
+      {"hf", micro_hf(), models::kSd15ClipPrefix},
+      {"hf_projection", micro_openclip().layout(ClipTextLayout::kHuggingFace).logit_scale(false),
+       models::kSd3ClipGPrefix},
+      {"clip_l_projection", micro_hf().projection_dim(32), models::kSd3ClipLPrefix},
+      {"openclip", micro_openclip(), models::kSdxlClipGPrefix},
+      {"openclip_bare", micro_openclip().projection_dim(0).logit_scale(false), ""},
+  };
+  for (const Case& c : cases) {
+    ClipTextModel source(c.options);
+    const std::string path = dir.file(c.name + ".safetensors");
+    std::vector<NamedTensor> t = named_tensors(*source, c.prefix);
+    if (!c.prefix.empty()) t.push_back({"first_stage_model.decoder.conv_in.weight", torch::zeros({2}), {}});
+    save_safetensors(path, t);
+    const WeightFiles files = WeightFiles::open(path);
+    const models::ClipTextFileLayout d = models::detect_clip_text_layout(files, c.prefix);
+    EXPECT_EQ(d.layout, c.options.layout()) << c.name;
+    EXPECT_EQ(d.projection_dim, c.options.projection_dim()) << c.name;
+    EXPECT_EQ(d.logit_scale, c.options.logit_scale()) << c.name;
+    EXPECT_EQ(d.vocab_size, 100) << c.name;
+    EXPECT_EQ(d.max_positions, 77) << c.name;
+    EXPECT_EQ(d.width, c.options.width()) << c.name;
+    EXPECT_EQ(d.layers, 3) << c.name;
+    EXPECT_EQ(d.mlp_width, c.options.mlp_width()) << c.name;
+    // A model built from the detected options (sizes from the preset) loads the file.
+    const ClipTextOptions base = c.options.layout() == ClipTextLayout::kHuggingFace && c.options.width() == 32
+                                     ? micro_hf()
+                                     : micro_openclip();
+    ClipTextModel target(d.options(base));
+    models::load_clip_text_weights(*target, files, c.prefix);
+    const torch::Tensor ids = torch::randint(0, 100, {2, 77}, torch::kLong);
+    EXPECT_LT(max_diff(source->forward(ids).pooled, target->forward(ids).pooled), 1e-7) << c.name;
+  }
+  // The reference files of the tests above.
+  const auto hf = models::detect_clip_text_layout(WeightFiles::open(data("clip_hf_micro.safetensors")),
+                                                  models::kSd15ClipPrefix);
+  EXPECT_EQ(hf.layout, ClipTextLayout::kHuggingFace);
+  EXPECT_EQ(hf.projection_dim, 0);
+  const auto oc = models::detect_clip_text_layout(WeightFiles::open(data("clip_openclip_micro.safetensors")),
+                                                  models::kSdxlClipGPrefix);
+  EXPECT_EQ(oc.layout, ClipTextLayout::kOpenClip);
+  EXPECT_EQ(oc.projection_dim, 24);
+}
+
+TEST(ClipText, DetectionErrorsNameTheFileAndKey) {
+  shoestring::testing::TempDir dir;
+  torch::NoGradGuard no_grad;
+  const std::string prefix = models::kSd3ClipGPrefix;
+  const std::vector<NamedTensor> good = named_tensors(
+      *ClipTextModel(micro_openclip().layout(ClipTextLayout::kHuggingFace).logit_scale(false)), prefix);
+  int n = 0;
+  // Saves `tensors` and returns the detection error (and that it names the file).
+  auto detect_error = [&](const std::vector<NamedTensor>& tensors, const std::string& under) {
+    const std::string name = "case" + std::to_string(n++) + ".safetensors";
+    save_safetensors(dir.file(name), tensors);
+    const std::string e =
+        error_of([&] { models::detect_clip_text_layout(WeightFiles::open(dir.file(name)), under); });
+    EXPECT_TRUE(contains(e, name)) << e;
+    return e;
+  };
+  auto edited = [&](const std::function<void(std::vector<NamedTensor>&)>& edit) {
+    std::vector<NamedTensor> t = good;
+    edit(t);
+    return t;
+  };
+  auto drop = [&](const std::string& key) {
+    return edited([&](std::vector<NamedTensor>& t) {
+      t.erase(std::remove_if(t.begin(), t.end(), [&](const NamedTensor& x) { return x.name == prefix + key; }),
+              t.end());
+    });
+  };
+  auto replace = [&](const std::string& key, const std::string& new_key, const torch::Tensor& value) {
+    return edited([&](std::vector<NamedTensor>& t) {
+      for (auto& x : t) {
+        if (x.name == prefix + key) x = {prefix + new_key, value, {}};
+      }
+    });
+  };
+
+  // Nothing under the prefix.
+  EXPECT_TRUE(contains(detect_error(good, models::kSd3ClipLPrefix), models::kSd3ClipLPrefix));
+  // Neither layout's keys.
+  EXPECT_TRUE(contains(detect_error(drop("text_model.embeddings.token_embedding.weight"), prefix),
+                       "text_model.embeddings.token_embedding.weight"));
+  // A key the layout needs.
+  EXPECT_TRUE(contains(detect_error(drop("text_model.embeddings.position_embedding.weight"), prefix),
+                       prefix + "text_model.embeddings.position_embedding.weight"));
+  // OpenCLIP's projection key in an HF encoder.
+  EXPECT_TRUE(contains(detect_error(replace("text_projection.weight", "text_projection", torch::zeros({40, 24})),
+                                    prefix),
+                       prefix + "text_projection"));
+  // A projection whose input is not the width (stored [W, P] instead of [P, W]).
+  EXPECT_TRUE(contains(detect_error(replace("text_projection.weight", "text_projection.weight",
+                                            torch::zeros({40, 24})),
+                                    prefix),
+                       prefix + "text_projection.weight"));
+  // A gap in the layer numbers.
+  const std::string gap = detect_error(
+      edited([&](std::vector<NamedTensor>& t) {
+        for (auto& x : t) {
+          const std::string l1 = prefix + "text_model.encoder.layers.1.";
+          if (x.name.compare(0, l1.size(), l1) == 0)
+            x.name = prefix + "text_model.encoder.layers.7." + x.name.substr(l1.size());
+        }
+      }),
+      prefix);
+  EXPECT_TRUE(contains(gap, "text_model.encoder.layers.")) << gap;
+  // Both layouts under one prefix.
+  std::vector<NamedTensor> both = good;
+  for (auto& t : named_tensors(*ClipTextModel(micro_openclip()), prefix)) both.push_back(t);
+  EXPECT_TRUE(contains(detect_error(both, prefix), "both")) << "both layouts";
+}
+
+// Loading an HF encoder with a projection into a model built otherwise names the
+// file, the key and the layout difference.
+TEST(ClipText, LoadErrorsForTheHfProjectionLayout) {
+  shoestring::testing::TempDir dir;
+  torch::NoGradGuard no_grad;
+  const ClipTextOptions with = micro_openclip().layout(ClipTextLayout::kHuggingFace).logit_scale(false);
+  const std::string path = dir.file("clip_g.safetensors");
+  save_safetensors(path, named_tensors(*ClipTextModel(with), ""));
+  const WeightFiles files = WeightFiles::open(path);
+
+  ClipTextModel without(ClipTextOptions(with).projection_dim(0));
+  std::string e = error_of([&] { models::load_clip_text_weights(*without, files, ""); });
+  EXPECT_TRUE(contains(e, "clip_g.safetensors")) << e;
+  EXPECT_TRUE(contains(e, "unexpected keys: text_projection.weight")) << e;
+  EXPECT_TRUE(contains(e, "Hugging Face layout with a 24-wide projection")) << e;
+
+  ClipTextModel wider(ClipTextOptions(with).projection_dim(40));
+  e = error_of([&] { models::load_clip_text_weights(*wider, files, ""); });
+  EXPECT_TRUE(contains(e, "text_projection.weight (file 24x40, model 40x40)")) << e;
+
+  ClipTextModel openclip(micro_openclip());
+  e = error_of([&] { models::load_clip_text_weights(*openclip, files, ""); });
+  EXPECT_TRUE(contains(e, "the model has the OpenCLIP layout")) << e;
+
+  // An HF file without the projection into a model with one: the projection is missing.
+  const std::string bare = dir.file("clip_l.safetensors");
+  save_safetensors(bare, named_tensors(*ClipTextModel(ClipTextOptions(with).projection_dim(0)), ""));
+  ClipTextModel model(with);
+  e = error_of([&] { models::load_clip_text_weights(*model, WeightFiles::open(bare), ""); });
+  EXPECT_TRUE(contains(e, "clip_l.safetensors")) << e;
+  EXPECT_TRUE(contains(e, "missing keys: text_projection.weight")) << e;
 }

@@ -3,6 +3,9 @@
 #include <cmath>
 #include <limits>
 #include <map>
+#include <set>
+
+#include <fmt/format.h>
 
 #include <torch/torch.h>
 
@@ -26,8 +29,8 @@ void check_options(const ClipTextOptions& o) {
         "projection {})",
         o.vocab_size(), o.max_positions(), o.width(), o.layers(), o.heads(), o.mlp_width(), o.projection_dim());
   if (o.width() % o.heads() != 0) fail("ClipTextOptions: heads {} do not divide width {}", o.heads(), o.width());
-  if (is_hf(o) && (o.projection_dim() > 0 || o.logit_scale()))
-    fail("ClipTextOptions: text_projection / logit_scale exist only in the OpenCLIP layout");
+  if (is_hf(o) && o.logit_scale())
+    fail("ClipTextOptions: logit_scale exists only in the OpenCLIP layout (HF CLIPTextModelWithProjection has none)");
 }
 
 }  // namespace
@@ -56,6 +59,10 @@ ClipTextOptions ClipTextOptions::clip_g() {
       .activation(ClipActivation::kGelu)
       .projection_dim(1280)
       .logit_scale(true);
+}
+
+ClipTextOptions ClipTextOptions::clip_g_hf() {
+  return clip_g().layout(ClipTextLayout::kHuggingFace).logit_scale(false);
 }
 
 ClipTextOptions ClipTextOptions::tiny(int64_t w) const {
@@ -160,6 +167,14 @@ ClipTextModelImpl::ClipTextModelImpl(const ClipTextOptions& o) : options_(o) {
     embeddings->register_buffer("position_ids", ids);
     nn::register_at(*this, "text_model.encoder.layers", layers);
     nn::register_at(*this, "text_model.final_layer_norm", final_layer_norm);
+    if (o.projection_dim() > 0) {
+      // CLIPTextModelWithProjection.text_projection = nn.Linear(width, P, bias=False): weight [P, W].
+      // Kept as the file stores it and used transposed (projection_matrix()), so both layouts share one
+      // forward; a parameter rather than an nn::Linear, since it is applied as a matrix there.
+      auto linear = register_module("text_projection", std::make_shared<torch::nn::Module>("Linear"));
+      text_projection = linear->register_parameter("weight", new_tensor(init, {o.projection_dim(), w}));
+      if (init.fills_values()) text_projection.normal_(0.0, 1.0 / std::sqrt(static_cast<double>(w)));
+    }
   } else {
     register_module("token_embedding", token_embedding);
     position_table = register_parameter("positional_embedding", new_tensor(init, {o.max_positions(), w}));
@@ -180,6 +195,13 @@ ClipTextModelImpl::ClipTextModelImpl(const ClipTextOptions& o) : options_(o) {
 }
 
 torch::Tensor ClipTextModelImpl::final_norm(const torch::Tensor& x) { return final_layer_norm(x); }
+
+torch::Tensor ClipTextModelImpl::projection_matrix() const {
+  if (!text_projection.defined()) return {};
+  // A view taken per call: a view kept as a member would keep pointing at the old storage after
+  // Module::to() (which swaps the parameter's data in place).
+  return is_hf(options_) ? text_projection.t() : text_projection;
+}
 
 ClipTextOutput ClipTextModelImpl::forward(const torch::Tensor& ids, int64_t skip, const torch::Tensor& attention_mask) {
   const ClipTextOptions& o = options_;
@@ -214,8 +236,10 @@ ClipTextOutput ClipTextModelImpl::forward(const torch::Tensor& ids, int64_t skip
   out.last_hidden = final_layer_norm(x);
   out.hidden_normed = skip == 1 ? out.last_hidden : final_layer_norm(out.hidden);
   const torch::Tensor eos = ids.argmax(-1);  // first position of the largest id (EOS)
-  out.pooled = out.last_hidden.index({torch::arange(ids.size(0), eos.options()), eos});
-  if (text_projection.defined()) out.pooled = torch::matmul(out.pooled, text_projection.to(out.pooled.scalar_type()));
+  out.pooled_unprojected = out.last_hidden.index({torch::arange(ids.size(0), eos.options()), eos});
+  out.pooled = out.pooled_unprojected;
+  if (text_projection.defined())
+    out.pooled = torch::matmul(out.pooled, projection_matrix().to(out.pooled.scalar_type()));
   return out;
 }
 
@@ -230,6 +254,115 @@ torch::Tensor clip_attention_mask(const torch::Tensor& ids, int64_t eos_id) {
   return torch::arange(ids.size(1), ids.options()).unsqueeze(0).le(first).to(torch::kLong);
 }
 
+// ---- layout detection ---------------------------------------------------------
+
+namespace {
+
+using KeyShapes = std::map<std::string, std::vector<int64_t>>;
+
+// The tensors under `prefix`, named below it.
+KeyShapes keys_under(const WeightFiles& files, const std::string& prefix) {
+  KeyShapes found;
+  for (const std::string& key : files.names()) {
+    if (key.compare(0, prefix.size(), prefix) == 0) found[key.substr(prefix.size())] = files.find(key)->shape;
+  }
+  return found;
+}
+
+const char* layout_name(ClipTextLayout layout) {
+  return layout == ClipTextLayout::kHuggingFace ? "Hugging Face" : "OpenCLIP";
+}
+
+std::string describe_layout(ClipTextLayout layout, int64_t projection_dim) {
+  return projection_dim > 0 ? fmt::format("{} layout with a {}-wide projection", layout_name(layout), projection_dim)
+                            : fmt::format("{} layout without a projection", layout_name(layout));
+}
+
+// The number of blocks `<head><i>.` (0..n-1) among the keys; fails on a gap.
+int64_t count_blocks(const KeyShapes& keys, const std::string& head, const std::string& file,
+                     const std::string& prefix) {
+  std::set<int64_t> seen;
+  for (const auto& [key, shape] : keys) {
+    if (key.compare(0, head.size(), head) != 0) continue;
+    const size_t dot = key.find('.', head.size());
+    const std::string index = key.substr(head.size(), dot == std::string::npos ? std::string::npos : dot - head.size());
+    if (index.empty() || index.find_first_not_of("0123456789") != std::string::npos || index.size() > 9)
+      fail("{}: key '{}{}' is not '{}<layer>...'", file, prefix, key, head);
+    seen.insert(std::stoll(index));
+  }
+  const int64_t n = seen.empty() ? 0 : *seen.rbegin() + 1;
+  if (static_cast<int64_t>(seen.size()) != n)
+    fail("{}: the layers '{}{}<i>.' under '{}' are not numbered 0..{} without gaps", file, prefix, head, prefix, n - 1);
+  return n;
+}
+
+}  // namespace
+
+ClipTextOptions ClipTextFileLayout::options(ClipTextOptions base) const {
+  return base.layout(layout).projection_dim(projection_dim).logit_scale(logit_scale);
+}
+
+ClipTextFileLayout detect_clip_text_layout(const WeightFiles& files, const std::string& prefix) {
+  const KeyShapes keys = keys_under(files, prefix);
+  const std::string& file = files.path();
+  if (keys.empty()) fail("{}: no tensor starts with '{}' (expected a CLIP text encoder there)", file, prefix);
+  // The shape of `key`, which must be there with `dims` dimensions.
+  auto shape_of = [&](const std::string& key, size_t dims) -> const std::vector<int64_t>& {
+    auto it = keys.find(key);
+    if (it == keys.end()) fail("{}: the CLIP text encoder under '{}' lacks '{}{}'", file, prefix, prefix, key);
+    if (it->second.size() != dims)
+      fail("{}: '{}{}' has shape {}, expected {} dimensions", file, prefix, key, format_shape(it->second), dims);
+    return it->second;
+  };
+  const bool hf = keys.count("text_model.embeddings.token_embedding.weight") > 0;
+  const bool openclip =
+      keys.count("token_embedding.weight") > 0 && keys.count("transformer.resblocks.0.attn.in_proj_weight") > 0;
+  if (hf && openclip)
+    fail("{}: under '{}' there are both Hugging Face (text_model.*) and OpenCLIP (token_embedding, "
+         "transformer.resblocks.*) CLIP keys",
+         file, prefix);
+  if (!hf && !openclip)
+    fail("{}: no CLIP text encoder under '{}': neither '{}text_model.embeddings.token_embedding.weight' (Hugging "
+         "Face) nor '{}token_embedding.weight' with '{}transformer.resblocks.0.attn.in_proj_weight' (OpenCLIP)",
+         file, prefix, prefix, prefix, prefix);
+  ClipTextFileLayout out;
+  out.layout = hf ? ClipTextLayout::kHuggingFace : ClipTextLayout::kOpenClip;
+  // (key of the projection this layout uses, key of the other layout's projection)
+  const std::string projection_key = hf ? "text_projection.weight" : "text_projection";
+  const std::string foreign_projection = hf ? "text_projection" : "text_projection.weight";
+  if (keys.count(foreign_projection))
+    fail("{}: '{}{}' is the {} projection, but the encoder under '{}' has the {} layout (expected '{}{}')", file,
+         prefix, foreign_projection, hf ? "OpenCLIP" : "Hugging Face", prefix, layout_name(out.layout), prefix,
+         projection_key);
+  if (hf) {
+    const auto& token = shape_of("text_model.embeddings.token_embedding.weight", 2);
+    out.vocab_size = token[0];
+    out.width = token[1];
+    out.max_positions = shape_of("text_model.embeddings.position_embedding.weight", 2)[0];
+    out.layers = count_blocks(keys, "text_model.encoder.layers.", file, prefix);
+    if (out.layers == 0) fail("{}: the CLIP text encoder under '{}' has no text_model.encoder.layers", file, prefix);
+    out.mlp_width = shape_of("text_model.encoder.layers.0.mlp.fc1.weight", 2)[0];
+  } else {
+    const auto& token = shape_of("token_embedding.weight", 2);
+    out.vocab_size = token[0];
+    out.width = token[1];
+    out.max_positions = shape_of("positional_embedding", 2)[0];
+    out.layers = count_blocks(keys, "transformer.resblocks.", file, prefix);
+    out.mlp_width = shape_of("transformer.resblocks.0.mlp.c_fc.weight", 2)[0];
+    out.logit_scale = keys.count("logit_scale") > 0;
+  }
+  if (keys.count(projection_key)) {
+    const auto& p = shape_of(projection_key, 2);
+    // HF nn.Linear weight [P, W]; OpenCLIP matrix [W, P].
+    const int64_t in = hf ? p[1] : p[0], projected = hf ? p[0] : p[1];
+    if (in != out.width || projected <= 0)
+      fail("{}: '{}{}' has shape {}, expected {} for width {}", file, prefix, projection_key, format_shape(p),
+           hf ? "[P, width]" : "[width, P]", out.width);
+    out.projection_dim = projected;
+  }
+  return out;
+}
+
 // ---- loading ------------------------------------------------------------------
 
 bool is_optional_clip_text_key(const std::string& key) {
@@ -238,13 +371,10 @@ bool is_optional_clip_text_key(const std::string& key) {
 
 LoadWeightsReport load_clip_text_weights(ClipTextModelImpl& model, const WeightFiles& files,
                                          const std::string& prefix) {
-  std::map<std::string, std::vector<int64_t>> expected, found;
+  KeyShapes expected;
   for (const auto& p : model.named_parameters()) expected[p.key()] = p.value().sizes().vec();
   for (const auto& b : model.named_buffers()) expected[b.key()] = b.value().sizes().vec();
-  for (const std::string& key : files.names()) {
-    if (key.compare(0, prefix.size(), prefix) != 0) continue;
-    found[key.substr(prefix.size())] = files.find(key)->shape;
-  }
+  const KeyShapes found = keys_under(files, prefix);
   KeyDiff diff = diff_keys(expected, found);
   std::vector<std::string> missing;
   for (const auto& k : diff.missing) {
@@ -253,8 +383,23 @@ LoadWeightsReport load_clip_text_weights(ClipTextModelImpl& model, const WeightF
   diff.missing = missing;
   if (found.empty())
     fail("{}: no tensor starts with '{}' (expected the CLIP text encoder there)", files.path(), prefix);
-  if (!diff.empty())
-    fail("{}: the CLIP text encoder under '{}' does not match the model: {}", files.path(), prefix, diff.describe());
+  if (!diff.empty()) {
+    // Name a layout or projection difference outright: it is the likely cause of a long key list.
+    std::string hint;
+    try {
+      const ClipTextFileLayout in_file = detect_clip_text_layout(files, prefix);
+      const ClipTextOptions& o = model.options();
+      if (in_file.layout != o.layout() || in_file.projection_dim != o.projection_dim())
+        hint = fmt::format(" (the file holds the {}, the model has the {}; build the model from "
+                           "detect_clip_text_layout()'s options)",
+                           describe_layout(in_file.layout, in_file.projection_dim),
+                           describe_layout(o.layout(), o.projection_dim()));
+    } catch (const Error&) {
+      // Not a recognisable encoder: the key list says enough.
+    }
+    fail("{}: the CLIP text encoder under '{}' does not match the model: {}{}", files.path(), prefix, diff.describe(),
+         hint);
+  }
   LoadWeightsOptions opts;
   opts.allow_partial = true;  // only optional buffers can still be absent
   opts.key_map = [&prefix](const std::string& key) {

@@ -15,6 +15,11 @@
 //   text_model.encoder.layers.<i>.layer_norm2.{weight,bias}
 //   text_model.encoder.layers.<i>.mlp.{fc1,fc2}.{weight,bias}
 //   text_model.final_layer_norm.{weight,bias}
+// and, for CLIPTextModelWithProjection (projection_dim > 0; SD3 / SD3.5's
+// text_encoders/clip_g.safetensors and clip_l.safetensors, SD3.5 single files'
+// `text_encoders.clip_g.transformer.` / `text_encoders.clip_l.transformer.`):
+//   text_projection.weight                            [projection_dim, width]  (nn.Linear without
+//                                                     bias: applied as x @ weight^T)
 //
 // OpenCLIP layout (ClipTextLayout::kOpenClip; SDXL's `conditioner.embedders.1.model.`,
 // the ViT-bigG-14 text tower; open_clip's model.py / transformer.py names):
@@ -67,6 +72,9 @@ enum class ClipActivation { kQuickGelu, kGelu };
 inline constexpr const char* kSd15ClipPrefix = "cond_stage_model.transformer.";
 inline constexpr const char* kSdxlClipLPrefix = "conditioner.embedders.0.transformer.";
 inline constexpr const char* kSdxlClipGPrefix = "conditioner.embedders.1.model.";
+/// SD3 / SD3.5 single files that include their text encoders (HF layout with projection).
+inline constexpr const char* kSd3ClipLPrefix = "text_encoders.clip_l.transformer.";
+inline constexpr const char* kSd3ClipGPrefix = "text_encoders.clip_g.transformer.";
 
 /// Hyper-parameters of ClipTextModel.
 struct ClipTextOptions {
@@ -82,11 +90,11 @@ struct ClipTextOptions {
   /// Hidden width of the MLP.
   TORCH_ARG(int64_t, mlp_width) = 3072;
   TORCH_ARG(ClipActivation, activation) = ClipActivation::kQuickGelu;
-  /// Columns of the OpenCLIP `text_projection` [width, projection_dim]; 0 = no
-  /// projection (pooled output is then the final-normed EOS state). Only the
-  /// OpenCLIP layout has one.
+  /// Output width of the text projection: OpenCLIP `text_projection`
+  /// [width, projection_dim], HF `text_projection.weight` [projection_dim,
+  /// width]; 0 = no projection (pooled output is then the final-normed EOS state).
   TORCH_ARG(int64_t, projection_dim) = 0;
-  /// Register the OpenCLIP `logit_scale` buffer (SDXL files store it).
+  /// Register the OpenCLIP `logit_scale` buffer (SDXL files store it; OpenCLIP layout only).
   TORCH_ARG(bool, logit_scale) = false;
   TORCH_ARG(double, layer_norm_eps) = 1e-5;
   /// Device/dtype of the parameters; LayerInit{torch::kMeta} allocates nothing.
@@ -101,6 +109,11 @@ struct ClipTextOptions {
   /// OpenCLIP layout, width 1280, 32 layers, 20 heads, MLP 5120, exact GELU,
   /// text_projection 1280x1280, logit_scale (open_clip model_configs/ViT-bigG-14.json).
   static ClipTextOptions clip_g();
+  /// The same bigG text tower in Hugging Face CLIPTextModelWithProjection
+  /// layout (SD3 / SD3.5 clip_g; diffusers SDXL text_encoder_2): clip_g()'s
+  /// numbers with HF names, `text_projection.weight` 1280x1280, no logit_scale
+  /// (laion/CLIP-ViT-bigG-14-laion2B-39B-b160k text_config, hidden_act "gelu").
+  static ClipTextOptions clip_g_hf();
   /// The same layout, activation, vocabulary and positions (so real token ids
   /// work) at test size: `width` (default 32), 2 layers, 4 heads, MLP 4 * width,
   /// projection width x width when the preset has one.
@@ -133,6 +146,10 @@ struct ClipTextOutput {
   /// pool_workaround takes the first <|endoftext|> instead: the same position
   /// whenever no id exceeds EOS, as with CLIP's vocabulary.
   torch::Tensor pooled;
+  /// [B, W]: the same EOS state before the projection (equals pooled without
+  /// one). SD3 conditions on CLIP-L's unprojected pooled vector (Stability's
+  /// sd3 reference SDClipModel(return_projected_pooled=False) for clip_l).
+  torch::Tensor pooled_unprojected;
 };
 
 /// One pre-LayerNorm transformer block: x + attn(ln1(x), causal), then x + mlp(ln2(x)).
@@ -157,7 +174,7 @@ TORCH_MODULE(ClipTextLayer);
 /// CLIP text transformer: token + position embeddings, `layers` causal
 /// pre-LN blocks, final LayerNorm, EOS pooling and optional projection.
 /// Throws shoestring::Error on bad options (non-positive sizes, heads not
-/// dividing width, a projection in the HF layout).
+/// dividing width, logit_scale in the HF layout).
 class ClipTextModelImpl : public torch::nn::Module {
  public:
   explicit ClipTextModelImpl(const ClipTextOptions& options);
@@ -175,6 +192,10 @@ class ClipTextModelImpl : public torch::nn::Module {
   ClipTextOutput forward(const torch::Tensor& ids, int64_t skip = 2, const torch::Tensor& attention_mask = {});
   /// final_layer_norm / ln_final: [.., W] -> [.., W].
   torch::Tensor final_norm(const torch::Tensor& x);
+  /// The projection as a [W, P] matrix (pooled = eos_state @ projection_matrix()):
+  /// text_projection itself (OpenCLIP) or a transposed view of it (HF); undefined
+  /// without a projection.
+  torch::Tensor projection_matrix() const;
   const ClipTextOptions& options() const { return options_; }
 
   nn::Embedding token_embedding{nullptr};
@@ -182,7 +203,9 @@ class ClipTextModelImpl : public torch::nn::Module {
   torch::Tensor position_table;
   torch::nn::ModuleList layers{nullptr};
   nn::LayerNorm final_layer_norm{nullptr};
-  /// [W, P] (OpenCLIP with projection_dim > 0), else undefined.
+  /// The registered projection parameter as the file stores it: OpenCLIP
+  /// `text_projection` [W, P], HF `text_projection.weight` [P, W]; undefined
+  /// when projection_dim is 0. See projection_matrix().
   torch::Tensor text_projection;
 
  private:
@@ -197,6 +220,35 @@ TORCH_MODULE(ClipTextModel);
 /// without one) are all 1. Throws shoestring::Error on a bad shape or dtype.
 torch::Tensor clip_attention_mask(const torch::Tensor& ids, int64_t eos_id = 49407);
 
+/// What detect_clip_text_layout() reads from a file's keys under a prefix.
+/// Sizes come from tensor shapes (for choosing a preset, e.g. width 768 for
+/// CLIP-L, 1280 for bigG); heads and the activation are not stored in a file.
+struct ClipTextFileLayout {
+  ClipTextLayout layout = ClipTextLayout::kHuggingFace;
+  /// P of `text_projection.weight` [P, W] (HF) / `text_projection` [W, P] (OpenCLIP); 0 = none.
+  int64_t projection_dim = 0;
+  /// The OpenCLIP `logit_scale` buffer is present.
+  bool logit_scale = false;
+  int64_t vocab_size = 0, max_positions = 0, width = 0, layers = 0, mlp_width = 0;
+
+  /// `base` (a preset such as clip_l() or clip_g(), or its tiny()) with this
+  /// layout, projection_dim and logit_scale, so that the model it builds has
+  /// the file's key set; the sizes stay the preset's, and
+  /// load_clip_text_weights() rejects a file whose shapes differ from them.
+  ClipTextOptions options(ClipTextOptions base) const;
+};
+
+/// Reads the layout of the CLIP text encoder stored under `prefix` in `files`:
+/// HF (`text_model.embeddings.token_embedding.weight`) or OpenCLIP
+/// (`token_embedding.weight` with `transformer.resblocks.0.attn.in_proj_weight`),
+/// with or without a projection (HF `text_projection.weight`, OpenCLIP
+/// `text_projection`), and the sizes. Throws shoestring::Error naming the file,
+/// the prefix and the key when no tensor lies under the prefix, neither or
+/// both layouts' keys are there, a key the layout needs is absent, or a tensor
+/// has a shape the layout does not allow (e.g. a projection whose input is not
+/// the width, or the other layout's projection key).
+ClipTextFileLayout detect_clip_text_layout(const WeightFiles& files, const std::string& prefix);
+
 /// Keys (below the prefix) that a file may lack without harm: the buffers
 /// `text_model.embeddings.position_ids` and `logit_scale` (see the file comment).
 bool is_optional_clip_text_key(const std::string& key);
@@ -208,7 +260,8 @@ bool is_optional_clip_text_key(const std::string& key);
 /// Throws shoestring::Error naming the file and the keys when any other
 /// tensor is missing, a tensor under the prefix is unknown, or a shape
 /// differs (e.g. a CLIP-L file loaded into a bigG model), or when `model`
-/// was built on the meta device.
+/// was built on the meta device; when the file's layout or projection differs
+/// from the model's, the message says so (see detect_clip_text_layout()).
 LoadWeightsReport load_clip_text_weights(ClipTextModelImpl& model, const WeightFiles& files, const std::string& prefix);
 
 }  // namespace shoestring::models
