@@ -258,3 +258,55 @@ TEST(StageC, GradientCheckpointingKeepsGradients) {
   ASSERT_EQ(plain.size(), ckpt.size());
   for (size_t i = 0; i < plain.size(); ++i) EXPECT_TRUE(torch::allclose(plain[i], ckpt[i], 1e-5, 1e-6)) << i;
 }
+
+// Activation rescaling (the fp16 fix) is the reference function: with every
+// TimestepBlock of the last up group multiplying the stream by 1/4 (three
+// TimestepBlocks, two repeats through a repeat mapper, a FeedForwardBlock
+// and a skip-fed first ResBlock), output and weight gradients equal the
+// unscaled model's, with and without checkpointed blocks (the recompute must
+// see the scales of the first run).
+TEST(StageC, ActivationRescaleKeepsTheFunction) {
+  torch::manual_seed(8);
+  StageC net(StageCOptions::tiny().up_blocks({1, 3}).up_repeat({1, 2}).level_config({"CTAF", "CTA"}));
+  {
+    torch::NoGradGuard no_grad;  // non-zero TimestepBlock mappers and output conv, and biases everywhere
+    for (auto& p : net->parameters()) p.add_(torch::randn_like(p) * 0.05);
+  }
+  torch::Tensor x = torch::randn({2, 16, 6, 6}), r = torch::rand({2});
+  torch::Tensor text = torch::randn({2, 3, 32}), pooled = torch::randn({2, 1, 32}), img = torch::randn({2, 1, 32});
+  auto run = [&](double factor, bool ckpt) {
+    net->set_activation_rescale(factor);
+    shoestring::testing::checkpoint_by_rule(*net, ckpt);
+    net->zero_grad();
+    torch::Tensor out = net->forward(x, r, text, pooled, img);
+    out.square().mean().backward();
+    std::vector<torch::Tensor> g{out.detach()};
+    for (const auto& p : net->parameters()) g.push_back(p.grad().clone());
+    return g;
+  };
+  const auto plain = run(1.0, false);
+  for (bool ckpt : {false, true}) {
+    const auto scaled = run(0.25, ckpt);
+    ASSERT_EQ(plain.size(), scaled.size());
+    EXPECT_LT((plain[0] - scaled[0]).abs().max().item<float>(), 1e-5f * plain[0].abs().max().item<float>())
+        << "checkpoint " << ckpt << ": max abs diff " << (plain[0] - scaled[0]).abs().max().item<float>();
+    for (size_t i = 1; i < plain.size(); ++i)
+      EXPECT_TRUE(torch::allclose(plain[i], scaled[i], 1e-3, 1e-6)) << "checkpoint " << ckpt << " parameter " << i;
+  }
+  // Inside the group the stream really is held smaller: a TimestepBlock
+  // given the stream at scale 1/4 returns it at 1/16 (s_out (h (1 + a) + b)).
+  {
+    torch::NoGradGuard no_grad;
+    auto& ts = *net->up_blocks->ptr<torch::nn::ModuleListImpl>(1)->ptr<models::CascadeTimestepBlockImpl>(1);
+    torch::Tensor h = torch::randn({2, 32, 3, 3}) * 100, t = torch::randn({2, 64 * 3});
+    torch::Tensor ref = ts.forward(h, t), scaled = ts.forward(h * 0.25, t, 0.25, 1.0 / 16);
+    EXPECT_TRUE(torch::allclose(scaled * 16, ref, 1e-5, 1e-4));
+    EXPECT_THROW(ts.forward(h, t, 0.0, 1.0), Error);
+  }
+  EXPECT_EQ(net->activation_rescale(), 0.25);
+  EXPECT_THROW(net->set_activation_rescale(0.0), Error);
+  EXPECT_THROW(net->set_activation_rescale(1.5), Error);
+  EXPECT_THROW(net->set_activation_rescale(std::nan("")), Error);
+  net->set_activation_rescale(1.0);
+  shoestring::testing::checkpoint_by_rule(*net, false);
+}

@@ -113,7 +113,7 @@ TEST(Registry, NamesFamiliesAndIdentifiers) {
   EXPECT_EQ(models::denoiser_architectures(),
             (std::vector<std::string>{"tiny-unet", "sd15", "sdxl", "ssd1b", "sd35m", "cascade-c", "cascade-c-lite"}));
   EXPECT_EQ(models::denoiser_architectures(/*trainable_only=*/true),
-            (std::vector<std::string>{"tiny-unet", "sd15", "sdxl", "ssd1b", "cascade-c", "cascade-c-lite"}));
+            (std::vector<std::string>{"tiny-unet", "sd15", "sdxl", "ssd1b", "sd35m", "cascade-c", "cascade-c-lite"}));
   EXPECT_EQ(models::join_names({"a", "b", "c"}), "a, b, c");
   EXPECT_EQ(models::find_architecture(models::kTinyUNet).family, Family::tiny_unet);
 

@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <map>
 #include <set>
 
 #include <torch/torch.h>
@@ -133,6 +134,54 @@ TEST(CascadeTraining, TinyTrainsSamplesAndSavesTheReleasedLayout) {
   bool prior = false;
   for (const auto& t : lf.tensors()) prior = prior || t.name.rfind("lora_prior_unet_", 0) == 0;
   EXPECT_TRUE(prior);
+}
+
+// The fp16 fix (examples/cascade_c_fp16.toml): weights that drive the last
+// up group's hidden state past fp16's range (its input ~100 from the
+// upscaler's bias, then x (1 + a) with a = 3000 in the TimestepBlock: ~3e5 >
+// 65504), as the released stage C's last group does in fp16. The fp16 recipe
+// stops on NaN losses and names the fix; with precision.activation_rescale
+// = 1/64 the same run finishes with finite losses, and the saved weights are
+// the trained ones, not rescaled copies.
+TEST(CascadeTraining, ForcedFp16OverflowFinishesWithActivationRescale) {
+  const std::string dir = temp_dir("overflow");
+  fs::create_directories(dir);
+  torch::manual_seed(12);
+  auto net = models::build_architecture("cascade-c", nn::LayerInit{}, /*tiny=*/true);
+  std::map<std::string, torch::Tensor> params;
+  for (const auto& p : net->named_parameters()) params[p.key()] = p.value();
+  {
+    torch::NoGradGuard no_grad;
+    params.at("up_upscalers.0.1.blocks.1.bias").fill_(100.0);
+    // up_blocks.1 = level 0, blocks C, T, A: the a-half (first 32 rows) of the TimestepBlock's bias.
+    params.at("up_blocks.1.1.mapper.bias").narrow(0, 0, 32).fill_(3000.0);
+  }
+  const std::string base = dir + "/overflowing.safetensors";
+  save_module(*net, base);
+
+  auto config = [&](const std::string& name, const std::string& rescale) {
+    const std::string recipe = "pretrained_model_name_or_path = \"" + base +
+                               "\"\nfull_fp16 = true\nmax_nonfinite_steps = 2\n[precision]\n" + rescale +
+                               "[[precision.rule]]\nmatch = \"*\"\nkind = \"CascadeResBlock\"\nstorage = \"fp32\"\n"
+                               "compute = \"fp32\"\ntrainable = false\ncheckpoint = true\n";
+    TrainConfig c = cascade_config(temp_dir(name), recipe);
+    c.max_train_steps = 3;
+    c.sample_prompts.clear();
+    return c;
+  };
+  const std::string plain = message_of(config("overflow_plain", ""));
+  EXPECT_NE(plain.find("non-finite"), std::string::npos) << plain;
+  EXPECT_NE(plain.find("precision.activation_rescale"), std::string::npos) << plain;
+
+  const std::string fixed_dir = train(config("overflow_fixed", "activation_rescale = 0.015625\n"), quiet()).run_dir;
+  const auto losses = run_losses(fixed_dir);
+  ASSERT_EQ(losses.size(), 3u);
+  for (double l : losses) EXPECT_TRUE(std::isfinite(l));
+  auto saved = load_safetensors(fixed_dir + "/model.safetensors");
+  EXPECT_EQ(saved.size(), params.size());
+  // Trained by a few small steps from 3000, not stored as 3000 / 64.
+  const torch::Tensor a = saved.at("up_blocks.1.1.mapper.bias").narrow(0, 0, 32).to(torch::kFloat32);
+  EXPECT_LT((a - 3000.0).abs().max().item<float>(), 10.0f);
 }
 
 // prepare() wires GDF as train_c.py does: with the draws replayed in order

@@ -18,4 +18,11 @@ namespace shoestring {
 /// characters a\x1b[31m\nb, each backslash a literal one.
 std::string printable(std::string_view s);
 
+/// Whether `s` begins with `prefix` (key prefixes of weight files).
+inline bool has_prefix(std::string_view s, std::string_view prefix) { return s.substr(0, prefix.size()) == prefix; }
+/// Whether `s` ends with `suffix`.
+inline bool has_suffix(std::string_view s, std::string_view suffix) {
+  return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
+}
+
 }  // namespace shoestring

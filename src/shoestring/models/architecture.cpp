@@ -132,7 +132,7 @@ std::vector<Architecture> make_registry() {
             [](const nn::LayerInit& i, bool tiny) -> std::shared_ptr<torch::nn::Module> {
               return MMDiT(tiny ? MMDiTOptions::tiny() : MMDiTOptions::sd35_medium(), i).ptr();
             }},
-           Family::mmdit, false, Objective::flow_matching, {16, 8, 154, 4096, 2048}),
+           Family::mmdit, true, Objective::flow_matching, {16, 8, 154, 4096, 2048}),
       // Pixel space; its caption length and width come from the run config.
       with({kTinyUNet, "shoestring TinyUNet with default options (the emoji example's model)", "unet.", 24'805'379,
             "this project's TinyUNetOptions defaults (printed by TinyUNet.DefaultsHaveTenToFortyMillionParameters)",

@@ -24,20 +24,30 @@ torch::Tensor float_if_half(const torch::Tensor& x) {
   return (x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kHalf) ? x.to(torch::kFloat32) : x;
 }
 
-// LayerNorm over channels of [B, C, H, W] without affine (StableCascade LayerNorm2d, eps 1e-6).
-torch::Tensor layer_norm_2d(const torch::Tensor& x) {
+// LayerNorm over channels of [B, C, H, W] without affine (StableCascade
+// LayerNorm2d, eps 1e-6) of a stream held at `scale` times its reference
+// value (activation rescaling): LN(s x, s^2 eps) = LN(x, eps) exactly, so the
+// rescaled model is the reference function however small s gets.
+torch::Tensor layer_norm_2d(const torch::Tensor& x, double scale = 1.0) {
   torch::Tensor xf = float_if_half(x).permute({0, 2, 3, 1});
-  return torch::layer_norm(xf, {x.size(1)}, {}, {}, 1e-6).permute({0, 3, 1, 2}).to(x.scalar_type());
+  return torch::layer_norm(xf, {x.size(1)}, {}, {}, 1e-6 * scale * scale).permute({0, 3, 1, 2}).to(x.scalar_type());
+}
+
+// s Linear(x) = W (s x) + s b for the stream scale s (activation rescaling,
+// StageCImpl::set_activation_rescale), never larger than the scaled result;
+// the plain Linear at s = 1.
+torch::Tensor scaled_output(nn::Linear& fc, const torch::Tensor& x, double s) {
+  return s == 1.0 ? fc->forward(x) : fc->forward(x * s, s);
 }
 
 // Channels-last MLP shared by ResBlock and FeedForwardBlock:
-// Linear -> GELU (erf) -> GRN -> Dropout -> Linear.
+// Linear -> GELU (erf) -> GRN -> Dropout -> Linear, its output times s.
 torch::Tensor channelwise(nn::Linear& fc1, GlobalResponseNorm& grn, nn::Linear& fc2, const torch::Tensor& x, double p,
-                          bool training) {
+                          bool training, double s) {
   torch::Tensor h = torch::gelu(fc1->forward(x));
   h = grn->forward(h);
   if (p > 0) h = torch::dropout(h, p, training);
-  return fc2->forward(h);
+  return scaled_output(fc2, h, s);
 }
 
 // Bilinear resampling with align_corners=True (UpDownBlock2d's nn.Upsample).
@@ -109,8 +119,9 @@ CascadeResBlockImpl::CascadeResBlockImpl(int64_t c, int64_t skip, int64_t k, dou
   fc2 = cw->register_module("4", nn::Linear(4 * c, c, true, init));
 }
 
-torch::Tensor CascadeResBlockImpl::forward(const torch::Tensor& x, const torch::Tensor& skip) {
-  torch::Tensor h = layer_norm_2d(depthwise->forward(x));
+torch::Tensor CascadeResBlockImpl::forward(const torch::Tensor& x, const torch::Tensor& skip, double s) {
+  // W * (s h) + s b = s conv(h): the LayerNorm2d (eps s^2 eps) sees the reference.
+  torch::Tensor h = layer_norm_2d(depthwise->forward(x, s), s);
   if (c_skip > 0) {
     if (!skip.defined() || skip.dim() != 4 || skip.size(1) != c_skip || skip.size(2) != x.size(2) ||
         skip.size(3) != x.size(3))
@@ -118,7 +129,7 @@ torch::Tensor CascadeResBlockImpl::forward(const torch::Tensor& x, const torch::
            skip.defined() ? format_shape(skip.sizes()) : std::string("none"));
     h = torch::cat({h, skip}, 1);
   }
-  h = channelwise(fc1, grn, fc2, h.permute({0, 2, 3, 1}), dropout, is_training()).permute({0, 3, 1, 2});
+  h = channelwise(fc1, grn, fc2, h.permute({0, 2, 3, 1}), dropout, is_training(), s).permute({0, 3, 1, 2});
   return h + x;
 }
 
@@ -129,9 +140,9 @@ CascadeFeedForwardBlockImpl::CascadeFeedForwardBlockImpl(int64_t c, double p, co
   fc2 = cw->register_module("4", nn::Linear(4 * c, c, true, init));
 }
 
-torch::Tensor CascadeFeedForwardBlockImpl::forward(const torch::Tensor& x) {
-  torch::Tensor h = layer_norm_2d(x).permute({0, 2, 3, 1});
-  return x + channelwise(fc1, grn, fc2, h, dropout, is_training()).permute({0, 3, 1, 2});
+torch::Tensor CascadeFeedForwardBlockImpl::forward(const torch::Tensor& x, double s) {
+  torch::Tensor h = layer_norm_2d(x, s).permute({0, 2, 3, 1});
+  return x + channelwise(fc1, grn, fc2, h, dropout, is_training(), s).permute({0, 3, 1, 2});
 }
 
 CascadeTimestepBlockImpl::CascadeTimestepBlockImpl(int64_t c, int64_t r_dim, const std::vector<std::string>& conds,
@@ -141,7 +152,10 @@ CascadeTimestepBlockImpl::CascadeTimestepBlockImpl(int64_t c, int64_t r_dim, con
     mappers.push_back(register_module("mapper_" + name, nn::Linear(r_dim, 2 * c, true, init)));
 }
 
-torch::Tensor CascadeTimestepBlockImpl::forward(const torch::Tensor& x, const torch::Tensor& t) {
+torch::Tensor CascadeTimestepBlockImpl::forward(const torch::Tensor& x, const torch::Tensor& t, double scale_in,
+                                                double scale_out) {
+  if (!(scale_in > 0) || !(scale_out > 0))
+    fail("StageC TimestepBlock: stream scales must be > 0, got {} -> {}", scale_in, scale_out);
   const int64_t n = static_cast<int64_t>(mappers.size());
   const int64_t r_dim = mappers[0]->in_features;
   if (t.dim() != 2 || t.size(1) != n * r_dim)
@@ -152,7 +166,8 @@ torch::Tensor CascadeTimestepBlockImpl::forward(const torch::Tensor& x, const to
     ab = ab.defined() ? ab + m : m;
   }
   auto parts = ab.unsqueeze(-1).unsqueeze(-1).chunk(2, 1);
-  return x * (1 + parts[0]) + parts[1];
+  if (scale_in == 1.0 && scale_out == 1.0) return x * (1 + parts[0]) + parts[1];
+  return x * ((scale_out / scale_in) * (1 + parts[0])) + scale_out * parts[1];
 }
 
 PackedMultiheadAttentionImpl::PackedMultiheadAttentionImpl(int64_t c_, int64_t h, double p, const nn::LayerInit& init)
@@ -169,7 +184,8 @@ PackedMultiheadAttentionImpl::PackedMultiheadAttentionImpl(int64_t c_, int64_t h
   }
 }
 
-torch::Tensor PackedMultiheadAttentionImpl::forward(const torch::Tensor& q_in, const torch::Tensor& kv) {
+torch::Tensor PackedMultiheadAttentionImpl::forward(const torch::Tensor& q_in, const torch::Tensor& kv,
+                                                    double out_scale) {
   const int64_t B = q_in.size(0), L = q_in.size(1), S = kv.size(1), d = c / heads;
   if (q_in.dim() != 3 || q_in.size(2) != c || kv.dim() != 3 || kv.size(0) != B || kv.size(2) != c)
     fail("StageC attention: expected q [B, L, {0}] and kv [B, S, {0}], got {1} and {2}", c, format_shape(q_in.sizes()),
@@ -188,7 +204,7 @@ torch::Tensor PackedMultiheadAttentionImpl::forward(const torch::Tensor& q_in, c
   torch::Tensor attn = torch::softmax(scores, -1, torch::kFloat32).to(q.scalar_type());
   if (dropout > 0) attn = torch::dropout(attn, dropout, is_training());
   torch::Tensor out = torch::matmul(attn, v).transpose(1, 2).reshape({B, L, c});
-  return out_proj->forward(out);
+  return scaled_output(out_proj, out, out_scale);
 }
 
 torch::Tensor PackedMultiheadAttentionImpl::packed_weight(size_t i) const {
@@ -208,12 +224,12 @@ CascadeAttnBlockImpl::CascadeAttnBlockImpl(int64_t c, int64_t cond_dim, int64_t 
   kv_mapper = container(*this, "kv_mapper")->register_module("1", nn::Linear(cond_dim, c, true, init));
 }
 
-torch::Tensor CascadeAttnBlockImpl::forward(const torch::Tensor& x, const torch::Tensor& cond) {
+torch::Tensor CascadeAttnBlockImpl::forward(const torch::Tensor& x, const torch::Tensor& cond, double s) {
   const int64_t B = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3);
   torch::Tensor kv = kv_mapper->forward(torch::silu(cond));
-  torch::Tensor q = layer_norm_2d(x).reshape({B, C, H * W}).transpose(1, 2);  // [B, HW, C]
+  torch::Tensor q = layer_norm_2d(x, s).reshape({B, C, H * W}).transpose(1, 2);  // [B, HW, C]
   if (self_attn) kv = torch::cat({q, kv}, 1);
-  torch::Tensor out = attn->forward(q, kv).transpose(1, 2).reshape({B, C, H, W});
+  torch::Tensor out = attn->forward(q, kv, s).transpose(1, 2).reshape({B, C, H, W});
   return x + out;
 }
 
@@ -384,23 +400,22 @@ torch::Tensor StageCImpl::condition_tokens(const torch::Tensor& clip_text, const
 
 torch::Tensor StageCImpl::run_level(const torch::nn::ModuleList& blocks, const torch::nn::ModuleList& repeat_mappers,
                                     torch::Tensor x, const torch::Tensor& r_embed, const torch::Tensor& cond,
-                                    const torch::Tensor& skip) {
+                                    const torch::Tensor& skip, double rescale, double* stream_scale) {
   const nn::BlockTable* table = block_table_->configured() ? block_table_.get() : nullptr;
-  // Runs block->forward(x, extra) directly or, with a configured table, per
-  // block as the precision rules say (compute dtype, checkpointing).
-  auto run = [table](auto block, const torch::Tensor& x, const torch::Tensor& extra) -> torch::Tensor {
-    if (table) {
-      std::vector<torch::Tensor> in{x};
-      if (extra.defined()) in.push_back(extra);
+  // Runs call(block, inputs) directly or, with a configured table, per block
+  // as the precision rules say (compute dtype, checkpointing). `call` holds
+  // the block's stream scales by value, so a checkpoint's recompute sees the
+  // scales of this run even where repeats run the block again.
+  auto run = [table](auto block, auto call, std::vector<torch::Tensor> in) -> torch::Tensor {
+    if (table)
       return nn::run_block(
-          table, block,
-          [block](const std::vector<torch::Tensor>& v) {
-            return std::vector<torch::Tensor>{block->forward(v[0], v.size() > 1 ? v[1] : torch::Tensor())};
-          },
+          table, block, [block, call](const std::vector<torch::Tensor>& v) { return std::vector{call(*block, v)}; },
           in)[0];
-    }
-    return block->forward(x, extra);
+    return call(*block, in);
   };
+  // The residual stream is held as `scale` times its reference value
+  // (activation rescaling: each TimestepBlock multiplies scale by `rescale`).
+  double scale = 1.0;
   const size_t repeats = repeat_mappers->size() + 1;
   for (size_t j = 0; j < repeats; ++j) {
     for (size_t b = 0; b < blocks->size(); ++b) {
@@ -409,26 +424,29 @@ torch::Tensor StageCImpl::run_level(const torch::nn::ModuleList& blocks, const t
         torch::Tensor s = (b == 0 && res->c_skip > 0) ? skip : torch::Tensor();
         if (s.defined() && (x.size(2) != s.size(2) || x.size(3) != s.size(3))) x = resize_to(x, s);
         if (res->c_skip > 0 && !s.defined()) fail("StageC: ResBlock {} of an up level needs a skip input", b);
-        x = run(res, x, s);
+        if (s.defined()) {
+          x = run(res, [scale](auto& m, const auto& v) { return m.forward(v[0], v[1], scale); }, {x, s});
+        } else {
+          x = run(res, [scale](auto& m, const auto& v) { return m.forward(v[0], torch::Tensor(), scale); }, {x});
+        }
       } else if (auto attn = std::dynamic_pointer_cast<CascadeAttnBlockImpl>(block)) {
-        x = run(attn, x, cond);
+        x = run(attn, [scale](auto& m, const auto& v) { return m.forward(v[0], v[1], scale); }, {x, cond});
       } else if (auto ts = std::dynamic_pointer_cast<CascadeTimestepBlockImpl>(block)) {
-        x = run(ts, x, r_embed);
+        const double out = scale * rescale;
+        x = run(ts, [scale, out](auto& m, const auto& v) { return m.forward(v[0], v[1], scale, out); }, {x, r_embed});
+        scale = out;
       } else {
         auto ff = std::dynamic_pointer_cast<CascadeFeedForwardBlockImpl>(block);
-        if (table) {
-          x = nn::run_block(
-              table, ff,
-              [ff](const std::vector<torch::Tensor>& v) { return std::vector<torch::Tensor>{ff->forward(v[0])}; },
-              {x})[0];
-        } else {
-          x = ff->forward(x);
-        }
+        x = run(ff, [scale](auto& m, const auto& v) { return m.forward(v[0], scale); }, {x});
       }
     }
-    if (j + 1 < repeats) x = repeat_mappers->ptr<nn::Conv2dImpl>(j)->forward(x);
+    if (j + 1 < repeats) {
+      // W * (s h) + s b = s conv(h): the repeat mapper carries the scale too.
+      x = repeat_mappers->ptr<nn::Conv2dImpl>(j)->forward(x, scale);
+    }
   }
-  return x;
+  if (stream_scale) *stream_scale = scale;
+  return x;  // `scale` times the reference: what follows is a LayerNorm2d
 }
 
 torch::Tensor StageCImpl::forward(const torch::Tensor& x, const torch::Tensor& r, const torch::Tensor& clip_text,
@@ -487,20 +505,30 @@ torch::Tensor StageCImpl::forward_impl(const torch::Tensor& x_in, const torch::T
       x = downscale_convs_[i]->forward(layer_norm_2d(x));
       if (o.switch_level()[i - 1]) x = resample(x, 0.5);
     }
-    x = run_level(down_levels_[i], down_maps_[i], x, r_embed, cond, {});
+    x = run_level(down_levels_[i], down_maps_[i], x, r_embed, cond, {}, 1.0, nullptr);
     level_outputs.insert(level_outputs.begin(), x);
   }
   x = level_outputs[0];
+  double scale = 1.0;                    // of the stream leaving the up group
   for (size_t k = 0; k < levels; ++k) {  // up_blocks.<k> is level levels-1-k
-    x = run_level(up_levels_[k], up_maps_[k], x, r_embed, cond, k > 0 ? level_outputs[k] : torch::Tensor());
+    // Only the last group is rescaled; each group's output goes through a
+    // LayerNorm2d (level transition or clf), which removes its scale.
+    x = run_level(up_levels_[k], up_maps_[k], x, r_embed, cond, k > 0 ? level_outputs[k] : torch::Tensor(),
+                  k + 1 == levels ? activation_rescale_ : 1.0, &scale);
     if (k + 1 < levels) {
-      x = layer_norm_2d(x);
+      x = layer_norm_2d(x, scale);
       if (o.switch_level()[levels - 2 - k]) x = resample(x, 2.0);
       x = upscale_convs_[k]->forward(x);
     }
   }
-  x = clf_conv->forward(layer_norm_2d(x));
+  x = clf_conv->forward(layer_norm_2d(x, scale));
   return p > 1 ? torch::pixel_shuffle(x, p) : x;
+}
+
+void StageCImpl::set_activation_rescale(double factor) {
+  if (!(factor > 0.0 && factor <= 1.0))
+    fail("StageC activation rescale: expected a factor in (0, 1] per TimestepBlock, got {}", factor);
+  activation_rescale_ = factor;
 }
 
 StageC build_cascade_c(const nn::LayerInit& init) { return StageC(StageCOptions::cascade_c(), init); }

@@ -119,11 +119,22 @@ TORCH_MODULE(GlobalResponseNorm);
 
 /// Stage C ResBlock: x + channelwise(LayerNorm2d(depthwise(x)) ++ skip),
 /// channelwise = Linear(c + c_skip, 4c) -> GELU -> GRN -> Dropout -> Linear(4c, c).
+///
+/// Activation rescaling (StageCImpl::set_activation_rescale): every block's
+/// forward takes the `stream_scale` s of its residual-stream input, x = s h
+/// for the unscaled stream h, and returns s times its unscaled output. The
+/// weights are untouched; the layers whose bias would break the scale
+/// invariance add s b instead of b (nn::LinearImpl::forward's bias_scale):
+/// the depthwise conv ahead of the LayerNorm (whose eps becomes s^2 eps) and
+/// the output Linear, whose input is scaled by s (W (s g) + s b = s Linear(g),
+/// LoRA included, as LoRA is linear without bias). s = 1 is the reference
+/// function exactly.
 class CascadeResBlockImpl : public torch::nn::Module {
  public:
   CascadeResBlockImpl(int64_t c, int64_t c_skip, int64_t kernel_size, double dropout, const nn::LayerInit& init);
-  /// x: [B, c, H, W]; skip: [B, c_skip, H, W] (required iff c_skip > 0).
-  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& skip = {});
+  /// x: [B, c, H, W]; skip: [B, c_skip, H, W] (required iff c_skip > 0);
+  /// stream_scale: see above (> 0).
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& skip = {}, double stream_scale = 1.0);
   int64_t c_skip;
   double dropout;
   nn::Conv2d depthwise{nullptr};
@@ -136,7 +147,8 @@ TORCH_MODULE(CascadeResBlock);
 class CascadeFeedForwardBlockImpl : public torch::nn::Module {
  public:
   CascadeFeedForwardBlockImpl(int64_t c, double dropout, const nn::LayerInit& init);
-  torch::Tensor forward(const torch::Tensor& x);
+  /// x: [B, c, H, W]; stream_scale as in CascadeResBlockImpl.
+  torch::Tensor forward(const torch::Tensor& x, double stream_scale = 1.0);
   double dropout;
   nn::Linear fc1{nullptr}, fc2{nullptr};
   GlobalResponseNorm grn{nullptr};
@@ -146,10 +158,19 @@ TORCH_MODULE(CascadeFeedForwardBlock);
 /// Stage C TimestepBlock: x * (1 + a) + b with (a, b) = sum over conditions i
 /// of mapper_i(t_i) split in two; t: [B, r_dim * (1 + conds)] holds the
 /// embeddings of r and of each condition back to back.
+///
+/// With activation rescaling the input is x = s_in h and the output is
+/// s_out (h (1 + a) + b) = x ((s_out / s_in)(1 + a)) + s_out b: the block
+/// is where the stream's scale changes (the block is not residual, so this
+/// is possible: KBlueLeaf's Stable-Cascade-FP16-fixed README), at run time
+/// rather than folded into the mapper weights, so training cannot undo it.
 class CascadeTimestepBlockImpl : public torch::nn::Module {
  public:
   CascadeTimestepBlockImpl(int64_t c, int64_t r_dim, const std::vector<std::string>& conds, const nn::LayerInit& init);
-  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& t);
+  /// x: [B, c, H, W]; t: [B, r_dim * (1 + conds)]; scale_in / scale_out: the
+  /// stream scales before and after the block (> 0; 1 and 1 = the reference).
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& t, double scale_in = 1.0,
+                        double scale_out = 1.0);
   std::vector<nn::Linear> mappers;  // mapper, mapper_<cond>...
 };
 TORCH_MODULE(CascadeTimestepBlock);
@@ -165,8 +186,9 @@ TORCH_MODULE(CascadeTimestepBlock);
 class PackedMultiheadAttentionImpl : public torch::nn::Module, public nn::PackedLinearHost {
  public:
   PackedMultiheadAttentionImpl(int64_t c, int64_t heads, double dropout, const nn::LayerInit& init);
-  /// q: [B, L, c]; kv: [B, S, c] -> [B, L, c].
-  torch::Tensor forward(const torch::Tensor& q, const torch::Tensor& kv);
+  /// q: [B, L, c]; kv: [B, S, c] -> [B, L, c], times out_scale (applied
+  /// ahead of out_proj with its bias corrected: activation rescaling).
+  torch::Tensor forward(const torch::Tensor& q, const torch::Tensor& kv, double out_scale = 1.0);
 
   /// {"to_q", "to_k", "to_v"}.
   std::vector<std::string> packed_names() const override { return {"to_q", "to_k", "to_v"}; }
@@ -190,8 +212,9 @@ class CascadeAttnBlockImpl : public torch::nn::Module {
  public:
   CascadeAttnBlockImpl(int64_t c, int64_t cond_dim, int64_t heads, bool self_attn, double dropout,
                        const nn::LayerInit& init);
-  /// x: [B, c, H, W]; cond: [B, S, cond_dim].
-  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cond);
+  /// x: [B, c, H, W]; cond: [B, S, cond_dim]; stream_scale as in
+  /// CascadeResBlockImpl (the attention output is scaled ahead of out_proj).
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cond, double stream_scale = 1.0);
   bool self_attn;
   PackedMultiheadAttention attn{nullptr};  // attention.attn
   nn::Linear kv_mapper{nullptr};           // kv_mapper.1
@@ -246,6 +269,23 @@ class StageCImpl : public torch::nn::Module, public Denoiser {
 
   const StageCOptions& options() const { return options_; }
 
+  /// fp16 overflow fix by activation rescaling: in the last up-block group
+  /// (`up_blocks.<levels - 1>`, level 0, the group whose hidden states
+  /// outgrow fp16 in the releases: KBlueLeaf's Stable-Cascade-FP16-fixed
+  /// README), every TimestepBlock multiplies the residual stream by `factor`
+  /// on top of its own function, so after the j-th TimestepBlock of the
+  /// group the stream is held as factor^j times its reference value; the
+  /// blocks in between carry the scale (see CascadeResBlockImpl) and the
+  /// group ends in clf's scale-invariant LayerNorm2d. Every LayerNorm2d of a
+  /// stream held at scale s uses eps s^2 1e-6, so the function is the
+  /// reference one up to rounding; a power of two (0.5, 0.25) keeps the
+  /// scaling itself exact. The multipliers live in the
+  /// model object (not in the weights or the state dict), so training and
+  /// saving never see them. 1 = off (the default).
+  /// Throws shoestring::Error unless 0 < factor <= 1.
+  void set_activation_rescale(double factor);
+  double activation_rescale() const { return activation_rescale_; }
+
   nn::Linear clip_txt_mapper{nullptr}, clip_txt_pooled_mapper{nullptr}, clip_img_mapper{nullptr};
   nn::Conv2d embedding_conv{nullptr};  // embedding.1
   nn::Conv2d clf_conv{nullptr};        // clf.1
@@ -255,13 +295,14 @@ class StageCImpl : public torch::nn::Module, public Denoiser {
  private:
   torch::Tensor run_level(const torch::nn::ModuleList& blocks, const torch::nn::ModuleList& repeat_mappers,
                           torch::Tensor x, const torch::Tensor& r_embed, const torch::Tensor& cond,
-                          const torch::Tensor& skip);
+                          const torch::Tensor& skip, double rescale, double* stream_scale);
   void reset_parameters();
   torch::Tensor forward_impl(const torch::Tensor& x, const torch::Tensor& r, const torch::Tensor& clip_text,
                              const torch::Tensor& clip_text_pooled, const torch::Tensor& clip_img,
                              const std::vector<torch::Tensor>& t_cond_values);
 
   StageCOptions options_;
+  double activation_rescale_ = 1.0;
   std::shared_ptr<nn::BlockTable> block_table_ = std::make_shared<nn::BlockTable>();
   // Per level: the 1x1 convs between levels (nullptr where there is none).
   std::vector<nn::Conv2d> downscale_convs_, upscale_convs_;

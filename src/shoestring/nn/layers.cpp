@@ -50,13 +50,14 @@ LinearImpl::LinearImpl(int64_t in, int64_t out, bool with_bias, const LayerInit&
   if (with_bias) bias = register_parameter("bias", uniform_param({out}, bound, init));
 }
 
-torch::Tensor LinearImpl::forward(const torch::Tensor& x) {
+torch::Tensor LinearImpl::forward(const torch::Tensor& x, double bias_scale) {
   if (x.dim() < 1 || x.size(-1) != in_features)
     fail("Linear: expected input [..., {}], got {}", in_features, format_shape(x.sizes()));
   torch::Tensor y;
-  if (weight_fp8) {
-    y = fp8_linear(to_compute_dtype(x), weight, *weight_fp8);
-    if (bias.defined()) y = y + to_compute_dtype(bias);
+  if (weight_fp8 || bias_scale != 1.0) {
+    y = weight_fp8 ? fp8_linear(to_compute_dtype(x), weight, *weight_fp8)
+                   : torch::linear(to_compute_dtype(x), to_compute_dtype(weight));
+    if (bias.defined()) y = y + (bias_scale == 1.0 ? to_compute_dtype(bias) : to_compute_dtype(bias) * bias_scale);
   } else {
     y = torch::linear(to_compute_dtype(x), to_compute_dtype(weight), to_compute_dtype(bias));
   }
@@ -78,13 +79,18 @@ Conv2dImpl::Conv2dImpl(int64_t in, int64_t out, int64_t k, int64_t s, int64_t p,
   if (with_bias) bias = register_parameter("bias", uniform_param({out}, bound, init));
 }
 
-torch::Tensor Conv2dImpl::forward(const torch::Tensor& x) {
+torch::Tensor Conv2dImpl::forward(const torch::Tensor& x, double bias_scale) {
   if (x.dim() != 4 || x.size(1) != in_channels)
     fail("Conv2d: expected input [B, {}, H, W], got {}", in_channels, format_shape(x.sizes()));
   torch::Tensor y;
-  if (weight_fp8) {
-    y = fp8_conv2d(to_compute_dtype(x), weight, *weight_fp8, stride, padding, groups);
-    if (bias.defined()) y = y + to_compute_dtype(bias).view({1, -1, 1, 1});
+  if (weight_fp8 || bias_scale != 1.0) {
+    y = weight_fp8 ? fp8_conv2d(to_compute_dtype(x), weight, *weight_fp8, stride, padding, groups)
+                   : torch::conv2d(to_compute_dtype(x), to_compute_dtype(weight), {}, {stride, stride},
+                                   {padding, padding}, {1, 1}, groups);
+    if (bias.defined()) {
+      torch::Tensor b = to_compute_dtype(bias);
+      y = y + (bias_scale == 1.0 ? b : b * bias_scale).view({1, -1, 1, 1});
+    }
   } else {
     y = torch::conv2d(to_compute_dtype(x), to_compute_dtype(weight), to_compute_dtype(bias), {stride, stride},
                       {padding, padding}, {1, 1}, groups);

@@ -60,7 +60,10 @@ class LinearImpl : public torch::nn::Module {
   /// the same holds for Conv2d, and Embedding returns that dtype.
   /// With weight_fp8 set, `weight` holds fp8 bytes and is decoded right
   /// before the matmul (nn/fp8_storage.h: fp8_linear).
-  torch::Tensor forward(const torch::Tensor& x);
+  /// bias_scale multiplies the bias (added after the matmul, never through a
+  /// cancellation): forward(s x, s) = s forward(x) for a stream held at
+  /// scale s (Stable Cascade's activation rescaling, models/cascade.h).
+  torch::Tensor forward(const torch::Tensor& x, double bias_scale = 1.0);
   int64_t in_features, out_features;
   torch::Tensor weight, bias;
   LayerAdapter adapter;  ///< see LayerAdapter; empty by default
@@ -78,8 +81,8 @@ class Conv2dImpl : public torch::nn::Module {
              bool bias = true, const LayerInit& init = {}, int64_t groups = 1);
   /// x: [B, in_channels, H, W] -> [B, out_channels, H', W']. With weight_fp8
   /// set, `weight` holds fp8 bytes decoded right before the convolution
-  /// (nn/fp8_storage.h: fp8_conv2d).
-  torch::Tensor forward(const torch::Tensor& x);
+  /// (nn/fp8_storage.h: fp8_conv2d). bias_scale as in LinearImpl::forward.
+  torch::Tensor forward(const torch::Tensor& x, double bias_scale = 1.0);
   int64_t in_channels, out_channels, kernel_size, stride, padding, groups;
   torch::Tensor weight, bias;
   LayerAdapter adapter;  ///< see LayerAdapter; empty by default

@@ -142,6 +142,14 @@ class CascadeTrainingModel final : public TrainingModel {
       stage_c_ = models::StageC(options_, init);
       if (base_) load_weights(*stage_c_, *base_);
     }
+    if (config.activation_rescale != 1.0) {
+      stage_c_->set_activation_rescale(config.activation_rescale);
+      if (!source.quiet)
+        spdlog::info(
+            "precision.activation_rescale = {}: each TimestepBlock of up_blocks.{} scales the hidden state by it at "
+            "run time (fp16 overflow fix; weights and saved files are unchanged)",
+            config.activation_rescale, options_.hidden().size() - 1);
+    }
   }
 
   torch::nn::Module& module() override { return *stage_c_; }

@@ -81,9 +81,12 @@ struct TrainConfig {
   double dropout = 0.0;
 
   // ---- objective ----
-  std::string timestep_sampling = "logit_normal";  ///< "logit_normal" | "uniform"
+  std::string timestep_sampling = "logit_normal";  ///< "logit_normal" | "uniform" | "mode"
   double logit_mean = 0.0;
   double logit_std = 1.0;
+  double mode_scale = 1.29;            ///< timestep_sampling = "mode" (SD3 paper's mode sampling)
+  double training_shift = 1.0;         ///< SD3: t -> s t / (1 + (s - 1) t) on training times (kohya's)
+  std::string weighting_scheme = "none";  ///< SD3 loss weight per sample: none | sigma_sqrt | cosmap
 
   // ---- optimization ----
   std::string optimizer_type = "AdamW";
@@ -116,6 +119,10 @@ struct TrainConfig {
   std::vector<precision::RuleSpec> precision_rules;
   double overflow_threshold = 0.5;    ///< precision.overflow_threshold: fraction of 65504
   bool auto_upcast = false;           ///< precision.auto_upcast: overflowing fp16 blocks -> fp32
+  /// precision.activation_rescale: Stable Cascade's fp16 fix, the factor each
+  /// TimestepBlock of the last up group multiplies the stream by (1 = off;
+  /// models::StageCImpl::set_activation_rescale).
+  double activation_rescale = 1.0;
   std::string bf16_compute = "auto";  ///< precision.bf16_compute: auto | bf16 | fp32 (precision/compute_choice.h)
   double loss_scale_init = 65536.0;   ///< precision.loss_scale_init (GradScaler init_scale)
   int64_t loss_scale_growth_interval = 2000;  ///< precision.loss_scale_growth_interval
@@ -132,6 +139,11 @@ struct TrainConfig {
   std::string effnet_checkpoint_path;      ///< stage C latent encoder (effnet_encoder.safetensors)
   std::string previewer_checkpoint_path;   ///< latent previewer for samples (previewer.safetensors)
   std::string text_model_checkpoint_path;  ///< OpenCLIP bigG (SDXL single file or open_clip layout)
+  // SD3's text encoders (kohya sd3_train.py's names; "" = from the base file, or random for model.tiny).
+  std::string clip_l;                   ///< CLIP-L (text_encoders/clip_l.safetensors)
+  std::string clip_g;                   ///< OpenCLIP bigG (text_encoders/clip_g.safetensors)
+  std::string t5xxl;                    ///< T5-XXL encoder; "" = no T5 (zero tokens)
+  int64_t t5xxl_max_token_length = 256;  ///< T5 tokens per caption (kohya's default)
   std::string
       tokenizer_dir;  ///< folder with CLIP's vocab.json + merges.txt ("" = word tokenizer built from the captions)
   bool v_parameterization = false;  ///< LDM UNets: v-prediction target instead of epsilon (kohya's name)

@@ -145,13 +145,28 @@ const std::vector<Field>& schema() {
           .with(kResumeValue | kEmojiModelOnly),
       Field{"timestep_sampling",
             &TrainConfig::timestep_sampling,
-            "flow-matching time distribution (SD3: logit_normal)",
+            "flow-matching time distribution: logit_normal (SD3's default), uniform, or mode (SD3 paper's mode "
+            "sampling with mode_scale; kohya's weighting_scheme = \"mode\")",
             -kInf,
             kInf,
-            {"logit_normal", "uniform"}}
-          .with(kEmojiModelOnly),
-      {"logit_mean", &TrainConfig::logit_mean, "logit-normal mean", -10, 10},
-      {"logit_std", &TrainConfig::logit_std, "logit-normal standard deviation", 1e-3, 10},
+            {"logit_normal", "uniform", "mode"}}
+          .with(kFlowMatchingOnly),
+      Field{"logit_mean", &TrainConfig::logit_mean, "logit-normal mean", -10, 10}.with(kFlowMatchingOnly),
+      Field{"logit_std", &TrainConfig::logit_std, "logit-normal standard deviation", 1e-3, 10}.with(kFlowMatchingOnly),
+      Field{"mode_scale", &TrainConfig::mode_scale, "timestep_sampling = \"mode\": its scale (SD3: 1.29)", -1, 2}
+          .with(kFlowMatchingOnly | kReleasedModelOnly),
+      Field{"training_shift", &TrainConfig::training_shift,
+            "SD3: shift of the training times, t -> s t / (1 + (s - 1) t) (kohya's training_shift; 1 = none)", 1e-3,
+            100}
+          .with(kFlowMatchingOnly | kReleasedModelOnly),
+      Field{"weighting_scheme",
+            &TrainConfig::weighting_scheme,
+            "SD3: per-sample loss weight (kohya / diffusers): none, sigma_sqrt (1 / t^2) or cosmap "
+            "(2 / (pi (1 - 2t + 2t^2)))",
+            -kInf,
+            kInf,
+            {"none", "sigma_sqrt", "cosmap"}}
+          .with(kFlowMatchingOnly | kReleasedModelOnly),
       Field{"optimizer_type",
             &TrainConfig::optimizer_type,
             "optimizer (kohya name)",
@@ -231,6 +246,10 @@ const std::vector<Field>& schema() {
       {"precision.overflow_threshold", &TrainConfig::overflow_threshold,
        "fp16 block outputs above this fraction of 65504 (or inf/NaN) count as overflow", 1e-6, 1},
       {"precision.auto_upcast", &TrainConfig::auto_upcast, "move fp16 blocks that overflow to fp32 compute and go on"},
+      {"precision.activation_rescale", &TrainConfig::activation_rescale,
+       "Stable Cascade's fp16 fix: each TimestepBlock of the last up-block group multiplies the hidden state by this "
+       "factor at run time (weights untouched; 0.5 or 0.25 keep it exact); 1 = off",
+       1e-30, 1},
       {"precision.bf16_compute",
        &TrainConfig::bf16_compute,
        "where rules say bf16 compute: auto = bf16 on hardware with bf16 units (AVX-512 BF16, AMX), fp32 elsewhere "
@@ -277,6 +296,21 @@ const std::vector<Field>& schema() {
             "(conditioner.embedders.1.model.*) or a file of the text tower's keys alone; \"\" = a random one "
             "(model.tiny only)"}
           .with(kResumePath | kReleasedModelOnly),
+      Field{"clip_l", &TrainConfig::clip_l,
+            "SD3: CLIP-L text encoder (text_encoders/clip_l.safetensors, Hugging Face layout; kohya's name); \"\" = "
+            "the base file's text_encoders.clip_l (or a random one, model.tiny only)"}
+          .with(kResumePath | kReleasedModelOnly),
+      Field{"clip_g", &TrainConfig::clip_g,
+            "SD3: OpenCLIP bigG text encoder (text_encoders/clip_g.safetensors; Hugging Face or OpenCLIP layout); "
+            "\"\" = the base file's text_encoders.clip_g (or a random one, model.tiny only)"}
+          .with(kResumePath | kReleasedModelOnly),
+      Field{"t5xxl", &TrainConfig::t5xxl,
+            "SD3: T5-XXL v1.1 encoder (text_encoders/t5xxl_fp16.safetensors; tokenizer_dir must hold its "
+            "spiece.model); \"\" = no T5: 77 zero tokens, as kohya and diffusers condition without it"}
+          .with(kResumePath | kReleasedModelOnly),
+      Field{"t5xxl_max_token_length", &TrainConfig::t5xxl_max_token_length,
+            "SD3: T5 tokens per caption, EOS included (kohya's default 256)", 2, 512}
+          .with(kResumeValue | kReleasedModelOnly),
       Field{"tokenizer_dir", &TrainConfig::tokenizer_dir,
             "folder holding CLIP's vocab.json and merges.txt (e.g. ComfyUI's comfy/sd1_tokenizer); \"\" = a word "
             "tokenizer built from the captions"}
@@ -574,7 +608,8 @@ std::vector<std::string> changed_keys(const TrainConfig& was, const TrainConfig&
 
 std::vector<std::string> ignored_keys(const TrainConfig& config, bool emoji_model) {
   const TrainConfig defaults;
-  const unsigned not_read = emoji_model ? kReleasedModelOnly : kEmojiModelOnly;
+  const bool flow = models::find_architecture(config.architecture).default_objective == models::Objective::flow_matching;
+  const unsigned not_read = (emoji_model ? kReleasedModelOnly : kEmojiModelOnly) | (flow ? 0u : kFlowMatchingOnly);
   std::vector<std::string> keys;
   for (const auto& f : schema()) {
     if ((f.flags & not_read) && render_value(config, f) != render_value(defaults, f)) keys.push_back(f.key);

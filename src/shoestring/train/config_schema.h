@@ -31,6 +31,8 @@ enum FieldFlag : unsigned {
   kEmojiModelOnly = 1u << 3,
   /// Only the released architectures (sd15, sdxl, ...) read the key.
   kReleasedModelOnly = 1u << 4,
+  /// Only flow-matching architectures (tiny-unet, sd35m) read the key.
+  kFlowMatchingOnly = 1u << 5,
 };
 
 /// One schema entry: key, where it lives in TrainConfig, what is allowed.

@@ -15,6 +15,7 @@
 
 #include "shoestring/core/error.h"
 #include "shoestring/core/memory_ledger.h"
+#include "shoestring/models/architecture.h"
 #include "shoestring/train/diffusion_loss.h"
 #include "shoestring/train/lr_schedule.h"
 #include "shoestring/train/report.h"
@@ -117,6 +118,14 @@ double forward_backward(Run& run, const TrainBatch& batch) {
   return loss.item<double>();
 }
 
+/// What a user can set against fp16 overflow in this run's architecture.
+std::string overflow_remedies(const TrainConfig& c) {
+  const bool cascade = models::find_architecture(c.architecture).family == models::Family::stage_c;
+  return cascade && c.activation_rescale == 1.0
+             ? "set precision.auto_upcast = true or precision.activation_rescale = 0.5 (Stable Cascade's fp16 fix)"
+             : "set precision.auto_upcast = true";
+}
+
 /// The fp16 overflow guard: names the blocks whose outputs left fp16's range
 /// during this step's forward passes and, with precision.auto_upcast, moves
 /// them to fp32 compute. Returns their descriptions (empty: none).
@@ -133,9 +142,9 @@ std::vector<std::string> check_fp16_overflow(Run& run, int64_t step) {
                  fmt::join(overflowed, ", "));
   } else {
     spdlog::warn(
-        "step {}: fp16 overflow (beyond {} x 65504 or inf/NaN) first in {}; set "
-        "precision.auto_upcast = true, or add a rule with compute = \"fp32\" for these blocks",
-        step, run.config.overflow_threshold, fmt::join(overflowed, ", "));
+        "step {}: fp16 overflow (beyond {} x 65504 or inf/NaN) first in {}; {}, or add a rule with compute = "
+        "\"fp32\" for these blocks",
+        step, run.config.overflow_threshold, fmt::join(overflowed, ", "), overflow_remedies(run.config));
   }
   return overflowed;
 }
@@ -167,7 +176,7 @@ void count_nonfinite(Run& run, int64_t step, double loss, const GradientStepResu
         step, n.consecutive_nonfinite, run.config.max_nonfinite_steps,
         overflowed.empty()
             ? std::string()
-            : fmt::format("; fp16 overflowed in {} (set precision.auto_upcast = true)", fmt::join(overflowed, ", ")));
+            : fmt::format("; fp16 overflowed in {} ({})", fmt::join(overflowed, ", "), overflow_remedies(run.config)));
   }
 }
 

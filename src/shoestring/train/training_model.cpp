@@ -96,7 +96,7 @@ void check_training_config(const TrainConfig& config) {
                                 : "h");
       }
     }
-  } else if (a.family == models::Family::stage_c) {
+  } else if (a.family == models::Family::stage_c || a.family == models::Family::mmdit) {
     const char* ldm_only = config.v_parameterization                      ? "v_parameterization"
                            : config.min_snr_gamma > 0                     ? "min_snr_gamma"
                            : config.debiased_estimation_loss              ? "debiased_estimation_loss"
@@ -104,16 +104,24 @@ void check_training_config(const TrainConfig& config) {
                                                                           : nullptr;
     if (ldm_only)
       fail(
-          "{}: model.architecture = \"{}\" trains on GDF's epsilon objective with the P2 loss weight "
-          "(train/gdf.h); that key follows the DDPM timesteps of the LDM UNets{}",
+          "{}: model.architecture = \"{}\" trains on {}; that key follows the DDPM timesteps of the LDM UNets{}",
           ldm_only, config.architecture,
+          a.family == models::Family::mmdit
+              ? "rectified flow (train/flow_matching.h; weighting_scheme sets the loss weight)"
+              : "GDF's epsilon objective with the P2 loss weight (train/gdf.h)",
           std::string(ldm_only) == "huber_schedule" ? "; use huber_schedule = \"constant\"" : "");
   } else if (!a.trainable_from_config) {
     fail(
-        "model.architecture = \"{}\": training it from a config is not supported yet (its latent encoder — the "
-        "SD3 16-channel VAE — and text encoders are not in shoestring); "
-        "supported: {}. `shoestring plan`, `inspect --arch` and bench/model_step do cover it",
+        "model.architecture = \"{}\": training it from a config is not supported; supported: {}. `shoestring "
+        "plan`, `inspect --arch` and bench/model_step do cover it",
         config.architecture, models::join_names(models::denoiser_architectures(/*trainable_only=*/true)));
+  }
+  if (a.family != models::Family::stage_c && config.activation_rescale != 1.0) {
+    fail(
+        "precision.activation_rescale = {}: it rescales Stable Cascade stage C's TimestepBlocks (the fp16 fix for "
+        "model.architecture = \"cascade-c\" / \"cascade-c-lite\"); \"{}\" has none: remove it, or use "
+        "precision.auto_upcast for fp16 overflow",
+        config.activation_rescale, config.architecture);
   }
   warn_ignored_keys(config);
 }
@@ -121,13 +129,18 @@ void check_training_config(const TrainConfig& config) {
 void check_training_datasets(const TrainConfig& config, const std::vector<DatasetSpec>& specs) {
   const models::Architecture& a = models::find_architecture(config.architecture);
   // tiny-unet refuses kohya datasets in check_training_config.
-  if (a.family != models::Family::ldm_unet && a.family != models::Family::stage_c) return;
+  if (a.family != models::Family::ldm_unet && a.family != models::Family::stage_c &&
+      a.family != models::Family::mmdit)
+    return;
   int64_t multiple = 0;
   std::string why;
   if (a.family == models::Family::ldm_unet) {
     const models::LdmUNetOptions unet = models::ldm_unet_options(config.architecture, config.tiny);
     multiple = 8 * (int64_t{1} << (static_cast<int64_t>(unet.channel_mult().size()) - 1));
     why = "VAE factor 8 x its UNet downsamplings";
+  } else if (a.family == models::Family::mmdit) {
+    multiple = 16;
+    why = "the SD3 VAE's factor 8 x the MMDiT's patch size 2";
   } else {
     multiple = cascade_pixel_multiple(models::stage_c_options(config.architecture, config.tiny));
     why = "EfficientNet's factor 32 x stage C's downscales";
@@ -168,6 +181,7 @@ std::unique_ptr<TrainingModel> make_training_model(const TrainConfig& config, co
     case models::Family::tiny_unet: return make_tiny_unet_training_model(config, dataset, source);
     case models::Family::ldm_unet: return make_ldm_training_model(config, dataset, source);
     case models::Family::stage_c: return make_cascade_training_model(config, dataset, source);
+    case models::Family::mmdit: return make_sd3_training_model(config, dataset, source);
     default: break;
   }
   check_training_config(config);  // throws: not trainable from a config

@@ -25,6 +25,8 @@ std::unique_ptr<TrainingModel> make_cascade_training_model(const TrainConfig& co
                                                            const ImageCaptionDataset& dataset,
                                                            const ModelSource& source);
 
+std::unique_ptr<TrainingModel> make_sd3_training_model(const TrainConfig& config, const ImageCaptionDataset& dataset,
+                                                       const ModelSource& source);
 /// The dtype a family builds its trained module in before loading the base
 /// file: `storage` (full_bf16 / full_fp16's), or fp32 when a precision rule
 /// keeps some weights in fp32 (e.g. the fp16 recipe's frozen ResBlocks), so

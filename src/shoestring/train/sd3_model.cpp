@@ -1,0 +1,558 @@
+// Stable Diffusion 3.5 Medium (sd35m) as a TrainingModel, the way kohya's
+// sd3_train.py, diffusers' train_dreambooth_sd3.py and OneTrainer train it:
+//  - images -> the SD3 VAE's 16-channel latents, (z - 0.0609) * 1.5305
+//    (models/vae.h VaeOptions::sd3), captions -> CLIP-L and OpenCLIP bigG
+//    penultimate states (no final LayerNorm) side by side, zero-padded to the
+//    MMDiT's context width, followed by T5-XXL's last states (or, without a
+//    T5 file, 77 zero tokens, as kohya and diffusers condition without T5);
+//    the pooled vector is CLIP-L's unprojected EOS state beside bigG's
+//    projected one (Stability's sd3.5 sd3_infer.py / other_impls.py). All of
+//    it is encoded once before training into host memory; the encoders are
+//    then freed;
+//  - the objective is rectified flow (train/flow_matching.h): x_t = (1 - t)
+//    x0 + t eps, velocity target eps - x0 (OneTrainer's; kohya and diffusers
+//    precondition to x0, which only reweights by t^2), times drawn by
+//    timestep_sampling (logit_normal / uniform / mode) with an optional
+//    training_shift, per-sample loss weight by weighting_scheme;
+//  - samples: Euler on SD3's shifted sigma schedule (shift 3, the SD3.5
+//    release's scheduler) with classifier-free guidance, decoded by the VAE;
+//  - the trained MMDiT is saved under model.diffusion_model. together with
+//    the base file's other tensors (VAE, text encoders), a single file that
+//    loads where sd3.5_medium.safetensors does.
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <spdlog/spdlog.h>
+#include <torch/torch.h>
+
+#include "shoestring/core/error.h"
+#include "shoestring/core/memory_ledger.h"
+#include "shoestring/core/text.h"
+#include "shoestring/core/units.h"
+#include "shoestring/data/dataset.h"
+#include "shoestring/data/t5_tokenizer.h"
+#include "shoestring/io/weight_files.h"
+#include "shoestring/models/architecture.h"
+#include "shoestring/models/clip_text.h"
+#include "shoestring/models/mmdit.h"
+#include "shoestring/models/t5_encoder.h"
+#include "shoestring/models/vae.h"
+#include "shoestring/train/checkpoint_io.h"
+#include "shoestring/train/config.h"
+#include "shoestring/train/diffusion_loss.h"
+#include "shoestring/train/flow_matching.h"
+#include "shoestring/train/ldm_components.h"
+#include "shoestring/train/sampling.h"
+#include "shoestring/train/training_model_impl.h"
+
+namespace shoestring {
+namespace {
+
+constexpr const char* kMMDiTPrefix = "model.diffusion_model.";
+constexpr const char* kVaePrefix = "first_stage_model.";
+// The SD3.5 release's scheduler_config.json shift; Stability's sd3_infer.py default for sd3.5_medium.
+constexpr double kSampleShift = 3.0;
+// CLIP token count; T5 states without a T5 file are this many zero tokens.
+constexpr int64_t kClipTokens = 77;
+
+/// [N, L, W] zero-padded on the feature axis to `width` (W <= width).
+at::Tensor pad_features(const at::Tensor& x, int64_t width) {
+  if (x.size(2) > width) fail("internal: text features {} wider than the context {}", x.size(2), width);
+  return x.size(2) == width ? x : torch::constant_pad_nd(x, {0, width - x.size(2)});
+}
+
+class Sd3TrainingModel final : public TrainingModel {
+ public:
+  Sd3TrainingModel(const TrainConfig& config, const ImageCaptionDataset& dataset, const ModelSource& source)
+      : config_(config), dataset_(dataset), device_(source.device) {
+    const std::string& arch = config.architecture;
+    storage_ = config.full_bf16 ? torch::kBFloat16 : config.full_fp16 ? torch::kHalf : torch::kFloat32;
+    cache_dtype_ = storage_ == torch::kHalf ? torch::kFloat32 : storage_;
+    if (config.cache_latents_to_disk || config.cache_text_encoder_outputs_to_disk || source.encode_only) {
+      fail(
+          "{}: model.architecture = \"{}\" keeps its latents and text embeddings in memory; disk caches are not "
+          "implemented for SD3 yet: remove it",
+          config.cache_latents_to_disk                ? "cache_latents_to_disk"
+          : config.cache_text_encoder_outputs_to_disk ? "cache_text_encoder_outputs_to_disk"
+                                                      : "shoestring cache",
+          arch);
+    }
+    if (!source.pretrained.empty()) base_.emplace(open_file("pretrained_model_name_or_path", source.pretrained));
+    if (!config.tiny && !base_) {
+      fail(
+          "model.architecture = \"{}\" needs pretrained_model_name_or_path (sd3.5_medium.safetensors); only "
+          "model.tiny = true trains from random init",
+          arch);
+    }
+    options_ = config.tiny ? models::MMDiTOptions::tiny() : models::MMDiTOptions::sd35_medium();
+    sample_size_ =
+        dataset.bucketed() ? dataset.dataset_resolution(0) : BucketReso{config.resolution, config.resolution};
+    for (int64_t i = 0; i < dataset.size() && dataset.bucketed(); ++i) has_flip_ = has_flip_ || dataset.flip_aug(i);
+    check_size(sample_size_.height, sample_size_.width, "resolution");
+    for (const DatasetBucket& b : dataset.buckets()) check_size(b.reso.height, b.reso.width, "bucket");
+    for (size_t i = 0; i < config.sample_prompts.size(); ++i) {
+      const SamplePrompt p = parse_sample_prompt(config.sample_prompts[i], fmt::format("sample_prompts[{}]", i));
+      check_size(p.height > 0 ? p.height : sample_size_.height, p.width > 0 ? p.width : sample_size_.width,
+                 fmt::format("sample_prompts[{}] (--w / --h)", i));
+    }
+    // Everything that can be refused from file headers, before the encoders run.
+    {
+      auto meta = build_root(nn::LayerInit{torch::TensorOptions().dtype(storage_).device(torch::kMeta)});
+      if (base_) check_mmdit_file(*meta);
+      if (source.check_module) source.check_module(*meta, lora_components(true));
+    }
+    vae_files_ = vae_source();
+    clip_l_files_ = text_file("clip_l", config.clip_l, models::kSd3ClipLPrefix);
+    clip_g_files_ = text_file("clip_g", config.clip_g, models::kSd3ClipGPrefix);
+    if (!config.t5xxl.empty()) t5_files_ = open_file("t5xxl", config.t5xxl);
+
+    tokenizer_ = build_text_tokenizer(config.tokenizer_dir, config.tiny, dataset.captions(), config.sample_prompts,
+                                      "SD3's CLIP-L and bigG");
+    if (t5_files_) {
+      if (config.tokenizer_dir.empty())
+        fail("t5xxl is set but tokenizer_dir is not: T5's SentencePiece model is read from tokenizer_dir/spiece.model");
+      const std::string spiece = (std::filesystem::path(expand_path(config.tokenizer_dir)) / "spiece.model").string();
+      if (!std::filesystem::exists(spiece))
+        fail(
+            "t5xxl is set but {} does not exist: put T5's SentencePiece model (spiece.model of google/t5-v1_1-xxl) "
+            "in tokenizer_dir beside CLIP's vocab.json and merges.txt",
+            spiece);
+      t5_tokenizer_.emplace(T5Tokenizer::load(spiece));
+    }
+    encode_captions();
+    encode_images();
+    if (!source.quiet) {
+      int64_t bytes = context_.nbytes() + pooled_.nbytes() + (sample_context_.defined() ? sample_context_.nbytes() : 0);
+      std::vector<std::string> shapes;
+      for (size_t b = 0; b < latents_.size(); ++b) {
+        bytes += latents_[b].nbytes() + (flipped_.empty() ? 0 : flipped_[b].nbytes());
+        shapes.push_back(fmt::format("{} x {}", latents_[b].size(0), format_shape(latents_[b].sizes().slice(1))));
+      }
+      spdlog::info(
+          "cached SD3 VAE latents {}{} and text conditioning {} (CLIP-L + bigG{}) for {} captions + the empty one "
+          "(caption dropout) ({}); encoders freed",
+          fmt::join(shapes, ", "), flipped_.empty() ? "" : " (and their mirror images, flip_aug)",
+          format_shape(context_.sizes().slice(1)), t5_files_ ? " + T5-XXL" : ", T5 as zeros", context_.size(0) - 1,
+          format_bytes(bytes));
+    }
+    {
+      ScopedMemoryCategory category(MemoryCategory::weights);
+      nn::LayerInit init{torch::TensorOptions().dtype(build_dtype(config, storage_))};
+      init.initialize = !base_;
+      root_ = build_root(init);
+      if (base_) {
+        LoadWeightsOptions lo;
+        lo.key_map = [](const std::string& key) -> std::string {
+          return has_prefix(key, kMMDiTPrefix) ? key : std::string();
+        };
+        load_weights(*root_, *base_, lo);
+      }
+    }
+  }
+
+  torch::nn::Module& module() override { return *root_; }
+  std::vector<nn::BlockTable*> block_tables() override { return {mmdit_->block_table()}; }
+  std::vector<nn::LoraComponent> lora_components(bool) const override {
+    // kohya's sd3 LoRA prefix for the MMDiT (networks/lora_sd3.py); text embeddings are cached.
+    return {{"lora_unet", kMMDiTPrefix}};
+  }
+
+  TrainBatch prepare(const std::vector<int64_t>& idx) override {
+    const auto b = static_cast<int64_t>(idx.size());
+    if (b == 0) fail("internal: empty batch");
+    const int64_t bucket = dataset_.bucketed() ? dataset_.bucket_of(idx.front()) : 0;
+    std::vector<int64_t> latent_rows;
+    for (const int64_t i : idx) {
+      if (dataset_.bucketed() && dataset_.bucket_of(i) != bucket)
+        fail("internal: images {} and {} of one batch are in different buckets", idx.front(), i);
+      latent_rows.push_back(latent_row_[static_cast<size_t>(i)]);
+    }
+    const at::Tensor lrows = torch::tensor(latent_rows, torch::kInt64);
+    at::Tensor x0 = latents_[static_cast<size_t>(bucket)].index_select(0, lrows).to(torch::kFloat32);
+    if (has_flip_) {
+      const at::Tensor mirror = flipped_[static_cast<size_t>(bucket)].index_select(0, lrows).to(torch::kFloat32);
+      const at::Tensor draw = torch::rand({b});
+      for (int64_t i = 0; i < b; ++i) {
+        if (dataset_.flip_aug(idx[static_cast<size_t>(i)]) && draw[i].item<double>() < 0.5) x0[i] = mirror[i];
+      }
+    }
+    // Caption dropout: the empty caption's conditioning (the last row).
+    at::Tensor rows = caption_row_.index_select(0, torch::tensor(idx, torch::kInt64)).clone();
+    const at::Tensor drop = torch::rand({b});
+    for (int64_t i = 0; i < b; ++i) {
+      const int64_t image = idx[static_cast<size_t>(i)];
+      const double rate = dataset_.bucketed() ? dataset_.caption_dropout_rate(image) : config_.caption_dropout_rate;
+      if (drop[i].item<double>() < rate) rows[i] = caption_rows_ - 1;
+    }
+    at::Tensor eps = torch::randn_like(x0);
+    if (config_.noise_offset > 0) eps = apply_noise_offset(eps, x0, config_.noise_offset, config_.adaptive_noise_scale);
+    if (config_.multires_noise_iterations > 0)
+      eps = pyramid_noise(eps, config_.multires_noise_iterations, config_.multires_noise_discount);
+    const at::Tensor t = sample_flow_times(b, config_.timestep_sampling, config_.logit_mean, config_.logit_std,
+                                           config_.mode_scale, config_.training_shift);
+    TrainBatch batch;
+    batch.inputs = {flow_interpolate(x0, eps, t), t, context_.index_select(0, rows), pooled_.index_select(0, rows)};
+    batch.target = flow_target(x0, eps);
+    if (config_.weighting_scheme != "none") batch.loss_weight = flow_loss_weight(t, config_.weighting_scheme);
+    return batch;
+  }
+
+  at::Tensor forward(const TrainBatch& b) override {
+    const auto dtype = nn::value_dtype(mmdit_->context_embedder->weight);
+    return mmdit_->forward(b.inputs[0].to(dtype), b.inputs[1], b.inputs[2].to(dtype), b.inputs[3].to(dtype));
+  }
+
+  at::Tensor sample(const SampleRequest& request) override;
+
+  std::map<std::string, std::string> metadata(int64_t step) const override {
+    std::map<std::string, std::string> meta = {
+        {"format", "shoestring"},
+        {"architecture", config_.architecture},
+        {"tiny", config_.tiny ? "true" : "false"},
+        {"layout", "sd3-single-file"},
+        {"step", std::to_string(step)},
+        {"config_hash", config_hash(config_)},
+        {"objective", "flow_matching_velocity"},
+        {"dtype", config_.full_bf16   ? "bf16"
+                  : config_.full_fp16 ? "fp16"
+                                      : "fp32"},
+        {"title", fmt::format("{} step {}", std::filesystem::path(config_.output_dir).filename().string(), step)}};
+    if (tokenizer_.words) meta["tokenizer"] = tokenizer_.words->to_json().dump();
+    return meta;
+  }
+
+  void save_final(const std::string& path, int64_t step, bool storage_dtype) override {
+    // The trained MMDiT plus the base file's other tensors (VAE, text encoders)
+    // as they are, or, without a base file (tiny), the VAE in use.
+    std::vector<std::pair<std::string, at::Tensor>> tensors = module_tensors(*root_);
+    if (base_) {
+      for (const auto& n : base_->names())
+        if (!has_prefix(n, kMMDiTPrefix)) tensors.emplace_back(n, base_->get_values(n));
+    } else {
+      models::AutoencoderKL vae = build_vae();
+      for (const auto& [n, t] : module_tensors(*vae)) tensors.emplace_back(kVaePrefix + n, t);
+    }
+    TrainConfig c = config_;
+    if (storage_dtype) c.save_precision = "auto";
+    save_module_tensors(path, tensors, metadata(step), c);
+  }
+  bool base_reloadable() const override { return base_.has_value(); }
+
+ private:
+  std::shared_ptr<torch::nn::Module> build_root(const nn::LayerInit& init) {
+    auto root = std::make_shared<torch::nn::Module>("CheckpointRoot");
+    models::MMDiT m(options_, init);
+    std::string path = kMMDiTPrefix;
+    path.pop_back();
+    nn::register_at(*root, path, m.ptr());
+    if (init.options.device() != torch::kMeta) mmdit_ = m;
+    return root;
+  }
+
+  // The base file must hold the MMDiT under model.diffusion_model. (pos_embed included, as the release has it).
+  void check_mmdit_file(torch::nn::Module& meta) const {
+    std::map<std::string, std::vector<int64_t>> expected, found;
+    for (const auto& p : meta.named_parameters()) expected[p.key()] = p.value().sizes().vec();
+    for (const auto& b : meta.named_buffers()) expected[b.key()] = b.value().sizes().vec();
+    for (const auto& n : base_->names())
+      if (has_prefix(n, kMMDiTPrefix)) found[n] = base_->find(n)->shape;
+    const KeyDiff diff = diff_keys(expected, found);
+    if (diff.empty()) return;
+    fail("pretrained_model_name_or_path {}: expected the {}{} MMDiT under '{}' (an SD3.5 Medium single file); {}",
+         base_->path(), config_.architecture, config_.tiny ? " (tiny)" : "", kMMDiTPrefix, diff.describe());
+  }
+
+  static WeightFiles open_file(const std::string& key, const std::string& value) {
+    const std::string path = expand_path(value);
+    try {
+      return WeightFiles::open(path);
+    } catch (const Error& e) {
+      fail("{} = \"{}\": {}", key, value, e.what());
+    }
+  }
+
+  // Image sides: the VAE's 8 times the MMDiT's patch size.
+  void check_size(int64_t height, int64_t width, const std::string& what) const {
+    const int64_t multiple = 8 * options_.patch_size();
+    if (height % multiple != 0 || width % multiple != 0) {
+      fail("{} {} x {} px: {} needs multiples of {} pixels (the VAE's factor 8 x the MMDiT's patch size {})", what,
+           width, height, config_.architecture, multiple, options_.patch_size());
+    }
+  }
+
+  // The VAE's file: vae (a file of the VAE alone or under first_stage_model.), else the base file.
+  std::optional<WeightFiles> vae_source() const {
+    if (!config_.vae.empty()) return open_file("vae", config_.vae);
+    if (base_) {
+      for (const auto& n : base_->names())
+        if (has_prefix(n, kVaePrefix)) return open_file("pretrained_model_name_or_path", base_->path());
+      fail("pretrained_model_name_or_path {}: holds no VAE (no '{}*' keys); set vae to the SD3 VAE's file",
+           base_->path(), kVaePrefix);
+    }
+    return std::nullopt;
+  }
+
+  models::AutoencoderKL build_vae() const {
+    models::VaeOptions o = models::VaeOptions::sd3();
+    if (config_.tiny) o = o.tiny();
+    return build_vae_from(o, vae_files_ ? &*vae_files_ : nullptr, /*bare_keys_allowed=*/!config_.vae.empty(),
+                          static_cast<uint64_t>(config_.seed));
+  }
+
+  // A text encoder's file: its own key's file, else the base file when it
+  // holds the encoder under `prefix` (SD3 files "incl_clips"); none for tiny.
+  std::optional<WeightFiles> text_file(const char* key, const std::string& value, const char* prefix) const {
+    if (!value.empty()) return open_file(key, value);
+    if (base_) {
+      for (const auto& n : base_->names())
+        if (has_prefix(n, prefix)) return open_file("pretrained_model_name_or_path", base_->path());
+    }
+    if (!config_.tiny)
+      fail(
+          "model.architecture = \"{}\" needs {} (text_encoders/{}.safetensors of the SD3.5 release), or a base file "
+          "that holds it under '{}'",
+          config_.architecture, key, key, prefix);
+    return std::nullopt;
+  }
+
+  // CLIP-L (`g` false) or bigG from its file (HF layout, as the SD3.5 release
+  // ships them, or OpenCLIP's), or random for tiny runs.
+  models::ClipTextModel build_clip(bool g) const {
+    const std::optional<WeightFiles>& files = g ? clip_g_files_ : clip_l_files_;
+    const char* key = g ? "clip_g" : "clip_l";
+    if (!files) {
+      models::ClipTextOptions o =
+          g ? models::ClipTextOptions::clip_g().tiny(32) : models::ClipTextOptions::clip_l().tiny(32);
+      return with_seed(static_cast<uint64_t>(config_.seed) + (g ? 102 : 101), [&] { return models::ClipTextModel(o); });
+    }
+    // Where the encoder is: the SD3 file prefix, a file of the encoder alone,
+    // or (bigG) an SDXL single file's embedder 1; in whichever layout it is.
+    std::vector<std::string> prefixes{g ? models::kSd3ClipGPrefix : models::kSd3ClipLPrefix, ""};
+    if (g) prefixes.emplace_back(models::kSdxlClipGPrefix);
+    std::optional<models::ClipTextFileLayout> layout;
+    std::string prefix, why;
+    for (const std::string& p : prefixes) {
+      try {
+        layout = models::detect_clip_text_layout(*files, p);
+        prefix = p;
+        break;
+      } catch (const Error& e) {
+        if (why.empty()) why = e.what();
+      }
+    }
+    if (!layout) fail("{}: no {} text encoder found: {}", key, g ? "OpenCLIP bigG" : "CLIP-L", why);
+    models::ClipTextOptions o =
+        layout->options(g ? models::ClipTextOptions::clip_g() : models::ClipTextOptions::clip_l());
+    nn::LayerInit init;
+    init.initialize = false;
+    models::ClipTextModel te(o.init(init));
+    try {
+      models::load_clip_text_weights(*te, *files, prefix);
+    } catch (const Error& e) {
+      fail("{}: expected {} in Hugging Face or OpenCLIP layout: {}", key, g ? "OpenCLIP bigG" : "CLIP ViT-L/14",
+           e.what());
+    }
+    return te;
+  }
+
+  // [N, 77 + T, context] and [N, pooled] of `captions` (cache dtype, host memory).
+  std::pair<at::Tensor, at::Tensor> encode_text(models::ClipTextModel& clip_l, models::ClipTextModel& clip_g,
+                                                models::T5Encoder* t5, const std::vector<std::string>& captions) {
+    torch::NoGradGuard no_grad;
+    // CLIP-L pads with <|endoftext|>, bigG with 0 (Stability's SDXLClipGTokenizer pad_with_end=False).
+    const at::Tensor ids_l = tokenizer_.encode(captions, ClipPadding::kEndOfText).to(device_);
+    const at::Tensor ids_g = tokenizer_.encode(captions, ClipPadding::kZero).to(device_);
+    const models::ClipTextOutput l = clip_l->forward(ids_l, /*skip=*/2);
+    const models::ClipTextOutput g = clip_g->forward(ids_g, /*skip=*/2);
+    const int64_t width = options_.context_dim();
+    at::Tensor lg = pad_features(torch::cat({l.hidden, g.hidden}, 2), width);
+    at::Tensor t5_states;
+    if (t5) {
+      const T5Tokens tokens = t5_tokenizer_->tokenize(captions, config_.t5xxl_max_token_length);
+      t5_states = pad_features((*t5)->forward(tokens.ids.to(device_)).to(torch::kFloat32), width);
+    } else {
+      t5_states = torch::zeros({lg.size(0), kClipTokens, width}, lg.options());
+    }
+    const at::Tensor context = torch::cat({lg.to(torch::kFloat32), t5_states.to(torch::kFloat32)}, 1);
+    const at::Tensor pooled = torch::cat({l.pooled_unprojected, g.pooled}, 1);
+    if (pooled.size(1) != options_.adm_in_channels())
+      fail("internal: pooled text {} wide, the MMDiT takes {}", pooled.size(1), options_.adm_in_channels());
+    return {context.to(at::kCPU, cache_dtype_), pooled.to(at::kCPU, cache_dtype_)};
+  }
+
+  void encode_captions() {
+    ScopedMemoryCategory category(MemoryCategory::other);
+    models::ClipTextModel clip_l = build_clip(false), clip_g = build_clip(true);
+    for (auto* te : {&clip_l, &clip_g}) {
+      (*te)->eval();
+      (*te)->to(device_);
+      if (tokenizer_.clip && tokenizer_.clip->vocab_size() > (*te)->options().vocab_size())
+        fail("the CLIP tokenizer (vocab.json) has ids up to {}, but a text encoder's vocabulary has {} entries",
+             tokenizer_.clip->vocab_size() - 1, (*te)->options().vocab_size());
+    }
+    std::optional<models::T5Encoder> t5;
+    if (t5_files_) {
+      nn::LayerInit init;
+      init.initialize = false;
+      models::T5EncoderOptions o = config_.tiny ? models::T5EncoderOptions::tiny() : models::T5EncoderOptions::xxl();
+      if (config_.tiny) {
+        // Test widths: the vocabulary is the test tokenizer's (the file's embedding rows).
+        for (const auto& n : t5_files_->names())
+          if (has_suffix(n, "shared.weight") || has_suffix(n, "embed_tokens.weight"))
+            o.vocab_size(t5_files_->find(n)->shape.at(0));
+      }
+      t5.emplace(o.init(init));
+      try {
+        models::load_t5_encoder_weights(**t5, *t5_files_);
+      } catch (const Error& e) {
+        fail("t5xxl: expected T5 v1.1 XXL's encoder{}: {}", config_.tiny ? " (the tiny test width)" : "", e.what());
+      }
+      if (t5_tokenizer_->piece_count() > o.vocab_size())
+        fail("t5xxl: {}'s {} pieces do not fit T5's vocabulary of {}", t5_tokenizer_->path(),
+             t5_tokenizer_->piece_count(), o.vocab_size());
+      (*t5)->eval();
+      (*t5)->to(device_);
+    }
+    const CaptionRows captions = caption_rows(dataset_.captions());
+    caption_row_ = torch::tensor(captions.rows, torch::kInt64);
+    caption_rows_ = static_cast<int64_t>(captions.texts.size());
+    std::vector<at::Tensor> contexts, pools;
+    for (size_t i = 0; i < captions.texts.size(); i += 16) {
+      std::vector<std::string> part(
+          captions.texts.begin() + static_cast<std::ptrdiff_t>(i),
+          captions.texts.begin() + static_cast<std::ptrdiff_t>(std::min(captions.texts.size(), i + 16)));
+      auto [c, p] = encode_text(clip_l, clip_g, t5 ? &*t5 : nullptr, part);
+      contexts.push_back(c);
+      pools.push_back(p);
+    }
+    // T5 rows of different batches may differ in length: pad to the longest with zero states.
+    int64_t tokens = 0;
+    for (const auto& c : contexts) tokens = std::max(tokens, c.size(1));
+    for (auto& c : contexts) c = torch::constant_pad_nd(c, {0, 0, 0, tokens - c.size(1)});
+    context_ = torch::cat(contexts, 0);
+    pooled_ = torch::cat(pools, 0);
+    const std::vector<std::string> sample_texts = sample_prompt_texts(config_.sample_prompts, sample_row_);
+    if (!sample_texts.empty())
+      std::tie(sample_context_, sample_pooled_) = encode_text(clip_l, clip_g, t5 ? &*t5 : nullptr, sample_texts);
+  }
+
+  void encode_images() {
+    models::AutoencoderKL vae = build_vae();
+    vae->to(device_);
+    ScopedMemoryCategory category(MemoryCategory::other);
+    torch::NoGradGuard no_grad;
+    std::vector<std::vector<int64_t>> groups;
+    latent_row_.assign(static_cast<size_t>(dataset_.size()), 0);
+    if (dataset_.bucketed()) {
+      for (const DatasetBucket& b : dataset_.buckets()) groups.push_back(b.images);
+    } else {
+      groups.emplace_back();
+      for (int64_t i = 0; i < dataset_.size(); ++i) groups.back().push_back(i);
+    }
+    for (const std::vector<int64_t>& images : groups) {
+      const auto n = static_cast<int64_t>(images.size());
+      for (int64_t k = 0; k < n; ++k) latent_row_[static_cast<size_t>(images[static_cast<size_t>(k)])] = k;
+      std::vector<at::Tensor> parts, mirrored;
+      for (int64_t i = 0; i < n; i += 8) {
+        const std::vector<int64_t> idx(images.begin() + i, images.begin() + std::min(n, i + 8));
+        const at::Tensor pixels = dataset_.batch_images(idx).to(device_);
+        // The posterior mean, as the LDM families cache (kohya caches the mean for SD3 too).
+        parts.push_back(vae->encode_latents(pixels, /*sample=*/false).to(at::kCPU, cache_dtype_));
+        if (has_flip_) mirrored.push_back(vae->encode_latents(pixels.flip({3}), false).to(at::kCPU, cache_dtype_));
+      }
+      latents_.push_back(torch::cat(parts, 0));
+      if (has_flip_) flipped_.push_back(torch::cat(mirrored, 0));
+    }
+  }
+
+  TrainConfig config_;
+  const ImageCaptionDataset& dataset_;
+  c10::Device device_{c10::kCPU};
+  torch::Dtype storage_ = torch::kFloat32, cache_dtype_ = torch::kFloat32;
+  std::optional<WeightFiles> base_, vae_files_, clip_l_files_, clip_g_files_, t5_files_;
+  models::MMDiTOptions options_;
+  std::shared_ptr<torch::nn::Module> root_;
+  models::MMDiT mmdit_{nullptr};
+  LdmTokenizer tokenizer_;
+  std::optional<T5Tokenizer> t5_tokenizer_;
+  BucketReso sample_size_;
+  std::vector<at::Tensor> latents_, flipped_;
+  std::vector<int64_t> latent_row_;
+  bool has_flip_ = false;
+  // Conditioning [U + 1, tokens, context] and pooled [U + 1, adm] (the empty caption last), each image's row.
+  at::Tensor context_, pooled_, caption_row_;
+  int64_t caption_rows_ = 0;
+  at::Tensor sample_context_, sample_pooled_;
+  std::map<std::string, int64_t> sample_row_;
+};
+
+at::Tensor Sd3TrainingModel::sample(const SampleRequest& request) {
+  if (request.prompts.empty() || request.seeds.empty()) fail("sample: no prompts or no seeds");
+  struct RestoreMode {
+    torch::nn::Module& m;
+    bool was_training;
+    ~RestoreMode() { m.train(was_training); }
+  } restore{*root_, root_->is_training()};
+  root_->eval();
+  torch::NoGradGuard no_grad;
+  const auto dtype = nn::value_dtype(mmdit_->context_embedder->weight);
+  const at::Device device = mmdit_->context_embedder->weight.device();
+  std::vector<at::Tensor> latents;
+  for (size_t i = 0; i < request.prompts.size(); ++i) {
+    const SamplePrompt p = parse_sample_prompt(request.prompts[i], fmt::format("sample prompt {}", i + 1));
+    const auto cond = sample_row_.find(p.prompt), negative = sample_row_.find(p.negative);
+    if (cond == sample_row_.end() || negative == sample_row_.end())
+      fail("sample: prompt '{}' is not one of sample_prompts (encoded before training)", request.prompts[i]);
+    const int64_t height = p.height > 0 ? p.height : sample_size_.height;
+    const int64_t width = p.width > 0 ? p.width : sample_size_.width;
+    check_size(height, width, "sample prompt '" + request.prompts[i] + "':");
+    // Stability's SD3.5 Medium guidance (CFG and skip-layer guidance on joint
+    // blocks 7-9; the tiny test model skips its block 1), with the run's CFG scale.
+    FlowGuidance guidance = FlowGuidance::sd35_medium();
+    guidance.cfg_scale = p.cfg.value_or(request.cfg);
+    if (config_.tiny) guidance.slg_layers = {1};
+    const int64_t steps = p.steps > 0 ? p.steps : request.steps;
+    auto rows_of = [&](int64_t row) {
+      return std::make_pair(sample_context_.slice(0, row, row + 1).to(device, dtype),
+                            sample_pooled_.slice(0, row, row + 1).to(device, dtype));
+    };
+    const auto [ctx_c, y_c] = rows_of(cond->second);
+    const auto [ctx_u, y_u] = rows_of(negative->second);
+    for (const uint64_t seed : row_seeds(p, request)) {
+      latents.push_back(with_seed(seed, [&] {
+        const at::Tensor noise = torch::randn({1, options_.in_channels(), height / 8, width / 8});
+        GuidedVelocityFn model = [&](const at::Tensor& x, const at::Tensor& t, const std::vector<int64_t>& skip) {
+          const at::Tensor out = mmdit_
+                                     ->forward(torch::cat({x, x}).to(device, dtype), torch::cat({t, t}).to(device),
+                                               torch::cat({ctx_c, ctx_u}), torch::cat({y_c, y_u}))
+                                     .to(at::kCPU, torch::kFloat32);
+          GuidedVelocities v{out.slice(0, 0, 1), out.slice(0, 1, 2), {}};
+          if (!skip.empty())
+            v.cond_skip = mmdit_->forward(x.to(device, dtype), t.to(device), ctx_c, y_c, skip)
+                              .to(at::kCPU, torch::kFloat32);
+          return v;
+        };
+        return sample_euler_guided(model, noise, sd3_sigmas(steps, kSampleShift), guidance);
+      }));
+    }
+  }
+  models::AutoencoderKL vae = build_vae();
+  vae->to(device);
+  std::vector<at::Tensor> images;
+  for (const at::Tensor& z : latents) images.push_back(vae->decode_latents(z.to(device)).to(at::kCPU, torch::kFloat32));
+  return samples_to_uint8(torch::cat(images, 0), request);
+}
+
+}  // namespace
+
+std::unique_ptr<TrainingModel> make_sd3_training_model(const TrainConfig& config, const ImageCaptionDataset& dataset,
+                                                       const ModelSource& source) {
+  return std::make_unique<Sd3TrainingModel>(config, dataset, source);
+}
+
+}  // namespace shoestring
