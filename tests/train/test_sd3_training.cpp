@@ -179,6 +179,24 @@ TEST(Sd3Training, T5FromItsFileWithSentencePiece) {
   EXPECT_NE(m.find("spiece.model"), std::string::npos) << m;
 }
 
+// kohya's / diffusers' loss is on x0 = x_t - t v, i.e. t^2 times the
+// velocity loss, and weighting_scheme multiplies that: sigma_sqrt (1 / t^2)
+// on the preconditioned loss is exactly OneTrainer's plain velocity loss.
+TEST(Sd3Training, WeightingSchemeActsOnThePreconditionedLoss) {
+  auto losses = [&](const std::string& name, const std::string& extra) {
+    TrainConfig c = sd3_config(temp_dir(name), extra);
+    c.max_train_steps = 3;
+    c.sample_prompts.clear();
+    return run_losses(train(c, quiet()).run_dir);
+  };
+  const auto kohya_flat = losses("w1", "weighting_scheme = \"sigma_sqrt\"\n");
+  const auto onetrainer = losses("w2", "precondition_outputs = false\n");
+  const auto kohya_default = losses("w3", "");
+  ASSERT_EQ(kohya_flat.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) EXPECT_NEAR(kohya_flat[i], onetrainer[i], 1e-6 * onetrainer[i]) << "step " << i + 1;
+  EXPECT_NE(kohya_default, onetrainer);
+}
+
 TEST(Sd3Training, RefusesWhatItCannotTrain) {
   std::string m = message_of(sd3_config(temp_dir("e1"), "cache_latents_to_disk = true\n"));
   EXPECT_NE(m.find("cache_latents_to_disk"), std::string::npos) << m;
@@ -200,4 +218,10 @@ TEST(Sd3Training, RefusesWhatItCannotTrain) {
   }
   m = message_of(sd3_config(temp_dir("e6"), "clip_l = \"" + temp_dir("e6") + "/missing.safetensors\"\n"));
   EXPECT_NE(m.find("clip_l"), std::string::npos) << m;
+  EXPECT_NE(m.find("model.tiny"), std::string::npos) << m;
+  // The tiny MMDiT's position embedding covers 32 x 32 patches: 512 px.
+  c = sd3_config(temp_dir("e7"));
+  c.resolution = 528;
+  m = message_of(c);
+  EXPECT_NE(m.find("at most 512 px"), std::string::npos) << m;
 }

@@ -205,7 +205,10 @@ void trace_model(nn::MemoryTracer& tracer, const models::Architecture& arch, con
     });
     models::trace_text_to_image(*r.emoji->unet, *r.emoji->text_encoder, tracer, B, c.resolution);
   } else {
-    arch.trace(*r.denoiser, tracer, models::denoiser_batch(arch, B, c.resolution));
+    models::DenoiserBatch in = models::denoiser_batch(arch, B, c.resolution);
+    // SD3: 77 CLIP tokens, then T5's (t5xxl_max_token_length) or 77 zero tokens without T5 (train/sd3_model.cpp).
+    if (arch.family == models::Family::mmdit) in.context_tokens = 77 + (c.t5xxl.empty() ? 77 : c.t5xxl_max_token_length);
+    arch.trace(*r.denoiser, tracer, in);
   }
 }
 

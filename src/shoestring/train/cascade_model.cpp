@@ -245,10 +245,11 @@ class CascadeTrainingModel final : public TrainingModel {
     if (c.sample_sampler != d.sample_sampler) ignored.push_back("sample_sampler (GDF's DDPM sampler is used)");
     if (!ignored.empty())
       spdlog::warn("model.architecture = \"{}\" ignores {}", c.architecture, fmt::join(ignored, ", "));
-    if (c.full_fp16 || c.mixed_precision == "fp16")
+    if ((c.full_fp16 || c.mixed_precision == "fp16") && c.activation_rescale == 1.0)
       spdlog::warn(
           "{}: Stable Cascade's stage C overflows fp16 in its last up-block group (Stability: bf16 or fp32 only); "
-          "the loss scaler skips overflowing steps, but a full-width run may skip most of them; prefer bf16",
+          "the loss scaler skips overflowing steps, but a full-width run may skip most of them; set "
+          "precision.activation_rescale (docs/architectures.md) or prefer bf16",
           c.full_fp16 ? "full_fp16" : "mixed_precision = \"fp16\"");
   }
 

@@ -153,7 +153,9 @@ const std::vector<Field>& schema() {
           .with(kFlowMatchingOnly),
       Field{"logit_mean", &TrainConfig::logit_mean, "logit-normal mean", -10, 10}.with(kFlowMatchingOnly),
       Field{"logit_std", &TrainConfig::logit_std, "logit-normal standard deviation", 1e-3, 10}.with(kFlowMatchingOnly),
-      Field{"mode_scale", &TrainConfig::mode_scale, "timestep_sampling = \"mode\": its scale (SD3: 1.29)", -1, 2}
+      Field{"mode_scale", &TrainConfig::mode_scale,
+            "timestep_sampling = \"mode\": its scale (SD3: 1.29; the map stays monotone up to 2 / (pi - 2))", -1,
+            1.75}
           .with(kFlowMatchingOnly | kReleasedModelOnly),
       Field{"training_shift", &TrainConfig::training_shift,
             "SD3: shift of the training times, t -> s t / (1 + (s - 1) t) (kohya's training_shift; 1 = none)", 1e-3,
@@ -167,6 +169,11 @@ const std::vector<Field>& schema() {
             kInf,
             {"none", "sigma_sqrt", "cosmap"}}
           .with(kFlowMatchingOnly | kReleasedModelOnly),
+      Field{"precondition_outputs", &TrainConfig::precondition_outputs,
+            "SD3: take the loss on x0 = x_t - t v (kohya's sd3_train and diffusers' default: the velocity loss "
+            "times t^2, which weighting_scheme then multiplies, so sigma_sqrt makes it flat); false = the plain "
+            "velocity loss (OneTrainer)"}
+          .with(kResumeValue | kFlowMatchingOnly | kReleasedModelOnly),
       Field{"optimizer_type",
             &TrainConfig::optimizer_type,
             "optimizer (kohya name)",
@@ -248,8 +255,10 @@ const std::vector<Field>& schema() {
       {"precision.auto_upcast", &TrainConfig::auto_upcast, "move fp16 blocks that overflow to fp32 compute and go on"},
       {"precision.activation_rescale", &TrainConfig::activation_rescale,
        "Stable Cascade's fp16 fix: each TimestepBlock of the last up-block group multiplies the hidden state by this "
-       "factor at run time (weights untouched; 0.5 or 0.25 keep it exact); 1 = off",
-       1e-30, 1},
+       "factor at run time (weights untouched; a power of two scales exactly); it compounds over the group's "
+       "TimestepBlocks (8 in the 3.6B release: 0.5 -> 1/256), so keep hidden values well above fp16's subnormals "
+       "(6e-5); 1 = off",
+       1.0 / 1024, 1},
       {"precision.bf16_compute",
        &TrainConfig::bf16_compute,
        "where rules say bf16 compute: auto = bf16 on hardware with bf16 units (AVX-512 BF16, AMX), fp32 elsewhere "

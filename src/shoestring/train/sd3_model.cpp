@@ -90,6 +90,7 @@ class Sd3TrainingModel final : public TrainingModel {
           arch);
     }
     options_ = config.tiny ? models::MMDiTOptions::tiny() : models::MMDiTOptions::sd35_medium();
+    warn_ignored(config);
     sample_size_ =
         dataset.bucketed() ? dataset.dataset_resolution(0) : BucketReso{config.resolution, config.resolution};
     for (int64_t i = 0; i < dataset.size() && dataset.bucketed(); ++i) has_flip_ = has_flip_ || dataset.flip_aug(i);
@@ -105,6 +106,12 @@ class Sd3TrainingModel final : public TrainingModel {
       auto meta = build_root(nn::LayerInit{torch::TensorOptions().dtype(storage_).device(torch::kMeta)});
       if (base_) check_mmdit_file(*meta);
       if (source.check_module) source.check_module(*meta, lora_components(true));
+    }
+    if (config.tiny && (!config.clip_l.empty() || !config.clip_g.empty())) {
+      fail(
+          "{}: model.tiny = true trains with random test-width CLIP encoders (width 32, to fit the tiny MMDiT's "
+          "64-wide inputs); a released encoder's file does not fit it: remove it, or set model.tiny = false",
+          !config.clip_l.empty() ? "clip_l" : "clip_g");
     }
     vae_files_ = vae_source();
     clip_l_files_ = text_file("clip_l", config.clip_l, models::kSd3ClipLPrefix);
@@ -198,7 +205,11 @@ class Sd3TrainingModel final : public TrainingModel {
     TrainBatch batch;
     batch.inputs = {flow_interpolate(x0, eps, t), t, context_.index_select(0, rows), pooled_.index_select(0, rows)};
     batch.target = flow_target(x0, eps);
-    if (config_.weighting_scheme != "none") batch.loss_weight = flow_loss_weight(t, config_.weighting_scheme);
+    // kohya / diffusers take the loss on x0 = x_t - t v: t^2 times the velocity loss; weighting_scheme multiplies it.
+    at::Tensor weight;
+    if (config_.weighting_scheme != "none") weight = flow_loss_weight(t, config_.weighting_scheme);
+    if (config_.precondition_outputs) weight = weight.defined() ? weight * t.square() : t.square();
+    batch.loss_weight = weight;
     return batch;
   }
 
@@ -244,6 +255,19 @@ class Sd3TrainingModel final : public TrainingModel {
   bool base_reloadable() const override { return base_.has_value(); }
 
  private:
+  // Keys of the LDM families that this one reads nothing of, set away from their defaults.
+  static void warn_ignored(const TrainConfig& c) {
+    const TrainConfig d;
+    std::vector<std::string> ignored;
+    if (c.clip_skip != d.clip_skip) ignored.push_back("clip_skip (SD3 conditions on the penultimate layers)");
+    if (c.sample_sampler != d.sample_sampler)
+      ignored.push_back("sample_sampler (SD3's Euler flow sampler with shift 3 is used)");
+    if (c.mode_scale != d.mode_scale && c.timestep_sampling != "mode")
+      ignored.push_back("mode_scale (only timestep_sampling = \"mode\" reads it)");
+    if (!ignored.empty())
+      spdlog::warn("model.architecture = \"{}\" ignores {}", c.architecture, fmt::join(ignored, ", "));
+  }
+
   std::shared_ptr<torch::nn::Module> build_root(const nn::LayerInit& init) {
     auto root = std::make_shared<torch::nn::Module>("CheckpointRoot");
     models::MMDiT m(options_, init);
@@ -276,12 +300,18 @@ class Sd3TrainingModel final : public TrainingModel {
     }
   }
 
-  // Image sides: the VAE's 8 times the MMDiT's patch size.
+  // Image sides: the VAE's 8 times the MMDiT's patch size, and within its position embedding.
   void check_size(int64_t height, int64_t width, const std::string& what) const {
     const int64_t multiple = 8 * options_.patch_size();
     if (height % multiple != 0 || width % multiple != 0) {
       fail("{} {} x {} px: {} needs multiples of {} pixels (the VAE's factor 8 x the MMDiT's patch size {})", what,
            width, height, config_.architecture, multiple, options_.patch_size());
+    }
+    const int64_t most = multiple * options_.pos_embed_max_size();
+    if (height > most || width > most) {
+      fail("{} {} x {} px: {}{} takes at most {} px a side (its position embedding covers {} x {} patches)", what,
+           width, height, config_.architecture, config_.tiny ? " (tiny)" : "", most, options_.pos_embed_max_size(),
+           options_.pos_embed_max_size());
     }
   }
 
@@ -397,7 +427,8 @@ class Sd3TrainingModel final : public TrainingModel {
     }
     std::optional<models::T5Encoder> t5;
     if (t5_files_) {
-      nn::LayerInit init;
+      // T5-XXL (4.76B) in bf16 as kohya loads it (fp32 would be 19 GB); the tiny test one in fp32.
+      nn::LayerInit init{torch::TensorOptions().dtype(config_.tiny ? torch::kFloat32 : torch::kBFloat16)};
       init.initialize = false;
       models::T5EncoderOptions o = config_.tiny ? models::T5EncoderOptions::tiny() : models::T5EncoderOptions::xxl();
       if (config_.tiny) {
