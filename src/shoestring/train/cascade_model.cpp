@@ -170,29 +170,14 @@ class CascadeTrainingModel final : public TrainingModel {
       latent_rows.push_back(latent_row_[static_cast<size_t>(i)]);
     }
     const at::Tensor lrows = torch::tensor(latent_rows, torch::kInt64);
-    at::Tensor x0 = latents_[static_cast<size_t>(bucket)].index_select(0, lrows).to(torch::kFloat32);
-    // flip_aug: the mirror image's latents with probability 1/2 (as the LDM
-    // families and kohya's flipped latents); drawn only when a subset flips.
-    if (has_flip_) {
-      const at::Tensor mirror = flipped_[static_cast<size_t>(bucket)].index_select(0, lrows).to(torch::kFloat32);
-      const at::Tensor draw = torch::rand({b});
-      for (int64_t i = 0; i < b; ++i) {
-        if (dataset_.flip_aug(idx[static_cast<size_t>(i)]) && draw[i].item<double>() < 0.5) x0[i] = mirror[i];
-      }
-    }
-    // Caption dropout: the empty caption's embedding (the last row), as
-    // Stability replaces the caption by "" (train_c.py).
-    at::Tensor rows = caption_row_.index_select(0, torch::tensor(idx, torch::kInt64)).clone();
-    const at::Tensor drop = torch::rand({b});
-    for (int64_t i = 0; i < b; ++i) {
-      const int64_t image = idx[static_cast<size_t>(i)];
-      const double rate = dataset_.bucketed() ? dataset_.caption_dropout_rate(image) : config_.caption_dropout_rate;
-      if (drop[i].item<double>() < rate) rows[i] = caption_rows_ - 1;
-    }
-    at::Tensor eps = torch::randn_like(x0);
-    if (config_.noise_offset > 0) eps = apply_noise_offset(eps, x0, config_.noise_offset, config_.adaptive_noise_scale);
-    if (config_.multires_noise_iterations > 0)
-      eps = pyramid_noise(eps, config_.multires_noise_iterations, config_.multires_noise_discount);
+    const at::Tensor mirror =
+        has_flip_ ? flipped_[static_cast<size_t>(bucket)].index_select(0, lrows).to(torch::kFloat32) : at::Tensor();
+    // flip_aug, caption dropout (the empty caption's row, the last, as Stability
+    // replaces the caption by "" in train_c.py) and the noise.
+    const LatentBatchDraws draws = draw_latent_batch(
+        dataset_, config_, idx, latents_[static_cast<size_t>(bucket)].index_select(0, lrows).to(torch::kFloat32),
+        mirror, caption_row_.index_select(0, torch::tensor(idx, torch::kInt64)), caption_rows_ - 1);
+    const at::Tensor x0 = draws.x0, rows = draws.caption_rows, eps = draws.noise;
     const at::Tensor t = gdf_sample_times(b);
     const at::Tensor log_snr = schedule_.log_snr(t);
     TrainBatch batch;

@@ -5,8 +5,10 @@
 
 #include "shoestring/core/error.h"
 #include "shoestring/nn/timestep.h"
+#include "shoestring/data/dataset.h"
 #include "shoestring/train/checkpoint_io.h"
 #include "shoestring/train/config.h"
+#include "shoestring/train/diffusion_loss.h"
 #include "shoestring/train/sampling.h"
 
 namespace shoestring {
@@ -188,6 +190,35 @@ models::AutoencoderKL build_vae_from(const models::VaeOptions& o, const WeightFi
   if (has) models::load_vae(*vae, *files);  // first_stage_model.* when present, else bare keys
   vae->eval();
   return vae;
+}
+
+LatentBatchDraws draw_latent_batch(const ImageCaptionDataset& dataset, const TrainConfig& config,
+                                   const std::vector<int64_t>& idx, at::Tensor x0, const at::Tensor& mirror,
+                                   const at::Tensor& rows, int64_t empty_row) {
+  const auto b = static_cast<int64_t>(idx.size());
+  LatentBatchDraws d;
+  d.flipped.assign(static_cast<size_t>(b), false);
+  if (mirror.defined()) {
+    const at::Tensor draw = torch::rand({b});
+    for (int64_t i = 0; i < b; ++i) {
+      d.flipped[static_cast<size_t>(i)] = dataset.flip_aug(idx[static_cast<size_t>(i)]) && draw[i].item<double>() < 0.5;
+      if (d.flipped[static_cast<size_t>(i)]) x0[i] = mirror[i];
+    }
+  }
+  d.caption_rows = rows.clone();
+  const at::Tensor drop = torch::rand({b});
+  for (int64_t i = 0; i < b; ++i) {
+    const int64_t image = idx[static_cast<size_t>(i)];
+    const double rate = dataset.bucketed() ? dataset.caption_dropout_rate(image) : config.caption_dropout_rate;
+    if (drop[i].item<double>() < rate) d.caption_rows[i] = empty_row;
+  }
+  at::Tensor eps = torch::randn_like(x0);
+  if (config.noise_offset > 0) eps = apply_noise_offset(eps, x0, config.noise_offset, config.adaptive_noise_scale);
+  if (config.multires_noise_iterations > 0)
+    eps = pyramid_noise(eps, config.multires_noise_iterations, config.multires_noise_discount);
+  d.x0 = x0;
+  d.noise = eps;
+  return d;
 }
 
 }  // namespace shoestring

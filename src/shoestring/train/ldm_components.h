@@ -31,6 +31,9 @@
 
 namespace shoestring {
 
+struct TrainConfig;
+class ImageCaptionDataset;
+
 /// Runs `build` with libtorch's global CPU generator seeded by `seed`,
 /// restoring it after, also when `build` throws: random frozen parts (tiny
 /// variants' encoders) and sample noise are reproducible and leave the
@@ -76,6 +79,30 @@ CaptionRows caption_rows(const std::vector<std::string>& captions);
 /// Throws shoestring::Error as parse_sample_prompt.
 std::vector<std::string> sample_prompt_texts(const std::vector<std::string>& sample_prompts,
                                              std::map<std::string, int64_t>& row_of);
+
+/// What a latent family draws for one micro-batch, before its objective's
+/// own draws (timesteps): the latents with flip_aug's mirror images swapped
+/// in, the caption rows with caption dropout applied, and the noise.
+struct LatentBatchDraws {
+  at::Tensor x0;                      ///< float32 [B, C, h, w]
+  at::Tensor caption_rows;            ///< int64 [B]: rows of the cached text embeddings
+  at::Tensor noise;                   ///< float32 [B, C, h, w]
+  std::vector<bool> flipped;          ///< per sample: the mirror image's latents were used
+};
+
+/// The shared draws of the latent families (LDM UNets, Stable Cascade, SD3),
+/// from libtorch's global CPU generator in this order, so a resumed run
+/// replays them: flip_aug (torch::rand [B], only when `mirror` is defined: a
+/// sample of a flipping subset takes its mirror latents when its draw is
+/// < 1/2, kohya's flipped latents), caption dropout (torch::rand [B]: a
+/// sample takes `empty_row`, the empty caption's cached row, when its draw is
+/// below its subset's caption_dropout_rate, or the config's without
+/// buckets), then the noise (randn_like(x0), then kohya's noise_offset /
+/// adaptive_noise_scale and multires noise, in kohya's order). x0, mirror:
+/// float32 [B, C, h, w]; rows: int64 [B] (the images' caption rows).
+LatentBatchDraws draw_latent_batch(const ImageCaptionDataset& dataset, const TrainConfig& config,
+                                   const std::vector<int64_t>& idx, at::Tensor x0, const at::Tensor& mirror,
+                                   const at::Tensor& rows, int64_t empty_row);
 
 /// The text encoders a UNet with `unet`'s options conditions on (one for SD
 /// 1.x, two for SDXL / SSD-1B; `tiny`: the test-sized ones), loaded from

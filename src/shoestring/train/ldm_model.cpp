@@ -175,30 +175,12 @@ class LdmTrainingModel final : public TrainingModel {
       x0 = latents_[static_cast<size_t>(bucket)].index_select(0, lrows).to(torch::kFloat32);
       if (has_flip_) mirror = flipped_[static_cast<size_t>(bucket)].index_select(0, lrows).to(torch::kFloat32);
     }
-    // flip_aug: the mirror image's latents with probability 1/2 (kohya's
-    // flipped latents of cache_latents); drawn only when a subset flips.
-    std::vector<bool> flipped(static_cast<size_t>(b), false);
-    if (has_flip_) {
-      at::Tensor draw = torch::rand({b});
-      for (int64_t i = 0; i < b; ++i) {
-        flipped[static_cast<size_t>(i)] =
-            dataset_.flip_aug(idx[static_cast<size_t>(i)]) && draw[i].item<double>() < 0.5;
-        if (flipped[static_cast<size_t>(i)]) x0[i] = mirror[i];
-      }
-    }
-    // Caption dropout: the empty caption's embedding (the last cached row).
-    at::Tensor rows = caption_row_.index_select(0, index).clone();
-    at::Tensor drop = torch::rand({b});
-    for (int64_t i = 0; i < b; ++i) {
-      const int64_t image = idx[static_cast<size_t>(i)];
-      const double rate = dataset_.bucketed() ? dataset_.caption_dropout_rate(image) : config_.caption_dropout_rate;
-      if (drop[i].item<double>() < rate) rows[i] = caption_rows_ - 1;
-    }
-    at::Tensor eps = torch::randn_like(x0);
-    // kohya's noise options (train/diffusion_loss.h), in its order.
-    if (config_.noise_offset > 0) eps = apply_noise_offset(eps, x0, config_.noise_offset, config_.adaptive_noise_scale);
-    if (config_.multires_noise_iterations > 0)
-      eps = pyramid_noise(eps, config_.multires_noise_iterations, config_.multires_noise_discount);
+    // flip_aug, caption dropout (the empty caption is the last cached row) and the noise.
+    LatentBatchDraws draws =
+        draw_latent_batch(dataset_, config_, idx, x0, mirror, caption_row_.index_select(0, index), caption_rows_ - 1);
+    x0 = draws.x0;
+    const at::Tensor rows = draws.caption_rows, eps = draws.noise;
+    const std::vector<bool>& flipped = draws.flipped;
     at::Tensor t = schedule_.sample_timesteps(b);
     at::Tensor x_t = schedule_.add_noise(x0, eps, t);
     at::Tensor target = config_.v_parameterization ? schedule_.v_target(x0, eps, t) : eps;
