@@ -407,6 +407,11 @@ TEST(Architectures, DetectsEachArchitectureExactly) {
   EXPECT_EQ(vae[0].architecture, "vae");
   EXPECT_EQ(vae[0].prefix, "");
   EXPECT_TRUE(vae[0].exact());
+  // SD3's VAE (16 channels, no quant convs) under an SD3.5 single file's prefix is told from the SD one.
+  auto sd3_vae = models::detect_architectures(checkpoint_of("sd3-vae", "first_stage_model."));
+  ASSERT_EQ(sd3_vae.size(), 1u);
+  EXPECT_EQ(sd3_vae[0].architecture, "sd3-vae");
+  EXPECT_TRUE(sd3_vae[0].exact());
   // Stable Cascade files store stage C without a prefix.
   for (const std::string arch : {"cascade-c", "cascade-c-lite"}) {
     auto found = models::detect_architectures(checkpoint_of(arch, ""));

@@ -69,8 +69,8 @@ TEST(Registry, ConditioningMatchesTheModels) {
       case Family::vae: {
         auto vae = std::dynamic_pointer_cast<models::AutoencoderKLImpl>(m);
         ASSERT_TRUE(vae) << a.name;
-        EXPECT_EQ(c.latent_channels, models::VaeOptions().z_channels()) << a.name;
-        EXPECT_EQ(c.vae_downscale, int64_t{1} << (models::VaeOptions().ch_mult().size() - 1)) << a.name;
+        EXPECT_EQ(c.latent_channels, vae->options().z_channels()) << a.name;
+        EXPECT_EQ(c.vae_downscale, int64_t{1} << (vae->options().ch_mult().size() - 1)) << a.name;
         break;
       }
       case Family::text_encoder: {

@@ -36,6 +36,12 @@ std::shared_ptr<torch::nn::Module> build_vae(const nn::LayerInit& init, bool tin
   return AutoencoderKL(o.init(init)).ptr();
 }
 
+std::shared_ptr<torch::nn::Module> build_sd3_vae(const nn::LayerInit& init, bool tiny) {
+  VaeOptions o = VaeOptions::sd3();
+  if (tiny) o = o.tiny();
+  return AutoencoderKL(o.init(init)).ptr();
+}
+
 ArchitectureBuilder clip_text(ClipTextOptions (*preset)()) {
   return [preset](const nn::LayerInit& init, bool tiny) -> std::shared_ptr<torch::nn::Module> {
     ClipTextOptions o = preset();
@@ -111,6 +117,13 @@ std::vector<Architecture> make_registry() {
       with({"vae", "Stable Diffusion VAE (AutoencoderKL, LDM layout; SD 1.x and SDXL)", "first_stage_model.",
             83'653'863, "stabilityai/sd-vae-ft-mse / sdxl-vae AutoencoderKL (diffusers num_parameters())", &build_vae},
            Family::vae, false, Objective::none, {4, 8, 0, 0, 0}),
+      with({"sd3-vae", "SD3 / SD3.5 VAE (AutoencoderKL, 16 latent channels, no quant convs)", "first_stage_model.",
+            83'819'683,
+            "Stability-AI/sd3.5 sd3_impls.py SDVAE with the diffusers vae config of stable-diffusion-3.5-medium "
+            "(latent_channels 16, use_quant_conv false); the SD VAE's count without the quant convs, with 16 "
+            "latent channels (tests/models/test_vae_sd3.cpp)",
+            &build_sd3_vae},
+           Family::vae, false, Objective::none, {16, 8, 0, 0, 0}),
       with({"cascade-c", "Stable Cascade stage C 3.6B (stage_c.safetensors; keys without prefix)", "", 3'589'103'632,
             "Stability-AI/StableCascade modules/stage_c.py with stabilityai/stable-cascade-prior prior/config.json "
             "(no exact public count; agrees with '3.6B' and the 14.4 GB fp32 file)",
