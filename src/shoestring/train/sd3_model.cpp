@@ -134,7 +134,9 @@ class Sd3TrainingModel final : public TrainingModel {
     encode_captions();
     encode_images();
     if (!source.quiet) {
-      int64_t bytes = context_.nbytes() + pooled_.nbytes() + (sample_context_.defined() ? sample_context_.nbytes() : 0);
+      int64_t bytes = 0;
+      for (const TextRows* r : {&text_, &sample_text_})
+        for (const at::Tensor* t : {&r->clip, &r->t5, &r->pooled}) bytes += t->defined() ? t->nbytes() : 0;
       std::vector<std::string> shapes;
       for (size_t b = 0; b < latents_.size(); ++b) {
         bytes += latents_[b].nbytes() + (flipped_.empty() ? 0 : flipped_[b].nbytes());
@@ -144,7 +146,9 @@ class Sd3TrainingModel final : public TrainingModel {
           "cached SD3 VAE latents {}{} and text conditioning {} (CLIP-L + bigG{}) for {} captions + the empty one "
           "(caption dropout) ({}); encoders freed",
           fmt::join(shapes, ", "), flipped_.empty() ? "" : " (and their mirror images, flip_aug)",
-          format_shape(context_.sizes().slice(1)), t5_files_ ? " + T5-XXL" : ", T5 as zeros", context_.size(0) - 1,
+          t5_files_ ? format_shape(text_.clip.sizes().slice(1)) + " + " + format_shape(text_.t5.sizes().slice(1))
+                    : format_shape(text_.clip.sizes().slice(1)),
+          t5_files_ ? " + T5-XXL" : ", T5 as zeros", text_.clip.size(0) - 1,
           format_bytes(bytes));
     }
     {
@@ -190,7 +194,9 @@ class Sd3TrainingModel final : public TrainingModel {
     const at::Tensor t = sample_flow_times(b, config_.timestep_sampling, config_.logit_mean, config_.logit_std,
                                            config_.mode_scale, config_.training_shift);
     TrainBatch batch;
-    batch.inputs = {flow_interpolate(x0, eps, t), t, context_.index_select(0, rows), pooled_.index_select(0, rows)};
+    const at::Tensor t5 = text_.t5.defined() ? text_.t5.index_select(0, rows) : at::Tensor();
+    batch.inputs = {flow_interpolate(x0, eps, t), t, context(text_.clip.index_select(0, rows), t5),
+                    text_.pooled.index_select(0, rows)};
     batch.target = flow_target(x0, eps);
     // kohya / diffusers take the loss on x0 = x_t - t v: t^2 times the velocity loss; weighting_scheme multiplies it.
     at::Tensor weight;
@@ -377,29 +383,44 @@ class Sd3TrainingModel final : public TrainingModel {
     return te;
   }
 
-  // [N, 77 + T, context] and [N, pooled] of `captions` (cache dtype, host memory).
-  std::pair<at::Tensor, at::Tensor> encode_text(models::ClipTextModel& clip_l, models::ClipTextModel& clip_g,
-                                                models::T5Encoder* t5, const std::vector<std::string>& captions) {
+  // The cached text conditioning of some captions (cache dtype, host memory),
+  // unpadded: the MMDiT's context is assembled per batch (context()).
+  struct TextRows {
+    at::Tensor clip;    // [N, 77, 768 + 1280]: CLIP-L and bigG penultimate states side by side
+    at::Tensor t5;      // [N, T, 4096]: T5's last states; undefined without T5
+    at::Tensor pooled;  // [N, 2048]
+  };
+
+  // The MMDiT's context [N, 77 + T, context_dim]: the CLIP states zero-padded
+  // to the context width, then T5's (padded alike) or 77 zero tokens.
+  at::Tensor context(const at::Tensor& clip, const at::Tensor& t5) const {
+    const int64_t width = options_.context_dim();
+    const at::Tensor t5_part = t5.defined() ? pad_features(t5, width)
+                                            : torch::zeros({clip.size(0), kClipTokens, width}, clip.options());
+    return torch::cat({pad_features(clip, width), t5_part}, 1);
+  }
+
+  TextRows encode_text(models::ClipTextModel& clip_l, models::ClipTextModel& clip_g, models::T5Encoder* t5,
+                       const std::vector<std::string>& captions) {
     torch::NoGradGuard no_grad;
     // CLIP-L pads with <|endoftext|>, bigG with 0 (Stability's SDXLClipGTokenizer pad_with_end=False).
     const at::Tensor ids_l = tokenizer_.encode(captions, ClipPadding::kEndOfText).to(device_);
     const at::Tensor ids_g = tokenizer_.encode(captions, ClipPadding::kZero).to(device_);
     const models::ClipTextOutput l = clip_l->forward(ids_l, /*skip=*/2);
     const models::ClipTextOutput g = clip_g->forward(ids_g, /*skip=*/2);
-    const int64_t width = options_.context_dim();
-    at::Tensor lg = pad_features(torch::cat({l.hidden, g.hidden}, 2), width);
-    at::Tensor t5_states;
+    TextRows rows;
+    rows.clip = torch::cat({l.hidden, g.hidden}, 2);
+    if (rows.clip.size(2) > options_.context_dim())
+      fail("internal: CLIP states {} wide, the MMDiT's context is {}", rows.clip.size(2), options_.context_dim());
+    rows.clip = rows.clip.to(at::kCPU, cache_dtype_);
     if (t5) {
       const T5Tokens tokens = t5_tokenizer_->tokenize(captions, config_.t5xxl_max_token_length);
-      t5_states = pad_features((*t5)->forward(tokens.ids.to(device_)).to(torch::kFloat32), width);
-    } else {
-      t5_states = torch::zeros({lg.size(0), kClipTokens, width}, lg.options());
+      rows.t5 = (*t5)->forward(tokens.ids.to(device_)).to(at::kCPU, cache_dtype_);
     }
-    const at::Tensor context = torch::cat({lg.to(torch::kFloat32), t5_states.to(torch::kFloat32)}, 1);
-    const at::Tensor pooled = torch::cat({l.pooled_unprojected, g.pooled}, 1);
-    if (pooled.size(1) != options_.adm_in_channels())
-      fail("internal: pooled text {} wide, the MMDiT takes {}", pooled.size(1), options_.adm_in_channels());
-    return {context.to(at::kCPU, cache_dtype_), pooled.to(at::kCPU, cache_dtype_)};
+    rows.pooled = torch::cat({l.pooled_unprojected, g.pooled}, 1).to(at::kCPU, cache_dtype_);
+    if (rows.pooled.size(1) != options_.adm_in_channels())
+      fail("internal: pooled text {} wide, the MMDiT takes {}", rows.pooled.size(1), options_.adm_in_channels());
+    return rows;
   }
 
   void encode_captions() {
@@ -439,24 +460,21 @@ class Sd3TrainingModel final : public TrainingModel {
     const CaptionRows captions = caption_rows(dataset_.captions());
     caption_row_ = torch::tensor(captions.rows, torch::kInt64);
     caption_rows_ = static_cast<int64_t>(captions.texts.size());
-    std::vector<at::Tensor> contexts, pools;
+    std::vector<at::Tensor> clips, t5s, pools;
     for (size_t i = 0; i < captions.texts.size(); i += 16) {
       std::vector<std::string> part(
           captions.texts.begin() + static_cast<std::ptrdiff_t>(i),
           captions.texts.begin() + static_cast<std::ptrdiff_t>(std::min(captions.texts.size(), i + 16)));
-      auto [c, p] = encode_text(clip_l, clip_g, t5 ? &*t5 : nullptr, part);
-      contexts.push_back(c);
-      pools.push_back(p);
+      TextRows r = encode_text(clip_l, clip_g, t5 ? &*t5 : nullptr, part);
+      clips.push_back(r.clip);
+      if (r.t5.defined()) t5s.push_back(r.t5);
+      pools.push_back(r.pooled);
     }
-    // T5 rows of different batches may differ in length: pad to the longest with zero states.
-    int64_t tokens = 0;
-    for (const auto& c : contexts) tokens = std::max(tokens, c.size(1));
-    for (auto& c : contexts) c = torch::constant_pad_nd(c, {0, 0, 0, tokens - c.size(1)});
-    context_ = torch::cat(contexts, 0);
-    pooled_ = torch::cat(pools, 0);
+    text_.clip = torch::cat(clips, 0);
+    if (!t5s.empty()) text_.t5 = torch::cat(t5s, 0);  // every caption padded to t5xxl_max_token_length
+    text_.pooled = torch::cat(pools, 0);
     const std::vector<std::string> sample_texts = sample_prompt_texts(config_.sample_prompts, sample_row_);
-    if (!sample_texts.empty())
-      std::tie(sample_context_, sample_pooled_) = encode_text(clip_l, clip_g, t5 ? &*t5 : nullptr, sample_texts);
+    if (!sample_texts.empty()) sample_text_ = encode_text(clip_l, clip_g, t5 ? &*t5 : nullptr, sample_texts);
   }
 
   void encode_images() {
@@ -503,9 +521,9 @@ class Sd3TrainingModel final : public TrainingModel {
   std::vector<int64_t> latent_row_;
   bool has_flip_ = false;
   // Conditioning [U + 1, tokens, context] and pooled [U + 1, adm] (the empty caption last), each image's row.
-  at::Tensor context_, pooled_, caption_row_;
+  TextRows text_, sample_text_;  // the captions' (the empty one last) and the sample prompts'
+  at::Tensor caption_row_;
   int64_t caption_rows_ = 0;
-  at::Tensor sample_context_, sample_pooled_;
   std::map<std::string, int64_t> sample_row_;
 };
 
@@ -536,8 +554,9 @@ at::Tensor Sd3TrainingModel::sample(const SampleRequest& request) {
     if (config_.tiny) guidance.slg_layers = {1};
     const int64_t steps = p.steps > 0 ? p.steps : request.steps;
     auto rows_of = [&](int64_t row) {
-      return std::make_pair(sample_context_.slice(0, row, row + 1).to(device, dtype),
-                            sample_pooled_.slice(0, row, row + 1).to(device, dtype));
+      const at::Tensor t5 = sample_text_.t5.defined() ? sample_text_.t5.slice(0, row, row + 1) : at::Tensor();
+      return std::make_pair(context(sample_text_.clip.slice(0, row, row + 1), t5).to(device, dtype),
+                            sample_text_.pooled.slice(0, row, row + 1).to(device, dtype));
     };
     const auto [ctx_c, y_c] = rows_of(cond->second);
     const auto [ctx_u, y_u] = rows_of(negative->second);
