@@ -207,7 +207,8 @@ void trace_model(nn::MemoryTracer& tracer, const models::Architecture& arch, con
   } else {
     models::DenoiserBatch in = models::denoiser_batch(arch, B, c.resolution);
     // SD3: 77 CLIP tokens, then T5's (t5xxl_max_token_length) or 77 zero tokens without T5 (train/sd3_model.cpp).
-    if (arch.family == models::Family::mmdit) in.context_tokens = 77 + (c.t5xxl.empty() ? 77 : c.t5xxl_max_token_length);
+    if (arch.family == models::Family::mmdit)
+      in.context_tokens = 77 + (c.t5xxl.empty() ? 77 : c.t5xxl_max_token_length);
     arch.trace(*r.denoiser, tracer, in);
   }
 }

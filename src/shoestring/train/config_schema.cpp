@@ -617,7 +617,8 @@ std::vector<std::string> changed_keys(const TrainConfig& was, const TrainConfig&
 
 std::vector<std::string> ignored_keys(const TrainConfig& config, bool emoji_model) {
   const TrainConfig defaults;
-  const bool flow = models::find_architecture(config.architecture).default_objective == models::Objective::flow_matching;
+  const bool flow =
+      models::find_architecture(config.architecture).default_objective == models::Objective::flow_matching;
   const unsigned not_read = (emoji_model ? kReleasedModelOnly : kEmojiModelOnly) | (flow ? 0u : kFlowMatchingOnly);
   std::vector<std::string> keys;
   for (const auto& f : schema()) {
