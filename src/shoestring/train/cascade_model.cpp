@@ -122,15 +122,11 @@ class CascadeTrainingModel final : public TrainingModel {
       int64_t bytes = clip_text_.nbytes() + clip_pooled_.nbytes() +
                       (sample_text_.defined() ? sample_text_.nbytes() : 0) +
                       (sample_pooled_.defined() ? sample_pooled_.nbytes() : 0);
-      std::vector<std::string> shapes;
-      for (size_t b = 0; b < latents_.size(); ++b) {
-        bytes += latents_[b].nbytes() + (flipped_.empty() ? 0 : flipped_[b].nbytes());
-        shapes.push_back(fmt::format("{} x {}", latents_[b].size(0), format_shape(latents_[b].sizes().slice(1))));
-      }
+      bytes += latents_.bytes();
       spdlog::info(
-          "cached EfficientNet latents {}{} and bigG text embeddings {} for {} captions + the empty one (caption "
+          "cached EfficientNet latents {} and bigG text embeddings {} for {} captions + the empty one (caption "
           "dropout){} ({}); encoders freed",
-          fmt::join(shapes, ", "), flipped_.empty() ? "" : " (and their mirror images, flip_aug)",
+          latents_.describe(),
           format_shape(clip_text_.sizes().slice(1)), clip_text_.size(0) - 1,
           sample_row_.empty() ? "" : fmt::format(" and {} sample texts", sample_row_.size()), format_bytes(bytes));
     }
@@ -162,21 +158,12 @@ class CascadeTrainingModel final : public TrainingModel {
   TrainBatch prepare(const std::vector<int64_t>& idx) override {
     const auto b = static_cast<int64_t>(idx.size());
     if (b == 0) fail("internal: empty batch");
-    const int64_t bucket = dataset_.bucketed() ? dataset_.bucket_of(idx.front()) : 0;
-    std::vector<int64_t> latent_rows;
-    for (const int64_t i : idx) {
-      if (dataset_.bucketed() && dataset_.bucket_of(i) != bucket)
-        fail("internal: images {} and {} of one batch are in different buckets", idx.front(), i);
-      latent_rows.push_back(latent_row_[static_cast<size_t>(i)]);
-    }
-    const at::Tensor lrows = torch::tensor(latent_rows, torch::kInt64);
-    const at::Tensor mirror =
-        has_flip_ ? flipped_[static_cast<size_t>(bucket)].index_select(0, lrows).to(torch::kFloat32) : at::Tensor();
+    const auto [latents, mirror] = latents_.batch(dataset_, idx);
     // flip_aug, caption dropout (the empty caption's row, the last, as Stability
     // replaces the caption by "" in train_c.py) and the noise.
-    const LatentBatchDraws draws = draw_latent_batch(
-        dataset_, config_, idx, latents_[static_cast<size_t>(bucket)].index_select(0, lrows).to(torch::kFloat32),
-        mirror, caption_row_.index_select(0, torch::tensor(idx, torch::kInt64)), caption_rows_ - 1);
+    const LatentBatchDraws draws = draw_latent_batch(dataset_, config_, idx, latents, mirror,
+                                                     caption_row_.index_select(0, torch::tensor(idx, torch::kInt64)),
+                                                     caption_rows_ - 1);
     const at::Tensor x0 = draws.x0, rows = draws.caption_rows, eps = draws.noise;
     const at::Tensor t = gdf_sample_times(b);
     const at::Tensor log_snr = schedule_.log_snr(t);
@@ -396,28 +383,8 @@ class CascadeTrainingModel final : public TrainingModel {
     effnet->eval();
     effnet->to(device_);
     ScopedMemoryCategory category(MemoryCategory::other);
-    torch::NoGradGuard no_grad;
-    std::vector<std::vector<int64_t>> groups;
-    latent_row_.assign(static_cast<size_t>(dataset_.size()), 0);
-    if (dataset_.bucketed()) {
-      for (const DatasetBucket& b : dataset_.buckets()) groups.push_back(b.images);
-    } else {
-      groups.emplace_back();
-      for (int64_t i = 0; i < dataset_.size(); ++i) groups.back().push_back(i);
-    }
-    for (const std::vector<int64_t>& images : groups) {
-      const auto n = static_cast<int64_t>(images.size());
-      for (int64_t k = 0; k < n; ++k) latent_row_[static_cast<size_t>(images[static_cast<size_t>(k)])] = k;
-      std::vector<at::Tensor> parts, mirrored;
-      for (int64_t i = 0; i < n; i += 8) {
-        const std::vector<int64_t> idx(images.begin() + i, images.begin() + std::min(n, i + 8));
-        const at::Tensor pixels = dataset_.batch_images(idx).to(device_);
-        parts.push_back(effnet->encode(pixels).to(at::kCPU, cache_dtype_));
-        if (has_flip_) mirrored.push_back(effnet->encode(pixels.flip({3})).to(at::kCPU, cache_dtype_));
-      }
-      latents_.push_back(torch::cat(parts, 0));
-      if (has_flip_) flipped_.push_back(torch::cat(mirrored, 0));
-    }
+    latents_ = encode_bucket_latents(dataset_, has_flip_, device_, cache_dtype_,
+                                     [&](const at::Tensor& pixels) { return effnet->encode(pixels); });
   }
 
   TrainConfig config_;
@@ -432,8 +399,7 @@ class CascadeTrainingModel final : public TrainingModel {
   BucketReso sample_size_;
   // Latents per bucket [n_b, 16, H/32, W/32] and each image's row in its bucket;
   // text [U + 1, 77, W] and pooled [U + 1, 1, P] (the empty caption last), each image's caption row.
-  std::vector<at::Tensor> latents_, flipped_;  // flipped_: the mirror images' latents (flip_aug)
-  std::vector<int64_t> latent_row_;
+  BucketLatents latents_;
   bool has_flip_ = false;
   at::Tensor clip_text_, clip_pooled_, caption_row_;
   int64_t caption_rows_ = 0;
@@ -443,13 +409,7 @@ class CascadeTrainingModel final : public TrainingModel {
 
 at::Tensor CascadeTrainingModel::sample(const SampleRequest& request) {
   if (request.prompts.empty() || request.seeds.empty()) fail("sample: no prompts or no seeds");
-  // Back in training mode however sampling ends (a failed grid is a warning and training goes on).
-  struct RestoreMode {
-    torch::nn::Module& m;
-    bool was_training;
-    ~RestoreMode() { m.train(was_training); }
-  } restore{*stage_c_, stage_c_->is_training()};
-  stage_c_->eval();
+  const EvalModeScope eval_mode(*stage_c_);
   torch::NoGradGuard no_grad;
   const auto dtype = nn::value_dtype(stage_c_->clip_txt_mapper->weight);
   const at::Device device = stage_c_->clip_txt_mapper->weight.device();

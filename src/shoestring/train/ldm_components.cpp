@@ -4,6 +4,7 @@
 #include <torch/torch.h>
 
 #include "shoestring/core/error.h"
+#include "shoestring/core/units.h"
 #include "shoestring/nn/timestep.h"
 #include "shoestring/data/dataset.h"
 #include "shoestring/train/checkpoint_io.h"
@@ -219,6 +220,67 @@ LatentBatchDraws draw_latent_batch(const ImageCaptionDataset& dataset, const Tra
   d.x0 = x0;
   d.noise = eps;
   return d;
+}
+
+std::pair<at::Tensor, at::Tensor> BucketLatents::batch(const ImageCaptionDataset& dataset,
+                                                       const std::vector<int64_t>& idx) const {
+  const int64_t bucket = dataset.bucketed() ? dataset.bucket_of(idx.front()) : 0;
+  std::vector<int64_t> rows;
+  for (const int64_t i : idx) {
+    if (dataset.bucketed() && dataset.bucket_of(i) != bucket)
+      fail("internal: images {} and {} of one batch are in different buckets", idx.front(), i);
+    rows.push_back(row[static_cast<size_t>(i)]);
+  }
+  const at::Tensor r = torch::tensor(rows, torch::kInt64);
+  const auto b = static_cast<size_t>(bucket);
+  return {latents[b].index_select(0, r).to(torch::kFloat32),
+          flipped.empty() ? at::Tensor() : flipped[b].index_select(0, r).to(torch::kFloat32)};
+}
+
+int64_t BucketLatents::bytes() const {
+  int64_t n = 0;
+  for (const auto* group : {&latents, &flipped})
+    for (const at::Tensor& t : *group) n += t.nbytes();
+  return n;
+}
+
+std::string BucketLatents::describe() const {
+  std::vector<std::string> shapes;
+  for (const at::Tensor& t : latents)
+    shapes.push_back(fmt::format("{} x {}", t.size(0), format_shape(t.sizes().slice(1))));
+  return fmt::format("{}{}", fmt::join(shapes, ", "), flipped.empty() ? "" : " (and their mirror images, flip_aug)");
+}
+
+BucketLatents encode_bucket_latents(const ImageCaptionDataset& dataset, bool flip, at::Device device,
+                                    at::ScalarType cache_dtype,
+                                    const std::function<at::Tensor(const at::Tensor&)>& encode) {
+  torch::NoGradGuard no_grad;
+  // The images of each bucket (without buckets: all, at resolution^2).
+  std::vector<std::vector<int64_t>> groups;
+  if (dataset.bucketed()) {
+    for (const DatasetBucket& b : dataset.buckets()) groups.push_back(b.images);
+  } else {
+    groups.emplace_back();
+    for (int64_t i = 0; i < dataset.size(); ++i) groups.back().push_back(i);
+  }
+  BucketLatents out;
+  out.row.assign(static_cast<size_t>(dataset.size()), 0);
+  for (const std::vector<int64_t>& images : groups) {
+    const auto n = static_cast<int64_t>(images.size());
+    for (int64_t k = 0; k < n; ++k) out.row[static_cast<size_t>(images[static_cast<size_t>(k)])] = k;
+    const at::Tensor first = dataset.batch_images({images.front()});
+    const int64_t chunk = std::max<int64_t>(1, (256 * 256 * 4) / (first.size(2) * first.size(3)));
+    std::vector<at::Tensor> parts, mirrored;
+    for (int64_t i = 0; i < n; i += chunk) {
+      const std::vector<int64_t> idx(images.begin() + i, images.begin() + std::min(n, i + chunk));
+      const at::Tensor pixels = dataset.batch_images(idx).to(device);
+      parts.push_back(encode(pixels).to(at::kCPU, cache_dtype));
+      if (flip) mirrored.push_back(encode(pixels.flip({3})).to(at::kCPU, cache_dtype));
+    }
+    out.latents.push_back(torch::cat(parts, 0));
+    if (flip) out.flipped.push_back(torch::cat(mirrored, 0));
+  }
+  return out;
 }
 
 }  // namespace shoestring

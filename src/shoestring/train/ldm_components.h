@@ -13,6 +13,7 @@
 // embeddings of original size (h, w), crop (top, left), target size (h, w)].
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
@@ -79,6 +80,48 @@ CaptionRows caption_rows(const std::vector<std::string>& captions);
 /// Throws shoestring::Error as parse_sample_prompt.
 std::vector<std::string> sample_prompt_texts(const std::vector<std::string>& sample_prompts,
                                              std::map<std::string, int64_t>& row_of);
+
+/// Every dataset image's latents, encoded once before training and kept in
+/// host memory, grouped by bucket (one group without buckets), with the
+/// mirror images' latents when a subset flips (flip_aug).
+struct BucketLatents {
+  std::vector<at::Tensor> latents;  ///< per bucket: [n_b, C, h, w] in the cache dtype
+  std::vector<at::Tensor> flipped;  ///< per bucket, the mirror images' (empty without flip_aug)
+  std::vector<int64_t> row;         ///< per image: its row in its bucket's tensors
+
+  /// float32 x0 [B, C, h, w] of `idx` and their mirror latents (undefined
+  /// without flip_aug). Throws shoestring::Error (internal) when the batch
+  /// mixes buckets, which the batch sampler never does.
+  std::pair<at::Tensor, at::Tensor> batch(const ImageCaptionDataset& dataset, const std::vector<int64_t>& idx) const;
+  /// Host bytes of latents and mirror latents.
+  int64_t bytes() const;
+  /// For the run log: "12 x [4, 64, 64], 3 x [4, 48, 80]" (+ " (and their mirror images, flip_aug)").
+  std::string describe() const;
+};
+
+/// Encodes every image of `dataset` with `encode` (pixels [n, 3, H, W] in
+/// [-1, 1] on `device` -> latents [n, C, h, w]), bucket by bucket in chunks
+/// of about 256 K pixels x 4 (at least one image), into `cache_dtype` host
+/// tensors; with `flip` also each image's mirror image.
+BucketLatents encode_bucket_latents(const ImageCaptionDataset& dataset, bool flip, at::Device device,
+                                    at::ScalarType cache_dtype,
+                                    const std::function<at::Tensor(const at::Tensor&)>& encode);
+
+/// Puts `module` in eval mode and back in its previous mode however the
+/// scope ends (a failed sample grid is a warning and training goes on).
+class EvalModeScope {
+ public:
+  explicit EvalModeScope(torch::nn::Module& module) : module_(module), was_training_(module.is_training()) {
+    module_.eval();
+  }
+  ~EvalModeScope() { module_.train(was_training_); }
+  EvalModeScope(const EvalModeScope&) = delete;
+  EvalModeScope& operator=(const EvalModeScope&) = delete;
+
+ private:
+  torch::nn::Module& module_;
+  bool was_training_;
+};
 
 /// What a latent family draws for one micro-batch, before its objective's
 /// own draws (timesteps): the latents with flip_aug's mirror images swapped

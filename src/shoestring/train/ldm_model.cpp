@@ -121,15 +121,10 @@ class LdmTrainingModel final : public TrainingModel {
       if (base_) load_unet();
     }
     if (!source.quiet && !latent_cache_ && !text_cache_) {
-      int64_t bytes = context_.nbytes() + (pooled_.defined() ? pooled_.nbytes() : 0);
-      std::vector<std::string> shapes;
-      for (size_t b = 0; b < latents_.size(); ++b) {
-        bytes += latents_[b].nbytes() + (flipped_.empty() ? 0 : flipped_[b].nbytes());
-        shapes.push_back(fmt::format("{} x {}", latents_[b].size(0), format_shape(latents_[b].sizes().slice(1))));
-      }
-      spdlog::info("cached latents {}{} and {} text embeddings {} ({}); VAE and text encoders freed",
-                   fmt::join(shapes, ", "), flipped_.empty() ? "" : " (and their mirror images, flip_aug)",
-                   context_.size(0), format_shape(context_.sizes().slice(1)), format_bytes(bytes));
+      const int64_t bytes = latents_.bytes() + context_.nbytes() + (pooled_.defined() ? pooled_.nbytes() : 0);
+      spdlog::info("cached latents {} and {} text embeddings {} ({}); VAE and text encoders freed",
+                   latents_.describe(), context_.size(0), format_shape(context_.sizes().slice(1)),
+                   format_bytes(bytes));
     } else if (!source.quiet) {
       spdlog::info("{} read from disk a batch at a time ({}); VAE and text encoders freed",
                    latent_cache_ && text_cache_ ? "latents and text embeddings"
@@ -169,11 +164,7 @@ class LdmTrainingModel final : public TrainingModel {
       x0 = torch::stack(rows_x0).to(torch::kFloat32);
       if (has_flip_) mirror = torch::stack(rows_mirror).to(torch::kFloat32);
     } else {
-      std::vector<int64_t> latent_rows;
-      for (const int64_t i : idx) latent_rows.push_back(latent_row_[static_cast<size_t>(i)]);
-      at::Tensor lrows = torch::tensor(latent_rows, torch::kInt64);
-      x0 = latents_[static_cast<size_t>(bucket)].index_select(0, lrows).to(torch::kFloat32);
-      if (has_flip_) mirror = flipped_[static_cast<size_t>(bucket)].index_select(0, lrows).to(torch::kFloat32);
+      std::tie(x0, mirror) = latents_.batch(dataset_, idx);
     }
     // flip_aug, caption dropout (the empty caption is the last cached row) and the noise.
     LatentBatchDraws draws =
@@ -340,8 +331,7 @@ class LdmTrainingModel final : public TrainingModel {
   // images without buckets), their mirror images with flip_aug, and each
   // image's row in its bucket; context [U + 1, 77, D] and (SDXL) pooled
   // [U + 1, P] for U distinct captions plus the empty caption last; caption_row_ [N].
-  std::vector<at::Tensor> latents_, flipped_;
-  std::vector<int64_t> latent_row_;
+  BucketLatents latents_;
   at::Tensor context_, pooled_, caption_row_;
   int64_t caption_rows_ = 0;  // U + 1 (the empty caption is row U)
   // Disk caches (cache_latents_to_disk / cache_text_encoder_outputs_to_disk):
@@ -512,37 +502,12 @@ void LdmTrainingModel::encode_images() {
   models::AutoencoderKL vae = build_vae(false);
   vae->to(device_);
   ScopedMemoryCategory category(MemoryCategory::other);
-  torch::NoGradGuard no_grad;
   const auto cache_dtype = storage_ == torch::kHalf ? torch::kFloat32 : storage_;
-  // The images of each bucket (without buckets: all, at resolution^2).
-  std::vector<std::vector<int64_t>> groups;
-  latent_row_.assign(static_cast<size_t>(dataset_.size()), 0);
-  if (dataset_.bucketed()) {
-    for (const DatasetBucket& b : dataset_.buckets()) groups.push_back(b.images);
-  } else {
-    groups.emplace_back();
-    for (int64_t i = 0; i < dataset_.size(); ++i) groups.back().push_back(i);
-  }
-  for (const std::vector<int64_t>& images : groups) {
-    const auto n = static_cast<int64_t>(images.size());
-    for (int64_t k = 0; k < n; ++k) latent_row_[static_cast<size_t>(images[static_cast<size_t>(k)])] = k;
-    const at::Tensor first = dataset_.batch_images({images.front()});
-    const int64_t pixels = first.size(2) * first.size(3);
-    const int64_t chunk = std::max<int64_t>(1, (256 * 256 * 4) / pixels);
-    std::vector<at::Tensor> parts, mirrored;
-    for (int64_t i = 0; i < n; i += chunk) {
-      const std::vector<int64_t> idx(images.begin() + i, images.begin() + std::min(n, i + chunk));
-      const at::Tensor pixels_in = dataset_.batch_images(idx).to(device_);
-      // The distribution's mean, scaled: deterministic latents (OneTrainer and
-      // kohya sample once instead; the difference is the VAE's tiny variance).
-      parts.push_back(vae->encode_latents(pixels_in, /*sample=*/false).to(at::kCPU, cache_dtype));
-      if (has_flip_) {
-        mirrored.push_back(vae->encode_latents(pixels_in.flip({3}), /*sample=*/false).to(at::kCPU, cache_dtype));
-      }
-    }
-    latents_.push_back(torch::cat(parts, 0));
-    if (has_flip_) flipped_.push_back(torch::cat(mirrored, 0));
-  }
+  // The distribution's mean, scaled: deterministic latents (OneTrainer and
+  // kohya sample once instead; the difference is the VAE's tiny variance).
+  latents_ = encode_bucket_latents(dataset_, has_flip_, device_, cache_dtype, [&](const at::Tensor& pixels) {
+    return vae->encode_latents(pixels, /*sample=*/false);
+  });
 }
 
 namespace {

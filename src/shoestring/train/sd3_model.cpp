@@ -137,15 +137,11 @@ class Sd3TrainingModel final : public TrainingModel {
       int64_t bytes = 0;
       for (const TextRows* r : {&text_, &sample_text_})
         for (const at::Tensor* t : {&r->clip, &r->t5, &r->pooled}) bytes += t->defined() ? t->nbytes() : 0;
-      std::vector<std::string> shapes;
-      for (size_t b = 0; b < latents_.size(); ++b) {
-        bytes += latents_[b].nbytes() + (flipped_.empty() ? 0 : flipped_[b].nbytes());
-        shapes.push_back(fmt::format("{} x {}", latents_[b].size(0), format_shape(latents_[b].sizes().slice(1))));
-      }
+      bytes += latents_.bytes();
       spdlog::info(
-          "cached SD3 VAE latents {}{} and text conditioning {} (CLIP-L + bigG{}) for {} captions + the empty one "
+          "cached SD3 VAE latents {} and text conditioning {} (CLIP-L + bigG{}) for {} captions + the empty one "
           "(caption dropout) ({}); encoders freed",
-          fmt::join(shapes, ", "), flipped_.empty() ? "" : " (and their mirror images, flip_aug)",
+          latents_.describe(),
           t5_files_ ? format_shape(text_.clip.sizes().slice(1)) + " + " + format_shape(text_.t5.sizes().slice(1))
                     : format_shape(text_.clip.sizes().slice(1)),
           t5_files_ ? " + T5-XXL" : ", T5 as zeros", text_.clip.size(0) - 1,
@@ -176,20 +172,11 @@ class Sd3TrainingModel final : public TrainingModel {
   TrainBatch prepare(const std::vector<int64_t>& idx) override {
     const auto b = static_cast<int64_t>(idx.size());
     if (b == 0) fail("internal: empty batch");
-    const int64_t bucket = dataset_.bucketed() ? dataset_.bucket_of(idx.front()) : 0;
-    std::vector<int64_t> latent_rows;
-    for (const int64_t i : idx) {
-      if (dataset_.bucketed() && dataset_.bucket_of(i) != bucket)
-        fail("internal: images {} and {} of one batch are in different buckets", idx.front(), i);
-      latent_rows.push_back(latent_row_[static_cast<size_t>(i)]);
-    }
-    const at::Tensor lrows = torch::tensor(latent_rows, torch::kInt64);
-    const at::Tensor mirror =
-        has_flip_ ? flipped_[static_cast<size_t>(bucket)].index_select(0, lrows).to(torch::kFloat32) : at::Tensor();
+    const auto [latents, mirror] = latents_.batch(dataset_, idx);
     // flip_aug, caption dropout (the empty caption's conditioning, the last row) and the noise.
-    const LatentBatchDraws draws = draw_latent_batch(
-        dataset_, config_, idx, latents_[static_cast<size_t>(bucket)].index_select(0, lrows).to(torch::kFloat32),
-        mirror, caption_row_.index_select(0, torch::tensor(idx, torch::kInt64)), caption_rows_ - 1);
+    const LatentBatchDraws draws = draw_latent_batch(dataset_, config_, idx, latents, mirror,
+                                                     caption_row_.index_select(0, torch::tensor(idx, torch::kInt64)),
+                                                     caption_rows_ - 1);
     const at::Tensor x0 = draws.x0, rows = draws.caption_rows, eps = draws.noise;
     const at::Tensor t = sample_flow_times(b, config_.timestep_sampling, config_.logit_mean, config_.logit_std,
                                            config_.mode_scale, config_.training_shift);
@@ -481,29 +468,10 @@ class Sd3TrainingModel final : public TrainingModel {
     models::AutoencoderKL vae = build_vae();
     vae->to(device_);
     ScopedMemoryCategory category(MemoryCategory::other);
-    torch::NoGradGuard no_grad;
-    std::vector<std::vector<int64_t>> groups;
-    latent_row_.assign(static_cast<size_t>(dataset_.size()), 0);
-    if (dataset_.bucketed()) {
-      for (const DatasetBucket& b : dataset_.buckets()) groups.push_back(b.images);
-    } else {
-      groups.emplace_back();
-      for (int64_t i = 0; i < dataset_.size(); ++i) groups.back().push_back(i);
-    }
-    for (const std::vector<int64_t>& images : groups) {
-      const auto n = static_cast<int64_t>(images.size());
-      for (int64_t k = 0; k < n; ++k) latent_row_[static_cast<size_t>(images[static_cast<size_t>(k)])] = k;
-      std::vector<at::Tensor> parts, mirrored;
-      for (int64_t i = 0; i < n; i += 8) {
-        const std::vector<int64_t> idx(images.begin() + i, images.begin() + std::min(n, i + 8));
-        const at::Tensor pixels = dataset_.batch_images(idx).to(device_);
-        // The posterior mean, as the LDM families cache (kohya caches the mean for SD3 too).
-        parts.push_back(vae->encode_latents(pixels, /*sample=*/false).to(at::kCPU, cache_dtype_));
-        if (has_flip_) mirrored.push_back(vae->encode_latents(pixels.flip({3}), false).to(at::kCPU, cache_dtype_));
-      }
-      latents_.push_back(torch::cat(parts, 0));
-      if (has_flip_) flipped_.push_back(torch::cat(mirrored, 0));
-    }
+    // The posterior mean, as the LDM families cache it.
+    latents_ = encode_bucket_latents(dataset_, has_flip_, device_, cache_dtype_, [&](const at::Tensor& pixels) {
+      return vae->encode_latents(pixels, /*sample=*/false);
+    });
   }
 
   TrainConfig config_;
@@ -517,8 +485,7 @@ class Sd3TrainingModel final : public TrainingModel {
   LdmTokenizer tokenizer_;
   std::optional<T5Tokenizer> t5_tokenizer_;
   BucketReso sample_size_;
-  std::vector<at::Tensor> latents_, flipped_;
-  std::vector<int64_t> latent_row_;
+  BucketLatents latents_;
   bool has_flip_ = false;
   // Conditioning [U + 1, tokens, context] and pooled [U + 1, adm] (the empty caption last), each image's row.
   TextRows text_, sample_text_;  // the captions' (the empty one last) and the sample prompts'
@@ -529,12 +496,7 @@ class Sd3TrainingModel final : public TrainingModel {
 
 at::Tensor Sd3TrainingModel::sample(const SampleRequest& request) {
   if (request.prompts.empty() || request.seeds.empty()) fail("sample: no prompts or no seeds");
-  struct RestoreMode {
-    torch::nn::Module& m;
-    bool was_training;
-    ~RestoreMode() { m.train(was_training); }
-  } restore{*root_, root_->is_training()};
-  root_->eval();
+  const EvalModeScope eval_mode(*root_);
   torch::NoGradGuard no_grad;
   const auto dtype = nn::value_dtype(mmdit_->context_embedder->weight);
   const at::Device device = mmdit_->context_embedder->weight.device();
