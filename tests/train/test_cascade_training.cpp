@@ -28,8 +28,9 @@
 
 namespace fs = std::filesystem;
 using namespace shoestring;
-using shoestring::testing::losses_of;
 using shoestring::testing::quiet;
+using shoestring::testing::run_losses;
+using shoestring::testing::train_error;
 
 namespace {
 
@@ -42,16 +43,6 @@ TrainConfig cascade_config(const std::string& out, const std::string& extra = ""
   return c;
 }
 
-std::vector<double> run_losses(const std::string& run_dir) { return losses_of(run_dir + "/metrics.jsonl"); }
-
-std::string message_of(const TrainConfig& c) {
-  try {
-    train(c, quiet());
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "no error";
-}
 
 void save_module(torch::nn::Module& m, const std::string& path, const std::string& prefix = "") {
   std::vector<NamedTensor> tensors;
@@ -169,7 +160,7 @@ TEST(CascadeTraining, ForcedFp16OverflowFinishesWithActivationRescale) {
     c.sample_prompts.clear();
     return c;
   };
-  const std::string plain = message_of(config("overflow_plain", ""));
+  const std::string plain = train_error(config("overflow_plain", ""));
   EXPECT_NE(plain.find("non-finite"), std::string::npos) << plain;
   EXPECT_NE(plain.find("precision.activation_rescale"), std::string::npos) << plain;
 
@@ -272,25 +263,25 @@ TEST(CascadeTraining, FrozenPartsFromTheirFiles) {
 
   TrainConfig wrong =
       cascade_config(temp_dir("wrong"), "effnet_checkpoint_path = \"" + dir + "/previewer.safetensors\"\n");
-  const std::string m = message_of(wrong);
+  const std::string m = train_error(wrong);
   EXPECT_NE(m.find("previewer.safetensors"), std::string::npos) << m;
   EXPECT_NE(m.find("backbone.0.0.weight"), std::string::npos) << m;
   TrainConfig no_text =
       cascade_config(temp_dir("no_text"), "text_model_checkpoint_path = \"" + dir + "/effnet_encoder.safetensors\"\n");
-  const std::string t = message_of(no_text);
+  const std::string t = train_error(no_text);
   EXPECT_NE(t.find("holds no OpenCLIP text tower"), std::string::npos) << t;
   EXPECT_NE(m.find("effnet_checkpoint_path: expected Stable Cascade's effnet_encoder.safetensors"), std::string::npos)
       << m;
   // A bad previewer is refused at the start, not when the first samples are drawn.
   TrainConfig bad_preview =
       cascade_config(temp_dir("bad_preview"), "previewer_checkpoint_path = \"" + dir + "/missing.safetensors\"\n");
-  const std::string pv = message_of(bad_preview);
+  const std::string pv = train_error(bad_preview);
   EXPECT_NE(pv.find("previewer_checkpoint_path = \"" + dir + "/missing.safetensors\""), std::string::npos) << pv;
   EXPECT_FALSE(fs::exists(bad_preview.output_dir));
   // A base file that is not stage C: refused from its header, naming what it holds.
   TrainConfig not_c =
       cascade_config(temp_dir("not_c"), "pretrained_model_name_or_path = \"" + dir + "/sdxl.safetensors\"\n");
-  const std::string nc = message_of(not_c);
+  const std::string nc = train_error(not_c);
   EXPECT_NE(nc.find("expected cascade-c (tiny) stage C with the released keys"), std::string::npos) << nc;
   EXPECT_FALSE(fs::exists(not_c.output_dir));
   fs::remove_all(dir);
@@ -299,21 +290,21 @@ TEST(CascadeTraining, FrozenPartsFromTheirFiles) {
 TEST(CascadeTraining, RefusesWhatItCannotTrain) {
   TrainConfig c = cascade_config(temp_dir("e1"));
   c.tiny = false;
-  EXPECT_NE(message_of(c).find("pretrained_model_name_or_path"), std::string::npos) << message_of(c);
+  EXPECT_NE(train_error(c).find("pretrained_model_name_or_path"), std::string::npos) << train_error(c);
   c = cascade_config(temp_dir("e2"));
   c.resolution = 48;
-  EXPECT_NE(message_of(c).find("multiples of 32 pixels"), std::string::npos) << message_of(c);
+  EXPECT_NE(train_error(c).find("multiples of 32 pixels"), std::string::npos) << train_error(c);
   c = cascade_config(temp_dir("e3"), "cache_latents_to_disk = true\n");
-  EXPECT_NE(message_of(c).find("cache_latents_to_disk"), std::string::npos) << message_of(c);
+  EXPECT_NE(train_error(c).find("cache_latents_to_disk"), std::string::npos) << train_error(c);
   c = cascade_config(temp_dir("e4"), "v_parameterization = true\n");
-  EXPECT_NE(message_of(c).find("v_parameterization: model.architecture = \"cascade-c\" trains on GDF"),
+  EXPECT_NE(train_error(c).find("v_parameterization: model.architecture = \"cascade-c\" trains on GDF"),
             std::string::npos)
-      << message_of(c);
+      << train_error(c);
   c = cascade_config(temp_dir("e5"), "min_snr_gamma = 5\n");
-  EXPECT_NE(message_of(c).find("min_snr_gamma"), std::string::npos) << message_of(c);
+  EXPECT_NE(train_error(c).find("min_snr_gamma"), std::string::npos) << train_error(c);
   // A sample size the EfficientNet grid cannot take: refused before training, not at the first grid.
   c = cascade_config(temp_dir("e6"));
   c.sample_prompts = {"red heart --w 50"};
-  EXPECT_NE(message_of(c).find("sample_prompts[0] (--w / --h) 50 x 64 px"), std::string::npos) << message_of(c);
+  EXPECT_NE(train_error(c).find("sample_prompts[0] (--w / --h) 50 x 64 px"), std::string::npos) << train_error(c);
   EXPECT_FALSE(fs::exists(c.output_dir));  // refused before the run folder exists
 }

@@ -29,6 +29,7 @@ namespace fs = std::filesystem;
 using namespace shoestring;
 using shoestring::testing::losses_of;
 using shoestring::testing::quiet;
+using shoestring::testing::run_losses;
 
 namespace {
 
@@ -37,8 +38,6 @@ std::string temp_dir(const std::string& name) { return shoestring::testing::fres
 TrainConfig ldm_config(const std::string& arch, const std::string& out, const std::string& extra = "") {
   return shoestring::testing::tiny_ldm_config(arch, out, extra);
 }
-
-std::vector<double> run_losses(const std::string& run_dir) { return losses_of(run_dir + "/metrics.jsonl"); }
 
 std::vector<models::TensorShape> shapes_of(const WeightFiles& f) {
   std::vector<models::TensorShape> s;

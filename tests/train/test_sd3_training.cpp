@@ -22,8 +22,9 @@
 
 namespace fs = std::filesystem;
 using namespace shoestring;
-using shoestring::testing::losses_of;
 using shoestring::testing::quiet;
+using shoestring::testing::run_losses;
+using shoestring::testing::train_error;
 
 namespace {
 
@@ -36,16 +37,6 @@ TrainConfig sd3_config(const std::string& out, const std::string& extra = "") {
   return c;
 }
 
-std::vector<double> run_losses(const std::string& run_dir) { return losses_of(run_dir + "/metrics.jsonl"); }
-
-std::string message_of(const TrainConfig& c) {
-  try {
-    train(c, quiet());
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "no error";
-}
 
 }  // namespace
 
@@ -171,11 +162,11 @@ TEST(Sd3Training, T5FromItsFileWithSentencePiece) {
 
   // t5xxl without the SentencePiece model is refused by name.
   TrainConfig c = sd3_config(temp_dir("t5err"), "t5xxl = \"" + dir + "/t5_a.safetensors\"\n");
-  std::string m = message_of(c);
+  std::string m = train_error(c);
   EXPECT_NE(m.find("tokenizer_dir"), std::string::npos) << m;
   fs::remove(dir + "/tok/spiece.model");
   c = sd3_config(temp_dir("t5err2"), "tokenizer_dir = \"" + dir + "/tok\"\nt5xxl = \"" + dir + "/t5_a.safetensors\"\n");
-  m = message_of(c);
+  m = train_error(c);
   EXPECT_NE(m.find("spiece.model"), std::string::npos) << m;
 }
 
@@ -198,17 +189,17 @@ TEST(Sd3Training, WeightingSchemeActsOnThePreconditionedLoss) {
 }
 
 TEST(Sd3Training, RefusesWhatItCannotTrain) {
-  std::string m = message_of(sd3_config(temp_dir("e1"), "cache_latents_to_disk = true\n"));
+  std::string m = train_error(sd3_config(temp_dir("e1"), "cache_latents_to_disk = true\n"));
   EXPECT_NE(m.find("cache_latents_to_disk"), std::string::npos) << m;
-  m = message_of(sd3_config(temp_dir("e2"), "v_parameterization = true\n"));
+  m = train_error(sd3_config(temp_dir("e2"), "v_parameterization = true\n"));
   EXPECT_NE(m.find("rectified flow"), std::string::npos) << m;
   TrainConfig c = sd3_config(temp_dir("e3"));
   c.resolution = 72;  // not a multiple of 16
-  m = message_of(c);
+  m = train_error(c);
   EXPECT_NE(m.find("16"), std::string::npos) << m;
   c = sd3_config(temp_dir("e4"));
   c.tiny = false;
-  m = message_of(c);
+  m = train_error(c);
   EXPECT_NE(m.find("pretrained_model_name_or_path"), std::string::npos) << m;
   try {
     sd3_config(temp_dir("e5"), "weighting_scheme = \"bogus\"\n");
@@ -216,12 +207,12 @@ TEST(Sd3Training, RefusesWhatItCannotTrain) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("weighting_scheme"), std::string::npos) << e.what();
   }
-  m = message_of(sd3_config(temp_dir("e6"), "clip_l = \"" + temp_dir("e6") + "/missing.safetensors\"\n"));
+  m = train_error(sd3_config(temp_dir("e6"), "clip_l = \"" + temp_dir("e6") + "/missing.safetensors\"\n"));
   EXPECT_NE(m.find("clip_l"), std::string::npos) << m;
   EXPECT_NE(m.find("model.tiny"), std::string::npos) << m;
   // The tiny MMDiT's position embedding covers 32 x 32 patches: 512 px.
   c = sd3_config(temp_dir("e7"));
   c.resolution = 528;
-  m = message_of(c);
+  m = train_error(c);
   EXPECT_NE(m.find("at most 512 px"), std::string::npos) << m;
 }

@@ -12,6 +12,7 @@
 
 #include <fmt/format.h>
 
+#include "../error_testing.h"
 #include "shoestring/train/config.h"
 #include "shoestring/train/trainer.h"
 
@@ -42,6 +43,14 @@ inline std::vector<double> losses_of(const std::string& metrics_path) {
     if (!line.empty()) out.push_back(nlohmann::json::parse(line)["loss"].get<double>());
   }
   return out;
+}
+
+/// The losses of a run folder's metrics.jsonl.
+inline std::vector<double> run_losses(const std::string& run_dir) { return losses_of(run_dir + "/metrics.jsonl"); }
+
+/// The message of the shoestring::Error training `config` throws ("" when it trains).
+inline std::string train_error(const TrainConfig& config) {
+  return error_of([&] { train(config, quiet()); });
 }
 
 /// The emoji example's model at a size that trains a few steps in a second
