@@ -19,21 +19,16 @@
 #include "shoestring/train/flow_matching.h"
 #include "shoestring/train/lr_schedule.h"
 
+#include "reference_testing.h"
+
 using namespace shoestring;
 
 namespace {
 
-nlohmann::json flow_reference() {
-  std::ifstream in(std::string(SHOESTRING_TEST_DATA) + "/train/flow_reference.json");
-  EXPECT_TRUE(in.good());
-  return nlohmann::json::parse(in);
-}
+using shoestring::testing::doubles;
+using shoestring::testing::max_diff;
 
-at::Tensor doubles(const nlohmann::json& j) { return torch::tensor(j.get<std::vector<double>>(), torch::kDouble); }
-
-double max_diff(const at::Tensor& a, const at::Tensor& b) {
-  return (a.to(torch::kDouble) - b.to(torch::kDouble)).abs().max().item<double>();
-}
+nlohmann::json flow_reference() { return shoestring::testing::train_reference("flow_reference.json"); }
 
 }  // namespace
 

@@ -16,21 +16,16 @@
 #include "shoestring/core/error.h"
 #include "shoestring/train/gdf.h"
 
+#include "reference_testing.h"
+
 using namespace shoestring;
 
 namespace {
 
-nlohmann::json reference() {
-  std::ifstream in(std::string(SHOESTRING_TEST_DATA) + "/train/gdf_reference.json");
-  EXPECT_TRUE(in.good());
-  return nlohmann::json::parse(in);
-}
+using shoestring::testing::doubles;
+using shoestring::testing::max_diff;
 
-at::Tensor doubles(const nlohmann::json& j) { return torch::tensor(j.get<std::vector<double>>(), torch::kDouble); }
-
-double max_diff(const at::Tensor& a, const at::Tensor& b) {
-  return (a.to(torch::kDouble) - b.to(torch::kDouble)).abs().max().item<double>();
-}
+nlohmann::json reference() { return shoestring::testing::train_reference("gdf_reference.json"); }
 
 }  // namespace
 
