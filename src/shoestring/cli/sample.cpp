@@ -1,6 +1,10 @@
 // `shoestring sample CHECKPOINT --prompt TEXT [--prompt TEXT]... [--negative-prompt TEXT] [--width W --height H]
 // [--steps N] [--cfg X] [--sampler ddim|euler|euler_a|dpmpp_2m] [--seed S] [--count N] [--lora FILE
-// [--lora-scale X]]... [--tokenizer-dir DIR] --out FILE.png [--device auto|cpu|cuda|cuda:N]`
+// [--lora-scale X]]... [--tokenizer-dir DIR] [--clip-l FILE] [--clip-g FILE] [--t5xxl FILE] [--vae FILE]
+// [--previewer FILE] --out FILE.png [--device auto|cpu|cuda|cuda:N]`
+// The checkpoint's architecture picks the path: the emoji example's model,
+// the LDM UNets (train/ldm_sampling.h), SD3.5 Medium (train/sd3_sampling.h),
+// Stable Cascade stage C (train/cascade_sampling.h).
 #include <cmath>
 #include <filesystem>
 
@@ -12,9 +16,11 @@
 #include "shoestring/core/device.h"
 #include "shoestring/core/error.h"
 #include "shoestring/core/threads.h"
+#include "shoestring/train/cascade_sampling.h"
 #include "shoestring/train/ldm_sampling.h"
 #include "shoestring/train/samplers.h"
 #include "shoestring/train/sampling.h"
+#include "shoestring/train/sd3_sampling.h"
 #include "shoestring/train/tiny_unet_model.h"
 
 namespace shoestring::cli {
@@ -31,6 +37,27 @@ CLI::Validator finite_number() {
         return "";
       },
       "FINITE", "finite");
+}
+
+/// kohya LoRA files with their multipliers: one --lora-scale for all, one per file, or none (1).
+std::vector<std::pair<std::string, double>> lora_list(const std::vector<std::string>& loras,
+                                                      const std::vector<double>& scales) {
+  if (!scales.empty() && scales.size() != 1 && scales.size() != loras.size()) {
+    fail("--lora-scale given {} times for {} --lora files: give one scale for all, or one per file", scales.size(),
+         loras.size());
+  }
+  if (!scales.empty() && loras.empty()) fail("--lora-scale without --lora");
+  std::vector<std::pair<std::string, double>> out;
+  for (size_t i = 0; i < loras.size(); ++i)
+    out.emplace_back(loras[i], scales.empty() ? 1.0 : scales.size() == 1 ? scales[0] : scales[i]);
+  return out;
+}
+
+/// Refuses options that apply to other architectures than `family` (named in the message).
+void refuse_options(const std::vector<const CLI::Option*>& options, const std::string& checkpoint,
+                    const std::string& family) {
+  for (const CLI::Option* o : options)
+    if (o->count() > 0) fail("{} does not apply to {}: {} is {}", o->get_name(), checkpoint, checkpoint, family);
 }
 
 /// "1 prompt", "2 prompts".
@@ -54,42 +81,47 @@ void register_sample(CLI::App& app) {
     std::string tokenizer_dir;
     int64_t clip_skip = 0;
     std::string prediction = "auto";
+    std::string clip_l, clip_g, t5xxl, vae, previewer;
     std::string out;
     std::string device = "auto";
   };
   auto args = std::make_shared<Args>();
   CLI::App* cmd = app.add_subcommand("sample", "generate images from a trained checkpoint");
   cmd->add_option("checkpoint", args->checkpoint,
-                  "model .safetensors: the emoji example's, or a single-file SD 1.5 / SDXL / SSD-1B checkpoint (a "
-                  "run's RUN_DIR/model.safetensors, or one from ComfyUI / A1111 / kohya)")
+                  "model .safetensors: the emoji example's, a single-file SD 1.5 / SDXL / SSD-1B or SD3.5 Medium "
+                  "checkpoint, or a Stable Cascade stage C file (a run's RUN_DIR/model.safetensors, a step "
+                  "checkpoint, or a released / ComfyUI / A1111 / kohya file)")
       ->required();
   cmd->add_option("--prompt", args->prompts, "prompt (repeatable; one grid row each)")
       ->required()
       ->allow_extra_args(false);
   CLI::Option* negative = cmd->add_option("--negative-prompt", args->negative_prompt,
-                                          "SD 1.5 / SDXL: the prompt guidance steers away from (default empty)");
+                                          "the prompt guidance steers away from (default empty; not the emoji model)");
   cmd->add_option("--steps", args->steps, "sampler steps (UNet evaluations per image)")->check(CLI::Range(1, 1000));
   CLI::Option* cfg = cmd->add_option("--cfg", args->cfg,
-                                     "classifier-free guidance scale (1 = off; default 4 for the emoji model, 7.5 "
-                                     "for SD 1.5 / SDXL, as kohya's sample_prompts)")
+                                     "classifier-free guidance scale (1 = off; default 4 for the emoji model and "
+                                     "Stable Cascade, 7.5 for SD 1.5 / SDXL as kohya's sample_prompts, 5 for SD3.5 "
+                                     "Medium as Stability's sd3_infer.py)")
                          ->check(finite_number())
                          ->check(CLI::Range(0.0, 100.0));
   cmd->add_option("--seed", args->seed, "first seed; columns use seed, seed+1, ...")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 62));
   cmd->add_option("--count", args->count, "images per prompt (grid columns)")->check(CLI::Range(1, 64));
   CLI::Option* width = cmd->add_option("--width", args->width,
-                                       "SD 1.5 / SDXL: image width in pixels (default: --height when given, else the "
-                                       "run's resolution, else 512 for SD 1.5 and 1024 for SDXL / SSD-1B)")
+                                       "image width in pixels (default: --height when given, else the run's "
+                                       "resolution, else 512 for SD 1.5, 1024 for SDXL / SSD-1B / SD3.5, 768 for "
+                                       "Stable Cascade, whose previews are a quarter of it)")
                            ->check(CLI::Range(8, 8192));
   CLI::Option* height =
       cmd->add_option("--height", args->height,
-                      "SD 1.5 / SDXL: image height in pixels (default: --width when given, else as --width)")
+                      "image height in pixels (default: --width when given, else as --width)")
           ->check(CLI::Range(8, 8192));
   CLI::Option* sampler = cmd->add_option("--sampler", args->sampler,
                                          "SD 1.5 / SDXL: ddim (default, as kohya's samples), euler, euler_a, "
                                          "dpmpp_2m (k-diffusion's)");
   CLI::Option* lora =
-      cmd->add_option("--lora", args->loras, "SD 1.5 / SDXL: kohya LoRA file merged into the UNet (repeatable)")
+      cmd->add_option("--lora", args->loras,
+                      "kohya LoRA file merged into the UNet / MMDiT / stage C (repeatable; not the emoji model)")
           ->allow_extra_args(false);
   CLI::Option* lora_scale = cmd->add_option("--lora-scale", args->lora_scales,
                                             "LoRA multiplier: one for all --lora files, or one per file (default 1)")
@@ -97,7 +129,8 @@ void register_sample(CLI::App& app) {
                                 ->check(finite_number());
   CLI::Option* tokenizer =
       cmd->add_option("--tokenizer-dir", args->tokenizer_dir,
-                      "SD 1.5 / SDXL: folder with CLIP's vocab.json and merges.txt (default: the run's tokenizer_dir)");
+                      "folder with CLIP's vocab.json and merges.txt (SD3 with T5: and spiece.model; "
+                      "default: the run's tokenizer_dir)");
   CLI::Option* clip_skip =
       cmd->add_option("--clip-skip", args->clip_skip, "SD 1.5: clip_skip (default: the run's, else 1)")
           ->check(CLI::Range(1, 12));
@@ -106,6 +139,19 @@ void register_sample(CLI::App& app) {
                       "SD 1.5 / SDXL: what the UNet predicts: auto (the file's metadata, else the "
                       "run's v_parameterization, else epsilon), epsilon, v")
           ->check(CLI::IsMember({"auto", "epsilon", "v"}));
+  CLI::Option* clip_l = cmd->add_option("--clip-l", args->clip_l,
+                                        "SD3.5: CLIP-L's file (default: the checkpoint's text_encoders.clip_l, else the "
+                                        "run's clip_l)");
+  CLI::Option* clip_g = cmd->add_option("--clip-g", args->clip_g,
+                                        "SD3.5 / Stable Cascade: OpenCLIP bigG's file (default: the checkpoint's, else "
+                                        "the run's clip_g / text_model_checkpoint_path)");
+  CLI::Option* t5xxl = cmd->add_option("--t5xxl", args->t5xxl,
+                                       "SD3.5: T5-XXL's file, may be the checkpoint itself (default: the run's t5xxl, "
+                                       "else none: 77 zero tokens)");
+  CLI::Option* vae = cmd->add_option("--vae", args->vae, "SD3.5: the SD3 VAE's file (default: the checkpoint's)");
+  CLI::Option* previewer = cmd->add_option(
+      "--previewer", args->previewer,
+      "Stable Cascade: previewer.safetensors (default: the run's previewer_checkpoint_path)");
   cmd->add_option("--out", args->out, "output PNG")->required();
   cmd->add_option("--device", args->device,
                   "where to sample: auto (first CUDA device if any, else cpu), cpu, cuda, "
@@ -126,7 +172,53 @@ void register_sample(CLI::App& app) {
     for (int64_t i = 0; i < args->count; ++i) req.seeds.push_back(static_cast<uint64_t>(args->seed + i));
     req.steps = args->steps;
     req.cfg = args->cfg;
+    const std::vector<std::pair<std::string, double>> loras = lora_list(args->loras, args->lora_scales);
+    auto log_drawn = [&](const CheckpointSamples& d, double cfg) {
+      spdlog::info("wrote {} ({} x {} seed{}; {}{}, {} x {} px, {} steps, cfg {}, {} in {}; {})", args->out,
+                   plural(req.prompts.size(), "prompt"), req.seeds.size(), req.seeds.size() == 1 ? "" : "s",
+                   d.architecture, d.tiny ? " (tiny)" : "", d.width, d.height, req.steps, cfg,
+                   d.architecture == "sd35m" ? "MMDiT" : "stage C", d.denoiser_dtype, d.notes);
+    };
+    if (is_sd3_checkpoint(args->checkpoint)) {
+      refuse_options({sampler, clip_skip, prediction, previewer}, args->checkpoint, "an SD3.5 Medium checkpoint");
+      Sd3SampleRequest r;
+      r.images = req;
+      if (cfg->count() == 0) r.images.cfg = 5.0;
+      r.negative_prompt = args->negative_prompt;
+      r.width = args->width > 0 ? args->width : args->height;
+      r.height = args->height > 0 ? args->height : args->width;
+      r.loras = loras;
+      r.tokenizer_dir = args->tokenizer_dir;
+      r.clip_l = args->clip_l;
+      r.clip_g = args->clip_g;
+      r.t5xxl = args->t5xxl;
+      r.vae = args->vae;
+      r.device = device;
+      const CheckpointSamples drawn = sample_sd3_checkpoint(args->checkpoint, r);
+      save_sample_grid(args->out, drawn.images, r.images);
+      log_drawn(drawn, r.images.cfg);
+      return;
+    }
+    if (is_cascade_checkpoint(args->checkpoint)) {
+      refuse_options({sampler, clip_skip, prediction, clip_l, t5xxl, vae}, args->checkpoint,
+                     "a Stable Cascade stage C checkpoint");
+      CascadeSampleRequest r;
+      r.images = req;
+      r.negative_prompt = args->negative_prompt;
+      r.width = args->width > 0 ? args->width : args->height;
+      r.height = args->height > 0 ? args->height : args->width;
+      r.loras = loras;
+      r.tokenizer_dir = args->tokenizer_dir;
+      r.clip_g = args->clip_g;
+      r.previewer = args->previewer;
+      r.device = device;
+      const CheckpointSamples drawn = sample_cascade_checkpoint(args->checkpoint, r);
+      save_sample_grid(args->out, drawn.images, r.images);
+      log_drawn(drawn, r.images.cfg);
+      return;
+    }
     if (is_ldm_checkpoint(args->checkpoint)) {
+      refuse_options({clip_l, clip_g, t5xxl, vae, previewer}, args->checkpoint, "an SD 1.5 / SDXL / SSD-1B checkpoint");
       LdmSampleRequest r;
       r.images = req;
       if (cfg->count() == 0) r.images.cfg = 7.5;
@@ -135,18 +227,7 @@ void register_sample(CLI::App& app) {
       r.width = args->width > 0 ? args->width : args->height;
       r.height = args->height > 0 ? args->height : args->width;
       r.sampler = sampler_kind;
-      if (!args->lora_scales.empty() && args->lora_scales.size() != 1 &&
-          args->lora_scales.size() != args->loras.size()) {
-        fail("--lora-scale given {} times for {} --lora files: give one scale for all, or one per file",
-             args->lora_scales.size(), args->loras.size());
-      }
-      if (!args->lora_scales.empty() && args->loras.empty()) fail("--lora-scale without --lora");
-      for (size_t i = 0; i < args->loras.size(); ++i) {
-        const double scale = args->lora_scales.empty()       ? 1.0
-                             : args->lora_scales.size() == 1 ? args->lora_scales[0]
-                                                             : args->lora_scales[i];
-        r.loras.emplace_back(args->loras[i], scale);
-      }
+      r.loras = loras;
       r.tokenizer_dir = args->tokenizer_dir;
       r.clip_skip = args->clip_skip;
       r.prediction = args->prediction == "v"         ? LdmSampleRequest::Prediction::v
@@ -164,10 +245,11 @@ void register_sample(CLI::App& app) {
     }
     // The emoji model: flow matching, Euler, square at its training resolution.
     for (const CLI::Option* o :
-         {negative, width, height, sampler, lora, lora_scale, tokenizer, clip_skip, prediction}) {
+         {negative, width, height, sampler, lora, lora_scale, tokenizer, clip_skip, prediction, clip_l, clip_g, t5xxl,
+          vae, previewer}) {
       if (o->count() > 0) {
         fail(
-            "{} applies to SD 1.5 / SDXL / SSD-1B checkpoints; {} is the emoji example's model, which samples "
+            "{} applies to the released architectures' checkpoints; {} is the emoji example's model, which samples "
             "square images at its training resolution with its flow-matching Euler sampler",
             o->get_name(), args->checkpoint);
       }

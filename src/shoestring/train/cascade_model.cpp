@@ -39,6 +39,7 @@
 #include "shoestring/models/cascade_coders.h"
 #include "shoestring/models/clip_text.h"
 #include "shoestring/train/checkpoint_io.h"
+#include "shoestring/train/cascade_components.h"
 #include "shoestring/train/config.h"
 #include "shoestring/train/diffusion_loss.h"
 #include "shoestring/train/gdf.h"
@@ -48,13 +49,6 @@
 
 namespace shoestring {
 namespace {
-
-// kohya's stage C sampling (stable_cascade_utils sample_image_inference) and ComfyUI's default shift.
-constexpr double kSampleShift = 2.0;
-// GDF.sample's default cfg_rho.
-constexpr double kGuidanceRho = 0.7;
-// The SDXL single-file prefix of bigG (the same laion2b weights Stable Cascade conditions on).
-constexpr const char* kBigGPrefixes[] = {models::kSdxlClipGPrefix, ""};
 
 class CascadeTrainingModel final : public TrainingModel {
  public:
@@ -119,15 +113,12 @@ class CascadeTrainingModel final : public TrainingModel {
     encode_captions();
     encode_images();
     if (!source.quiet) {
-      int64_t bytes = clip_text_.nbytes() + clip_pooled_.nbytes() +
-                      (sample_text_.defined() ? sample_text_.nbytes() : 0) +
-                      (sample_pooled_.defined() ? sample_pooled_.nbytes() : 0);
-      bytes += latents_.bytes();
+      const int64_t bytes = text_.bytes() + sample_text_.bytes() + latents_.bytes();
       spdlog::info(
           "cached EfficientNet latents {} and bigG text embeddings {} for {} captions + the empty one (caption "
           "dropout){} ({}); encoders freed",
           latents_.describe(),
-          format_shape(clip_text_.sizes().slice(1)), clip_text_.size(0) - 1,
+          format_shape(text_.text.sizes().slice(1)), text_.text.size(0) - 1,
           sample_row_.empty() ? "" : fmt::format(" and {} sample texts", sample_row_.size()), format_bytes(bytes));
     }
 
@@ -169,8 +160,8 @@ class CascadeTrainingModel final : public TrainingModel {
     const at::Tensor log_snr = schedule_.log_snr(t);
     TrainBatch batch;
     const at::Tensor clip_img = torch::zeros({b, 1, options_.clip_image_dim()}, cache_dtype_);
-    batch.inputs = {gdf_diffuse(x0, eps, log_snr), schedule_.noise_cond(log_snr), clip_text_.index_select(0, rows),
-                    clip_pooled_.index_select(0, rows), clip_img};
+    const CascadeText text = text_.select(rows);
+    batch.inputs = {gdf_diffuse(x0, eps, log_snr), schedule_.noise_cond(log_snr), text.text, text.pooled, clip_img};
     batch.target = eps;
     batch.loss_weight = gdf_p2_weight(log_snr);
     return batch;
@@ -257,125 +248,42 @@ class CascadeTrainingModel final : public TrainingModel {
     }
   }
 
-  // Latent sides must survive the effnet's /32 and stage C's downscales.
   void check_size(int64_t height, int64_t width, const std::string& what) const {
-    const int64_t multiple = cascade_pixel_multiple(options_);
-    if (height % multiple != 0 || width % multiple != 0) {
-      fail(
-          "{} {} x {} px: {} needs multiples of {} pixels (EfficientNet's factor 32 x stage C's downscales); "
-          "Stability trains stage C at 768 px",
-          what, width, height, config_.architecture, multiple);
-    }
+    check_cascade_size(options_, height, width, what, config_.architecture);
   }
 
-  models::ClipTextModel build_text_encoder() const {
-    models::ClipTextOptions o = config_.tiny ? models::ClipTextOptions::clip_g().tiny(options_.clip_text_dim())
-                                             : models::ClipTextOptions::clip_g();
-    if (config_.text_model_checkpoint_path.empty()) {
-      return with_seed(static_cast<uint64_t>(config_.seed) + 101, [&] { return models::ClipTextModel(o); });
-    }
-    const std::string path = expand_path(config_.text_model_checkpoint_path);
-    const WeightFiles files = open_file("text_model_checkpoint_path", config_.text_model_checkpoint_path);
-    std::string prefix;
-    bool found = false;
-    for (const char* p : kBigGPrefixes) {
-      if (files.find(std::string(p) + "token_embedding.weight")) {
-        prefix = p;
-        found = true;
-        break;
-      }
-    }
-    if (!found) {
-      fail(
-          "text_model_checkpoint_path {}: holds no OpenCLIP text tower (no '{}token_embedding.weight' or "
-          "'token_embedding.weight'); give an SDXL single file or open_clip's ViT-bigG-14 text weights",
-          path, models::kSdxlClipGPrefix);
-    }
-    nn::LayerInit init;
-    init.initialize = false;
-    models::ClipTextModel te(o.init(init));
-    models::load_clip_text_weights(*te, files, prefix);
-    return te;
-  }
-
-  // Token ids [N, 77] and their attention mask (1 through EOS; the word
-  // tokenizer of tiny runs: 1 for <bos> and words, 0 for <pad>).
-  std::pair<at::Tensor, at::Tensor> tokens(const std::vector<std::string>& captions) const {
-    at::Tensor ids = tokenizer_.encode(captions, ClipPadding::kEndOfText);
-    at::Tensor mask;
-    if (tokenizer_.clip) {
-      mask = models::clip_attention_mask(ids);
-    } else {
-      mask = ids.ne(WordTokenizer::kPad).to(torch::kLong);
-      mask.select(1, 0).fill_(1);
-    }
-    return {ids, mask};
-  }
-
-  // Last-layer states [N, 77, W] and pooled [N, 1, P] of `captions` (cache dtype, host memory).
-  std::pair<at::Tensor, at::Tensor> encode_text(models::ClipTextModel& te, const std::vector<std::string>& captions) {
-    torch::NoGradGuard no_grad;
-    auto [ids, mask] = tokens(captions);
-    const models::ClipTextOutput out = te->forward(ids.to(device_), /*skip=*/1, mask.to(device_));
-    return {out.hidden.to(at::kCPU, cache_dtype_), out.pooled.unsqueeze(1).to(at::kCPU, cache_dtype_)};
+  // A frozen part's file from its config key, or none (tiny runs' random parts).
+  static std::optional<WeightFiles> file_of(const char* key, const std::string& value) {
+    if (value.empty()) return std::nullopt;
+    return open_file(key, value);
   }
 
   void encode_captions() {
     ScopedMemoryCategory category(MemoryCategory::other);
-    models::ClipTextModel te = build_text_encoder();
+    const std::optional<WeightFiles> files = file_of("text_model_checkpoint_path", config_.text_model_checkpoint_path);
+    models::ClipTextModel te =
+        build_cascade_text_encoder(files ? &*files : nullptr, "text_model_checkpoint_path", config_.tiny,
+                                   options_.clip_text_dim(), static_cast<uint64_t>(config_.seed));
     te->eval();
     te->to(device_);
-    if (tokenizer_.clip && tokenizer_.clip->vocab_size() > te->options().vocab_size()) {
-      fail("the CLIP tokenizer (vocab.json) has ids up to {}, but bigG's vocabulary has {} entries",
-           tokenizer_.clip->vocab_size() - 1, te->options().vocab_size());
-    }
     const CaptionRows captions = caption_rows(dataset_.captions());
-    const std::vector<std::string>& unique = captions.texts;
     caption_row_ = torch::tensor(captions.rows, torch::kInt64);
-    caption_rows_ = static_cast<int64_t>(unique.size());
-    std::vector<at::Tensor> texts, pools;
-    for (size_t i = 0; i < unique.size(); i += 16) {
-      std::vector<std::string> part(unique.begin() + static_cast<std::ptrdiff_t>(i),
-                                    unique.begin() + static_cast<std::ptrdiff_t>(std::min(unique.size(), i + 16)));
-      auto [t, p] = encode_text(te, part);
-      texts.push_back(t);
-      pools.push_back(p);
-    }
-    clip_text_ = torch::cat(texts, 0);
-    clip_pooled_ = torch::cat(pools, 0);
+    caption_rows_ = static_cast<int64_t>(captions.texts.size());
+    text_ = encode_cascade_text(te, tokenizer_, captions.texts, cache_dtype_);
     const std::vector<std::string> sample_texts = sample_prompt_texts(config_.sample_prompts, sample_row_);
-    if (!sample_texts.empty()) std::tie(sample_text_, sample_pooled_) = encode_text(te, sample_texts);
-  }
-
-  // A frozen coder (EfficientNetEncoder, Previewer) from the file config key
-  // `key` names, or random from seed + `seed_offset` when it is "" (tiny).
-  template <class Coder, class Options>
-  Coder build_coder(Options o, const char* key, const std::string& path, uint64_t seed_offset,
-                    const char* released_file) const {
-    if (path.empty()) return with_seed(static_cast<uint64_t>(config_.seed) + seed_offset, [&] { return Coder(o); });
-    nn::LayerInit init;
-    init.initialize = false;
-    Coder coder(o.init(init));
-    const WeightFiles files = open_file(key, path);
-    try {
-      models::load_cascade_coder(*coder, files);
-    } catch (const Error& e) {
-      fail("{}: expected Stable Cascade's {}{}: {}", key, released_file, config_.tiny ? " (the tiny test width)" : "",
-           e.what());
-    }
-    return coder;
+    if (!sample_texts.empty()) sample_text_ = encode_cascade_text(te, tokenizer_, sample_texts, cache_dtype_);
   }
 
   models::EfficientNetEncoder build_effnet() const {
-    return build_coder<models::EfficientNetEncoder>(
-        config_.tiny ? models::EfficientNetEncoderOptions::micro() : models::EfficientNetEncoderOptions(),
-        "effnet_checkpoint_path", config_.effnet_checkpoint_path, 100, "effnet_encoder.safetensors");
+    const std::optional<WeightFiles> files = file_of("effnet_checkpoint_path", config_.effnet_checkpoint_path);
+    return build_cascade_effnet(files ? &*files : nullptr, "effnet_checkpoint_path", config_.tiny,
+                                static_cast<uint64_t>(config_.seed));
   }
 
   models::Previewer build_previewer() const {
-    return build_coder<models::Previewer>(models::PreviewerOptions().hidden_channels(config_.tiny ? 32 : 512),
-                                          "previewer_checkpoint_path", config_.previewer_checkpoint_path, 102,
-                                          "previewer.safetensors");
+    const std::optional<WeightFiles> files = file_of("previewer_checkpoint_path", config_.previewer_checkpoint_path);
+    return build_cascade_previewer(files ? &*files : nullptr, "previewer_checkpoint_path", config_.tiny,
+                                   static_cast<uint64_t>(config_.seed));
   }
 
   void encode_images() {
@@ -401,18 +309,15 @@ class CascadeTrainingModel final : public TrainingModel {
   // text [U + 1, 77, W] and pooled [U + 1, 1, P] (the empty caption last), each image's caption row.
   BucketLatents latents_;
   bool has_flip_ = false;
-  at::Tensor clip_text_, clip_pooled_, caption_row_;
+  CascadeText text_, sample_text_;  // the captions' (the empty one last) and the sample prompts'
+  at::Tensor caption_row_;
   int64_t caption_rows_ = 0;
-  at::Tensor sample_text_, sample_pooled_;
   std::map<std::string, int64_t> sample_row_;
 };
 
 at::Tensor CascadeTrainingModel::sample(const SampleRequest& request) {
   if (request.prompts.empty() || request.seeds.empty()) fail("sample: no prompts or no seeds");
   const EvalModeScope eval_mode(*stage_c_);
-  torch::NoGradGuard no_grad;
-  const auto dtype = nn::value_dtype(stage_c_->clip_txt_mapper->weight);
-  const at::Device device = stage_c_->clip_txt_mapper->weight.device();
   std::vector<at::Tensor> latents;
   for (size_t i = 0; i < request.prompts.size(); ++i) {
     const SamplePrompt p = parse_sample_prompt(request.prompts[i], fmt::format("sample prompt {}", i + 1));
@@ -422,54 +327,22 @@ at::Tensor CascadeTrainingModel::sample(const SampleRequest& request) {
     const int64_t height = p.height > 0 ? p.height : sample_size_.height;
     const int64_t width = p.width > 0 ? p.width : sample_size_.width;
     check_size(height, width, "sample prompt '" + request.prompts[i] + "':");
-    const double cfg = p.cfg.value_or(request.cfg);
-    const int64_t steps = p.steps > 0 ? p.steps : request.steps;
-    auto rows_of = [&](int64_t row) {
-      return std::make_pair(sample_text_.slice(0, row, row + 1).to(device, dtype),
-                            sample_pooled_.slice(0, row, row + 1).to(device, dtype));
-    };
-    const auto [text_c, pooled_c] = rows_of(cond->second);
-    const auto [text_u, pooled_u] = rows_of(negative->second);
+    const CascadeText c = sample_text_.select(torch::tensor({cond->second}, torch::kInt64));
+    const CascadeText u = sample_text_.select(torch::tensor({negative->second}, torch::kInt64));
     for (const uint64_t seed : row_seeds(p, request)) {
-      // The seed's noise and the sampler's per-step noise from the global
-      // generator seeded by it, restored after (training's stream is untouched).
-      latents.push_back(with_seed(seed, [&] {
-        const at::Tensor noise = torch::randn({1, options_.in_channels(), height / 32, width / 32});
-        const at::Tensor img =
-            torch::zeros({2, 1, options_.clip_image_dim()}, torch::TensorOptions(dtype).device(device));
-        GdfPredictFn predict = [&](const at::Tensor& x, const at::Tensor& r) {
-          if (cfg == 1.0) {
-            return stage_c_->forward(x.to(device, dtype), r.to(device), text_c, pooled_c, img.slice(0, 0, 1))
-                .to(at::kCPU, torch::kFloat32);
-          }
-          const at::Tensor out = stage_c_
-                                     ->forward(torch::cat({x, x}).to(device, dtype), torch::cat({r, r}).to(device),
-                                               torch::cat({text_c, text_u}), torch::cat({pooled_c, pooled_u}), img)
-                                     .to(at::kCPU, torch::kFloat32);
-          return gdf_guidance(out.slice(0, 0, 1), out.slice(0, 1, 2), cfg, kGuidanceRho);
-        };
-        return gdf_sample(predict, noise, schedule_, steps, kSampleShift);
-      }));
+      latents.push_back(sample_stage_c_latent(*stage_c_, c, u, seed, height, width,
+                                              p.steps > 0 ? p.steps : request.steps, p.cfg.value_or(request.cfg)));
     }
   }
   models::Previewer previewer = build_previewer();
-  previewer->eval();
-  previewer->to(device);
+  previewer->to(module_device(*stage_c_));
   std::vector<at::Tensor> images;
-  for (const at::Tensor& z : latents) {
-    // The previewer's RGB is about [0, 1]; samples are [-1, 1].
-    images.push_back(previewer->forward(z.to(device)).to(at::kCPU, torch::kFloat32).clamp(0, 1) * 2 - 1);
-  }
+  for (const at::Tensor& z : latents) images.push_back(preview_images(*previewer, z));
   return samples_to_uint8(torch::cat(images, 0), request);
 }
 
 }  // namespace
 
-int64_t cascade_pixel_multiple(const models::StageCOptions& o) {
-  int64_t multiple = 32 * o.patch_size();
-  for (const bool s : o.switch_level()) multiple *= s ? 2 : 1;
-  return multiple;
-}
 
 std::unique_ptr<TrainingModel> make_cascade_training_model(const TrainConfig& config,
                                                            const ImageCaptionDataset& dataset,

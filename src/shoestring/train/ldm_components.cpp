@@ -1,5 +1,6 @@
 #include "shoestring/train/ldm_components.h"
 
+#include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 #include <torch/torch.h>
 
@@ -27,6 +28,31 @@ at::Tensor LdmTokenizer::encode(const std::vector<std::string>& captions, ClipPa
   if (clip) return clip->encode_batch(captions, kTextLength, pad);
   if (words) return words->encode_batch(captions);
   fail("internal: LDM text encoding without a tokenizer");
+}
+
+LdmTokenizer sampling_tokenizer(const WeightFiles& file, const std::string& tokenizer_dir, const TrainConfig* run,
+                                const std::string& model) {
+  LdmTokenizer tokenizer;
+  const std::string dir = !tokenizer_dir.empty()             ? tokenizer_dir
+                          : run && !run->tokenizer_dir.empty() ? expand_path(run->tokenizer_dir)
+                                                               : "";
+  const auto& meta = file.metadata();
+  if (!dir.empty()) {
+    tokenizer.clip.emplace(ClipTokenizer::load(dir));
+  } else if (auto it = meta.find("tokenizer"); it != meta.end()) {
+    try {
+      tokenizer.words.emplace(WordTokenizer::from_json(nlohmann::json::parse(it->second)));
+    } catch (const nlohmann::json::exception& e) {
+      fail("{}: metadata 'tokenizer' is not valid JSON: {}", file.path(), e.what());
+    }
+  } else {
+    fail(
+        "{}: no tokenizer: {} conditions on CLIP, whose tokenizer files (vocab.json and merges.txt) are not stored "
+        "in checkpoints; pass --tokenizer-dir DIR (e.g. ComfyUI's comfy/sd1_tokenizer, or a diffusers model's "
+        "tokenizer/ folder)",
+        file.path(), model);
+  }
+  return tokenizer;
 }
 
 LdmTokenizer build_text_tokenizer(const std::string& tokenizer_dir, bool tiny, const std::vector<std::string>& captions,

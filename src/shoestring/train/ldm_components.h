@@ -67,6 +67,16 @@ struct LdmTokenizer {
 LdmTokenizer build_text_tokenizer(const std::string& tokenizer_dir, bool tiny, const std::vector<std::string>& captions,
                                   const std::vector<std::string>& sample_prompts, const std::string& model);
 
+/// The tokenizer to sample a checkpoint with: CLIP's BPE from
+/// `tokenizer_dir` (a command-line option), else from the run's
+/// tokenizer_dir (`run`: the config of the run the file belongs to, or
+/// null), else a tiny run's word tokenizer from the file's "tokenizer"
+/// metadata. Throws shoestring::Error naming the file when there is none
+/// (CLIP's files are not stored in checkpoints: pass --tokenizer-dir;
+/// `model` names what conditions on CLIP), or as ClipTokenizer::load.
+LdmTokenizer sampling_tokenizer(const WeightFiles& file, const std::string& tokenizer_dir, const TrainConfig* run,
+                                const std::string& model);
+
 /// Caption rows of the cached text embeddings: each distinct caption once, in
 /// dataset order, then "" (caption dropout's row, the last).
 struct CaptionRows {

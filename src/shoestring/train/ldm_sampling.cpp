@@ -4,11 +4,9 @@
 #include <map>
 #include <optional>
 
-#include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 #include <torch/torch.h>
 
-#include "shoestring/core/cpu_features.h"
 #include "shoestring/core/device.h"
 #include "shoestring/core/error.h"
 #include "shoestring/core/text.h"
@@ -18,7 +16,6 @@
 #include "shoestring/nn/fp8_storage.h"
 #include "shoestring/nn/key_layout.h"
 #include "shoestring/nn/lora.h"
-#include "shoestring/precision/compute_choice.h"
 #include "shoestring/train/config.h"
 #include "shoestring/train/ddpm.h"
 #include "shoestring/train/ldm_components.h"
@@ -30,93 +27,6 @@ namespace fs = std::filesystem;
 namespace {
 
 constexpr const char* kUNetPrefix = "model.diffusion_model.";
-
-bool starts_with(const std::string& s, const std::string& p) { return s.compare(0, p.size(), p) == 0; }
-
-struct FoundUNet {
-  std::string architecture;
-  bool tiny = false;
-  std::string prefix;
-};
-
-/// The trainable LDM UNet the file holds, if any: the detection its
-/// metadata's architecture names, else the first LDM UNet detected.
-std::optional<FoundUNet> find_ldm_unet(const WeightFiles& file) {
-  std::vector<models::TensorShape> shapes;
-  for (const auto& name : file.names()) shapes.emplace_back(name, file.find(name)->shape);
-  const auto meta = file.metadata().find("architecture");
-  std::optional<FoundUNet> first;
-  for (const auto& d : models::detect_architectures(shapes)) {
-    const models::Architecture& a = models::find_architecture(d.architecture);
-    if (a.family != models::Family::ldm_unet || !a.trainable_from_config) continue;
-    FoundUNet f{d.architecture, d.tiny, d.prefix};
-    if (meta != file.metadata().end() && meta->second == d.architecture) return f;
-    if (!first) first = f;
-  }
-  return first;
-}
-
-/// The config of the run `path` belongs to: RUN_DIR/config.toml for a final
-/// file (RUN_DIR/model.safetensors) or a step checkpoint's
-/// (RUN_DIR/checkpoints/step-N/model.safetensors).
-std::optional<TrainConfig> run_config_of(const std::string& path) {
-  const fs::path folder = fs::absolute(fs::path(path)).parent_path();
-  fs::path config = folder / "config.toml";
-  if (!fs::exists(config) && folder.parent_path().filename() == "checkpoints") {
-    config = folder.parent_path().parent_path() / "config.toml";
-  }
-  if (!fs::exists(config)) return std::nullopt;
-  try {
-    return load_config(config.string());
-  } catch (const Error& e) {
-    spdlog::warn("{}: not used for sampling defaults: {}", config.string(), e.what());
-    return std::nullopt;
-  }
-}
-
-/// The UNet's compute dtype (see sample_ldm_checkpoint).
-at::ScalarType unet_dtype(const at::Device& device, const WeightFiles& file, const std::string& prefix) {
-  if (device.is_cuda()) {
-    const auto cc = cuda_compute_capability(device);
-    return cc && cuda_capability_has_bf16(cc->first, cc->second) ? torch::kBFloat16 : torch::kHalf;
-  }
-  at::ScalarType stored = torch::kFloat32;
-  for (const auto& name : file.names()) {
-    if (starts_with(name, prefix)) {
-      stored = file.find(name)->dtype == StDtype::BF16 ? torch::kBFloat16 : torch::kFloat32;
-      break;
-    }
-  }
-  const bool fast_bf16 =
-      !precision::choose_bf16_compute(precision::Bf16Compute::automatic, precision::cpu_hardware(cpu_features()))
-           .has_value();
-  return stored == torch::kBFloat16 && fast_bf16 ? torch::kBFloat16 : torch::kFloat32;
-}
-
-const char* dtype_name(at::ScalarType t) {
-  return t == torch::kBFloat16 ? "bf16" : t == torch::kHalf ? "fp16" : "fp32";
-}
-
-/// Refuses a LoRA file with modules outside the UNet before any merge.
-void check_unet_lora(const std::string& path) {
-  const WeightFiles lora = WeightFiles::open(path);
-  int64_t text_keys = 0;
-  std::string example;
-  for (const auto& name : lora.names()) {
-    if (starts_with(name, "lora_unet_")) continue;
-    if (starts_with(name, "lora_te")) {
-      if (text_keys++ == 0) example = name;
-      continue;
-    }
-    fail("--lora {}: key '{}' is not a kohya LoRA module of the UNet (lora_unet_*)", path, name);
-  }
-  if (text_keys > 0) {
-    fail(
-        "--lora {}: holds {} text-encoder tensors (e.g. '{}'); `shoestring sample` merges UNet LoRA modules "
-        "(lora_unet_*) only, which is what shoestring trains for the LDM UNets; text-encoder LoRA is not applied yet",
-        path, text_keys, example);
-  }
-}
 
 }  // namespace
 
@@ -148,39 +58,20 @@ at::Tensor sample_ldm_latents(models::LdmUNetImpl& unet, const at::Tensor& conte
   return torch::cat(out, 0);
 }
 
-bool is_ldm_checkpoint(const std::string& path) { return find_ldm_unet(WeightFiles::open(path)).has_value(); }
+bool is_ldm_checkpoint(const std::string& path) { return find_denoiser(WeightFiles::open(path), models::Family::ldm_unet).has_value(); }
 
 LdmSamples sample_ldm_checkpoint(const std::string& path, const LdmSampleRequest& request) {
   const SampleRequest& req = request.images;
-  if (req.prompts.empty() || req.seeds.empty()) fail("sample: no prompts or no seeds given");
-  require_utf8_prompt(request.negative_prompt, "the negative prompt");
-  std::vector<SamplePrompt> prompts;
-  for (size_t i = 0; i < req.prompts.size(); ++i) {
-    require_utf8_prompt(req.prompts[i], fmt::format("prompt {}", i + 1));
-    prompts.push_back(parse_sample_prompt(req.prompts[i], fmt::format("prompt {}", i + 1)));
-    if (prompts.back().negative.empty()) prompts.back().negative = request.negative_prompt;
-    const SamplePrompt& p = prompts.back();
-    if (i > 0 && (p.width != prompts[0].width || p.height != prompts[0].height)) {
-      fail("prompt {}: --w {} --h {} differs from prompt 1's --w {} --h {}: the rows of one grid share a size", i + 1,
-           p.width, p.height, prompts[0].width, prompts[0].height);
-    }
-  }
-  // Every text to encode once: prompts, then negatives.
-  std::vector<std::string> texts;
-  std::map<std::string, int64_t> text_row;
-  auto row_of = [&](const std::string& t) {
-    auto [it, added] = text_row.emplace(t, static_cast<int64_t>(texts.size()));
-    if (added) texts.push_back(t);
-    return it->second;
-  };
-  for (const SamplePrompt& p : prompts) row_of(p.prompt);
-  for (const SamplePrompt& p : prompts) row_of(p.negative);
+  const SampleTexts table = sample_texts(req, request.negative_prompt);
+  const std::vector<SamplePrompt>& prompts = table.prompts;
+  const std::vector<std::string>& texts = table.texts;
+  const std::map<std::string, int64_t>& text_row = table.row;
   const WeightFiles file = WeightFiles::open(path);
-  const std::optional<FoundUNet> found = find_ldm_unet(file);
+  const std::optional<FoundDenoiser> found = find_denoiser(file, models::Family::ldm_unet);
   if (!found) {
     fail("{}: holds no SD 1.5 / SDXL / SSD-1B UNet (`shoestring inspect {}` shows what it holds)", path, path);
   }
-  const std::optional<TrainConfig> run = run_config_of(path);
+  const std::optional<TrainConfig> run = run_config_beside(path);
   const models::LdmUNetOptions unet_options = models::ldm_unet_options(found->architecture, found->tiny);
   const bool sdxl = unet_options.adm_in_channels() > 0;
 
@@ -204,14 +95,7 @@ LdmSamples sample_ldm_checkpoint(const std::string& path, const LdmSampleRequest
   }
   const int64_t default_size = found->tiny ? (sdxl ? 32 : 64) : (sdxl ? 1024 : 512);
   const int64_t run_size = run ? run->resolution : 0;
-  out.width = prompts[0].width > 0 ? prompts[0].width
-              : request.width > 0  ? request.width
-              : run_size > 0       ? run_size
-                                   : default_size;
-  out.height = prompts[0].height > 0 ? prompts[0].height
-               : request.height > 0  ? request.height
-               : run_size > 0        ? run_size
-                                     : default_size;
+  std::tie(out.width, out.height) = table.size(request.width, request.height, run_size > 0 ? run_size : default_size);
   const int64_t levels = static_cast<int64_t>(unet_options.channel_mult().size());
   const int64_t multiple = 8 * (int64_t{1} << (levels - 1));
   if (out.width % multiple != 0 || out.height % multiple != 0) {
@@ -219,26 +103,8 @@ LdmSamples sample_ldm_checkpoint(const std::string& path, const LdmSampleRequest
          out.height, found->architecture, multiple, levels - 1);
   }
   const int64_t clip_skip = request.clip_skip > 0 ? request.clip_skip : run ? run->clip_skip : 1;
-  LdmTokenizer tokenizer;
-  const std::string tokenizer_dir = !request.tokenizer_dir.empty() ? request.tokenizer_dir
-                                    : run                          ? expand_path(run->tokenizer_dir)
-                                                                   : "";
-  if (!tokenizer_dir.empty()) {
-    tokenizer.clip.emplace(ClipTokenizer::load(tokenizer_dir));
-  } else if (auto it = meta.find("tokenizer"); it != meta.end()) {
-    try {
-      tokenizer.words.emplace(WordTokenizer::from_json(nlohmann::json::parse(it->second)));
-    } catch (const nlohmann::json::exception& e) {
-      fail("{}: metadata 'tokenizer' is not valid JSON: {}", path, e.what());
-    }
-  } else {
-    fail(
-        "{}: no tokenizer: {} conditions on CLIP, whose tokenizer files (vocab.json and merges.txt) are not stored "
-        "in checkpoints; pass --tokenizer-dir DIR (e.g. ComfyUI's comfy/sd1_tokenizer, or a diffusers model's "
-        "tokenizer/ folder)",
-        path, found->architecture);
-  }
-  for (const auto& [lora, scale] : request.loras) check_unet_lora(lora);
+  const LdmTokenizer tokenizer = sampling_tokenizer(file, request.tokenizer_dir, run ? &*run : nullptr, found->architecture);
+  for (const auto& [lora, scale] : request.loras) check_denoiser_lora(lora, "lora_unet");
   const uint64_t seed = run ? static_cast<uint64_t>(run->seed) : 0;
 
   // Text encoders and VAE: the file's (a final file holds them beside the
@@ -246,7 +112,7 @@ LdmSamples sample_ldm_checkpoint(const std::string& path, const LdmSampleRequest
   // vae, or, for a tiny run without one, the random ones its seed made.
   auto holds = [](const WeightFiles& f, const char* prefix) {
     for (const auto& n : f.names()) {
-      if (starts_with(n, prefix)) return true;
+      if (has_prefix(n, prefix)) return true;
     }
     return false;
   };
@@ -290,8 +156,8 @@ LdmSamples sample_ldm_checkpoint(const std::string& path, const LdmSampleRequest
   }
 
   // ---- 2. the UNet (LoRA merged): denoise every image, then free it ----
-  const at::ScalarType dtype = unet_dtype(request.device, file, found->prefix);
-  out.unet_dtype = dtype_name(dtype);
+  const at::ScalarType dtype = sample_compute_dtype(request.device, file, found->prefix);
+  out.unet_dtype = sample_dtype_name(dtype);
   std::vector<at::Tensor> latents;
   {
     nn::LayerInit init{torch::TensorOptions().dtype(dtype)};
@@ -301,7 +167,7 @@ LdmSamples sample_ldm_checkpoint(const std::string& path, const LdmSampleRequest
     nn::register_at(*root, "model.diffusion_model", unet);
     LoadWeightsOptions o;
     o.key_map = [prefix = found->prefix](const std::string& key) -> std::string {
-      if (!starts_with(key, prefix)) return "";
+      if (!has_prefix(key, prefix)) return "";
       return kUNetPrefix + key.substr(prefix.size());
     };
     load_weights(*root, file, o);

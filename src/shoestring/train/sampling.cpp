@@ -1,16 +1,24 @@
 #include "shoestring/train/sampling.h"
 
 #include <cmath>
+#include <filesystem>
 #include <set>
 
+#include <spdlog/spdlog.h>
 #include <torch/torch.h>
 
+#include "shoestring/core/cpu_features.h"
+#include "shoestring/core/device.h"
 #include "shoestring/core/error.h"
 #include "shoestring/core/text.h"
 #include "shoestring/core/utf8.h"
 #include "shoestring/data/image.h"
 #include "shoestring/data/tokenizer.h"
 #include "shoestring/io/atomic_file.h"
+#include "shoestring/io/weight_files.h"
+#include "shoestring/models/architecture.h"
+#include "shoestring/precision/compute_choice.h"
+#include "shoestring/train/config.h"
 #include "shoestring/train/flow_matching.h"
 
 namespace shoestring {
@@ -191,6 +199,107 @@ void save_sample_grid(const std::string& path, const at::Tensor& images, const S
                                  fmt::join(request.seeds, ", "), request.steps, request.cfg);
   for (const auto& p : request.prompts) text += printable(p) + "\n";  // one line each, whatever they hold
   write_bytes_atomic(sidecar, text);
+}
+
+std::optional<FoundDenoiser> find_denoiser(const WeightFiles& file, models::Family family) {
+  std::vector<models::TensorShape> shapes;
+  for (const auto& name : file.names()) shapes.emplace_back(name, file.find(name)->shape);
+  const auto meta = file.metadata().find("architecture");
+  std::optional<FoundDenoiser> first;
+  for (const auto& d : models::detect_architectures(shapes)) {
+    const models::Architecture& a = models::find_architecture(d.architecture);
+    if (a.family != family || !a.trainable_from_config) continue;
+    FoundDenoiser f{d.architecture, d.tiny, d.prefix};
+    if (meta != file.metadata().end() && meta->second == d.architecture) return f;
+    if (!first) first = f;
+  }
+  return first;
+}
+
+std::optional<TrainConfig> run_config_beside(const std::string& model_path) {
+  namespace fs = std::filesystem;
+  const fs::path folder = fs::absolute(fs::path(model_path)).parent_path();
+  fs::path config = folder / "config.toml";
+  if (!fs::exists(config) && folder.parent_path().filename() == "checkpoints") {
+    config = folder.parent_path().parent_path() / "config.toml";
+  }
+  if (!fs::exists(config)) return std::nullopt;
+  try {
+    return load_config(config.string());
+  } catch (const Error& e) {
+    spdlog::warn("{}: not used for sampling defaults: {}", config.string(), e.what());
+    return std::nullopt;
+  }
+}
+
+at::ScalarType sample_compute_dtype(const at::Device& device, const WeightFiles& file, const std::string& prefix) {
+  if (device.is_cuda()) {
+    const auto cc = cuda_compute_capability(device);
+    return cc && cuda_capability_has_bf16(cc->first, cc->second) ? torch::kBFloat16 : torch::kHalf;
+  }
+  at::ScalarType stored = torch::kFloat32;
+  for (const auto& name : file.names()) {
+    if (has_prefix(name, prefix)) {
+      stored = file.find(name)->dtype == StDtype::BF16 ? torch::kBFloat16 : torch::kFloat32;
+      break;
+    }
+  }
+  const bool fast_bf16 =
+      !precision::choose_bf16_compute(precision::Bf16Compute::automatic, precision::cpu_hardware(cpu_features()))
+           .has_value();
+  return stored == torch::kBFloat16 && fast_bf16 ? torch::kBFloat16 : torch::kFloat32;
+}
+
+const char* sample_dtype_name(at::ScalarType dtype) {
+  return dtype == torch::kBFloat16 ? "bf16" : dtype == torch::kHalf ? "fp16" : "fp32";
+}
+
+SampleTexts sample_texts(const SampleRequest& request, const std::string& negative) {
+  if (request.prompts.empty() || request.seeds.empty()) fail("sample: no prompts or no seeds given");
+  require_utf8_prompt(negative, "the negative prompt");
+  SampleTexts out;
+  for (size_t i = 0; i < request.prompts.size(); ++i) {
+    require_utf8_prompt(request.prompts[i], fmt::format("prompt {}", i + 1));
+    out.prompts.push_back(parse_sample_prompt(request.prompts[i], fmt::format("prompt {}", i + 1)));
+    if (out.prompts.back().negative.empty()) out.prompts.back().negative = negative;
+    const SamplePrompt& p = out.prompts.back();
+    const SamplePrompt& first = out.prompts.front();
+    if (i > 0 && (p.width != first.width || p.height != first.height)) {
+      fail("prompt {}: --w {} --h {} differs from prompt 1's --w {} --h {}: the rows of one grid share a size", i + 1,
+           p.width, p.height, first.width, first.height);
+    }
+  }
+  auto add = [&](const std::string& t) {
+    if (out.row.emplace(t, static_cast<int64_t>(out.texts.size())).second) out.texts.push_back(t);
+  };
+  for (const SamplePrompt& p : out.prompts) add(p.prompt);
+  for (const SamplePrompt& p : out.prompts) add(p.negative);
+  return out;
+}
+
+std::pair<int64_t, int64_t> SampleTexts::size(int64_t width, int64_t height, int64_t fallback) const {
+  const SamplePrompt& p = prompts.at(0);
+  return {p.width > 0 ? p.width : width > 0 ? width : fallback, p.height > 0 ? p.height : height > 0 ? height : fallback};
+}
+
+void check_denoiser_lora(const std::string& path, const std::string& prefix) {
+  const WeightFiles lora = WeightFiles::open(path);
+  int64_t text_keys = 0;
+  std::string example;
+  for (const auto& name : lora.names()) {
+    if (has_prefix(name, prefix + "_")) continue;
+    if (has_prefix(name, "lora_te")) {
+      if (text_keys++ == 0) example = name;
+      continue;
+    }
+    fail("--lora {}: key '{}' is not a kohya LoRA module of the denoiser ({}_*)", path, name, prefix);
+  }
+  if (text_keys > 0) {
+    fail(
+        "--lora {}: holds {} text-encoder tensors (e.g. '{}'); `shoestring sample` merges the denoiser's LoRA "
+        "modules ({}_*) only, which is what shoestring trains; text-encoder LoRA is not applied yet",
+        path, text_keys, example, prefix);
+  }
 }
 
 }  // namespace shoestring

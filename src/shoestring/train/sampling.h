@@ -2,7 +2,9 @@
 // the flow-matching ODE with classifier-free guidance (see flow_matching.h),
 // and the sample grid written during training and by `shoestring sample`.
 #pragma once
+#include <map>
 #include <optional>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -13,6 +15,11 @@
 namespace shoestring {
 
 class WordTokenizer;
+class WeightFiles;
+struct TrainConfig;
+namespace models {
+enum class Family;
+}
 
 /// What to sample: every prompt with every seed.
 struct SampleRequest {
@@ -48,6 +55,39 @@ SamplePrompt parse_sample_prompt(const std::string& text, const std::string& whe
 /// (TEXT escaped, core/text.h printable) unless `text` is valid UTF-8.
 void require_utf8_prompt(const std::string& text, const std::string& what);
 
+/// The prompts of a grid drawn from a checkpoint, parsed, and every text to
+/// encode once (the prompts, then their negatives).
+struct SampleTexts {
+  std::vector<SamplePrompt> prompts;  ///< one per grid row; --n defaults to the request's negative prompt
+  std::vector<std::string> texts;     ///< each distinct text once
+  std::map<std::string, int64_t> row;  ///< text -> its index in texts
+  /// The grid's image size: the prompts' --w / --h (all rows share one), else
+  /// `width` / `height`, else `fallback` (pixels).
+  std::pair<int64_t, int64_t> size(int64_t width, int64_t height, int64_t fallback) const;
+};
+
+/// Parses `request.prompts` (kohya's inline options) with `negative` as the
+/// default --n. Throws shoestring::Error when there are no prompts or seeds,
+/// a text is not UTF-8, or rows ask for different sizes (--w / --h).
+SampleTexts sample_texts(const SampleRequest& request, const std::string& negative);
+
+/// What a checkpoint sampler (SD3, Stable Cascade) drew.
+struct CheckpointSamples {
+  at::Tensor images;  ///< uint8 [P*S, 3, H, W], row-major by prompt, on the CPU
+  std::string architecture;
+  bool tiny = false;
+  int64_t width = 0, height = 0;  ///< the size asked for (pixels)
+  std::string denoiser_dtype;     ///< the denoiser's compute dtype ("fp32", "bf16", "fp16")
+  std::string notes;              ///< for the log line, e.g. "T5 as zeros", "previewer decode at 1/4 size"
+};
+
+/// Refuses a kohya LoRA file for `shoestring sample` before any merge unless
+/// every key starts with `prefix` + "_" (the denoiser's modules, e.g.
+/// lora_unet). Throws shoestring::Error naming the file and the first other
+/// key (text-encoder modules, lora_te*, are named as such: they are not
+/// applied, the text conditioning is computed without them).
+void check_denoiser_lora(const std::string& path, const std::string& prefix);
+
 /// The seeds of `prompt`'s row: request.seeds, or --d S, S + 1, ... (as many).
 std::vector<uint64_t> row_seeds(const SamplePrompt& prompt, const SampleRequest& request);
 
@@ -65,6 +105,33 @@ std::vector<uint64_t> row_seeds(const SamplePrompt& prompt, const SampleRequest&
 /// moved, so a seed gives the same starting noise on every device; the
 /// result is on the CPU.
 at::Tensor generate_images(TinyUNetModel& model, const WordTokenizer& tokenizer, const SampleRequest& request);
+
+/// A trainable denoiser in a checkpoint, as the architecture registry detects it.
+struct FoundDenoiser {
+  std::string architecture;  ///< registry name, e.g. "sdxl", "sd35m", "cascade-c"
+  bool tiny = false;         ///< the test-width variant
+  std::string prefix;        ///< where the file keeps it ("" when bare)
+};
+
+/// The denoiser of `family` that is trainable from a config in `file`: the
+/// detection its metadata's "architecture" names, else the first detected
+/// (none when the file holds no such model).
+std::optional<FoundDenoiser> find_denoiser(const WeightFiles& file, models::Family family);
+
+/// The config of the run a model file belongs to: RUN_DIR/config.toml for a
+/// final file (RUN_DIR/model.safetensors, RUN_DIR/lora.safetensors) or a
+/// step checkpoint's (RUN_DIR/checkpoints/step-N/model.safetensors); none
+/// when there is no such file, or (with a warning) when it does not parse.
+std::optional<TrainConfig> run_config_beside(const std::string& model_path);
+
+/// The compute dtype to sample a denoiser with: bf16 on a CUDA device with
+/// native bf16, fp16 on older ones; on the CPU bf16 when the file stores the
+/// denoiser (its first tensor under `prefix`) in bf16 and the CPU has fast
+/// bf16 units, else float32.
+at::ScalarType sample_compute_dtype(const at::Device& device, const WeightFiles& file, const std::string& prefix);
+
+/// "fp32", "bf16", "fp16".
+const char* sample_dtype_name(at::ScalarType dtype);
 
 /// The device of a module's first parameter (else its first buffer; the CPU
 /// for a module with neither).

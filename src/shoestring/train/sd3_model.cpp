@@ -47,24 +47,12 @@
 #include "shoestring/train/diffusion_loss.h"
 #include "shoestring/train/flow_matching.h"
 #include "shoestring/train/ldm_components.h"
+#include "shoestring/train/sd3_components.h"
 #include "shoestring/train/sampling.h"
 #include "shoestring/train/training_model_impl.h"
 
 namespace shoestring {
 namespace {
-
-constexpr const char* kMMDiTPrefix = "model.diffusion_model.";
-constexpr const char* kVaePrefix = "first_stage_model.";
-// The SD3.5 release's scheduler_config.json shift; Stability's sd3_infer.py default for sd3.5_medium.
-constexpr double kSampleShift = 3.0;
-// CLIP token count; T5 states without a T5 file are this many zero tokens.
-constexpr int64_t kClipTokens = 77;
-
-/// [N, L, W] zero-padded on the feature axis to `width` (W <= width).
-at::Tensor pad_features(const at::Tensor& x, int64_t width) {
-  if (x.size(2) > width) fail("internal: text features {} wider than the context {}", x.size(2), width);
-  return x.size(2) == width ? x : torch::constant_pad_nd(x, {0, width - x.size(2)});
-}
 
 class Sd3TrainingModel final : public TrainingModel {
  public:
@@ -120,24 +108,11 @@ class Sd3TrainingModel final : public TrainingModel {
 
     tokenizer_ = build_text_tokenizer(config.tokenizer_dir, config.tiny, dataset.captions(), config.sample_prompts,
                                       "SD3's CLIP-L and bigG");
-    if (t5_files_) {
-      if (config.tokenizer_dir.empty())
-        fail("t5xxl is set but tokenizer_dir is not: T5's SentencePiece model is read from tokenizer_dir/spiece.model");
-      const std::string spiece = (std::filesystem::path(expand_path(config.tokenizer_dir)) / "spiece.model").string();
-      if (!std::filesystem::exists(spiece))
-        fail(
-            "t5xxl is set but {} does not exist: put T5's SentencePiece model (spiece.model of google/t5-v1_1-xxl) "
-            "in tokenizer_dir beside CLIP's vocab.json and merges.txt",
-            spiece);
-      t5_tokenizer_.emplace(T5Tokenizer::load(spiece));
-    }
+    if (t5_files_) t5_spiece_ = sd3_t5_spiece(config.tokenizer_dir, "t5xxl", "tokenizer_dir");
     encode_captions();
     encode_images();
     if (!source.quiet) {
-      int64_t bytes = 0;
-      for (const TextRows* r : {&text_, &sample_text_})
-        for (const at::Tensor* t : {&r->clip, &r->t5, &r->pooled}) bytes += t->defined() ? t->nbytes() : 0;
-      bytes += latents_.bytes();
+      const int64_t bytes = text_.bytes() + sample_text_.bytes() + latents_.bytes();
       spdlog::info(
           "cached SD3 VAE latents {} and text conditioning {} (CLIP-L + bigG{}) for {} captions + the empty one "
           "(caption dropout) ({}); encoders freed",
@@ -155,7 +130,7 @@ class Sd3TrainingModel final : public TrainingModel {
       if (base_) {
         LoadWeightsOptions lo;
         lo.key_map = [](const std::string& key) -> std::string {
-          return has_prefix(key, kMMDiTPrefix) ? key : std::string();
+          return has_prefix(key, kSd3MMDiTPrefix) ? key : std::string();
         };
         load_weights(*root_, *base_, lo);
       }
@@ -166,7 +141,7 @@ class Sd3TrainingModel final : public TrainingModel {
   std::vector<nn::BlockTable*> block_tables() override { return {mmdit_->block_table()}; }
   std::vector<nn::LoraComponent> lora_components(bool) const override {
     // kohya's sd3 LoRA prefix for the MMDiT (networks/lora_sd3.py); text embeddings are cached.
-    return {{"lora_unet", kMMDiTPrefix}};
+    return {{"lora_unet", kSd3MMDiTPrefix}};
   }
 
   TrainBatch prepare(const std::vector<int64_t>& idx) override {
@@ -181,9 +156,9 @@ class Sd3TrainingModel final : public TrainingModel {
     const at::Tensor t = sample_flow_times(b, config_.timestep_sampling, config_.logit_mean, config_.logit_std,
                                            config_.mode_scale, config_.training_shift);
     TrainBatch batch;
-    const at::Tensor t5 = text_.t5.defined() ? text_.t5.index_select(0, rows) : at::Tensor();
-    batch.inputs = {flow_interpolate(x0, eps, t), t, context(text_.clip.index_select(0, rows), t5),
-                    text_.pooled.index_select(0, rows)};
+    const Sd3Text text = text_.select(rows);
+    batch.inputs = {flow_interpolate(x0, eps, t), t, sd3_context(text.clip, text.t5, options_.context_dim()),
+                    text.pooled};
     batch.target = flow_target(x0, eps);
     // kohya / diffusers take the loss on x0 = x_t - t v: t^2 times the velocity loss; weighting_scheme multiplies it.
     at::Tensor weight;
@@ -223,10 +198,10 @@ class Sd3TrainingModel final : public TrainingModel {
     std::vector<std::pair<std::string, at::Tensor>> tensors = module_tensors(*root_);
     if (base_) {
       for (const auto& n : base_->names())
-        if (!has_prefix(n, kMMDiTPrefix)) tensors.emplace_back(n, base_->get_values(n));
+        if (!has_prefix(n, kSd3MMDiTPrefix)) tensors.emplace_back(n, base_->get_values(n));
     } else {
       models::AutoencoderKL vae = build_vae();
-      for (const auto& [n, t] : module_tensors(*vae)) tensors.emplace_back(kVaePrefix + n, t);
+      for (const auto& [n, t] : module_tensors(*vae)) tensors.emplace_back(kSd3VaePrefix + n, t);
     }
     TrainConfig c = config_;
     if (storage_dtype) c.save_precision = "auto";
@@ -251,7 +226,7 @@ class Sd3TrainingModel final : public TrainingModel {
   std::shared_ptr<torch::nn::Module> build_root(const nn::LayerInit& init) {
     auto root = std::make_shared<torch::nn::Module>("CheckpointRoot");
     models::MMDiT m(options_, init);
-    std::string path = kMMDiTPrefix;
+    std::string path = kSd3MMDiTPrefix;
     path.pop_back();
     nn::register_at(*root, path, m.ptr());
     if (init.options.device() != torch::kMeta) mmdit_ = m;
@@ -264,11 +239,11 @@ class Sd3TrainingModel final : public TrainingModel {
     for (const auto& p : meta.named_parameters()) expected[p.key()] = p.value().sizes().vec();
     for (const auto& b : meta.named_buffers()) expected[b.key()] = b.value().sizes().vec();
     for (const auto& n : base_->names())
-      if (has_prefix(n, kMMDiTPrefix)) found[n] = base_->find(n)->shape;
+      if (has_prefix(n, kSd3MMDiTPrefix)) found[n] = base_->find(n)->shape;
     const KeyDiff diff = diff_keys(expected, found);
     if (diff.empty()) return;
     fail("pretrained_model_name_or_path {}: expected the {}{} MMDiT under '{}' (an SD3.5 Medium single file); {}",
-         base_->path(), config_.architecture, config_.tiny ? " (tiny)" : "", kMMDiTPrefix, diff.describe());
+         base_->path(), config_.architecture, config_.tiny ? " (tiny)" : "", kSd3MMDiTPrefix, diff.describe());
   }
 
   static WeightFiles open_file(const std::string& key, const std::string& value) {
@@ -280,19 +255,8 @@ class Sd3TrainingModel final : public TrainingModel {
     }
   }
 
-  // Image sides: the VAE's 8 times the MMDiT's patch size, and within its position embedding.
   void check_size(int64_t height, int64_t width, const std::string& what) const {
-    const int64_t multiple = 8 * options_.patch_size();
-    if (height % multiple != 0 || width % multiple != 0) {
-      fail("{} {} x {} px: {} needs multiples of {} pixels (the VAE's factor 8 x the MMDiT's patch size {})", what,
-           width, height, config_.architecture, multiple, options_.patch_size());
-    }
-    const int64_t most = multiple * options_.pos_embed_max_size();
-    if (height > most || width > most) {
-      fail("{} {} x {} px: {}{} takes at most {} px a side (its position embedding covers {} x {} patches)", what,
-           width, height, config_.architecture, config_.tiny ? " (tiny)" : "", most, options_.pos_embed_max_size(),
-           options_.pos_embed_max_size());
-    }
+    check_sd3_size(options_, height, width, what, config_.tiny ? config_.architecture + " (tiny)" : config_.architecture);
   }
 
   // The VAE's file: vae (a file of the VAE alone or under first_stage_model.), else the base file.
@@ -300,18 +264,16 @@ class Sd3TrainingModel final : public TrainingModel {
     if (!config_.vae.empty()) return open_file("vae", config_.vae);
     if (base_) {
       for (const auto& n : base_->names())
-        if (has_prefix(n, kVaePrefix)) return open_file("pretrained_model_name_or_path", base_->path());
+        if (has_prefix(n, kSd3VaePrefix)) return open_file("pretrained_model_name_or_path", base_->path());
       fail("pretrained_model_name_or_path {}: holds no VAE (no '{}*' keys); set vae to the SD3 VAE's file",
-           base_->path(), kVaePrefix);
+           base_->path(), kSd3VaePrefix);
     }
     return std::nullopt;
   }
 
   models::AutoencoderKL build_vae() const {
-    models::VaeOptions o = models::VaeOptions::sd3();
-    if (config_.tiny) o = o.tiny();
-    return build_vae_from(o, vae_files_ ? &*vae_files_ : nullptr, /*bare_keys_allowed=*/!config_.vae.empty(),
-                          static_cast<uint64_t>(config_.seed));
+    return build_sd3_vae(config_.tiny, vae_files_ ? &*vae_files_ : nullptr, /*bare_keys_allowed=*/!config_.vae.empty(),
+                         static_cast<uint64_t>(config_.seed));
   }
 
   // A text encoder's file: its own key's file, else the base file when it
@@ -330,138 +292,24 @@ class Sd3TrainingModel final : public TrainingModel {
     return std::nullopt;
   }
 
-  // CLIP-L (`g` false) or bigG from its file (HF layout, as the SD3.5 release
-  // ships them, or OpenCLIP's), or random for tiny runs.
-  models::ClipTextModel build_clip(bool g) const {
-    const std::optional<WeightFiles>& files = g ? clip_g_files_ : clip_l_files_;
-    const char* key = g ? "clip_g" : "clip_l";
-    if (!files) {
-      models::ClipTextOptions o =
-          g ? models::ClipTextOptions::clip_g().tiny(32) : models::ClipTextOptions::clip_l().tiny(32);
-      return with_seed(static_cast<uint64_t>(config_.seed) + (g ? 102 : 101), [&] { return models::ClipTextModel(o); });
-    }
-    // Where the encoder is: the SD3 file prefix, a file of the encoder alone,
-    // or (bigG) an SDXL single file's embedder 1; in whichever layout it is.
-    std::vector<std::string> prefixes{g ? models::kSd3ClipGPrefix : models::kSd3ClipLPrefix, ""};
-    if (g) prefixes.emplace_back(models::kSdxlClipGPrefix);
-    std::optional<models::ClipTextFileLayout> layout;
-    std::string prefix, why;
-    for (const std::string& p : prefixes) {
-      try {
-        layout = models::detect_clip_text_layout(*files, p);
-        prefix = p;
-        break;
-      } catch (const Error& e) {
-        if (why.empty()) why = e.what();
-      }
-    }
-    if (!layout) fail("{}: no {} text encoder found: {}", key, g ? "OpenCLIP bigG" : "CLIP-L", why);
-    models::ClipTextOptions o =
-        layout->options(g ? models::ClipTextOptions::clip_g() : models::ClipTextOptions::clip_l());
-    nn::LayerInit init;
-    init.initialize = false;
-    models::ClipTextModel te(o.init(init));
-    try {
-      models::load_clip_text_weights(*te, *files, prefix);
-    } catch (const Error& e) {
-      fail("{}: expected {} in Hugging Face or OpenCLIP layout: {}", key, g ? "OpenCLIP bigG" : "CLIP ViT-L/14",
-           e.what());
-    }
-    return te;
-  }
-
-  // The cached text conditioning of some captions (cache dtype, host memory),
-  // unpadded: the MMDiT's context is assembled per batch (context()).
-  struct TextRows {
-    at::Tensor clip;    // [N, 77, 768 + 1280]: CLIP-L and bigG penultimate states side by side
-    at::Tensor t5;      // [N, T, 4096]: T5's last states; undefined without T5
-    at::Tensor pooled;  // [N, 2048]
-  };
-
-  // The MMDiT's context [N, 77 + T, context_dim]: the CLIP states zero-padded
-  // to the context width, then T5's (padded alike) or 77 zero tokens.
-  at::Tensor context(const at::Tensor& clip, const at::Tensor& t5) const {
-    const int64_t width = options_.context_dim();
-    const at::Tensor t5_part = t5.defined() ? pad_features(t5, width)
-                                            : torch::zeros({clip.size(0), kClipTokens, width}, clip.options());
-    return torch::cat({pad_features(clip, width), t5_part}, 1);
-  }
-
-  TextRows encode_text(models::ClipTextModel& clip_l, models::ClipTextModel& clip_g, models::T5Encoder* t5,
-                       const std::vector<std::string>& captions) {
-    torch::NoGradGuard no_grad;
-    // CLIP-L pads with <|endoftext|>, bigG with 0 (Stability's SDXLClipGTokenizer pad_with_end=False).
-    const at::Tensor ids_l = tokenizer_.encode(captions, ClipPadding::kEndOfText).to(device_);
-    const at::Tensor ids_g = tokenizer_.encode(captions, ClipPadding::kZero).to(device_);
-    const models::ClipTextOutput l = clip_l->forward(ids_l, /*skip=*/2);
-    const models::ClipTextOutput g = clip_g->forward(ids_g, /*skip=*/2);
-    TextRows rows;
-    rows.clip = torch::cat({l.hidden, g.hidden}, 2);
-    if (rows.clip.size(2) > options_.context_dim())
-      fail("internal: CLIP states {} wide, the MMDiT's context is {}", rows.clip.size(2), options_.context_dim());
-    rows.clip = rows.clip.to(at::kCPU, cache_dtype_);
-    if (t5) {
-      const T5Tokens tokens = t5_tokenizer_->tokenize(captions, config_.t5xxl_max_token_length);
-      rows.t5 = (*t5)->forward(tokens.ids.to(device_)).to(at::kCPU, cache_dtype_);
-    }
-    rows.pooled = torch::cat({l.pooled_unprojected, g.pooled}, 1).to(at::kCPU, cache_dtype_);
-    if (rows.pooled.size(1) != options_.adm_in_channels())
-      fail("internal: pooled text {} wide, the MMDiT takes {}", rows.pooled.size(1), options_.adm_in_channels());
-    return rows;
-  }
-
   void encode_captions() {
     ScopedMemoryCategory category(MemoryCategory::other);
-    models::ClipTextModel clip_l = build_clip(false), clip_g = build_clip(true);
-    for (auto* te : {&clip_l, &clip_g}) {
-      (*te)->eval();
-      (*te)->to(device_);
-      if (tokenizer_.clip && tokenizer_.clip->vocab_size() > (*te)->options().vocab_size())
-        fail("the CLIP tokenizer (vocab.json) has ids up to {}, but a text encoder's vocabulary has {} entries",
-             tokenizer_.clip->vocab_size() - 1, (*te)->options().vocab_size());
-    }
-    std::optional<models::T5Encoder> t5;
-    if (t5_files_) {
-      // T5-XXL (4.76B) in bf16 as kohya loads it (fp32 would be 19 GB); the tiny test one in fp32.
-      nn::LayerInit init{torch::TensorOptions().dtype(config_.tiny ? torch::kFloat32 : torch::kBFloat16)};
-      init.initialize = false;
-      models::T5EncoderOptions o = config_.tiny ? models::T5EncoderOptions::tiny() : models::T5EncoderOptions::xxl();
-      if (config_.tiny) {
-        // Test widths: the vocabulary is the test tokenizer's (the file's embedding rows).
-        for (const auto& n : t5_files_->names())
-          if (has_suffix(n, "shared.weight") || has_suffix(n, "embed_tokens.weight"))
-            o.vocab_size(t5_files_->find(n)->shape.at(0));
-      }
-      t5.emplace(o.init(init));
-      try {
-        models::load_t5_encoder_weights(**t5, *t5_files_);
-      } catch (const Error& e) {
-        fail("t5xxl: expected T5 v1.1 XXL's encoder{}: {}", config_.tiny ? " (the tiny test width)" : "", e.what());
-      }
-      if (t5_tokenizer_->piece_count() > o.vocab_size())
-        fail("t5xxl: {}'s {} pieces do not fit T5's vocabulary of {}", t5_tokenizer_->path(),
-             t5_tokenizer_->piece_count(), o.vocab_size());
-      (*t5)->eval();
-      (*t5)->to(device_);
-    }
+    Sd3TextSources sources;
+    sources.clip_l = clip_l_files_ ? &*clip_l_files_ : nullptr;
+    sources.clip_g = clip_g_files_ ? &*clip_g_files_ : nullptr;
+    sources.t5 = t5_files_ ? &*t5_files_ : nullptr;
+    sources.t5_spiece = t5_spiece_;
+    sources.tiny = config_.tiny;
+    sources.seed = static_cast<uint64_t>(config_.seed);
+    Sd3TextEncoders encoders = build_sd3_text_encoders(sources, tokenizer_);
+    encoders.t5_max_length = config_.t5xxl_max_token_length;
+    encoders.to(device_);
     const CaptionRows captions = caption_rows(dataset_.captions());
     caption_row_ = torch::tensor(captions.rows, torch::kInt64);
     caption_rows_ = static_cast<int64_t>(captions.texts.size());
-    std::vector<at::Tensor> clips, t5s, pools;
-    for (size_t i = 0; i < captions.texts.size(); i += 16) {
-      std::vector<std::string> part(
-          captions.texts.begin() + static_cast<std::ptrdiff_t>(i),
-          captions.texts.begin() + static_cast<std::ptrdiff_t>(std::min(captions.texts.size(), i + 16)));
-      TextRows r = encode_text(clip_l, clip_g, t5 ? &*t5 : nullptr, part);
-      clips.push_back(r.clip);
-      if (r.t5.defined()) t5s.push_back(r.t5);
-      pools.push_back(r.pooled);
-    }
-    text_.clip = torch::cat(clips, 0);
-    if (!t5s.empty()) text_.t5 = torch::cat(t5s, 0);  // every caption padded to t5xxl_max_token_length
-    text_.pooled = torch::cat(pools, 0);
+    text_ = encoders.encode(captions.texts, cache_dtype_, options_);
     const std::vector<std::string> sample_texts = sample_prompt_texts(config_.sample_prompts, sample_row_);
-    if (!sample_texts.empty()) sample_text_ = encode_text(clip_l, clip_g, t5 ? &*t5 : nullptr, sample_texts);
+    if (!sample_texts.empty()) sample_text_ = encoders.encode(sample_texts, cache_dtype_, options_);
   }
 
   void encode_images() {
@@ -483,12 +331,12 @@ class Sd3TrainingModel final : public TrainingModel {
   std::shared_ptr<torch::nn::Module> root_;
   models::MMDiT mmdit_{nullptr};
   LdmTokenizer tokenizer_;
-  std::optional<T5Tokenizer> t5_tokenizer_;
+  std::string t5_spiece_;  // T5's spiece.model (with t5xxl)
   BucketReso sample_size_;
   BucketLatents latents_;
   bool has_flip_ = false;
   // Conditioning [U + 1, tokens, context] and pooled [U + 1, adm] (the empty caption last), each image's row.
-  TextRows text_, sample_text_;  // the captions' (the empty one last) and the sample prompts'
+  Sd3Text text_, sample_text_;  // the captions' (the empty one last) and the sample prompts'
   at::Tensor caption_row_;
   int64_t caption_rows_ = 0;
   std::map<std::string, int64_t> sample_row_;
@@ -497,9 +345,6 @@ class Sd3TrainingModel final : public TrainingModel {
 at::Tensor Sd3TrainingModel::sample(const SampleRequest& request) {
   if (request.prompts.empty() || request.seeds.empty()) fail("sample: no prompts or no seeds");
   const EvalModeScope eval_mode(*root_);
-  torch::NoGradGuard no_grad;
-  const auto dtype = nn::value_dtype(mmdit_->context_embedder->weight);
-  const at::Device device = mmdit_->context_embedder->weight.device();
   std::vector<at::Tensor> latents;
   for (size_t i = 0; i < request.prompts.size(); ++i) {
     const SamplePrompt p = parse_sample_prompt(request.prompts[i], fmt::format("sample prompt {}", i + 1));
@@ -509,39 +354,20 @@ at::Tensor Sd3TrainingModel::sample(const SampleRequest& request) {
     const int64_t height = p.height > 0 ? p.height : sample_size_.height;
     const int64_t width = p.width > 0 ? p.width : sample_size_.width;
     check_size(height, width, "sample prompt '" + request.prompts[i] + "':");
-    // Stability's SD3.5 Medium guidance (CFG and skip-layer guidance on joint
-    // blocks 7-9; the tiny test model skips its block 1), with the run's CFG scale.
-    FlowGuidance guidance = FlowGuidance::sd35_medium();
-    guidance.cfg_scale = p.cfg.value_or(request.cfg);
-    if (config_.tiny) guidance.slg_layers = {1};
-    const int64_t steps = p.steps > 0 ? p.steps : request.steps;
-    auto rows_of = [&](int64_t row) {
-      const at::Tensor t5 = sample_text_.t5.defined() ? sample_text_.t5.slice(0, row, row + 1) : at::Tensor();
-      return std::make_pair(context(sample_text_.clip.slice(0, row, row + 1), t5).to(device, dtype),
-                            sample_text_.pooled.slice(0, row, row + 1).to(device, dtype));
-    };
-    const auto [ctx_c, y_c] = rows_of(cond->second);
-    const auto [ctx_u, y_u] = rows_of(negative->second);
+    const FlowGuidance guidance = sd3_sample_guidance(config_.tiny, p.cfg.value_or(request.cfg));
+    const Sd3Text c = sample_text_.select(torch::tensor({cond->second}, torch::kInt64));
+    const Sd3Text u = sample_text_.select(torch::tensor({negative->second}, torch::kInt64));
+    const int64_t w = options_.context_dim();
     for (const uint64_t seed : row_seeds(p, request)) {
-      latents.push_back(with_seed(seed, [&] {
-        const at::Tensor noise = torch::randn({1, options_.in_channels(), height / 8, width / 8});
-        GuidedVelocityFn model = [&](const at::Tensor& x, const at::Tensor& t, const std::vector<int64_t>& skip) {
-          const at::Tensor out = mmdit_
-                                     ->forward(torch::cat({x, x}).to(device, dtype), torch::cat({t, t}).to(device),
-                                               torch::cat({ctx_c, ctx_u}), torch::cat({y_c, y_u}))
-                                     .to(at::kCPU, torch::kFloat32);
-          GuidedVelocities v{out.slice(0, 0, 1), out.slice(0, 1, 2), {}};
-          if (!skip.empty())
-            v.cond_skip = mmdit_->forward(x.to(device, dtype), t.to(device), ctx_c, y_c, skip)
-                              .to(at::kCPU, torch::kFloat32);
-          return v;
-        };
-        return sample_euler_guided(model, noise, sd3_sigmas(steps, kSampleShift), guidance);
-      }));
+      latents.push_back(sample_sd3_latent(*mmdit_, sd3_context(c.clip, c.t5, w), c.pooled,
+                                          sd3_context(u.clip, u.t5, w), u.pooled, seed, height, width,
+                                          p.steps > 0 ? p.steps : request.steps, guidance));
     }
   }
+  const at::Device device = module_device(*root_);
   models::AutoencoderKL vae = build_vae();
   vae->to(device);
+  torch::NoGradGuard no_grad;
   std::vector<at::Tensor> images;
   for (const at::Tensor& z : latents) images.push_back(vae->decode_latents(z.to(device)).to(at::kCPU, torch::kFloat32));
   return samples_to_uint8(torch::cat(images, 0), request);

@@ -11,6 +11,7 @@
 #include "shoestring/models/cascade.h"
 #include "shoestring/models/unet_ldm.h"
 #include "shoestring/precision/save_guard.h"
+#include "shoestring/train/cascade_components.h"
 #include "shoestring/train/config.h"
 #include "shoestring/train/dataset_config.h"
 #include "shoestring/train/sampling.h"

@@ -18,9 +18,6 @@ std::unique_ptr<TrainingModel> make_tiny_unet_training_model(const TrainConfig& 
                                                              const ModelSource& source);
 std::unique_ptr<TrainingModel> make_ldm_training_model(const TrainConfig& config, const ImageCaptionDataset& dataset,
                                                        const ModelSource& source);
-/// Stable Cascade: the pixel multiple an image side must be for stage C with
-/// `o` (32 for the EfficientNet, times patch_size and 2 per level switch).
-int64_t cascade_pixel_multiple(const models::StageCOptions& o);
 std::unique_ptr<TrainingModel> make_cascade_training_model(const TrainConfig& config,
                                                            const ImageCaptionDataset& dataset,
                                                            const ModelSource& source);
