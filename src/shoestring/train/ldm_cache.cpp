@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <map>
+#include <optional>
 #include <set>
 #include <thread>
 
@@ -203,6 +204,239 @@ LdmCacheStats build_ldm_caches(const TrainConfig& config_in, bool quiet, const C
   source.cache_share = share;
   make_training_model(c, dataset, source);
   return stats;
+}
+
+namespace {
+
+// A shard is written once it holds this many entries or bytes...
+constexpr size_t kShardEntries = 256;
+constexpr int64_t kShardBytes = int64_t{64} << 20;
+// ... or this long after the last write, so a killed run loses at most this much encoding.
+constexpr std::chrono::seconds kShardInterval{30};
+
+/// The log's note of entries other ranks encoded ("" when none).
+std::string by_others(int64_t waited) {
+  return waited > 0 ? fmt::format(" (and {} by the other ranks)", waited) : std::string();
+}
+
+/// Opens the cache folder `dir` and checks the shards holding `keys`.
+/// Reading needs no lock and no write access, so unless `tidy` the cache is
+/// first opened to read; only when an entry this rank owns (`share`,
+/// cache_key_owner) is missing (or was in a damaged shard), or with `tidy`
+/// (`shoestring cache`), is it opened as `writer` (taking that writer's
+/// lock, removing its interrupted writes' temporaries, recording its
+/// unlisted shards in its manifest, deleting its damaged ones) and checked,
+/// for the caller to encode what is missing. `*writing` says which it is.
+/// The paths of the damaged shards found go to `damaged`: a later open of
+/// the folder (to read what was encoded) must leave them out, since another
+/// writer's damaged shard stays on disk, and its manifest still lists its
+/// entries, until that writer deletes it.
+TensorCache open_cache(const std::string& dir, const char* kind, const std::vector<std::string>& keys,
+                       const DiskCacheRun& run, const char* what, std::vector<std::string>& problems,
+                       std::vector<std::string>& damaged, bool* writing) {
+  // The keys the writer checks: all of them (tidy), else those the read-only
+  // check found missing or damaged (the intact shards are not read twice).
+  std::vector<std::string> to_check = keys;
+  if (!run.tidy) {
+    TensorCache cache = TensorCache::open(dir, kind, "");
+    const CacheVerifyReport checked = cache.verify(keys);
+    damaged.insert(damaged.end(), checked.failed_shards.begin(), checked.failed_shards.end());
+    to_check.clear();
+    for (const std::string& k : keys) {
+      if (!cache.contains(k) && cache_key_owner(k, run.share.world_size) == run.share.rank) to_check.push_back(k);
+    }
+    *writing = !to_check.empty();
+    if (!*writing) return cache;
+  }
+  *writing = true;
+  std::optional<TensorCache> opened;
+  try {
+    opened.emplace(TensorCache::open(dir, kind, run.writer));
+  } catch (const Error& e) {
+    // Name the setting that chose the folder: a cache is the one write a run makes outside output_dir.
+    fail("{} cache (cache_dir, else .shoestring-cache beside the dataset): {}", what, e.what());
+  }
+  TensorCache cache = std::move(*opened);
+  cache.exclude_shards(damaged);
+  const CacheVerifyReport report = cache.verify(to_check);  // deletes this writer's damaged shards
+  damaged.insert(damaged.end(), report.failed_shards.begin(), report.failed_shards.end());
+  if (!run.quiet) {
+    for (const std::string& n : cache.notes()) spdlog::info("{} cache: {}", what, n);
+  }
+  for (const std::string& p : report.problems) {
+    spdlog::warn("{} cache: {}; its entries are encoded again", what, p);
+    problems.push_back(p);
+  }
+  return cache;
+}
+
+}  // namespace
+
+ShardWriter::ShardWriter(TensorCache& cache) : cache_(cache), last_(std::chrono::steady_clock::now()) {}
+
+void ShardWriter::add(CacheEntry entry) {
+  for (const auto& [name, t] : entry.tensors) bytes_ += t.nbytes();
+  pending_.push_back(std::move(entry));
+  ++added_;
+  if (pending_.size() >= kShardEntries || bytes_ >= kShardBytes ||
+      std::chrono::steady_clock::now() - last_ >= kShardInterval)
+    flush();
+}
+
+void ShardWriter::flush() {
+  if (pending_.empty()) return;
+  cache_.write_shard(pending_);
+  pending_.clear();
+  bytes_ = 0;
+  last_ = std::chrono::steady_clock::now();
+}
+
+FilledCache fill_disk_cache(const std::string& dir, const char* kind, const char* what,
+                            const std::vector<std::string>& keys, const DiskCacheRun& run,
+                            std::vector<std::string>& problems,
+                            const std::function<void(const std::vector<size_t>&, ShardWriter&)>& encode) {
+  bool writing = false;
+  std::vector<std::string> damaged;  // shards to leave out when the folder is opened again
+  TensorCache cache = open_cache(dir, kind, keys, run, what, problems, damaged, &writing);
+  std::set<std::string> distinct;
+  std::vector<size_t> missing;
+  int64_t by_other_ranks = 0;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    if (!distinct.insert(keys[i]).second || cache.contains(keys[i])) continue;
+    if (cache_key_owner(keys[i], run.share.world_size) != run.share.rank) {
+      ++by_other_ranks;  // another rank's share: waited for below
+      continue;
+    }
+    missing.push_back(i);
+  }
+  int64_t encoded = 0;
+  if (!missing.empty()) {
+    ShardWriter shards(cache);
+    encode(missing, shards);
+    shards.flush();
+    encoded = shards.added();
+  }
+  // Training reads without the writer's lock: other runs may share the folder.
+  if (run.share.world_size > 1) {
+    cache = wait_for_cache_entries(dir, kind, keys, run.share, what, damaged);
+  } else if (writing) {
+    cache = TensorCache::open(dir, kind, "");
+    cache.exclude_shards(damaged);
+  }
+  const int64_t waited = run.share.world_size > 1 ? by_other_ranks : 0;
+  const auto entries = static_cast<int64_t>(distinct.size());
+  if (!run.quiet) {
+    spdlog::info("{} cache: {} of {} entries encoded{}, {} reused ({})", what, encoded, entries, by_others(waited),
+                 entries - encoded - waited, cache.dir());
+  }
+  return FilledCache{std::move(cache), entries, encoded, waited};
+}
+
+std::vector<std::string> latent_entry_keys(const ImageCaptionDataset& dataset, const std::string& head) {
+  const int64_t n = dataset.size();
+  std::vector<std::string> keys(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    std::string geometry;
+    if (dataset.bucketed()) {
+      const ImageGeometry& g = dataset.geometry(i);
+      const BucketReso reso = dataset.buckets()[static_cast<size_t>(dataset.bucket_of(i))].reso;
+      geometry = fmt::format("bucket {}x{} resized {}x{} crop {},{}", reso.width, reso.height, g.resized.width,
+                             g.resized.height, g.crop.x, g.crop.y);
+    } else {
+      geometry = fmt::format("square {}", dataset.resolution());
+    }
+    const std::string& path = dataset.paths()[static_cast<size_t>(i)];
+    keys[static_cast<size_t>(i)] = content_key128(
+        fmt::format("{}|image {}|{}|flip {}", head, file_content_key(path), geometry, dataset.flip_aug(i) ? 1 : 0));
+  }
+  return keys;
+}
+
+void encode_missing_latents(const ImageCaptionDataset& dataset, const std::vector<std::string>& keys,
+                            const std::vector<size_t>& missing, ShardWriter& shards, at::Device device,
+                            at::ScalarType cache_dtype,
+                            const std::function<at::Tensor(const at::Tensor&)>& encode) {
+  torch::NoGradGuard no_grad;
+  const std::set<size_t> wanted(missing.begin(), missing.end());
+  // The images of each bucket (as encode_bucket_latents groups them) whose entry is missing.
+  std::vector<std::vector<int64_t>> groups;
+  if (dataset.bucketed()) {
+    for (const DatasetBucket& b : dataset.buckets()) groups.push_back(b.images);
+  } else {
+    groups.emplace_back();
+    for (int64_t i = 0; i < dataset.size(); ++i) groups.back().push_back(i);
+  }
+  // Images whose pixels cannot be decoded (only their headers were read at
+  // load): the others are encoded and kept, then the run stops naming them all.
+  std::vector<std::string> undecodable;
+  for (const std::vector<int64_t>& images : groups) {
+    std::vector<int64_t> todo;
+    for (const int64_t i : images)
+      if (wanted.count(static_cast<size_t>(i))) todo.push_back(i);
+    if (todo.empty()) continue;
+    const BucketReso size = dataset.bucketed()
+                                ? dataset.buckets()[static_cast<size_t>(dataset.bucket_of(images.front()))].reso
+                                : BucketReso{dataset.resolution(), dataset.resolution()};
+    const int64_t chunk = std::max<int64_t>(1, (256 * 256 * 4) / (size.width * size.height));  // as in memory
+    const auto m = static_cast<int64_t>(todo.size());
+    for (int64_t i = 0; i < m; i += chunk) {
+      std::vector<int64_t> idx(todo.begin() + i, todo.begin() + std::min(m, i + chunk));
+      at::Tensor pixels;
+      try {
+        pixels = dataset.batch_images(idx);  // decoded now (DatasetSelection::decode_on_demand)
+      } catch (const Error&) {
+        std::vector<int64_t> decodable;
+        for (const int64_t k : idx) {
+          try {
+            (void)dataset.batch_images({k});
+            decodable.push_back(k);
+          } catch (const Error& e) {
+            undecodable.push_back(e.what());
+          }
+        }
+        idx = decodable;
+        if (idx.empty()) continue;
+        pixels = dataset.batch_images(idx);
+      }
+      pixels = pixels.to(device);
+      const at::Tensor latents = encode(pixels).to(at::kCPU, cache_dtype);
+      bool any_flip = false;
+      for (const int64_t k : idx) any_flip = any_flip || dataset.flip_aug(k);
+      at::Tensor mirrored;
+      if (any_flip) mirrored = encode(pixels.flip({3})).to(at::kCPU, cache_dtype);
+      for (size_t r = 0; r < idx.size(); ++r) {
+        const auto rr = static_cast<int64_t>(r);
+        CacheEntry e{keys[static_cast<size_t>(idx[r])], {{"latent", latents[rr]}}};
+        if (dataset.flip_aug(idx[r])) e.tensors.emplace_back("flipped", mirrored[rr]);
+        shards.add(std::move(e));
+      }
+    }
+  }
+  if (!undecodable.empty()) {
+    shards.flush();
+    const size_t shown = std::min<size_t>(undecodable.size(), 5);
+    fail(
+        "{} image{} cannot be decoded ({}{}); the other images' latents are in the cache. Latents encoded into the "
+        "disk cache (cache_latents_to_disk, `shoestring cache`) decode each image only then (its header alone is read "
+        "at load, so it is not skipped there): fix or remove {}",
+        undecodable.size(), undecodable.size() == 1 ? "" : "s",
+        fmt::join(undecodable.begin(), undecodable.begin() + static_cast<std::ptrdiff_t>(shown), "; "),
+        undecodable.size() > shown ? fmt::format("; and {} more", undecodable.size() - shown) : "",
+        undecodable.size() == 1 ? "the file" : "the files");
+  }
+}
+
+std::pair<at::Tensor, at::Tensor> read_cached_latents(TensorCache& cache, const std::vector<std::string>& keys,
+                                                      const std::vector<int64_t>& idx, bool flip) {
+  std::vector<at::Tensor> rows_x0, rows_mirror;
+  for (const int64_t i : idx) {
+    std::vector<at::Tensor> entry = cache.read(keys.at(static_cast<size_t>(i)));
+    rows_x0.push_back(entry[0]);
+    rows_mirror.push_back(entry.size() > 1 ? entry[1] : entry[0]);  // no mirror: never drawn
+  }
+  at::Tensor mirror;
+  if (flip) mirror = torch::stack(rows_mirror).to(torch::kFloat32);
+  return {torch::stack(rows_x0).to(torch::kFloat32), mirror};
 }
 
 }  // namespace shoestring

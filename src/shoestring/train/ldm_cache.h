@@ -1,6 +1,12 @@
-// The LDM families' caches on disk (kohya's cache_latents_to_disk and
-// cache_text_encoder_outputs_to_disk), on io/tensor_cache.h's shards:
-// where they live, what their entries are keyed by, and `shoestring cache`.
+// The latent families' caches on disk (kohya's cache_latents_to_disk and
+// cache_text_encoder_outputs_to_disk) for the LDM UNets, SD3.5 Medium and
+// Stable Cascade stage C, on io/tensor_cache.h's shards: where they live,
+// what their entries are keyed by, how a run fills them (fill_disk_cache,
+// the latents' encode_missing_latents), and `shoestring cache`. The keys
+// below are the LDM families'; SD3 and Cascade key their text entries by
+// their own encoders and token ids (train/sd3_model.cpp,
+// train/cascade_model.cpp) and their latent entries as below with their own
+// encoder (the SD3 VAE, the EfficientNet).
 //
 // Entries and their keys (content_key128 of a canonical text, so any change
 // of what an entry depends on gives another key and only that entry is
@@ -20,6 +26,7 @@
 //    them), the encoders' weights identities, clip_skip and dtype.
 #pragma once
 #include <chrono>
+#include <functional>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -30,6 +37,7 @@
 namespace shoestring {
 
 struct TrainConfig;
+class ImageCaptionDataset;
 
 /// Part of every cache key; bumped when what an entry holds for the same
 /// inputs changes (image decoding, VAE / text-encoder forward).
@@ -94,6 +102,89 @@ int cache_key_owner(const std::string& key, int world_size);
 TensorCache wait_for_cache_entries(const std::string& dir, const std::string& kind,
                                    const std::vector<std::string>& keys, const CacheShare& share, const char* what,
                                    const std::vector<std::string>& excluded = {});
+
+/// Encoded entries waiting to be written as one shard of a cache opened as a
+/// writer: written once they reach 256 entries or 64 MiB, or 30 s after the
+/// last write (a killed run loses at most that much encoding), and by flush().
+class ShardWriter {
+ public:
+  explicit ShardWriter(TensorCache& cache);
+  /// Queues `entry` (its tensors are written as they are: CPU, contiguous).
+  void add(CacheEntry entry);
+  /// Writes what is queued as one shard (nothing when empty).
+  void flush();
+  /// Entries added so far.
+  int64_t added() const { return added_; }
+
+ private:
+  TensorCache& cache_;
+  std::vector<CacheEntry> pending_;
+  int64_t bytes_ = 0, added_ = 0;
+  std::chrono::steady_clock::time_point last_;
+};
+
+/// How a run (or `shoestring cache`) fills its disk caches.
+struct DiskCacheRun {
+  CacheShare share;    ///< which entries this process encodes
+  std::string writer;  ///< the writer name of this process ("r<rank>")
+  bool tidy = false;   ///< `shoestring cache`: open as writer and check every entry, not only the missing ones
+  bool quiet = false;  ///< no log lines
+};
+
+/// What fill_disk_cache did.
+struct FilledCache {
+  TensorCache cache;    ///< opened to read (no lock), damaged shards left out
+  int64_t entries = 0;  ///< distinct keys
+  int64_t encoded = 0;  ///< entries this process encoded
+  int64_t waited = 0;   ///< entries missing at the start that other ranks encoded
+};
+
+/// Brings the cache folder `dir` of `kind` ("latents", "text"; `what`:
+/// "latent", "text" in messages) up to date for `keys` (duplicates allowed):
+/// opens it to read, checks the shards holding the keys, and only when an
+/// entry this process owns (cache_key_owner) is missing, or with run.tidy,
+/// opens it as run.writer (removing that writer's interrupted writes,
+/// deleting its damaged shards) and calls `encode(missing, shards)` with the
+/// indices into `keys` of the first occurrence of each owned missing key, in
+/// order; `encode` adds one entry per index to `shards` (the caller's
+/// encoder, in the caller's batches), and may flush and throw (e.g. naming
+/// undecodable images). Then, with several ranks, waits for the other ranks'
+/// entries (wait_for_cache_entries). Corrupt shards found go to `problems`
+/// (a warning each: their entries are encoded again). Logs "{what} cache: N
+/// of M entries encoded, K reused (DIR)" unless run.quiet. Throws
+/// shoestring::Error naming the folder's setting when it cannot be opened
+/// as a writer, and as wait_for_cache_entries and `encode`.
+FilledCache fill_disk_cache(const std::string& dir, const char* kind, const char* what,
+                            const std::vector<std::string>& keys, const DiskCacheRun& run,
+                            std::vector<std::string>& problems,
+                            const std::function<void(const std::vector<size_t>&, ShardWriter&)>& encode);
+
+/// The latent entry key of every image of `dataset` (a list parallel to its
+/// images): content_key128 of `head` (version, encoder identity, dtype),
+/// the image file's content hash, its training geometry (bucket, resized
+/// size and crop; square: the resolution) and its flip. Throws
+/// shoestring::Error naming an unreadable image file.
+std::vector<std::string> latent_entry_keys(const ImageCaptionDataset& dataset, const std::string& head);
+
+/// The encode callback of fill_disk_cache for latents: the images
+/// `missing` (indices into `keys`, one per image) bucket by bucket in each
+/// bucket's order and in chunks of about 256 K pixels x 4 (the in-memory
+/// encoding's batches), each decoded now, encoded by `encode` (pixels [n, 3,
+/// H, W] in [-1, 1] on `device` -> latents [n, C, h, w]) into entries
+/// "latent" and, for flip_aug images, "flipped" (the mirror image's), in
+/// `cache_dtype`. Images that cannot be decoded are skipped; after the
+/// others are written, throws shoestring::Error naming them all.
+void encode_missing_latents(const ImageCaptionDataset& dataset, const std::vector<std::string>& keys,
+                            const std::vector<size_t>& missing, ShardWriter& shards, at::Device device,
+                            at::ScalarType cache_dtype,
+                            const std::function<at::Tensor(const at::Tensor&)>& encode);
+
+/// float32 latents [B, C, h, w] of images `idx` read from `cache` (entries
+/// keyed by `keys`, one per image) and, when `flip`, their mirror images'
+/// (an image without one repeats its own: it is never drawn); undefined
+/// otherwise. Throws as TensorCache::read.
+std::pair<at::Tensor, at::Tensor> read_cached_latents(TensorCache& cache, const std::vector<std::string>& keys,
+                                                      const std::vector<int64_t>& idx, bool flip);
 
 /// What the caches of one run (or `shoestring cache`) held and did.
 struct LdmCacheStats {

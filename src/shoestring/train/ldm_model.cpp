@@ -48,11 +48,6 @@ namespace {
 constexpr const char* kUNetPrefix = "model.diffusion_model.";
 constexpr const char* kVaePrefix = "first_stage_model.";
 constexpr int64_t kTextLength = 77;
-// Disk caches: a shard is written once it holds this many entries or bytes.
-constexpr size_t kShardEntries = 256;
-constexpr int64_t kShardBytes = int64_t{64} << 20;
-// ... or this long after the last write, so a killed run loses at most this much encoding.
-constexpr std::chrono::seconds kShardInterval{30};
 
 bool starts_with(const std::string& s, const std::string& p) { return s.compare(0, p.size(), p) == 0; }
 
@@ -93,9 +88,7 @@ class LdmTrainingModel final : public TrainingModel {
     const bool text_on_disk = config.cache_text_encoder_outputs_to_disk || source.encode_only;
     const bool latents_on_disk = config.cache_latents_to_disk || source.encode_only;
     if (text_on_disk || latents_on_disk) cache_stats_.dir = ldm_cache_dir(config);
-    cache_share_ = source.cache_share;
-    cache_writer_ = fmt::format("r{}", cache_share_.rank);
-    cache_tidy_ = source.encode_only;
+    cache_run_ = disk_cache_run(source);
     build_tokenizer();
     if (text_on_disk) {
       cache_captions(source.quiet);
@@ -155,14 +148,7 @@ class LdmTrainingModel final : public TrainingModel {
     // Latents [B, 4, h, w] (fp32) and, with flip_aug, their mirror images'.
     at::Tensor x0, mirror;
     if (latent_cache_) {
-      std::vector<at::Tensor> rows_x0, rows_mirror;
-      for (const int64_t i : idx) {
-        std::vector<at::Tensor> entry = latent_cache_->read(latent_key_[static_cast<size_t>(i)]);
-        rows_x0.push_back(entry[0]);
-        rows_mirror.push_back(entry.size() > 1 ? entry[1] : entry[0]);  // no mirror: never drawn
-      }
-      x0 = torch::stack(rows_x0).to(torch::kFloat32);
-      if (has_flip_) mirror = torch::stack(rows_mirror).to(torch::kFloat32);
+      std::tie(x0, mirror) = read_cached_latents(*latent_cache_, latent_key_, idx, has_flip_);
     } else {
       std::tie(x0, mirror) = latents_.batch(dataset_, idx);
     }
@@ -301,8 +287,6 @@ class LdmTrainingModel final : public TrainingModel {
   /// verify what the cache holds, encode what is missing shard by shard,
   /// keep only the keys in memory (prepare reads a batch at a time).
   void cache_captions(bool quiet);
-  /// True when this rank encodes the cache entry `key` (all of them in one process).
-  bool owns(const std::string& key) const { return cache_key_owner(key, cache_share_.world_size) == cache_share_.rank; }
   void cache_images(bool quiet);
   /// The identity of the VAE's weights (cache keys).
   std::string vae_identity();
@@ -339,9 +323,7 @@ class LdmTrainingModel final : public TrainingModel {
   std::optional<TensorCache> latent_cache_, text_cache_;
   std::vector<std::string> latent_key_, text_key_;
   LdmCacheStats cache_stats_;
-  CacheShare cache_share_;           // this rank's part in encoding the disk caches (ldm_cache.h)
-  std::string cache_writer_ = "r0";  // this process's writer name in the disk caches: r<rank>
-  bool cache_tidy_ = false;          // `shoestring cache`: open the caches as their writer even when complete
+  DiskCacheRun cache_run_;  // this process's part in filling the disk caches (ldm_cache.h)
   BucketReso sample_size_;
   bool has_flip_ = false;
   // Sample prompts and their negatives: context [T, 77, D] and (SDXL) pooled
@@ -515,90 +497,6 @@ namespace {
 /// The cache dtype's format name (part of the keys).
 std::string dtype_name(torch::Dtype d) { return to_string(st_dtype_of(d)); }
 
-/// The log's note of entries other ranks encoded ("" when none).
-std::string by_others(int64_t waited) {
-  return waited > 0 ? fmt::format(" (and {} by the other ranks)", waited) : std::string();
-}
-
-/// Encoded entries waiting to be written as one shard of `cache`: written
-/// once they reach a shard's size (kShardEntries, kShardBytes) or
-/// kShardInterval after the last write, and by flush().
-class ShardWriter {
- public:
-  explicit ShardWriter(TensorCache& cache) : cache_(cache), last_(std::chrono::steady_clock::now()) {}
-  void add(CacheEntry e) {
-    for (const auto& [name, t] : e.tensors) bytes_ += t.nbytes();
-    pending_.push_back(std::move(e));
-    if (pending_.size() >= kShardEntries || bytes_ >= kShardBytes ||
-        std::chrono::steady_clock::now() - last_ >= kShardInterval)
-      flush();
-  }
-  void flush() {
-    if (pending_.empty()) return;
-    cache_.write_shard(pending_);
-    pending_.clear();
-    bytes_ = 0;
-    last_ = std::chrono::steady_clock::now();
-  }
-
- private:
-  TensorCache& cache_;
-  std::vector<CacheEntry> pending_;
-  int64_t bytes_ = 0;
-  std::chrono::steady_clock::time_point last_;
-};
-
-/// Opens the cache folder `dir` and checks the shards holding `keys`.
-/// Reading needs no lock and no write access, so unless `tidy` the cache is
-/// first opened to read; only when an entry this rank owns (`share`,
-/// cache_key_owner) is missing (or was in a damaged shard), or with `tidy`
-/// (`shoestring cache`), is it opened as `writer`
-/// (taking that writer's lock, removing its interrupted writes' temporaries,
-/// recording its unlisted shards in its manifest, deleting its damaged ones)
-/// and checked, for the caller to encode what is missing. `*writing` says
-/// which it is. The paths of the damaged shards found go to `damaged`: a
-/// later open of the folder (to read what was encoded) must leave them out,
-/// since another writer's damaged shard stays on disk, and its manifest
-/// still lists its entries, until that writer deletes it.
-TensorCache open_cache(const std::string& dir, const char* kind, const std::vector<std::string>& keys,
-                       const CacheShare& share, const std::string& writer, bool tidy, const char* what, bool quiet,
-                       std::vector<std::string>& problems, std::vector<std::string>& damaged, bool* writing) {
-  // The keys the writer checks: all of them (tidy), else those the read-only
-  // check found missing or damaged (the intact shards are not read twice).
-  std::vector<std::string> to_check = keys;
-  if (!tidy) {
-    TensorCache cache = TensorCache::open(dir, kind, "");
-    const CacheVerifyReport checked = cache.verify(keys);
-    damaged.insert(damaged.end(), checked.failed_shards.begin(), checked.failed_shards.end());
-    to_check.clear();
-    for (const std::string& k : keys) {
-      if (!cache.contains(k) && cache_key_owner(k, share.world_size) == share.rank) to_check.push_back(k);
-    }
-    *writing = !to_check.empty();
-    if (!*writing) return cache;
-  }
-  *writing = true;
-  std::optional<TensorCache> opened;
-  try {
-    opened.emplace(TensorCache::open(dir, kind, writer));
-  } catch (const Error& e) {
-    // Name the setting that chose the folder: a cache is the one write a run makes outside output_dir.
-    fail("{} cache (cache_dir, else .shoestring-cache beside the dataset): {}", what, e.what());
-  }
-  TensorCache cache = std::move(*opened);
-  cache.exclude_shards(damaged);
-  const CacheVerifyReport report = cache.verify(to_check);  // deletes this writer's damaged shards
-  damaged.insert(damaged.end(), report.failed_shards.begin(), report.failed_shards.end());
-  if (!quiet) {
-    for (const std::string& n : cache.notes()) spdlog::info("{} cache: {}", what, n);
-  }
-  for (const std::string& p : report.problems) {
-    spdlog::warn("{} cache: {}; its entries are encoded again", what, p);
-    problems.push_back(p);
-  }
-  return cache;
-}
-
 }  // namespace
 
 std::string LdmTrainingModel::vae_identity() {
@@ -652,67 +550,38 @@ void LdmTrainingModel::cache_captions(bool quiet) {
   const std::string dir = (fs::path(cache_stats_.dir) / "text").string();
   std::vector<std::string> all = text_key_;
   all.insert(all.end(), sample_keys.begin(), sample_keys.end());
-  bool writing = false;
-  std::vector<std::string> damaged;  // shards to leave out when the folder is opened again
-  text_cache_.emplace(open_cache(dir, "text", all, cache_share_, cache_writer_, cache_tidy_, "text", quiet,
-                                 cache_stats_.problems, damaged, &writing));
-  // The distinct texts missing, in order.
   std::vector<std::string> texts = unique;
   texts.insert(texts.end(), prompts.begin(), prompts.end());
-  // Captions first, then sample prompts, in chunks as encode_captions makes
-  // them (the same rows encoded together: the same bits as in memory).
-  std::vector<std::string> missing_text[2], missing_key[2];
-  std::set<std::string> distinct;
-  int64_t by_other_ranks = 0;
-  for (size_t i = 0; i < all.size(); ++i) {
-    if (!distinct.insert(all[i]).second || text_cache_->contains(all[i])) continue;
-    if (!owns(all[i])) {
-      ++by_other_ranks;  // another rank's share: waited for below
-      continue;
-    }
-    const size_t phase = i < unique.size() ? 0 : 1;
-    missing_text[phase].push_back(texts[i]);
-    missing_key[phase].push_back(all[i]);
-  }
-  const size_t missing = missing_key[0].size() + missing_key[1].size();
-  if (missing > 0) {
-    load_text_encoders();
-    for (auto& te : text_encoders_) te->to(device_);
-    ShardWriter shards(*text_cache_);
-    const size_t chunk = 16;  // as encode_captions
-    for (size_t phase = 0; phase < 2; ++phase) {
-      const std::vector<std::string>& part_texts = missing_text[phase];
-      for (size_t i = 0; i < part_texts.size(); i += chunk) {
-        const size_t end = std::min(part_texts.size(), i + chunk);
-        std::vector<std::string> part(part_texts.begin() + static_cast<std::ptrdiff_t>(i),
-                                      part_texts.begin() + static_cast<std::ptrdiff_t>(end));
-        auto [context, pooled] = encode_text(part);
-        for (size_t j = i; j < end; ++j) {
-          const auto r = static_cast<int64_t>(j - i);
-          CacheEntry e{missing_key[phase][j], {{"context", context[r]}}};
-          if (pooled.defined()) e.tensors.emplace_back("pooled", pooled[r]);
-          shards.add(std::move(e));
+  FilledCache filled = fill_disk_cache(
+      dir, "text", "text", all, cache_run_, cache_stats_.problems,
+      [&](const std::vector<size_t>& missing, ShardWriter& shards) {
+        load_text_encoders();
+        for (auto& te : text_encoders_) te->to(device_);
+        // Captions first, then sample prompts, in chunks as encode_captions makes
+        // them (the same rows encoded together: the same bits as in memory).
+        std::vector<size_t> phases[2];
+        for (const size_t i : missing) phases[i < unique.size() ? 0 : 1].push_back(i);
+        const size_t chunk = 16;  // as encode_captions
+        for (const std::vector<size_t>& phase : phases) {
+          for (size_t i = 0; i < phase.size(); i += chunk) {
+            const size_t end = std::min(phase.size(), i + chunk);
+            std::vector<std::string> part;
+            for (size_t j = i; j < end; ++j) part.push_back(texts[phase[j]]);
+            auto [context, pooled] = encode_text(part);
+            for (size_t j = i; j < end; ++j) {
+              const auto r = static_cast<int64_t>(j - i);
+              CacheEntry e{all[phase[j]], {{"context", context[r]}}};
+              if (pooled.defined()) e.tensors.emplace_back("pooled", pooled[r]);
+              shards.add(std::move(e));
+            }
+          }
         }
-      }
-    }
-    shards.flush();
-    text_encoders_.clear();
-  }
-  // Training reads without the writer's lock: other runs may share the folder.
-  if (cache_share_.world_size > 1) {
-    text_cache_.emplace(wait_for_cache_entries(dir, "text", all, cache_share_, "text", damaged));
-    cache_stats_.text_waited = by_other_ranks;
-  } else if (writing) {
-    text_cache_.emplace(TensorCache::open(dir, "text", ""));
-    text_cache_->exclude_shards(damaged);
-  }
-  cache_stats_.text_entries = static_cast<int64_t>(distinct.size());
-  cache_stats_.text_encoded = static_cast<int64_t>(missing);
-  if (!quiet) {
-    spdlog::info("text cache: {} of {} entries encoded{}, {} reused ({})", cache_stats_.text_encoded,
-                 cache_stats_.text_entries, by_others(cache_stats_.text_waited),
-                 cache_stats_.text_entries - cache_stats_.text_encoded - cache_stats_.text_waited, text_cache_->dir());
-  }
+        text_encoders_.clear();
+      });
+  text_cache_.emplace(std::move(filled.cache));
+  cache_stats_.text_entries = filled.entries;
+  cache_stats_.text_encoded = filled.encoded;
+  cache_stats_.text_waited = filled.waited;
   // Sample prompts stay in memory (a few rows, in sample_row_'s order).
   std::vector<at::Tensor> contexts, pools;
   for (const std::string& k : sample_keys) {
@@ -732,125 +601,20 @@ void LdmTrainingModel::cache_images(bool quiet) {
   // fitted to its training size, the VAE, flip and dtype.
   const std::string head =
       fmt::format("{}|latent|vae {}|{}", kLdmCacheVersion, vae_identity(), dtype_name(cache_dtype));
-  const int64_t n = dataset_.size();
-  latent_key_.assign(static_cast<size_t>(n), "");
-  for (int64_t i = 0; i < n; ++i) {
-    std::string geometry;
-    if (dataset_.bucketed()) {
-      const ImageGeometry& g = dataset_.geometry(i);
-      const BucketReso reso = dataset_.buckets()[static_cast<size_t>(dataset_.bucket_of(i))].reso;
-      geometry = fmt::format("bucket {}x{} resized {}x{} crop {},{}", reso.width, reso.height, g.resized.width,
-                             g.resized.height, g.crop.x, g.crop.y);
-    } else {
-      geometry = fmt::format("square {}", dataset_.resolution());
-    }
-    const std::string& path = dataset_.paths()[static_cast<size_t>(i)];
-    latent_key_[static_cast<size_t>(i)] = content_key128(
-        fmt::format("{}|image {}|{}|flip {}", head, file_content_key(path), geometry, dataset_.flip_aug(i) ? 1 : 0));
-  }
+  latent_key_ = latent_entry_keys(dataset_, head);
   const std::string dir = (fs::path(cache_stats_.dir) / "latents").string();
-  bool writing = false;
-  std::vector<std::string> damaged;  // shards to leave out when the folder is opened again
-  latent_cache_.emplace(open_cache(dir, "latents", latent_key_, cache_share_, cache_writer_, cache_tidy_, "latent",
-                                   quiet, cache_stats_.problems, damaged, &writing));
-
-  // The images of each bucket (as encode_images groups them) whose entry is missing.
-  std::vector<std::vector<int64_t>> groups;
-  if (dataset_.bucketed()) {
-    for (const DatasetBucket& b : dataset_.buckets()) groups.push_back(b.images);
-  } else {
-    groups.emplace_back();
-    for (int64_t i = 0; i < n; ++i) groups.back().push_back(i);
-  }
-  std::set<std::string> distinct(latent_key_.begin(), latent_key_.end()), queued, by_other_ranks;
-  int64_t encoded = 0;
-  std::optional<models::AutoencoderKL> vae;
-  std::optional<ShardWriter> shards;
-  if (writing) shards.emplace(*latent_cache_);
-  // Images whose pixels cannot be decoded (only their headers were read at
-  // load): the others are encoded and kept, then the run stops naming them all.
-  std::vector<std::string> undecodable;
-  for (const std::vector<int64_t>& images : groups) {
-    std::vector<int64_t> missing;
-    for (const int64_t i : images) {
-      const std::string& key = latent_key_[static_cast<size_t>(i)];
-      if (latent_cache_->contains(key)) continue;
-      if (!owns(key)) {
-        by_other_ranks.insert(key);  // another rank's share: waited for below
-        continue;
-      }
-      if (queued.insert(key).second) missing.push_back(i);
-    }
-    if (missing.empty()) continue;
-    if (!vae) {
-      vae.emplace(build_vae(false));
-      (*vae)->to(device_);
-    }
-    const BucketReso size = dataset_.bucketed()
-                                ? dataset_.buckets()[static_cast<size_t>(dataset_.bucket_of(images.front()))].reso
-                                : BucketReso{dataset_.resolution(), dataset_.resolution()};
-    const int64_t chunk = std::max<int64_t>(1, (256 * 256 * 4) / (size.width * size.height));  // as encode_images
-    const auto m = static_cast<int64_t>(missing.size());
-    for (int64_t i = 0; i < m; i += chunk) {
-      std::vector<int64_t> idx(missing.begin() + i, missing.begin() + std::min(m, i + chunk));
-      at::Tensor pixels_in;
-      try {
-        pixels_in = dataset_.batch_images(idx);  // decoded now (DatasetSelection::decode_on_demand)
-      } catch (const Error&) {
-        std::vector<int64_t> decodable;
-        for (const int64_t k : idx) {
-          try {
-            (void)dataset_.batch_images({k});
-            decodable.push_back(k);
-          } catch (const Error& e) {
-            undecodable.push_back(e.what());
-          }
-        }
-        idx = decodable;
-        if (idx.empty()) continue;
-        pixels_in = dataset_.batch_images(idx);
-      }
-      pixels_in = pixels_in.to(device_);
-      const at::Tensor latents = (*vae)->encode_latents(pixels_in, /*sample=*/false).to(at::kCPU, cache_dtype);
-      bool any_flip = false;
-      for (const int64_t k : idx) any_flip = any_flip || dataset_.flip_aug(k);
-      at::Tensor mirrored;
-      if (any_flip) mirrored = (*vae)->encode_latents(pixels_in.flip({3}), /*sample=*/false).to(at::kCPU, cache_dtype);
-      for (size_t r = 0; r < idx.size(); ++r) {
-        const auto rr = static_cast<int64_t>(r);
-        CacheEntry e{latent_key_[static_cast<size_t>(idx[r])], {{"latent", latents[rr]}}};
-        if (dataset_.flip_aug(idx[r])) e.tensors.emplace_back("flipped", mirrored[rr]);
-        shards->add(std::move(e));
-        ++encoded;
-      }
-    }
-  }
-  if (shards) shards->flush();
-  if (!undecodable.empty()) {
-    const size_t shown = std::min<size_t>(undecodable.size(), 5);
-    fail(
-        "{} image{} cannot be decoded ({}{}); the other images' latents are in the cache. Latents encoded into the "
-        "disk cache (cache_latents_to_disk, `shoestring cache`) decode each image only then (its header alone is read "
-        "at load, so it is not skipped there): fix or remove {}",
-        undecodable.size(), undecodable.size() == 1 ? "" : "s",
-        fmt::join(undecodable.begin(), undecodable.begin() + static_cast<std::ptrdiff_t>(shown), "; "),
-        undecodable.size() > shown ? fmt::format("; and {} more", undecodable.size() - shown) : "",
-        undecodable.size() == 1 ? "the file" : "the files");
-  }
-  if (cache_share_.world_size > 1) {
-    latent_cache_.emplace(wait_for_cache_entries(dir, "latents", latent_key_, cache_share_, "latent", damaged));
-    cache_stats_.latents_waited = static_cast<int64_t>(by_other_ranks.size());
-  } else if (writing) {
-    latent_cache_.emplace(TensorCache::open(dir, "latents", ""));
-    latent_cache_->exclude_shards(damaged);
-  }
-  cache_stats_.latent_entries = static_cast<int64_t>(distinct.size());
-  cache_stats_.latents_encoded = encoded;
-  if (!quiet) {
-    spdlog::info("latent cache: {} of {} entries encoded{}, {} reused ({})", encoded, cache_stats_.latent_entries,
-                 by_others(cache_stats_.latents_waited),
-                 cache_stats_.latent_entries - encoded - cache_stats_.latents_waited, latent_cache_->dir());
-  }
+  FilledCache filled = fill_disk_cache(
+      dir, "latents", "latent", latent_key_, cache_run_, cache_stats_.problems,
+      [&](const std::vector<size_t>& missing, ShardWriter& shards) {
+        models::AutoencoderKL vae = build_vae(false);
+        vae->to(device_);
+        encode_missing_latents(dataset_, latent_key_, missing, shards, device_, cache_dtype,
+                               [&](const at::Tensor& pixels) { return vae->encode_latents(pixels, false); });
+      });
+  latent_cache_.emplace(std::move(filled.cache));
+  cache_stats_.latent_entries = filled.entries;
+  cache_stats_.latents_encoded = filled.encoded;
+  cache_stats_.latents_waited = filled.waited;
 }
 
 at::Tensor LdmTrainingModel::sample(const SampleRequest& request) {

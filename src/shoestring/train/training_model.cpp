@@ -227,4 +227,13 @@ void save_module_tensors(const std::string& path, const std::vector<std::pair<st
                              path + " (the checkpoints keep full precision)");
 }
 
+DiskCacheRun disk_cache_run(const ModelSource& source) {
+  DiskCacheRun run;
+  run.share = source.cache_share;
+  run.writer = fmt::format("r{}", source.cache_share.rank);
+  run.tidy = source.encode_only;
+  run.quiet = source.quiet;
+  return run;
+}
+
 }  // namespace shoestring

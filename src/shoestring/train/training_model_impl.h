@@ -9,6 +9,7 @@
 
 #include <ATen/ATen.h>
 
+#include "shoestring/train/ldm_cache.h"
 #include "shoestring/train/training_model.h"
 
 namespace shoestring {
@@ -43,5 +44,9 @@ std::string config_hash(const TrainConfig& config);
 /// refuses, or on I/O failure.
 void save_module_tensors(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
                          std::map<std::string, std::string> metadata, const TrainConfig& config);
+
+/// How a family fills its disk caches for `source`: its rank's share, writer
+/// "r<rank>", tidy for `shoestring cache` (encode_only), quiet as the source.
+DiskCacheRun disk_cache_run(const ModelSource& source);
 
 }  // namespace shoestring
