@@ -46,9 +46,11 @@ struct CacheFixture {
   std::string image(size_t i) const { return fmt::format("{}/data/img{:02d}.png", root, i); }
   std::string caption(size_t i) const { return fmt::format("{}/data/img{:02d}.txt", root, i); }
   std::string cache() const { return root + "/cache"; }
-  TrainConfig config(const std::string& out = "", const std::string& extra = "") const {
+  /// A tiny `arch` run caching into cache(): sdxl at 32 px, sd35m and cascade-c at 64 px.
+  TrainConfig config(const std::string& out = "", const std::string& extra = "",
+                     const std::string& arch = "sdxl") const {
     return parse_config(fmt::format("train_data_dir = \"{}/data\"\n"
-                                    "resolution = 32\n"
+                                    "resolution = {}\n"
                                     "train_batch_size = 4\n"
                                     "max_train_steps = 4\n"
                                     "learning_rate = 2e-3\n"
@@ -61,9 +63,10 @@ struct CacheFixture {
                                     "output_dir = \"{}\"\n"
                                     "{}"
                                     "[model]\n"
-                                    "architecture = \"sdxl\"\n"
+                                    "architecture = \"{}\"\n"
                                     "tiny = true\n",
-                                    root, cache(), out.empty() ? root + "/run" : out, extra),
+                                    root, arch == "sdxl" ? 32 : 64, cache(), out.empty() ? root + "/run" : out, extra,
+                                    arch),
                         "cache.toml");
   }
   CacheFixture(std::string r, bool own) : root(std::move(r)), owner(own) {}

@@ -294,8 +294,6 @@ TEST(CascadeTraining, RefusesWhatItCannotTrain) {
   c = cascade_config(temp_dir("e2"));
   c.resolution = 48;
   EXPECT_NE(train_error(c).find("multiples of 32 pixels"), std::string::npos) << train_error(c);
-  c = cascade_config(temp_dir("e3"), "cache_latents_to_disk = true\n");
-  EXPECT_NE(train_error(c).find("cache_latents_to_disk"), std::string::npos) << train_error(c);
   c = cascade_config(temp_dir("e4"), "v_parameterization = true\n");
   EXPECT_NE(train_error(c).find("v_parameterization: model.architecture = \"cascade-c\" trains on GDF"),
             std::string::npos)

@@ -15,7 +15,10 @@
 #include "ldm_cache_fixture.h"
 #include "shoestring/core/content_hash.h"
 #include "shoestring/core/error.h"
+#include "shoestring/data/image.h"
 #include "shoestring/io/atomic_file.h"
+#include "shoestring/io/safetensors.h"
+#include "shoestring/models/t5_encoder.h"
 #include "shoestring/train/config.h"
 #include "shoestring/train/ldm_cache.h"
 #include "shoestring/train/trainer.h"
@@ -243,4 +246,81 @@ TEST(LdmDiskCache, ARankWaitingForAShareThatNeverComesNamesTheRank) {
   EXPECT_GT(rest.text_encoded, 0);
   EXPECT_LT(rest.text_encoded, kTexts);
   EXPECT_EQ(rest.latents_encoded, kImages);
+}
+
+// SD3.5 Medium and Stable Cascade stage C cache to disk through the same
+// shards and keys (their own encoders' identities): `shoestring cache` fills
+// both caches, a second pass encodes nothing, a changed caption exactly its
+// entry, and training from the caches (sample grid included) gives the
+// in-memory run's losses step for step.
+class LatentFamilyDiskCache : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(LatentFamilyDiskCache, TrainingFromTheDiskCacheGivesTheInMemoryLosses) {
+  const std::string arch = GetParam();
+  CacheFixture f("family_" + arch);
+  LdmCacheStats first = build_ldm_caches(f.config("", "", arch), true);
+  EXPECT_EQ(first.latent_entries, kImages);
+  EXPECT_EQ(first.latents_encoded, kImages);
+  EXPECT_EQ(first.text_entries, kTexts);
+  EXPECT_EQ(first.text_encoded, kTexts);
+  EXPECT_EQ(f.shards("latents").size(), 1u);
+  LdmCacheStats second = build_ldm_caches(f.config("", "", arch), true);
+  EXPECT_EQ(second.latents_encoded, 0);
+  EXPECT_EQ(second.text_encoded, 0);
+
+  const std::string disk = "cache_latents_to_disk = true\ncache_text_encoder_outputs_to_disk = true\n";
+  const auto memory_run = train(f.config(f.root + "/memory", "", arch), quiet());
+  const auto disk_run = train(f.config(f.root + "/disk", disk, arch), quiet());
+  const std::vector<double> expected = losses_of(memory_run.run_dir + "/metrics.jsonl");
+  ASSERT_EQ(expected.size(), 4u);
+  EXPECT_EQ(losses_of(disk_run.run_dir + "/metrics.jsonl"), expected);
+  // The sample prompt's conditioning came from the cache: the same grid, up
+  // to rounding (the negative prompt "" is the caption-dropout row, encoded
+  // in another batch than in memory: a level in a few pixels at most).
+  auto pixels = [](const std::string& png) {
+    const auto [w, h] = image_file_size(png);
+    return decode_image_fitted(read_file(png), png, w, h, 0, 0, w, h).to(torch::kInt32);
+  };
+  const at::Tensor a = pixels(disk_run.last_sample), b = pixels(memory_run.last_sample);
+  ASSERT_EQ(a.sizes(), b.sizes());
+  EXPECT_LE((a - b).abs().max().item<int>(), 2);
+  EXPECT_LT((a - b).abs().to(torch::kFloat64).mean().item<double>(), 0.05);
+
+  std::ofstream(f.caption(3)) << "emoji " << kWords[3] << " face number";
+  LdmCacheStats changed = build_ldm_caches(f.config("", "", arch), true);
+  EXPECT_EQ(changed.text_encoded, 1);
+  EXPECT_EQ(changed.latents_encoded, 0);
+  // Another dtype is another key: everything again.
+  LdmCacheStats bf16 = build_ldm_caches(f.config("", "full_bf16 = true\n", arch), true);
+  EXPECT_EQ(bf16.latents_encoded, kImages);
+  EXPECT_EQ(bf16.text_encoded, kTexts);
+}
+
+INSTANTIATE_TEST_SUITE_P(Architectures, LatentFamilyDiskCache, ::testing::Values("sd35m", "cascade-c"));
+
+// SD3's T5 states are cached beside the CLIP ones, keyed by T5's file and
+// token length: another length encodes every text again, and training from
+// the cache gives the in-memory losses with T5.
+TEST(Sd3DiskCache, T5StatesAreCachedAndKeyedByTheirLength) {
+  CacheFixture f("sd3_t5");
+  const std::string tok = f.root + "/tok";
+  fs::create_directories(tok);
+  for (const char* name : {"vocab.json", "merges.txt"})
+    fs::copy_file(std::string(SHOESTRING_TEST_DATA) + "/clip_tokenizer/" + name, tok + "/" + name);
+  fs::copy_file(std::string(SHOESTRING_TEST_DATA) + "/text/t5_micro_spiece.model", tok + "/spiece.model");
+  {
+    torch::manual_seed(1);
+    models::T5Encoder t5(models::T5EncoderOptions::tiny().vocab_size(200));
+    std::vector<NamedTensor> tensors;
+    for (const auto& p : t5->named_parameters()) tensors.push_back({p.key(), p.value().detach(), std::nullopt});
+    save_safetensors(f.root + "/t5.safetensors", tensors);
+  }
+  const std::string t5 = "tokenizer_dir = \"" + tok + "\"\nt5xxl = \"" + f.root + "/t5.safetensors\"\n";
+  EXPECT_EQ(build_ldm_caches(f.config("", t5, "sd35m"), true).text_encoded, kTexts);
+  EXPECT_EQ(build_ldm_caches(f.config("", t5, "sd35m"), true).text_encoded, 0);
+  EXPECT_EQ(build_ldm_caches(f.config("", t5 + "t5xxl_max_token_length = 32\n", "sd35m"), true).text_encoded, kTexts);
+  const std::string disk = "cache_text_encoder_outputs_to_disk = true\n";
+  const auto memory_run = train(f.config(f.root + "/memory", t5, "sd35m"), quiet());
+  const auto disk_run = train(f.config(f.root + "/disk", t5 + disk, "sd35m"), quiet());
+  EXPECT_EQ(losses_of(disk_run.run_dir + "/metrics.jsonl"), losses_of(memory_run.run_dir + "/metrics.jsonl"));
 }

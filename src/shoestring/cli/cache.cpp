@@ -1,5 +1,5 @@
-// `shoestring cache CONFIG [--set key=value]... [--device D]`: encode an LDM
-// config's dataset into its disk caches (train/ldm_cache.h) without training.
+// `shoestring cache CONFIG [--set key=value]... [--device D]`: encode a latent
+// architecture's (LDM, SD3.5, Stable Cascade) config's dataset into its disk caches (train/ldm_cache.h) without training.
 #include <filesystem>
 
 #include <CLI/CLI.hpp>
@@ -23,7 +23,8 @@ void register_cache(CLI::App& app) {
   };
   auto args = std::make_shared<Args>();
   CLI::App* cmd = app.add_subcommand(
-      "cache", "encode an LDM config's images and captions into its disk caches (latents, text-encoder outputs)");
+      "cache", "encode a latent model's (SD 1.5 / SDXL / SSD-1B / SD3.5 / Cascade) images and captions into its "
+      "disk caches (latents, text-encoder outputs)");
   cmd->add_option("config", args->config, "run config (TOML)")->required();
   cmd->add_option("--set", args->sets, "override a config key: --set cache_dir=/data/cache (repeatable)")
       ->allow_extra_args(false);

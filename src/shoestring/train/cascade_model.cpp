@@ -29,6 +29,7 @@
 #include <spdlog/spdlog.h>
 #include <torch/torch.h>
 
+#include "shoestring/core/content_hash.h"
 #include "shoestring/core/error.h"
 #include "shoestring/core/memory_ledger.h"
 #include "shoestring/core/units.h"
@@ -41,6 +42,7 @@
 #include "shoestring/train/checkpoint_io.h"
 #include "shoestring/train/cascade_components.h"
 #include "shoestring/train/config.h"
+#include "shoestring/train/ldm_cache.h"
 #include "shoestring/train/diffusion_loss.h"
 #include "shoestring/train/gdf.h"
 #include "shoestring/train/ldm_components.h"
@@ -57,15 +59,10 @@ class CascadeTrainingModel final : public TrainingModel {
     const std::string& arch = config.architecture;
     storage_ = config.full_bf16 ? torch::kBFloat16 : config.full_fp16 ? torch::kHalf : torch::kFloat32;
     cache_dtype_ = storage_ == torch::kHalf ? torch::kFloat32 : storage_;
-    if (config.cache_latents_to_disk || config.cache_text_encoder_outputs_to_disk || source.encode_only) {
-      fail(
-          "{}: model.architecture = \"{}\" keeps its latents and text embeddings in memory; disk caches are not "
-          "implemented for Stable Cascade yet: remove it",
-          config.cache_latents_to_disk                ? "cache_latents_to_disk"
-          : config.cache_text_encoder_outputs_to_disk ? "cache_text_encoder_outputs_to_disk"
-                                                      : "shoestring cache",
-          arch);
-    }
+    const bool text_on_disk = config.cache_text_encoder_outputs_to_disk || source.encode_only;
+    const bool latents_on_disk = config.cache_latents_to_disk || source.encode_only;
+    if (text_on_disk || latents_on_disk) cache_stats_.dir = ldm_cache_dir(config);
+    cache_run_ = disk_cache_run(source);
     if (!source.pretrained.empty()) base_.emplace(open_file("pretrained_model_name_or_path", source.pretrained));
     if (!config.tiny) {
       const char* missing = !base_                                      ? "pretrained_model_name_or_path"
@@ -110,18 +107,24 @@ class CascadeTrainingModel final : public TrainingModel {
 
     tokenizer_ = build_text_tokenizer(config.tokenizer_dir, config.tiny, dataset.captions(), config.sample_prompts,
                                       "Stable Cascade's OpenCLIP bigG");
-    encode_captions();
-    encode_images();
-    if (!source.quiet) {
-      const int64_t bytes = text_.bytes() + sample_text_.bytes() + latents_.bytes();
-      spdlog::info(
-          "cached EfficientNet latents {} and bigG text embeddings {} for {} captions + the empty one (caption "
-          "dropout){} ({}); encoders freed",
-          latents_.describe(),
-          format_shape(text_.text.sizes().slice(1)), text_.text.size(0) - 1,
-          sample_row_.empty() ? "" : fmt::format(" and {} sample texts", sample_row_.size()), format_bytes(bytes));
+    if (text_on_disk) {
+      cache_captions();
+    } else {
+      encode_captions();
     }
-
+    if (latents_on_disk) {
+      cache_images();
+    } else {
+      encode_images();
+    }
+    if (source.cache_stats) *source.cache_stats = cache_stats_;
+    if (source.encode_only) return;
+    if (!source.quiet) {
+      const int64_t bytes = (text_cache_ ? 0 : text_.bytes()) + sample_text_.bytes() + latents_.bytes();
+      spdlog::info("bigG text embeddings {}; EfficientNet latents {}; {} in memory; encoders freed",
+                   text_cache_ ? "from the disk cache" : "in memory",
+                   latent_cache_ ? "from the disk cache a batch at a time" : latents_.describe(), format_bytes(bytes));
+    }
     {
       ScopedMemoryCategory category(MemoryCategory::weights);
       nn::LayerInit init{torch::TensorOptions().dtype(build_dtype(config, storage_))};
@@ -149,7 +152,8 @@ class CascadeTrainingModel final : public TrainingModel {
   TrainBatch prepare(const std::vector<int64_t>& idx) override {
     const auto b = static_cast<int64_t>(idx.size());
     if (b == 0) fail("internal: empty batch");
-    const auto [latents, mirror] = latents_.batch(dataset_, idx);
+    const auto [latents, mirror] =
+        latent_cache_ ? read_cached_latents(*latent_cache_, latent_key_, idx, has_flip_) : latents_.batch(dataset_, idx);
     // flip_aug, caption dropout (the empty caption's row, the last, as Stability
     // replaces the caption by "" in train_c.py) and the noise.
     const LatentBatchDraws draws = draw_latent_batch(dataset_, config_, idx, latents, mirror,
@@ -160,7 +164,7 @@ class CascadeTrainingModel final : public TrainingModel {
     const at::Tensor log_snr = schedule_.log_snr(t);
     TrainBatch batch;
     const at::Tensor clip_img = torch::zeros({b, 1, options_.clip_image_dim()}, cache_dtype_);
-    const CascadeText text = text_.select(rows);
+    const CascadeText text = text_cache_ ? cached_text(rows) : text_.select(rows);
     batch.inputs = {gdf_diffuse(x0, eps, log_snr), schedule_.noise_cond(log_snr), text.text, text.pooled, clip_img};
     batch.target = eps;
     batch.loss_weight = gdf_p2_weight(log_snr);
@@ -258,14 +262,119 @@ class CascadeTrainingModel final : public TrainingModel {
     return open_file(key, value);
   }
 
-  void encode_captions() {
-    ScopedMemoryCategory category(MemoryCategory::other);
+  models::ClipTextModel build_text_encoder() const {
     const std::optional<WeightFiles> files = file_of("text_model_checkpoint_path", config_.text_model_checkpoint_path);
     models::ClipTextModel te =
         build_cascade_text_encoder(files ? &*files : nullptr, "text_model_checkpoint_path", config_.tiny,
                                    options_.clip_text_dim(), static_cast<uint64_t>(config_.seed));
     te->eval();
     te->to(device_);
+    return te;
+  }
+
+  // The identity of a frozen part's weights (cache keys): its file's tensors
+  // (under `prefix` when the file holds them there, e.g. bigG in an SDXL file),
+  // or a tiny run's seed.
+  std::string part_identity(const char* key, const std::string& value, const std::string& prefix,
+                            int64_t seed_offset) const {
+    if (value.empty()) return fmt::format("random seed {} tiny {}", config_.seed + seed_offset, config_.architecture);
+    const WeightFiles files = open_file(key, value);
+    bool prefixed = false;
+    for (const auto& n : files.names()) prefixed = prefixed || (!prefix.empty() && n.rfind(prefix, 0) == 0);
+    return "file:" + weights_identity(files, prefixed ? prefix : "", cache_stats_.dir);
+  }
+
+  // The disk cache of bigG's conditioning (train/ldm_cache.h): one entry per
+  // distinct caption, "" and sample text ("text" [77, 1280], "pooled" [1,
+  // 1280], cache dtype), keyed by the token ids, bigG's identity and dtype.
+  void cache_captions() {
+    ScopedMemoryCategory category(MemoryCategory::other);
+    const CaptionRows captions = caption_rows(dataset_.captions());
+    caption_row_ = torch::tensor(captions.rows, torch::kInt64);
+    caption_rows_ = static_cast<int64_t>(captions.texts.size());
+    const std::vector<std::string> samples = sample_prompt_texts(config_.sample_prompts, sample_row_);
+    std::vector<std::string> texts = captions.texts;
+    texts.insert(texts.end(), samples.begin(), samples.end());
+    const std::string head =
+        fmt::format("{}|cascade-text|bigG {}|{}|ids:", kLdmCacheVersion,
+                    part_identity("text_model_checkpoint_path", config_.text_model_checkpoint_path,
+                                  models::kSdxlClipGPrefix, 101),
+                    cache_dtype_key(cache_dtype_));
+    std::vector<std::string> keys;
+    for (const std::string& text : texts) {
+      const at::Tensor ids = tokenizer_.encode({text}, ClipPadding::kEndOfText).to(torch::kInt64).contiguous();
+      keys.push_back(content_key128(head + std::string(static_cast<const char*>(ids.data_ptr()),
+                                                       static_cast<size_t>(ids.nbytes()))));
+    }
+    FilledCache filled = fill_disk_cache(
+        (std::filesystem::path(cache_stats_.dir) / "text").string(), "text", "text", keys, cache_run_,
+        cache_stats_.problems, [&](const std::vector<size_t>& missing, ShardWriter& shards) {
+          models::ClipTextModel te = build_text_encoder();
+          // Captions, then sample texts, each encoded as encode_captions batches them.
+          std::vector<size_t> phases[2];
+          for (const size_t i : missing) phases[i < captions.texts.size() ? 0 : 1].push_back(i);
+          for (const std::vector<size_t>& phase : phases) {
+            if (phase.empty()) continue;
+            std::vector<std::string> part;
+            for (const size_t i : phase) part.push_back(texts[i]);
+            const CascadeText encoded = encode_cascade_text(te, tokenizer_, part, cache_dtype_);
+            for (size_t j = 0; j < phase.size(); ++j) {
+              const auto r = static_cast<int64_t>(j);
+              shards.add(CacheEntry{keys[phase[j]], {{"text", encoded.text[r]}, {"pooled", encoded.pooled[r]}}});
+            }
+          }
+        });
+    text_cache_.emplace(std::move(filled.cache));
+    cache_stats_.text_entries = filled.entries;
+    cache_stats_.text_encoded = filled.encoded;
+    cache_stats_.text_waited = filled.waited;
+    text_key_.assign(keys.begin(), keys.begin() + static_cast<std::ptrdiff_t>(captions.texts.size()));
+    // Sample texts stay in memory (a few rows, in sample_row_'s order).
+    if (!samples.empty())
+      sample_text_ = read_text({keys.begin() + static_cast<std::ptrdiff_t>(captions.texts.size()), keys.end()});
+  }
+
+  // Text rows read from the disk cache, one per key.
+  CascadeText read_text(const std::vector<std::string>& keys) const {
+    std::vector<at::Tensor> texts, pools;
+    for (const std::string& k : keys) {
+      const std::vector<at::Tensor> entry = text_cache_->read(k);
+      texts.push_back(entry.at(0));
+      pools.push_back(entry.at(1));
+    }
+    return {torch::stack(texts), torch::stack(pools)};
+  }
+
+  // The batch's text rows (int64 [B], caption rows) from the disk cache.
+  CascadeText cached_text(const at::Tensor& rows) const {
+    std::vector<std::string> keys;
+    for (int64_t i = 0; i < rows.size(0); ++i) keys.push_back(text_key_.at(static_cast<size_t>(rows[i].item<int64_t>())));
+    return read_text(keys);
+  }
+
+  // The disk cache of the EfficientNet latents, keyed as the LDM families' with the encoder's identity.
+  void cache_images() {
+    ScopedMemoryCategory category(MemoryCategory::other);
+    const std::string effnet = part_identity("effnet_checkpoint_path", config_.effnet_checkpoint_path, "", 100);
+    latent_key_ = latent_entry_keys(
+        dataset_, fmt::format("{}|cascade-latent|effnet {}|{}", kLdmCacheVersion, effnet, cache_dtype_key(cache_dtype_)));
+    FilledCache filled = fill_disk_cache(
+        (std::filesystem::path(cache_stats_.dir) / "latents").string(), "latents", "latent", latent_key_, cache_run_,
+        cache_stats_.problems, [&](const std::vector<size_t>& missing, ShardWriter& shards) {
+          models::EfficientNetEncoder e = build_effnet();
+          e->to(device_);
+          encode_missing_latents(dataset_, latent_key_, missing, shards, device_, cache_dtype_,
+                                 [&](const at::Tensor& pixels) { return e->encode(pixels); });
+        });
+    latent_cache_.emplace(std::move(filled.cache));
+    cache_stats_.latent_entries = filled.entries;
+    cache_stats_.latents_encoded = filled.encoded;
+    cache_stats_.latents_waited = filled.waited;
+  }
+
+  void encode_captions() {
+    ScopedMemoryCategory category(MemoryCategory::other);
+    models::ClipTextModel te = build_text_encoder();
     const CaptionRows captions = caption_rows(dataset_.captions());
     caption_row_ = torch::tensor(captions.rows, torch::kInt64);
     caption_rows_ = static_cast<int64_t>(captions.texts.size());
@@ -313,6 +422,11 @@ class CascadeTrainingModel final : public TrainingModel {
   at::Tensor caption_row_;
   int64_t caption_rows_ = 0;
   std::map<std::string, int64_t> sample_row_;
+  // Disk caches (cache_latents_to_disk, cache_text_encoder_outputs_to_disk, `shoestring cache`).
+  LdmCacheStats cache_stats_;
+  DiskCacheRun cache_run_;
+  std::optional<TensorCache> latent_cache_, text_cache_;
+  std::vector<std::string> latent_key_, text_key_;  // per image; per caption row
 };
 
 at::Tensor CascadeTrainingModel::sample(const SampleRequest& request) {

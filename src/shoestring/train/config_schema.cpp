@@ -91,13 +91,13 @@ const std::vector<Field>& schema() {
             9.0e18}
           .with(kResumeValue),
       Field{"cache_latents_to_disk", &TrainConfig::cache_latents_to_disk,
-            "LDM architectures: keep the VAE latents as safetensors shards in cache_dir/latents, keyed by image "
-            "content, VAE weights, bucket, crop, flip and dtype; a later run (or `shoestring cache`) encodes only "
+            "latent architectures (LDM, SD3.5, Stable Cascade): keep the latents as safetensors shards in "
+            "cache_dir/latents, keyed by image content, the latent encoder's weights, bucket, crop, flip and dtype; a later run (or `shoestring cache`) encodes only "
             "what changed, and training reads them a batch at a time (docs/datasets.md)"}
           .with(kReleasedModelOnly),
       Field{"cache_text_encoder_outputs_to_disk", &TrainConfig::cache_text_encoder_outputs_to_disk,
-            "LDM architectures: keep the text-encoder outputs (per distinct caption and sample prompt) in "
-            "cache_dir/text, keyed by the caption's tokens, the encoders' weights, clip_skip and dtype"}
+            "latent architectures: keep the text-encoder outputs (per distinct caption and sample prompt) in "
+            "cache_dir/text, keyed by the caption's tokens, the encoders' weights, clip_skip and dtype (SD3: T5's too)"}
           .with(kReleasedModelOnly),
       Field{"cache_dir", &TrainConfig::cache_dir,
             "folder of the disk caches; \"\" = .shoestring-cache in train_data_dir (beside the dataset_config file "

@@ -27,6 +27,8 @@
 namespace shoestring {
 namespace fs = std::filesystem;
 
+std::string cache_dtype_key(at::ScalarType dtype) { return to_string(st_dtype_of(dtype)); }
+
 std::string ldm_cache_dir(const TrainConfig& config) {
   if (!config.cache_dir.empty()) return expand_path(config.cache_dir);
   if (!config.dataset_config.empty()) {
@@ -161,12 +163,11 @@ TensorCache wait_for_cache_entries(const std::string& dir, const std::string& ki
 LdmCacheStats build_ldm_caches(const TrainConfig& config_in, bool quiet, const CacheShare& share) {
   TrainConfig c = config_in;
   const models::Architecture& arch = models::find_architecture(c.architecture);
-  if (arch.family != models::Family::ldm_unet) {
-    fail("cache: model.architecture = \"{}\" {}; `shoestring cache` is for the LDM architectures (sd15, sdxl, ssd1b)",
-         c.architecture,
-         arch.family == models::Family::stage_c
-             ? "keeps its latents and text embeddings in memory (no disk caches for Stable Cascade yet)"
-             : "trains on images, not cached latents");
+  if (arch.family != models::Family::ldm_unet && arch.family != models::Family::mmdit &&
+      arch.family != models::Family::stage_c) {
+    fail("cache: model.architecture = \"{}\" trains on images, not cached latents; `shoestring cache` is for the "
+         "latent architectures (sd15, sdxl, ssd1b, sd35m, cascade-c, cascade-c-lite)",
+         c.architecture);
   }
   const c10::Device device = resolve_device(c.device, "device");
   adapt_precision_to_device(c, device);  // the cache dtype follows the run's storage dtype

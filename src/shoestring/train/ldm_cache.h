@@ -31,6 +31,8 @@
 #include <string>
 #include <vector>
 
+#include <ATen/ATen.h>
+
 #include "shoestring/io/tensor_cache.h"
 #include "shoestring/io/weight_files.h"
 
@@ -42,6 +44,9 @@ class ImageCaptionDataset;
 /// Part of every cache key; bumped when what an entry holds for the same
 /// inputs changes (image decoding, VAE / text-encoder forward).
 inline constexpr const char* kLdmCacheVersion = "ldm-cache-1";
+
+/// The name of a cache dtype in keys ("F32", "BF16", ...: the safetensors name).
+std::string cache_dtype_key(at::ScalarType dtype);
 
 /// The folder of a run's disk caches: `cache_dir` (expanded) when set;
 /// else ".shoestring-cache" inside the folder of `dataset_config` when set,

@@ -492,12 +492,6 @@ void LdmTrainingModel::encode_images() {
   });
 }
 
-namespace {
-
-/// The cache dtype's format name (part of the keys).
-std::string dtype_name(torch::Dtype d) { return to_string(st_dtype_of(d)); }
-
-}  // namespace
 
 std::string LdmTrainingModel::vae_identity() {
   const std::string scale = sdxl_ ? "0.13025" : "0.18215";
@@ -531,7 +525,7 @@ void LdmTrainingModel::cache_captions(bool quiet) {
   for (const std::string& id : text_encoder_identities()) encoders += id + ";";
   const int64_t skip = sdxl_ ? 2 : config_.clip_skip;
   const std::string head = fmt::format("{}|text|{}|{}|clip_skip {}|{}|ids:", kLdmCacheVersion, sdxl_ ? "sdxl" : "sd",
-                                       encoders, skip, dtype_name(cache_dtype));
+                                       encoders, skip, cache_dtype_key(cache_dtype));
   auto key_of = [&](const std::string& text) {
     std::string canonical = head;
     std::vector<ClipPadding> pads = {ClipPadding::kEndOfText};
@@ -600,7 +594,7 @@ void LdmTrainingModel::cache_images(bool quiet) {
   // What a latent entry depends on: the image file's bytes, how it was
   // fitted to its training size, the VAE, flip and dtype.
   const std::string head =
-      fmt::format("{}|latent|vae {}|{}", kLdmCacheVersion, vae_identity(), dtype_name(cache_dtype));
+      fmt::format("{}|latent|vae {}|{}", kLdmCacheVersion, vae_identity(), cache_dtype_key(cache_dtype));
   latent_key_ = latent_entry_keys(dataset_, head);
   const std::string dir = (fs::path(cache_stats_.dir) / "latents").string();
   FilledCache filled = fill_disk_cache(

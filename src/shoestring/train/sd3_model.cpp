@@ -30,6 +30,7 @@
 #include <spdlog/spdlog.h>
 #include <torch/torch.h>
 
+#include "shoestring/core/content_hash.h"
 #include "shoestring/core/error.h"
 #include "shoestring/core/memory_ledger.h"
 #include "shoestring/core/text.h"
@@ -46,6 +47,7 @@
 #include "shoestring/train/config.h"
 #include "shoestring/train/diffusion_loss.h"
 #include "shoestring/train/flow_matching.h"
+#include "shoestring/train/ldm_cache.h"
 #include "shoestring/train/ldm_components.h"
 #include "shoestring/train/sd3_components.h"
 #include "shoestring/train/sampling.h"
@@ -61,15 +63,10 @@ class Sd3TrainingModel final : public TrainingModel {
     const std::string& arch = config.architecture;
     storage_ = config.full_bf16 ? torch::kBFloat16 : config.full_fp16 ? torch::kHalf : torch::kFloat32;
     cache_dtype_ = storage_ == torch::kHalf ? torch::kFloat32 : storage_;
-    if (config.cache_latents_to_disk || config.cache_text_encoder_outputs_to_disk || source.encode_only) {
-      fail(
-          "{}: model.architecture = \"{}\" keeps its latents and text embeddings in memory; disk caches are not "
-          "implemented for SD3 yet: remove it",
-          config.cache_latents_to_disk                ? "cache_latents_to_disk"
-          : config.cache_text_encoder_outputs_to_disk ? "cache_text_encoder_outputs_to_disk"
-                                                      : "shoestring cache",
-          arch);
-    }
+    const bool text_on_disk = config.cache_text_encoder_outputs_to_disk || source.encode_only;
+    const bool latents_on_disk = config.cache_latents_to_disk || source.encode_only;
+    if (text_on_disk || latents_on_disk) cache_stats_.dir = ldm_cache_dir(config);
+    cache_run_ = disk_cache_run(source);
     if (!source.pretrained.empty()) base_.emplace(open_file("pretrained_model_name_or_path", source.pretrained));
     if (!config.tiny && !base_) {
       fail(
@@ -109,18 +106,23 @@ class Sd3TrainingModel final : public TrainingModel {
     tokenizer_ = build_text_tokenizer(config.tokenizer_dir, config.tiny, dataset.captions(), config.sample_prompts,
                                       "SD3's CLIP-L and bigG");
     if (t5_files_) t5_spiece_ = sd3_t5_spiece(config.tokenizer_dir, "t5xxl", "tokenizer_dir");
-    encode_captions();
-    encode_images();
+    if (text_on_disk) {
+      cache_captions();
+    } else {
+      encode_captions();
+    }
+    if (latents_on_disk) {
+      cache_images();
+    } else {
+      encode_images();
+    }
+    if (source.cache_stats) *source.cache_stats = cache_stats_;
+    if (source.encode_only) return;
     if (!source.quiet) {
-      const int64_t bytes = text_.bytes() + sample_text_.bytes() + latents_.bytes();
-      spdlog::info(
-          "cached SD3 VAE latents {} and text conditioning {} (CLIP-L + bigG{}) for {} captions + the empty one "
-          "(caption dropout) ({}); encoders freed",
-          latents_.describe(),
-          t5_files_ ? format_shape(text_.clip.sizes().slice(1)) + " + " + format_shape(text_.t5.sizes().slice(1))
-                    : format_shape(text_.clip.sizes().slice(1)),
-          t5_files_ ? " + T5-XXL" : ", T5 as zeros", text_.clip.size(0) - 1,
-          format_bytes(bytes));
+      const int64_t bytes = (text_cache_ ? 0 : text_.bytes()) + sample_text_.bytes() + latents_.bytes();
+      spdlog::info("SD3 conditioning: CLIP-L + bigG{} ({}); latents {}; {} in memory; encoders freed",
+                   t5_files_ ? " + T5-XXL" : ", T5 as zeros", text_cache_ ? "disk cache" : "in memory",
+                   latent_cache_ ? "from the disk cache a batch at a time" : latents_.describe(), format_bytes(bytes));
     }
     {
       ScopedMemoryCategory category(MemoryCategory::weights);
@@ -147,7 +149,8 @@ class Sd3TrainingModel final : public TrainingModel {
   TrainBatch prepare(const std::vector<int64_t>& idx) override {
     const auto b = static_cast<int64_t>(idx.size());
     if (b == 0) fail("internal: empty batch");
-    const auto [latents, mirror] = latents_.batch(dataset_, idx);
+    const auto [latents, mirror] =
+        latent_cache_ ? read_cached_latents(*latent_cache_, latent_key_, idx, has_flip_) : latents_.batch(dataset_, idx);
     // flip_aug, caption dropout (the empty caption's conditioning, the last row) and the noise.
     const LatentBatchDraws draws = draw_latent_batch(dataset_, config_, idx, latents, mirror,
                                                      caption_row_.index_select(0, torch::tensor(idx, torch::kInt64)),
@@ -156,7 +159,7 @@ class Sd3TrainingModel final : public TrainingModel {
     const at::Tensor t = sample_flow_times(b, config_.timestep_sampling, config_.logit_mean, config_.logit_std,
                                            config_.mode_scale, config_.training_shift);
     TrainBatch batch;
-    const Sd3Text text = text_.select(rows);
+    const Sd3Text text = text_cache_ ? cached_text(rows) : text_.select(rows);
     batch.inputs = {flow_interpolate(x0, eps, t), t, sd3_context(text.clip, text.t5, options_.context_dim()),
                     text.pooled};
     batch.target = flow_target(x0, eps);
@@ -292,8 +295,7 @@ class Sd3TrainingModel final : public TrainingModel {
     return std::nullopt;
   }
 
-  void encode_captions() {
-    ScopedMemoryCategory category(MemoryCategory::other);
+  Sd3TextEncoders build_text_encoders() const {
     Sd3TextSources sources;
     sources.clip_l = clip_l_files_ ? &*clip_l_files_ : nullptr;
     sources.clip_g = clip_g_files_ ? &*clip_g_files_ : nullptr;
@@ -304,12 +306,136 @@ class Sd3TrainingModel final : public TrainingModel {
     Sd3TextEncoders encoders = build_sd3_text_encoders(sources, tokenizer_);
     encoders.t5_max_length = config_.t5xxl_max_token_length;
     encoders.to(device_);
+    return encoders;
+  }
+
+  void encode_captions() {
+    ScopedMemoryCategory category(MemoryCategory::other);
+    Sd3TextEncoders encoders = build_text_encoders();
     const CaptionRows captions = caption_rows(dataset_.captions());
     caption_row_ = torch::tensor(captions.rows, torch::kInt64);
     caption_rows_ = static_cast<int64_t>(captions.texts.size());
     text_ = encoders.encode(captions.texts, cache_dtype_, options_);
     const std::vector<std::string> sample_texts = sample_prompt_texts(config_.sample_prompts, sample_row_);
     if (!sample_texts.empty()) sample_text_ = encoders.encode(sample_texts, cache_dtype_, options_);
+  }
+
+  // The identity of a text encoder's weights (cache keys): the base file's
+  // tensors under `prefix`, a file of its own whole, or a tiny run's seed.
+  std::string text_identity(const std::optional<WeightFiles>& files, const std::string& value, const char* prefix,
+                            int64_t seed_offset) const {
+    if (!files) return fmt::format("random seed {} tiny", config_.seed + seed_offset);
+    return "file:" + weights_identity(*files, value.empty() ? prefix : "", cache_stats_.dir);
+  }
+
+  // The disk cache of the text conditioning (train/ldm_cache.h): one entry
+  // per distinct caption, "" and sample text ("clip" [77, 2048], "pooled"
+  // [2048], with T5 "t5" [T, 4096], cache dtype), keyed by the token ids
+  // each encoder is fed, the encoders' identities, T5's length and dtype.
+  void cache_captions() {
+    ScopedMemoryCategory category(MemoryCategory::other);
+    const CaptionRows captions = caption_rows(dataset_.captions());
+    caption_row_ = torch::tensor(captions.rows, torch::kInt64);
+    caption_rows_ = static_cast<int64_t>(captions.texts.size());
+    const std::vector<std::string> samples = sample_prompt_texts(config_.sample_prompts, sample_row_);
+    std::vector<std::string> texts = captions.texts;
+    texts.insert(texts.end(), samples.begin(), samples.end());
+    std::optional<T5Tokenizer> t5_tokenizer;
+    if (t5_files_) t5_tokenizer.emplace(T5Tokenizer::load(t5_spiece_));
+    const std::string head = fmt::format(
+        "{}|sd3-text|clip_l {}|clip_g {}|t5 {}|t5 length {}|{}|ids:", kLdmCacheVersion,
+        text_identity(clip_l_files_, config_.clip_l, models::kSd3ClipLPrefix, 101),
+        text_identity(clip_g_files_, config_.clip_g, models::kSd3ClipGPrefix, 102),
+        t5_files_ ? "file:" + weights_identity(*t5_files_, "", cache_stats_.dir) : std::string("none"),
+        config_.t5xxl_max_token_length, cache_dtype_key(cache_dtype_));
+    std::vector<std::string> keys;
+    for (const std::string& text : texts) {
+      std::string canonical = head;
+      std::vector<at::Tensor> ids = {tokenizer_.encode({text}, ClipPadding::kEndOfText),
+                                     tokenizer_.encode({text}, ClipPadding::kZero)};
+      if (t5_tokenizer) ids.push_back(t5_tokenizer->tokenize({text}, config_.t5xxl_max_token_length).ids);
+      for (const at::Tensor& t : ids) {
+        const at::Tensor c = t.to(torch::kInt64).contiguous();
+        canonical.append(static_cast<const char*>(c.data_ptr()), static_cast<size_t>(c.nbytes()));
+        canonical += '|';
+      }
+      keys.push_back(content_key128(canonical));
+    }
+    FilledCache filled = fill_disk_cache(
+        (std::filesystem::path(cache_stats_.dir) / "text").string(), "text", "text", keys, cache_run_,
+        cache_stats_.problems, [&](const std::vector<size_t>& missing, ShardWriter& shards) {
+          Sd3TextEncoders encoders = build_text_encoders();
+          // Captions, then sample texts, each encoded as encode_captions batches them.
+          std::vector<size_t> phases[2];
+          for (const size_t i : missing) phases[i < captions.texts.size() ? 0 : 1].push_back(i);
+          for (const std::vector<size_t>& phase : phases) {
+            if (phase.empty()) continue;
+            std::vector<std::string> part;
+            for (const size_t i : phase) part.push_back(texts[i]);
+            const Sd3Text encoded = encoders.encode(part, cache_dtype_, options_);
+            for (size_t j = 0; j < phase.size(); ++j) {
+              const auto r = static_cast<int64_t>(j);
+              CacheEntry e{keys[phase[j]], {{"clip", encoded.clip[r]}, {"pooled", encoded.pooled[r]}}};
+              if (encoded.t5.defined()) e.tensors.emplace_back("t5", encoded.t5[r]);
+              shards.add(std::move(e));
+            }
+          }
+        });
+    text_cache_.emplace(std::move(filled.cache));
+    cache_stats_.text_entries = filled.entries;
+    cache_stats_.text_encoded = filled.encoded;
+    cache_stats_.text_waited = filled.waited;
+    text_key_.assign(keys.begin(), keys.begin() + static_cast<std::ptrdiff_t>(captions.texts.size()));
+    // Sample texts stay in memory (a few rows, in sample_row_'s order).
+    if (!samples.empty()) {
+      std::vector<std::string> sample_keys(keys.begin() + static_cast<std::ptrdiff_t>(captions.texts.size()), keys.end());
+      sample_text_ = read_text(sample_keys);
+    }
+  }
+
+  // Text rows read from the disk cache, one per key.
+  Sd3Text read_text(const std::vector<std::string>& keys) const {
+    std::vector<at::Tensor> clips, pools, t5s;
+    for (const std::string& k : keys) {
+      const std::vector<at::Tensor> entry = text_cache_->read(k);
+      clips.push_back(entry.at(0));
+      pools.push_back(entry.at(1));
+      if (entry.size() > 2) t5s.push_back(entry[2]);
+    }
+    Sd3Text out;
+    out.clip = torch::stack(clips);
+    out.pooled = torch::stack(pools);
+    if (!t5s.empty()) out.t5 = torch::stack(t5s);
+    return out;
+  }
+
+  // The batch's text rows (int64 [B], caption rows) from the disk cache.
+  Sd3Text cached_text(const at::Tensor& rows) const {
+    std::vector<std::string> keys;
+    for (int64_t i = 0; i < rows.size(0); ++i) keys.push_back(text_key_.at(static_cast<size_t>(rows[i].item<int64_t>())));
+    return read_text(keys);
+  }
+
+  // The disk cache of the SD3 VAE's latents, keyed as the LDM families' with this VAE's identity.
+  void cache_images() {
+    ScopedMemoryCategory category(MemoryCategory::other);
+    const std::string vae =
+        vae_files_ ? "file:" + weights_identity(*vae_files_, config_.vae.empty() ? kSd3VaePrefix : "", cache_stats_.dir)
+                   : fmt::format("random seed {} tiny", config_.seed + 100);
+    latent_key_ = latent_entry_keys(
+        dataset_, fmt::format("{}|sd3-latent|vae {}|{}", kLdmCacheVersion, vae, cache_dtype_key(cache_dtype_)));
+    FilledCache filled = fill_disk_cache(
+        (std::filesystem::path(cache_stats_.dir) / "latents").string(), "latents", "latent", latent_key_, cache_run_,
+        cache_stats_.problems, [&](const std::vector<size_t>& missing, ShardWriter& shards) {
+          models::AutoencoderKL v = build_vae();
+          v->to(device_);
+          encode_missing_latents(dataset_, latent_key_, missing, shards, device_, cache_dtype_,
+                                 [&](const at::Tensor& pixels) { return v->encode_latents(pixels, false); });
+        });
+    latent_cache_.emplace(std::move(filled.cache));
+    cache_stats_.latent_entries = filled.entries;
+    cache_stats_.latents_encoded = filled.encoded;
+    cache_stats_.latents_waited = filled.waited;
   }
 
   void encode_images() {
@@ -340,6 +466,11 @@ class Sd3TrainingModel final : public TrainingModel {
   at::Tensor caption_row_;
   int64_t caption_rows_ = 0;
   std::map<std::string, int64_t> sample_row_;
+  // Disk caches (cache_latents_to_disk, cache_text_encoder_outputs_to_disk, `shoestring cache`).
+  LdmCacheStats cache_stats_;
+  DiskCacheRun cache_run_;
+  std::optional<TensorCache> latent_cache_, text_cache_;
+  std::vector<std::string> latent_key_, text_key_;  // per image; per caption row
 };
 
 at::Tensor Sd3TrainingModel::sample(const SampleRequest& request) {
