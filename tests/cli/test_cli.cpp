@@ -16,6 +16,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include <torch/torch.h>
+
 #include "shoestring/io/safetensors.h"
 #include "shoestring/models/architecture.h"
 
@@ -423,7 +425,7 @@ TEST(Cli, SampleSd3AndCascadeFiles) {
     const bool sd3 = arch == "sd35m";
     EXPECT_NE(r.output.find(arch + " (tiny), 128 x 128 px, 2 steps, cfg " + (sd3 ? "5" : "4")), std::string::npos)
         << r.output;
-    EXPECT_NE(r.output.find(sd3 ? "MMDiT in fp32; CLIP-L + bigG, T5 as zeros" : "stage C in fp32; previewer decode"),
+    EXPECT_NE(r.output.find(sd3 ? "MMDiT in fp32; CLIP-L + bigG, T5 as zeros" : "stage C in fp32; previews 32 x 32 px"),
               std::string::npos)
         << r.output;
     const std::string foreign = sd3 ? "--previewer p.safetensors" : "--t5xxl t5.safetensors";
@@ -432,6 +434,13 @@ TEST(Cli, SampleSd3AndCascadeFiles) {
     EXPECT_NE(e.output.find((sd3 ? "--previewer" : "--t5xxl") + std::string(" does not apply to ") + model),
               std::string::npos)
         << e.output;
+    // A LoRA file given as the checkpoint: the base goes there, the LoRA with --lora.
+    const std::string lora = out + "/lora.safetensors";
+    shoestring::save_safetensors(lora, {{"lora_unet_x.lora_down.weight", torch::zeros({2, 4}), std::nullopt}});
+    Result l = run("sample " + lora + " --prompt x --out " + png);
+    EXPECT_EQ(l.code, 1);
+    EXPECT_NE(l.output.find("is a LoRA file"), std::string::npos) << l.output;
+    EXPECT_NE(l.output.find("--lora"), std::string::npos) << l.output;
     fs::remove_all(out);
     fs::remove(cfg);
     fs::remove(png);

@@ -182,6 +182,18 @@ TEST_P(CheckpointSampling, RefusesWhatDoesNotFit) {
   EXPECT_NE(lora.find(other), std::string::npos) << lora;
   EXPECT_NE(lora.find(key), std::string::npos) << lora;
   EXPECT_NE(lora.find(is_sd3(GetParam()) ? "lora_unet_*" : "lora_prior_unet_*"), std::string::npos) << lora;
+  if (is_sd3(GetParam())) {
+    // A file that is not an SD3 VAE given as --vae: refused by name before the text and MMDiT passes.
+    Sd3SampleRequest r;
+    r.images = images;
+    r.vae = trained("cascade-c").base + "/model.safetensors";
+    const std::string vae = error_of([&] { sample_sd3_checkpoint(file, r); });
+    EXPECT_NE(vae.find("--vae '" + r.vae + "': expected the SD3 VAE (tiny)"), std::string::npos) << vae;
+  } else {
+    // Stage C's attention grows with the square of the latent count: at most 4096 px a side.
+    const std::string big = error_of([&] { draw(GetParam(), file, images, {}, 8192); });
+    EXPECT_NE(big.find("at most 4096 px a side"), std::string::npos) << big;
+  }
   const std::string utf8 = error_of([&] { draw(GetParam(), file, images_of("bad \xff prompt")); });
   EXPECT_NE(utf8.find("UTF-8"), std::string::npos) << utf8;
   // Each family's test refuses the other's files and the LDM files.

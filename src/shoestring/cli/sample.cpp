@@ -16,6 +16,7 @@
 #include "shoestring/core/device.h"
 #include "shoestring/core/error.h"
 #include "shoestring/core/threads.h"
+#include "shoestring/io/weight_files.h"
 #include "shoestring/train/cascade_sampling.h"
 #include "shoestring/train/ldm_sampling.h"
 #include "shoestring/train/samplers.h"
@@ -60,6 +61,15 @@ void refuse_options(const std::vector<const CLI::Option*>& options, const std::s
     if (o->count() > 0) fail("{} does not apply to {}: {} is {}", o->get_name(), checkpoint, checkpoint, family);
 }
 
+/// Whether `path` holds kohya LoRA tensors only (a run's lora.safetensors).
+bool is_lora_file(const std::string& path) {
+  const WeightFiles f = WeightFiles::open(path);
+  if (f.names().empty()) return false;
+  for (const auto& n : f.names())
+    if (n.rfind("lora_", 0) != 0) return false;
+  return true;
+}
+
 /// "1 prompt", "2 prompts".
 std::string plural(size_t n, const char* noun) { return fmt::format("{} {}{}", n, noun, n == 1 ? "" : "s"); }
 
@@ -97,7 +107,7 @@ void register_sample(CLI::App& app) {
       ->allow_extra_args(false);
   CLI::Option* negative = cmd->add_option("--negative-prompt", args->negative_prompt,
                                           "the prompt guidance steers away from (default empty; not the emoji model)");
-  cmd->add_option("--steps", args->steps, "sampler steps (UNet evaluations per image)")->check(CLI::Range(1, 1000));
+  cmd->add_option("--steps", args->steps, "sampler steps (denoiser evaluations per image; default 30)")->check(CLI::Range(1, 1000));
   CLI::Option* cfg = cmd->add_option("--cfg", args->cfg,
                                      "classifier-free guidance scale (1 = off; default 4 for the emoji model and "
                                      "Stable Cascade, 7.5 for SD 1.5 / SDXL as kohya's sample_prompts, 5 for SD3.5 "
@@ -143,8 +153,9 @@ void register_sample(CLI::App& app) {
                                         "SD3.5: CLIP-L's file (default: the checkpoint's text_encoders.clip_l, else the "
                                         "run's clip_l)");
   CLI::Option* clip_g = cmd->add_option("--clip-g", args->clip_g,
-                                        "SD3.5 / Stable Cascade: OpenCLIP bigG's file (default: the checkpoint's, else "
-                                        "the run's clip_g / text_model_checkpoint_path)");
+                                        "SD3.5 / Stable Cascade: OpenCLIP bigG's file (default SD3.5: the checkpoint's "
+                                        "text_encoders.clip_g, else the run's clip_g; Cascade: the run's "
+                                        "text_model_checkpoint_path)");
   CLI::Option* t5xxl = cmd->add_option("--t5xxl", args->t5xxl,
                                        "SD3.5: T5-XXL's file, may be the checkpoint itself (default: the run's t5xxl, "
                                        "else none: 77 zero tokens)");
@@ -164,7 +175,15 @@ void register_sample(CLI::App& app) {
     if (!fs::is_directory(parent)) fail("--out '{}': folder '{}' does not exist", args->out, parent.string());
     if (fs::is_directory(out)) fail("--out '{}' is a directory, expected a .png file path", args->out);
     if (out.extension() != ".png") fail("--out '{}': the output is a PNG; use a .png file name", args->out);
+    if (fs::is_directory(args->checkpoint))
+      fail("checkpoint '{}' is a directory, expected a .safetensors file", args->checkpoint);
     if (!fs::is_regular_file(args->checkpoint)) fail("checkpoint '{}': no such file", args->checkpoint);
+    if (is_lora_file(args->checkpoint)) {
+      fail(
+          "checkpoint '{}' is a LoRA file (kohya lora_* tensors only): pass its base model as CHECKPOINT and this "
+          "file with --lora",
+          args->checkpoint);
+    }
     const SamplerKind sampler_kind = parse_sampler(args->sampler, "--sampler");
     configure_threads(0);
     SampleRequest req;

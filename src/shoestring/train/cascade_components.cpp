@@ -54,6 +54,10 @@ void check_cascade_size(const models::StageCOptions& o, int64_t height, int64_t 
         "Stability trains stage C at 768 px",
         what, width, height, architecture, multiple);
   }
+  if (height > kCascadeMaxSide || width > kCascadeMaxSide) {
+    fail("{} {} x {} px: {} takes at most {} px a side ({} x {} latents; Stability trains at 768 px, 24 x 24)", what,
+         width, height, architecture, kCascadeMaxSide, kCascadeMaxSide / 32, kCascadeMaxSide / 32);
+  }
 }
 
 CascadeText CascadeText::select(const at::Tensor& rows) const {

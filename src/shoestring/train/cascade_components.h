@@ -28,12 +28,16 @@ inline constexpr double kCascadeSampleShift = 2.0;
 /// GDF.sample's default cfg_rho.
 inline constexpr double kCascadeGuidanceRho = 0.7;
 
+/// The largest image side (pixels at the EfficientNet's scale) stage C takes:
+/// 128 x 128 latents, 16 K tokens in its attention (Stability trains at 24 x 24).
+inline constexpr int64_t kCascadeMaxSide = 4096;
+
 /// The pixel multiple an image side must be for stage C with `o` (32 for
 /// the EfficientNet, times patch_size and 2 per level switch).
 int64_t cascade_pixel_multiple(const models::StageCOptions& o);
 
 /// Refuses an image size (pixels at the EfficientNet's scale) that stage C
-/// with `o` cannot take. Throws shoestring::Error starting with `what` and
+/// with `o` cannot take: not a multiple of cascade_pixel_multiple, or past kCascadeMaxSide. Throws shoestring::Error starting with `what` and
 /// naming `architecture`.
 void check_cascade_size(const models::StageCOptions& o, int64_t height, int64_t width, const std::string& what,
                         const std::string& architecture);

@@ -59,6 +59,11 @@ CheckpointSamples sample_cascade_checkpoint(const std::string& path, const Casca
     if (!run_value.empty()) return &opened.emplace_back(open_named("the run's " + key, expand_path(run_value)));
     if (found->tiny && run) return nullptr;
     if (found->tiny) {
+      const std::string config = run_config_path_beside(path);
+      if (!config.empty())
+        fail("{}: its run's {} cannot be read (see the warning above), and a tiny {} file's {} is made at random "
+             "from the run's seed: fix the config",
+             path, config, found->architecture, what);
       fail(
           "{}: a tiny {} file outside its run folder: its {} was made at random from the run's seed; sample it where "
           "RUN_DIR/config.toml is",
@@ -72,7 +77,7 @@ CheckpointSamples sample_cascade_checkpoint(const std::string& path, const Casca
                                              run ? run->previewer_checkpoint_path : "", "previewer");
   // Refused now rather than after the stage C pass.
   models::Previewer previewer = build_cascade_previewer(previewer_file, "--previewer", found->tiny, seed);
-  out.notes = "previewer decode";
+  out.notes = fmt::format("previews {} x {} px", out.width / 32 * 8, out.height / 32 * 8);
 
   // ---- 1. bigG: encode every prompt and negative, then free it ----
   CascadeText text;

@@ -38,7 +38,11 @@ LdmTokenizer sampling_tokenizer(const WeightFiles& file, const std::string& toke
                                                                : "";
   const auto& meta = file.metadata();
   if (!dir.empty()) {
-    tokenizer.clip.emplace(ClipTokenizer::load(dir));
+    try {
+      tokenizer.clip.emplace(ClipTokenizer::load(dir));
+    } catch (const Error& e) {
+      fail("{} '{}': {}", !tokenizer_dir.empty() ? "--tokenizer-dir" : "the run's tokenizer_dir", dir, e.what());
+    }
   } else if (auto it = meta.find("tokenizer"); it != meta.end()) {
     try {
       tokenizer.words.emplace(WordTokenizer::from_json(nlohmann::json::parse(it->second)));

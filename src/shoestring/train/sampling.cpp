@@ -211,23 +211,41 @@ std::optional<FoundDenoiser> find_denoiser(const WeightFiles& file, models::Fami
     if (a.family != family || !a.trainable_from_config) continue;
     FoundDenoiser f{d.architecture, d.tiny, d.prefix};
     if (meta != file.metadata().end() && meta->second == d.architecture) return f;
+    // Variants with the same tensors (the tiny cascade-c and cascade-c-lite):
+    // the one the metadata names.
+    if (meta != file.metadata().end() && meta->second != d.architecture) {
+      for (const models::Architecture& other : models::architectures()) {
+        if (other.name != meta->second || other.family != family || !other.trainable_from_config) continue;
+        const auto& mine = models::architecture_tensors(d.architecture, d.tiny);
+        const auto& theirs = models::architecture_tensors(other.name, d.tiny);
+        bool same = mine.size() == theirs.size();
+        for (size_t i = 0; same && i < mine.size(); ++i)
+          same = mine[i].name == theirs[i].name && mine[i].shape == theirs[i].shape;
+        if (same) return FoundDenoiser{other.name, d.tiny, d.prefix};
+      }
+    }
     if (!first) first = f;
   }
   return first;
 }
 
-std::optional<TrainConfig> run_config_beside(const std::string& model_path) {
+std::string run_config_path_beside(const std::string& model_path) {
   namespace fs = std::filesystem;
   const fs::path folder = fs::absolute(fs::path(model_path)).parent_path();
   fs::path config = folder / "config.toml";
   if (!fs::exists(config) && folder.parent_path().filename() == "checkpoints") {
     config = folder.parent_path().parent_path() / "config.toml";
   }
-  if (!fs::exists(config)) return std::nullopt;
+  return fs::exists(config) ? config.string() : std::string();
+}
+
+std::optional<TrainConfig> run_config_beside(const std::string& model_path) {
+  const std::string config = run_config_path_beside(model_path);
+  if (config.empty()) return std::nullopt;
   try {
-    return load_config(config.string());
+    return load_config(config);
   } catch (const Error& e) {
-    spdlog::warn("{}: not used for sampling defaults: {}", config.string(), e.what());
+    spdlog::warn("{}: cannot be read, so the run's settings are not used: {}", config, e.what());
     return std::nullopt;
   }
 }
@@ -283,7 +301,13 @@ std::pair<int64_t, int64_t> SampleTexts::size(int64_t width, int64_t height, int
 }
 
 void check_denoiser_lora(const std::string& path, const std::string& prefix) {
-  const WeightFiles lora = WeightFiles::open(path);
+  std::optional<WeightFiles> opened;
+  try {
+    opened.emplace(WeightFiles::open(path));
+  } catch (const Error& e) {
+    fail("--lora {}: {}", path, e.what());
+  }
+  const WeightFiles& lora = *opened;
   int64_t text_keys = 0;
   std::string example;
   for (const auto& name : lora.names()) {

@@ -124,6 +124,9 @@ std::optional<FoundDenoiser> find_denoiser(const WeightFiles& file, models::Fami
 /// when there is no such file, or (with a warning) when it does not parse.
 std::optional<TrainConfig> run_config_beside(const std::string& model_path);
 
+/// The path of that config.toml when it exists (readable or not), else "".
+std::string run_config_path_beside(const std::string& model_path);
+
 /// The compute dtype to sample a denoiser with: bf16 on a CUDA device with
 /// native bf16, fp16 on older ones; on the CPU bf16 when the file stores the
 /// denoiser (its first tensor under `prefix`) in bf16 and the CPU has fast

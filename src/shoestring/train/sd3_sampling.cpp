@@ -72,6 +72,11 @@ CheckpointSamples sample_sd3_checkpoint(const std::string& path, const Sd3Sample
     if (base && holds(*base, prefix)) return &*base;
     if (random_parts) return nullptr;
     if (found->tiny) {
+      const std::string config = run_config_path_beside(path);
+      if (!config.empty())
+        fail("{}: its run's {} cannot be read (see the warning above), and a tiny {} file's {} is made at random "
+             "from the run's seed: fix the config",
+             path, config, found->architecture, what);
       fail(
           "{}: a tiny {} file outside its run folder: its {} was made at random from the run's seed; sample it where "
           "RUN_DIR/config.toml is",
@@ -94,10 +99,23 @@ CheckpointSamples sample_sd3_checkpoint(const std::string& path, const Sd3Sample
   if (!t5_file.empty()) {
     sources.t5 = &opened.emplace_back(open_named(request.t5xxl.empty() ? "the run's t5xxl" : "--t5xxl", t5_file));
     const std::string dir = !request.tokenizer_dir.empty() ? request.tokenizer_dir : run ? run->tokenizer_dir : "";
-    sources.t5_spiece = sd3_t5_spiece(dir, request.t5xxl.empty() ? "the run's t5xxl" : "--t5xxl", "--tokenizer-dir");
+    sources.t5_spiece = sd3_t5_spiece(dir, request.t5xxl.empty() ? "the run's t5xxl" : "--t5xxl",
+                                      !request.tokenizer_dir.empty() || !run ? "--tokenizer-dir" : "the run's tokenizer_dir");
   }
   const WeightFiles* vae_file = source("--vae", request.vae, kSd3VaePrefix, "vae", run ? run->vae : "", "SD3 VAE");
   out.notes = sources.t5 ? "CLIP-L + bigG + T5-XXL" : "CLIP-L + bigG, T5 as zeros";
+  // The VAE (84 M parameters) first, so that a wrong file is refused before the text and MMDiT passes.
+  const std::string vae_name = !request.vae.empty() ? "--vae '" + request.vae + "'"
+                               : vae_file == &file  ? path
+                               : vae_file           ? "the run's VAE file " + vae_file->path()
+                                                    : "the tiny run's random VAE";
+  models::AutoencoderKL vae{nullptr};
+  try {
+    vae = build_sd3_vae(found->tiny, vae_file,
+                        /*bare_keys_allowed=*/vae_file && vae_file != &file && (!base || vae_file != &*base), seed);
+  } catch (const Error& e) {
+    fail("{}: expected the SD3 VAE{}: {}", vae_name, found->tiny ? " (tiny)" : "", e.what());
+  }
 
   // ---- 1. text encoders: encode every prompt and negative, then free them ----
   Sd3Text text;
@@ -147,9 +165,6 @@ CheckpointSamples sample_sd3_checkpoint(const std::string& path, const Sd3Sample
   // ---- 3. the VAE: decode ----
   std::vector<at::Tensor> images;
   {
-    models::AutoencoderKL vae =
-        build_sd3_vae(found->tiny, vae_file, /*bare_keys_allowed=*/vae_file && vae_file != &file && (!base || vae_file != &*base),
-                      seed);
     vae->to(request.device);
     torch::NoGradGuard no_grad;
     for (const at::Tensor& z : latents) images.push_back(vae->decode_latents(z.to(request.device)).to(at::kCPU));

@@ -4,10 +4,12 @@
 // text encoders under text_encoders.* when "incl_clips"), a step
 // checkpoint, or a LoRA run's base with --lora.
 //
-// Memory-lean like train/ldm_sampling.h: the text encoders encode every
-// prompt and are freed; then the MMDiT (LoRA merged) draws every latent
-// (Euler on SD3's shift-3 sigmas with CFG and skip-layer guidance,
-// train/sd3_components.h) and is freed; then the VAE decodes.
+// Memory-lean like train/ldm_sampling.h: the VAE (84 M parameters) is
+// loaded first, so that a wrong file is refused before any long pass; the
+// text encoders encode every prompt and are freed; then the MMDiT (LoRA
+// merged) draws every latent (Euler on SD3's shift-3 sigmas with CFG and
+// skip-layer guidance, train/sd3_components.h) and is freed; then the VAE
+// decodes.
 #pragma once
 #include <cstdint>
 #include <string>
