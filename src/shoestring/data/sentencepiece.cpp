@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "shoestring/core/error.h"
+#include "shoestring/core/text.h"
 
 namespace shoestring {
 namespace {
@@ -18,10 +19,6 @@ constexpr std::string_view kSpaceSymbol = "\xE2\x96\x81";      // U+2581, Senten
 constexpr std::string_view kReplacementChar = "\xEF\xBF\xBD";  // U+FFFD for a malformed byte
 constexpr float kUnknownPenalty = 10.0f;                       // unknown node score = min score - 10
 
-bool starts_with(std::string_view s, std::string_view p) { return s.substr(0, p.size()) == p; }
-bool ends_with(std::string_view s, std::string_view p) {
-  return s.size() >= p.size() && s.substr(s.size() - p.size()) == p;
-}
 
 // ---- protobuf wire format (proto2; developers.google.com/protocol-buffers/docs/encoding) ----
 
@@ -375,7 +372,7 @@ std::string SentencePieceModel::normalize(std::string_view text) const {
   bool previous_space = remove_extra_whitespaces_;
   while (!text.empty()) {
     auto [piece, consumed] = normalize_prefix(text);
-    while (previous_space && starts_with(piece, " ")) piece.remove_prefix(1);  // collapse runs of spaces
+    while (previous_space && has_prefix(piece, " ")) piece.remove_prefix(1);  // collapse runs of spaces
     if (!piece.empty()) {
       for (const char ch : piece) {
         if (ch == ' ' && escape_whitespaces_) {
@@ -384,13 +381,13 @@ std::string SentencePieceModel::normalize(std::string_view text) const {
           out += ch;
         }
       }
-      previous_space = ends_with(piece, " ");
+      previous_space = has_suffix(piece, " ");
     }
     text.remove_prefix(consumed);
     if (!remove_extra_whitespaces_) previous_space = false;
   }
   if (remove_extra_whitespaces_) {  // trailing whitespace
-    while (ends_with(out, space)) out.resize(out.size() - space.size());
+    while (has_suffix(out, space)) out.resize(out.size() - space.size());
   }
   return out;
 }
@@ -494,7 +491,7 @@ std::string SentencePieceModel::decode(const std::vector<int64_t>& ids) const {
       continue;
     }
     std::string_view piece = p.text;
-    if (text.empty() && (add_dummy_prefix_ || remove_extra_whitespaces_) && starts_with(piece, kSpaceSymbol))
+    if (text.empty() && (add_dummy_prefix_ || remove_extra_whitespaces_) && has_prefix(piece, kSpaceSymbol))
       piece.remove_prefix(kSpaceSymbol.size());
     for (size_t at = piece.find(kSpaceSymbol); at != std::string_view::npos; at = piece.find(kSpaceSymbol)) {
       text += piece.substr(0, at);

@@ -13,6 +13,7 @@
 
 #include "shoestring/core/content_hash.h"
 #include "shoestring/core/error.h"
+#include "shoestring/core/text.h"
 
 namespace shoestring {
 namespace fs = std::filesystem;
@@ -25,10 +26,6 @@ constexpr const char* kEntriesKey = "shoestring.cache_entries";
 constexpr const char* kKindKey = "shoestring.cache_kind";
 constexpr size_t kOpenShards = 4;  // shards kept mapped by read()
 
-bool ends_with(const std::string& s, const std::string& e) {
-  return s.size() >= e.size() && s.compare(s.size() - e.size(), e.size(), e) == 0;
-}
-bool starts_with(const std::string& s, const std::string& p) { return s.compare(0, p.size(), p) == 0; }
 
 bool plain_name(const std::string& s) {
   if (s.empty()) return false;
@@ -38,7 +35,7 @@ bool plain_name(const std::string& s) {
 
 /// The writer and sequence number of a shard file name "<writer>-NNNNNN.safetensors".
 bool parse_shard_name(const std::string& name, std::string* writer, int64_t* seq) {
-  if (!ends_with(name, ".safetensors")) return false;
+  if (!has_suffix(name, ".safetensors")) return false;
   const std::string stem = name.substr(0, name.size() - std::string(".safetensors").size());
   const size_t dash = stem.rfind('-');
   if (dash == std::string::npos || dash == 0 || dash + 1 == stem.size()) return false;
@@ -202,7 +199,7 @@ TensorCache TensorCache::open(const std::string& dir, const std::string& kind, c
     const std::string own_manifest = "manifest-" + writer + ".json";
     StaleTemporaries stale = remove_temporaries(dir, [&](const std::string& name) {
       return name == own_manifest || name == ".write_probe" ||
-             (starts_with(name, own_prefix) && ends_with(name, ".safetensors"));
+             (has_prefix(name, own_prefix) && has_suffix(name, ".safetensors"));
     });
     for (const std::string& p : stale.paths)
       s->notes.push_back(fmt::format("removed {} (left by an interrupted write)", p));
@@ -216,7 +213,7 @@ TensorCache TensorCache::open(const std::string& dir, const std::string& kind, c
   for (const auto& e : fs::directory_iterator(dir, ec)) {
     const std::string name = e.path().filename().string();
     if (!e.is_regular_file()) continue;
-    if (starts_with(name, "manifest-") && ends_with(name, ".json")) manifests.push_back(name);
+    if (has_prefix(name, "manifest-") && has_suffix(name, ".json")) manifests.push_back(name);
     std::string w;
     int64_t seq = 0;
     if (parse_shard_name(name, &w, &seq)) {

@@ -11,6 +11,7 @@
 
 #include "shoestring/core/error.h"
 #include "shoestring/core/fp8.h"
+#include "shoestring/core/text.h"
 #include "shoestring/io/atomic_file.h"
 #include "shoestring/io/json_structure.h"
 
@@ -19,9 +20,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
 
 std::string join_shape(const std::vector<int64_t>& shape) {
   if (shape.empty()) return "scalar";
@@ -33,7 +31,7 @@ std::string join_shape(const std::vector<int64_t>& shape) {
 WeightFiles WeightFiles::open(const std::string& path) {
   WeightFiles w;
   w.path_ = path;
-  if (!ends_with(path, ".json")) {
+  if (!has_suffix(path, ".json")) {
     w.files_.push_back(SafetensorsFile::open(path));
     for (const auto& info : w.files_[0].tensors()) w.owner_[info.name] = 0;
     w.metadata_ = w.files_[0].metadata();

@@ -6,13 +6,13 @@
 #include <torch/torch.h>
 
 #include "shoestring/core/error.h"
+#include "shoestring/core/text.h"
 #include "shoestring/core/units.h"
 #include "shoestring/nn/key_layout.h"
 
 namespace shoestring::models {
 namespace {
 
-bool starts_with(const std::string& s, const std::string& p) { return s.compare(0, p.size(), p) == 0; }
 
 // LDM ResnetBlock: no time embedding, GroupNorm eps 1e-6, default-initialised conv2.
 nn::ResBlock vae_res(const VaeOptions& o, int64_t in, int64_t out) {
@@ -201,7 +201,7 @@ LoadWeightsReport load_vae(AutoencoderKLImpl& vae, const WeightFiles& files) {
   static const std::string prefix = "first_stage_model.";
   const std::vector<std::string> names = files.names();
   bool prefixed = false;
-  for (const auto& n : names) prefixed = prefixed || starts_with(n, prefix);
+  for (const auto& n : names) prefixed = prefixed || has_prefix(n, prefix);
   const std::string p = prefixed ? prefix : "";
   const bool want_quant = static_cast<bool>(vae.quant_conv);
   const int64_t z = vae.options().z_channels();
@@ -229,7 +229,7 @@ LoadWeightsReport load_vae(AutoencoderKLImpl& vae, const WeightFiles& files) {
   LoadWeightsOptions lo;
   lo.key_map = [p](const std::string& key) -> std::string {
     if (p.empty()) return key;
-    return starts_with(key, p) ? key.substr(p.size()) : "";
+    return has_prefix(key, p) ? key.substr(p.size()) : "";
   };
   return load_weights(vae, files, lo);
 }

@@ -5,9 +5,10 @@
 #include <torch/torch.h>
 
 #include "shoestring/core/error.h"
+#include "shoestring/core/text.h"
 #include "shoestring/core/units.h"
-#include "shoestring/nn/timestep.h"
 #include "shoestring/data/dataset.h"
+#include "shoestring/nn/timestep.h"
 #include "shoestring/train/checkpoint_io.h"
 #include "shoestring/train/config.h"
 #include "shoestring/train/diffusion_loss.h"
@@ -20,7 +21,6 @@ namespace {
 constexpr const char* kVaePrefix = "first_stage_model.";
 constexpr int64_t kTextLength = 77;
 
-bool starts_with(const std::string& s, const std::string& p) { return s.compare(0, p.size(), p) == 0; }
 
 }  // namespace
 
@@ -130,7 +130,7 @@ std::vector<models::ClipTextModel> build_ldm_text_encoders(const models::LdmUNet
   }
   bool from_file = false;
   if (files) {
-    for (const auto& n : files->names()) from_file = from_file || starts_with(n, prefixes[0]);
+    for (const auto& n : files->names()) from_file = from_file || has_prefix(n, prefixes[0]);
     if (!from_file) {
       fail("{}: holds no text encoder (no '{}*' keys); {} needs the checkpoint's CLIP text encoder{}", files->path(),
            prefixes[0], architecture, sdxl ? "s" : "");
@@ -205,7 +205,7 @@ models::AutoencoderKL build_vae_from(const models::VaeOptions& o, const WeightFi
   bool has = false;
   if (files) {
     for (const auto& n : files->names()) {
-      if (starts_with(n, kVaePrefix)) has = true;
+      if (has_prefix(n, kVaePrefix)) has = true;
     }
     if (bare_keys_allowed) has = true;
     if (!has) fail("{}: holds no VAE (no '{}*' keys)", files->path(), kVaePrefix);

@@ -117,22 +117,6 @@ BucketLatents encode_bucket_latents(const ImageCaptionDataset& dataset, bool fli
                                     at::ScalarType cache_dtype,
                                     const std::function<at::Tensor(const at::Tensor&)>& encode);
 
-/// Puts `module` in eval mode and back in its previous mode however the
-/// scope ends (a failed sample grid is a warning and training goes on).
-class EvalModeScope {
- public:
-  explicit EvalModeScope(torch::nn::Module& module) : module_(module), was_training_(module.is_training()) {
-    module_.eval();
-  }
-  ~EvalModeScope() { module_.train(was_training_); }
-  EvalModeScope(const EvalModeScope&) = delete;
-  EvalModeScope& operator=(const EvalModeScope&) = delete;
-
- private:
-  torch::nn::Module& module_;
-  bool was_training_;
-};
-
 /// What a latent family draws for one micro-batch, before its objective's
 /// own draws (timesteps): the latents with flip_aug's mirror images swapped
 /// in, the caption rows with caption dropout applied, and the noise.

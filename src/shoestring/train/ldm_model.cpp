@@ -16,6 +16,7 @@
 #include "shoestring/core/content_hash.h"
 #include "shoestring/core/error.h"
 #include "shoestring/core/memory_ledger.h"
+#include "shoestring/core/text.h"
 #include "shoestring/core/units.h"
 #include "shoestring/data/clip_tokenizer.h"
 #include "shoestring/data/dataset.h"
@@ -49,7 +50,6 @@ constexpr const char* kUNetPrefix = "model.diffusion_model.";
 constexpr const char* kVaePrefix = "first_stage_model.";
 constexpr int64_t kTextLength = 77;
 
-bool starts_with(const std::string& s, const std::string& p) { return s.compare(0, p.size(), p) == 0; }
 
 class LdmTrainingModel final : public TrainingModel {
  public:
@@ -375,7 +375,7 @@ std::string LdmTrainingModel::detect_unet_prefix() const {
 void LdmTrainingModel::load_unet() {
   LoadWeightsOptions o;
   o.key_map = [prefix = unet_prefix_](const std::string& key) -> std::string {
-    if (!starts_with(key, prefix)) return "";
+    if (!has_prefix(key, prefix)) return "";
     return kUNetPrefix + key.substr(prefix.size());
   };
   // Other models' keys (VAE, text encoders) live under other prefixes; with
@@ -498,7 +498,7 @@ std::string LdmTrainingModel::vae_identity() {
   if (!config_.vae.empty()) {
     WeightFiles f = WeightFiles::open(expand_path(config_.vae));
     bool prefixed = false;
-    for (const auto& n : f.names()) prefixed = prefixed || starts_with(n, kVaePrefix);
+    for (const auto& n : f.names()) prefixed = prefixed || has_prefix(n, kVaePrefix);
     return "file:" + weights_identity(f, prefixed ? kVaePrefix : "", cache_stats_.dir) + " scale " + scale;
   }
   if (base_) return "file:" + weights_identity(*base_, kVaePrefix, cache_stats_.dir) + " scale " + scale;
@@ -518,7 +518,7 @@ void LdmTrainingModel::cache_captions(bool quiet) {
   // A base file without text encoders: build_ldm_text_encoders' error.
   bool has_text_encoder = !base_;
   for (const auto& n : base_ ? base_->names() : std::vector<std::string>{}) {
-    has_text_encoder = has_text_encoder || starts_with(n, sdxl_ ? models::kSdxlClipLPrefix : models::kSd15ClipPrefix);
+    has_text_encoder = has_text_encoder || has_prefix(n, sdxl_ ? models::kSdxlClipLPrefix : models::kSd15ClipPrefix);
   }
   if (!has_text_encoder) load_text_encoders();
   std::string encoders;
@@ -613,8 +613,7 @@ void LdmTrainingModel::cache_images(bool quiet) {
 
 at::Tensor LdmTrainingModel::sample(const SampleRequest& request) {
   if (request.prompts.empty() || request.seeds.empty()) fail("sample: no prompts or no seeds");
-  const bool was_training = root_->is_training();
-  root_->eval();
+  const EvalModeScope eval_mode(*root_);
   torch::NoGradGuard no_grad;
   const auto dtype = nn::value_dtype(unet_->out_conv->weight);
   const at::Device device = unet_->out_conv->weight.device();
@@ -656,7 +655,6 @@ at::Tensor LdmTrainingModel::sample(const SampleRequest& request) {
       images.push_back(vae->decode_latents(z.slice(0, k, k + 1).to(device)).to(at::kCPU, torch::kFloat32));
     }
   }
-  if (was_training) root_->train();
   return samples_to_uint8(torch::cat(images, 0), request);
 }
 
@@ -677,11 +675,11 @@ std::vector<std::pair<std::string, at::Tensor>> LdmTrainingModel::companion_tens
     // memory-mapped, as it is.
     std::string unet_prefix;
     for (const auto& n : base_->names()) {
-      if (starts_with(n, kUNetPrefix)) unet_prefix = kUNetPrefix;
+      if (has_prefix(n, kUNetPrefix)) unet_prefix = kUNetPrefix;
     }
     for (const auto& n : base_->names()) {
       if (unet_prefix.empty()) break;  // a bare UNet file: nothing beside it
-      if (starts_with(n, kUNetPrefix) || (own_vae && starts_with(n, kVaePrefix))) continue;
+      if (has_prefix(n, kUNetPrefix) || (own_vae && has_prefix(n, kVaePrefix))) continue;
       out.emplace_back(n, base_->get_values(n));  // fp8 bytes (libtorch < 2.1) as bf16 values
     }
   }

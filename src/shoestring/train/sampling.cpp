@@ -111,8 +111,7 @@ at::Tensor generate_images(TinyUNetModel& model, const WordTokenizer& tokenizer,
     }
   }
   torch::NoGradGuard no_grad;
-  const bool was_training = model->is_training();
-  model->eval();
+  const EvalModeScope eval_mode(*model);
   const int64_t r = model->options().resolution;
   const int64_t c = model->options().unet.in_channels();
   // Noise is drawn on the CPU (the same images whatever the device), then moved.
@@ -147,7 +146,6 @@ at::Tensor generate_images(TinyUNetModel& model, const WordTokenizer& tokenizer,
       outputs.push_back(sample_euler(velocity, noise, steps));
     }
   }
-  if (was_training) model->train();
   return samples_to_uint8(torch::cat(outputs).cpu(), request);
 }
 

@@ -136,6 +136,22 @@ at::ScalarType sample_compute_dtype(const at::Device& device, const WeightFiles&
 /// "fp32", "bf16", "fp16".
 const char* sample_dtype_name(at::ScalarType dtype);
 
+/// Puts `module` in eval mode and back in its previous mode however the
+/// scope ends (a failed sample grid is a warning and training goes on).
+class EvalModeScope {
+ public:
+  explicit EvalModeScope(torch::nn::Module& module) : module_(module), was_training_(module.is_training()) {
+    module_.eval();
+  }
+  ~EvalModeScope() { module_.train(was_training_); }
+  EvalModeScope(const EvalModeScope&) = delete;
+  EvalModeScope& operator=(const EvalModeScope&) = delete;
+
+ private:
+  torch::nn::Module& module_;
+  bool was_training_;
+};
+
 /// The device of a module's first parameter (else its first buffer; the CPU
 /// for a module with neither).
 at::Device module_device(const torch::nn::Module& module);
