@@ -336,6 +336,40 @@ TEST(MMDiT, SkipLayersActAsIdentityBlocks) {
   EXPECT_THROW(net->forward(x, t, ctx, y, {0, 7}), Error);
 }
 
+// A placed crop of the position embedding (SD3.5's random crop, kohya's
+// pos_emb_random_crop_rate) is the centred forward of a model whose table
+// holds, at the centre, what the original holds at that place.
+TEST(MMDiT, PosEmbedCropPlacesThePatchGrid) {
+  torch::manual_seed(8);
+  MMDiT net(small_options(0));
+  torch::NoGradGuard no_grad;
+  for (auto& p : net->parameters()) p.copy_(torch::randn_like(p) * 0.2);
+  const torch::Tensor x = torch::randn({2, 4, 4, 6}), t = torch::rand({2}), ctx = torch::randn({2, 3, 12}),
+                      y = torch::randn({2, 10});
+  const int64_t M = net->options().pos_embed_max_size(), h = 2, w = 3;  // 4 x 6 latents, patch 2
+  ASSERT_GT(M, w);
+  const models::PosEmbedCrop crop{0, M - w};  // top row, right edge
+  MMDiT moved(small_options(0));
+  for (const auto& p : net->named_parameters()) moved->named_parameters()[p.key()].copy_(p.value());
+  const torch::Tensor table = net->pos_embed.view({1, M, M, -1});
+  torch::Tensor shifted = table.clone();
+  const int64_t top = (M - h) / 2, left = (M - w) / 2;  // the centre the reference crops by default
+  shifted.slice(1, top, top + h).slice(2, left, left + w).copy_(table.slice(1, 0, h).slice(2, M - w, M));
+  moved->pos_embed.copy_(shifted.view_as(net->pos_embed));
+  const torch::Tensor placed = net->forward(x, t, ctx, y, {}, crop);
+  EXPECT_TRUE(torch::equal(placed, moved->forward(x, t, ctx, y)));
+  EXPECT_GT((placed - net->forward(x, t, ctx, y)).abs().max().item<float>(), 1e-4f);
+  // The centre placed explicitly is the default.
+  EXPECT_TRUE(torch::equal(net->forward(x, t, ctx, y, {}, models::PosEmbedCrop{top, left}), net->forward(x, t, ctx, y)));
+  // The same through the precision rules' root scope.
+  shoestring::testing::checkpoint_by_rule(*net, true);
+  EXPECT_TRUE(torch::allclose(net->forward(x, t, ctx, y, {}, crop), placed, 1e-6, 1e-6));
+  shoestring::testing::checkpoint_by_rule(*net, false);
+  // A crop that leaves the table is refused.
+  EXPECT_THROW(net->forward(x, t, ctx, y, {}, models::PosEmbedCrop{0, M - w + 1}), Error);
+  EXPECT_THROW(net->forward(x, t, ctx, y, {}, models::PosEmbedCrop{M - h + 1, 0}), Error);
+}
+
 // Checkpointed joint blocks give the gradients of the plain forward.
 TEST(MMDiT, GradientCheckpointingKeepsGradients) {
   torch::manual_seed(8);

@@ -12,12 +12,15 @@
 #include <torch/torch.h>
 
 #include "shoestring/core/error.h"
+#include "shoestring/data/dataset.h"
 #include "shoestring/io/safetensors.h"
 #include "shoestring/io/weight_files.h"
 #include "shoestring/models/architecture.h"
+#include "shoestring/models/mmdit.h"
 #include "shoestring/models/t5_encoder.h"
 #include "shoestring/train/config.h"
 #include "shoestring/train/trainer.h"
+#include "shoestring/train/training_model.h"
 #include "train_testing.h"
 
 namespace fs = std::filesystem;
@@ -100,7 +103,7 @@ TEST(Sd3Training, TinyTrainsSamplesAndSavesTheSingleFileLayout) {
 TEST(Sd3Training, ResumeEqualsTheUninterruptedRun) {
   const std::string opts =
       "full_bf16 = true\nsample_every_n_steps = 1\ntimestep_sampling = \"mode\"\ntraining_shift = 3.0\n"
-      "weighting_scheme = \"cosmap\"\n";
+      "weighting_scheme = \"cosmap\"\npos_emb_random_crop_rate = 0.5\n";
   TrainConfig full = sd3_config(temp_dir("full"), opts);
   full.max_train_steps = 4;
   full.caption_dropout_rate = 0.5;
@@ -213,4 +216,46 @@ TEST(Sd3Training, RefusesWhatItCannotTrain) {
   c.resolution = 528;
   m = train_error(c);
   EXPECT_NE(m.find("at most 512 px"), std::string::npos) << m;
+}
+
+// pos_emb_random_crop_rate: the share of batches whose patch grid takes a
+// random crop of the position embedding, drawn after the batch's other draws;
+// each crop fits the table; rate 0 draws nothing and keeps the centre.
+TEST(Sd3Training, PosEmbedRandomCropDrawsPlacesThatFit) {
+  auto crops = [&](double rate) {
+    TrainConfig c = sd3_config(temp_dir("crop"), fmt::format("pos_emb_random_crop_rate = {}\n", rate));
+    c.sample_prompts.clear();
+    const ImageCaptionDataset data = ImageCaptionDataset::load(c.train_data_dir, static_cast<int>(c.resolution));
+    ModelSource source;
+    source.quiet = true;
+    auto model = make_training_model(c, data, source);
+    torch::manual_seed(3);
+    std::vector<std::pair<int64_t, int64_t>> out;
+    for (int i = 0; i < 40; ++i) {
+      const at::Tensor crop = model->prepare({0, 1}).inputs.at(4);
+      EXPECT_EQ(crop.sizes(), (std::vector<int64_t>{1, 2}));
+      out.emplace_back(crop[0][0].item<int64_t>(), crop[0][1].item<int64_t>());
+    }
+    return out;
+  };
+  // Tiny MMDiT: a 32 x 32 table; 64 px images are 4 x 4 patches, so 0 .. 28 fit.
+  const int64_t most = models::MMDiTOptions::tiny().pos_embed_max_size() - 4;
+  int64_t placed = 0;
+  std::set<int64_t> tops;
+  for (const auto& [top, left] : crops(0.5)) {
+    if (top < 0) {
+      EXPECT_EQ(left, -1);
+      continue;
+    }
+    ++placed;
+    tops.insert(top);
+    EXPECT_LE(top, most);
+    EXPECT_GE(left, 0);
+    EXPECT_LE(left, most);
+  }
+  EXPECT_GT(placed, 8);   // about half of 40
+  EXPECT_LT(placed, 32);
+  EXPECT_GT(tops.size(), 4u);
+  for (const auto& [top, left] : crops(0.0)) EXPECT_EQ(std::make_pair(top, left), std::make_pair(int64_t{-1}, int64_t{-1}));
+  for (const auto& [top, left] : crops(1.0)) EXPECT_GE(top, 0);
 }

@@ -217,39 +217,44 @@ void MMDiTImpl::reset_parameters() {
   pos_embed.copy_(sincos_pos_embed_2d(options_.hidden(), options_.pos_embed_max_size()).unsqueeze(0));
 }
 
-torch::Tensor MMDiTImpl::cropped_pos_embed(int64_t h, int64_t w) const {
+torch::Tensor MMDiTImpl::cropped_pos_embed(int64_t h, int64_t w, const PosEmbedCrop& crop) const {
   const int64_t M = options_.pos_embed_max_size();
   if (h > M || w > M) fail("MMDiT: a {}x{} patch grid exceeds pos_embed_max_size {}", h, w, M);
-  const int64_t top = (M - h) / 2, left = (M - w) / 2;
+  const bool centred = crop.top < 0;
+  const int64_t top = centred ? (M - h) / 2 : crop.top, left = centred ? (M - w) / 2 : crop.left;
+  if (left < 0 || top + h > M || left + w > M)
+    fail("MMDiT: a {}x{} patch grid at ({}, {}) leaves the {}x{} position embedding", h, w, top, left, M, M);
   return pos_embed.view({1, M, M, -1}).slice(1, top, top + h).slice(2, left, left + w).reshape({1, h * w, -1});
 }
 
 torch::Tensor MMDiTImpl::forward(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& context,
-                                 const torch::Tensor& y, const std::vector<int64_t>& skip_layers) {
+                                 const torch::Tensor& y, const std::vector<int64_t>& skip_layers,
+                                 const PosEmbedCrop& crop) {
   std::vector<bool> skip(blocks_.size(), false);  // per joint block
   for (int64_t i : skip_layers) {
     if (i < 0 || i >= static_cast<int64_t>(blocks_.size()))
       fail("MMDiT: skip layer {} is not a joint block index (depth {})", i, blocks_.size());
     skip[static_cast<size_t>(i)] = true;
   }
-  if (!block_table_->configured()) return forward_impl(x, t, context, y, skip);
+  if (!block_table_->configured()) return forward_impl(x, t, context, y, skip, crop);
   if (block_table_->find(this)) {
     auto self = std::static_pointer_cast<MMDiTImpl>(shared_from_this());
     const torch::Tensor time = t;  // captured: never rounded to the compute dtype
     return nn::run_block(block_table_.get(), self,
-                         [self, time, skip](const std::vector<torch::Tensor>& in) {
-                           return std::vector<torch::Tensor>{self->forward_impl(in[0], time, in[1], in[2], skip)};
+                         [self, time, skip, crop](const std::vector<torch::Tensor>& in) {
+                           return std::vector<torch::Tensor>{
+                               self->forward_impl(in[0], time, in[1], in[2], skip, crop)};
                          },
                          {x, context, y})[0];
   }
   std::optional<nn::ComputeDtypeGuard> guard;
   if (!nn::current_compute_dtype()) guard.emplace(nn::value_dtype(context_embedder->weight));
-  return forward_impl(x, t, context, y, skip);
+  return forward_impl(x, t, context, y, skip, crop);
 }
 
 torch::Tensor MMDiTImpl::forward_impl(const torch::Tensor& x_in, const torch::Tensor& t,
                                       const torch::Tensor& context_in, const torch::Tensor& y,
-                                      const std::vector<bool>& skip) {
+                                      const std::vector<bool>& skip, const PosEmbedCrop& crop) {
   const auto& o = options_;
   const int64_t p = o.patch_size();
   if (x_in.dim() != 4 || x_in.size(1) != o.in_channels() || x_in.size(2) % p != 0 || x_in.size(3) % p != 0)
@@ -264,7 +269,7 @@ torch::Tensor MMDiTImpl::forward_impl(const torch::Tensor& x_in, const torch::Te
 
   // Inside a precision scope the model computes in the scope's dtype.
   const auto dtype = nn::current_compute_dtype().value_or(nn::value_dtype(context_embedder->weight));
-  torch::Tensor x = x_embedder->forward(x_in).flatten(2).transpose(1, 2) + cropped_pos_embed(h, w).to(dtype);
+  torch::Tensor x = x_embedder->forward(x_in).flatten(2).transpose(1, 2) + cropped_pos_embed(h, w, crop).to(dtype);
   torch::Tensor tf = timestep_features(t * 1000.0, o.frequency_embedding_size()).to(dtype);
   torch::Tensor c = t_embedder_2->forward(torch::silu(t_embedder_0->forward(tf)));
   c = c + y_embedder_2->forward(torch::silu(y_embedder_0->forward(y)));

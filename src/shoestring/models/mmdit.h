@@ -151,6 +151,14 @@ class MMDiTJointBlockImpl : public torch::nn::Module {
 };
 TORCH_MODULE(MMDiTJointBlock);
 
+/// Where an image's patch grid sits in the position embedding, in patches
+/// from its top-left corner; top < 0 = centred (the reference's default).
+/// SD3.5 Medium was trained with random crops (kohya's
+/// pos_emb_random_crop_rate draws top in [0, max - h], left in [0, max - w]).
+struct PosEmbedCrop {
+  int64_t top = -1, left = -1;
+};
+
 /// The MMDiT(-X) denoiser. Runs in the dtype of its parameters (fp32, or
 /// bf16 after `->to(torch::kBFloat16)`; inputs in that dtype too).
 class MMDiTImpl : public torch::nn::Module, public Denoiser {
@@ -177,11 +185,16 @@ class MMDiTImpl : public torch::nn::Module, public Denoiser {
   /// the last block leaves the image stream as the previous block's output.
   /// Returns [B, out_channels, H, W]. Throws shoestring::Error on shape
   /// mismatch or a skip index outside [0, depth).
+  /// `crop`: where the image's patch grid sits in pos_embed (centred by default).
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& context,
-                        const torch::Tensor& y, const std::vector<int64_t>& skip_layers = {});
+                        const torch::Tensor& y, const std::vector<int64_t>& skip_layers = {},
+                        const PosEmbedCrop& crop = {});
 
-  /// Centre crop of pos_embed for an h x w patch grid: [1, h * w, hidden].
-  torch::Tensor cropped_pos_embed(int64_t h, int64_t w) const;
+  /// The crop of pos_embed for an h x w patch grid: [1, h * w, hidden],
+  /// centred (top = (max - h) / 2, left = (max - w) / 2, the reference's
+  /// cropped_pos_embed) unless `crop` places it. Throws shoestring::Error
+  /// when the grid exceeds pos_embed_max_size or the crop leaves it.
+  torch::Tensor cropped_pos_embed(int64_t h, int64_t w, const PosEmbedCrop& crop = {}) const;
 
   /// The blocks of this model for per-block compute dtype and checkpointing
   /// (precision::resolve / apply, OverflowMonitor): every joint block
@@ -210,7 +223,7 @@ class MMDiTImpl : public torch::nn::Module, public Denoiser {
  private:
   void reset_parameters();
   torch::Tensor forward_impl(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& context,
-                             const torch::Tensor& y, const std::vector<bool>& skip);
+                             const torch::Tensor& y, const std::vector<bool>& skip, const PosEmbedCrop& crop);
   MMDiTOptions options_;
   std::vector<MMDiTJointBlock> blocks_;
   std::shared_ptr<nn::BlockTable> block_table_ = std::make_shared<nn::BlockTable>();

@@ -86,6 +86,7 @@ struct TrainConfig {
   double logit_std = 1.0;
   double mode_scale = 1.29;            ///< timestep_sampling = "mode" (SD3 paper's mode sampling)
   double training_shift = 1.0;         ///< SD3: t -> s t / (1 + (s - 1) t) on training times (kohya's)
+  double pos_emb_random_crop_rate = 0.0;  ///< SD3.5: share of batches with a random crop of pos_embed (kohya's)
   std::string weighting_scheme = "none";  ///< SD3 loss weight per sample: none | sigma_sqrt | cosmap
   /// SD3: the loss on x0 = x_t - t v (kohya; diffusers' --precondition_outputs), i.e. the velocity loss
   /// times t^2; false = the plain velocity loss (OneTrainer).

@@ -161,6 +161,11 @@ const std::vector<Field>& schema() {
             "SD3: shift of the training times, t -> s t / (1 + (s - 1) t) (kohya's training_shift; 1 = none)", 1e-3,
             100}
           .with(kFlowMatchingOnly | kReleasedModelOnly),
+      Field{"pos_emb_random_crop_rate", &TrainConfig::pos_emb_random_crop_rate,
+            "SD3.5 Medium: share of batches whose patch grid takes a random crop of the position embedding "
+            "instead of the centre (kohya's pos_emb_random_crop_rate; SD3.5 Medium was trained so); 0 = never",
+            0, 1}
+          .with(kResumeValue | kFlowMatchingOnly | kReleasedModelOnly),
       Field{"weighting_scheme",
             &TrainConfig::weighting_scheme,
             "SD3: per-sample loss weight (kohya / diffusers): none, sigma_sqrt (1 / t^2) or cosmap "

@@ -162,6 +162,7 @@ class Sd3TrainingModel final : public TrainingModel {
     const Sd3Text text = text_cache_ ? cached_text(rows) : text_.select(rows);
     batch.inputs = {flow_interpolate(x0, eps, t), t, sd3_context(text.clip, text.t5, options_.context_dim()),
                     text.pooled};
+    batch.inputs.push_back(draw_pos_embed_crop(x0.size(2), x0.size(3)));
     batch.target = flow_target(x0, eps);
     // kohya / diffusers take the loss on x0 = x_t - t v: t^2 times the velocity loss; weighting_scheme multiplies it.
     at::Tensor weight;
@@ -173,7 +174,9 @@ class Sd3TrainingModel final : public TrainingModel {
 
   at::Tensor forward(const TrainBatch& b) override {
     const auto dtype = nn::value_dtype(mmdit_->context_embedder->weight);
-    return mmdit_->forward(b.inputs[0].to(dtype), b.inputs[1], b.inputs[2].to(dtype), b.inputs[3].to(dtype));
+    const at::Tensor crop = b.inputs.at(4).cpu();
+    return mmdit_->forward(b.inputs[0].to(dtype), b.inputs[1], b.inputs[2].to(dtype), b.inputs[3].to(dtype), {},
+                           models::PosEmbedCrop{crop[0][0].item<int64_t>(), crop[0][1].item<int64_t>()});
   }
 
   at::Tensor sample(const SampleRequest& request) override;
@@ -277,6 +280,23 @@ class Sd3TrainingModel final : public TrainingModel {
   models::AutoencoderKL build_vae() const {
     return build_sd3_vae(config_.tiny, vae_files_ ? &*vae_files_ : nullptr, /*bare_keys_allowed=*/!config_.vae.empty(),
                          static_cast<uint64_t>(config_.seed));
+  }
+
+  // The batch's crop of the position embedding as int64 [[top, left]] in
+  // patches ([-1, -1]: centred): with pos_emb_random_crop_rate, a draw from
+  // the global generator (so a resumed run replays it) whether to crop at
+  // random, then top and left uniform over the positions that fit, as
+  // kohya's MMDiT draws them per forward. No draw at rate 0.
+  at::Tensor draw_pos_embed_crop(int64_t latent_h, int64_t latent_w) const {
+    std::vector<int64_t> crop{-1, -1};
+    if (config_.pos_emb_random_crop_rate > 0 &&
+        torch::rand({1}, torch::kFloat64).item<double>() < config_.pos_emb_random_crop_rate) {
+      const int64_t m = options_.pos_embed_max_size(), p = options_.patch_size();
+      crop[0] = torch::randint(0, m - latent_h / p + 1, {1}, torch::kInt64).item<int64_t>();
+      crop[1] = torch::randint(0, m - latent_w / p + 1, {1}, torch::kInt64).item<int64_t>();
+    }
+    // [1, 2]: one crop for the whole batch, never split into a rank's rows.
+    return torch::tensor(crop, torch::kInt64).unsqueeze(0);
   }
 
   // A text encoder's file: its own key's file, else the base file when it
