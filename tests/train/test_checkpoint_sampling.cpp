@@ -27,6 +27,7 @@
 namespace fs = std::filesystem;
 using namespace shoestring;
 using shoestring::testing::error_of;
+using shoestring::testing::read_png;
 
 namespace {
 
@@ -91,14 +92,6 @@ CheckpointSamples draw(const std::string& arch, const std::string& path, const S
   return sample_cascade_checkpoint(path, r);
 }
 
-/// The pixels of a PNG, uint8 [3, H, W].
-at::Tensor read_png(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream bytes;
-  bytes << in.rdbuf();
-  const auto [w, h] = image_file_size(path);
-  return decode_image_fitted(bytes.str(), path, w, h, 0, 0, w, h);
-}
 
 /// The grid PNG `drawn` makes, as the trainer writes it, read back.
 at::Tensor grid_of(const CheckpointSamples& drawn, const SampleRequest& images, const std::string& png) {

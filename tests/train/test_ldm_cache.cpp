@@ -15,7 +15,6 @@
 #include "ldm_cache_fixture.h"
 #include "shoestring/core/content_hash.h"
 #include "shoestring/core/error.h"
-#include "shoestring/data/image.h"
 #include "shoestring/io/atomic_file.h"
 #include "shoestring/io/safetensors.h"
 #include "shoestring/models/t5_encoder.h"
@@ -277,11 +276,8 @@ TEST_P(LatentFamilyDiskCache, TrainingFromTheDiskCacheGivesTheInMemoryLosses) {
   // The sample prompt's conditioning came from the cache: the same grid, up
   // to rounding (the negative prompt "" is the caption-dropout row, encoded
   // in another batch than in memory: a level in a few pixels at most).
-  auto pixels = [](const std::string& png) {
-    const auto [w, h] = image_file_size(png);
-    return decode_image_fitted(read_file(png), png, w, h, 0, 0, w, h).to(torch::kInt32);
-  };
-  const at::Tensor a = pixels(disk_run.last_sample), b = pixels(memory_run.last_sample);
+  const at::Tensor a = shoestring::testing::read_png(disk_run.last_sample).to(torch::kInt32);
+  const at::Tensor b = shoestring::testing::read_png(memory_run.last_sample).to(torch::kInt32);
   ASSERT_EQ(a.sizes(), b.sizes());
   EXPECT_LE((a - b).abs().max().item<int>(), 2);
   EXPECT_LT((a - b).abs().to(torch::kFloat64).mean().item<double>(), 0.05);

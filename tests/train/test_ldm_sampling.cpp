@@ -24,6 +24,7 @@
 namespace fs = std::filesystem;
 using namespace shoestring;
 using shoestring::testing::error_of;
+using shoestring::testing::read_png;
 
 namespace {
 
@@ -52,14 +53,6 @@ LdmSampleRequest request_of(const std::string& prompt, SamplerKind sampler, doub
   return r;
 }
 
-/// The pixels of a PNG, uint8 [3, H, W].
-at::Tensor read_png(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream bytes;
-  bytes << in.rdbuf();
-  const auto [w, h] = image_file_size(path);
-  return decode_image_fitted(bytes.str(), path, w, h, 0, 0, w, h);
-}
 
 }  // namespace
 

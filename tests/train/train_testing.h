@@ -5,6 +5,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -13,10 +14,20 @@
 #include <fmt/format.h>
 
 #include "../error_testing.h"
+#include "shoestring/data/image.h"
 #include "shoestring/train/config.h"
 #include "shoestring/train/trainer.h"
 
 namespace shoestring::testing {
+
+/// The pixels of a PNG (a sample grid), uint8 [3, H, W].
+inline at::Tensor read_png(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream bytes;
+  bytes << in.rdbuf();
+  const auto [w, h] = image_file_size(path);
+  return decode_image_fitted(bytes.str(), path, w, h, 0, 0, w, h);
+}
 
 /// "<tmp>/shoestring_<tag>_<name>_<pid>", removed if it exists (not created:
 /// the trainer creates its output_dir). `tag` keeps test files apart.

@@ -16,19 +16,6 @@
 #include "shoestring/train/config.h"
 
 namespace shoestring {
-namespace {
-
-/// A file an option or config key names, opened with errors naming it.
-WeightFiles open_named(const std::string& what, const std::string& path) {
-  try {
-    return WeightFiles::open(path);
-  } catch (const Error& e) {
-    fail("{} '{}': {}", what, path, e.what());
-  }
-}
-
-}  // namespace
-
 bool is_cascade_checkpoint(const std::string& path) {
   return find_denoiser(WeightFiles::open(path), models::Family::stage_c).has_value();
 }
@@ -55,20 +42,10 @@ CheckpointSamples sample_cascade_checkpoint(const std::string& path, const Casca
   std::deque<WeightFiles> opened;
   auto source = [&](const std::string& option, const std::string& given, const std::string& key,
                     const std::string& run_value, const char* what) -> const WeightFiles* {
-    if (!given.empty()) return &opened.emplace_back(open_named(option, given));
-    if (!run_value.empty()) return &opened.emplace_back(open_named("the run's " + key, expand_path(run_value)));
+    if (!given.empty()) return &opened.emplace_back(open_named_weights(option, given));
+    if (!run_value.empty()) return &opened.emplace_back(open_named_weights("the run's " + key, expand_path(run_value)));
     if (found->tiny && run) return nullptr;
-    if (found->tiny) {
-      const std::string config = run_config_path_beside(path);
-      if (!config.empty())
-        fail("{}: its run's {} cannot be read (see the warning above), and a tiny {} file's {} is made at random "
-             "from the run's seed: fix the config",
-             path, config, found->architecture, what);
-      fail(
-          "{}: a tiny {} file outside its run folder: its {} was made at random from the run's seed; sample it where "
-          "RUN_DIR/config.toml is",
-          path, found->architecture, what);
-    }
+    if (found->tiny) fail_tiny_part_without_run(path, found->architecture, what);
     fail("{}: stage C files hold no {}, and no run config names one: pass {} FILE", path, what, option);
   };
   const WeightFiles* bigg = source("--clip-g", request.clip_g, "text_model_checkpoint_path",

@@ -248,6 +248,26 @@ std::optional<TrainConfig> run_config_beside(const std::string& model_path) {
   }
 }
 
+WeightFiles open_named_weights(const std::string& what, const std::string& path) {
+  try {
+    return WeightFiles::open(path);
+  } catch (const Error& e) {
+    fail("{} '{}': {}", what, path, e.what());
+  }
+}
+
+void fail_tiny_part_without_run(const std::string& path, const std::string& architecture, const std::string& part) {
+  const std::string config = run_config_path_beside(path);
+  if (!config.empty())
+    fail("{}: its run's {} cannot be read (see the warning above), and a tiny {} file's {} is made at random from "
+         "the run's seed: fix the config",
+         path, config, architecture, part);
+  fail(
+      "{}: a tiny {} file outside its run folder: its {} was made at random from the run's seed; sample it where "
+      "RUN_DIR/config.toml is",
+      path, architecture, part);
+}
+
 at::ScalarType sample_compute_dtype(const at::Device& device, const WeightFiles& file, const std::string& prefix) {
   if (device.is_cuda()) {
     const auto cc = cuda_compute_capability(device);

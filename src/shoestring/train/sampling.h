@@ -127,6 +127,16 @@ std::optional<TrainConfig> run_config_beside(const std::string& model_path);
 /// The path of that config.toml when it exists (readable or not), else "".
 std::string run_config_path_beside(const std::string& model_path);
 
+/// The weight file an option or config key (`what`, e.g. "--vae", "the run's
+/// vae") names, opened. Throws shoestring::Error "WHAT 'PATH': why".
+WeightFiles open_named_weights(const std::string& what, const std::string& path);
+
+/// Refuses to sample a tiny run's file (`path`, of `architecture`) without
+/// its run's config: its `part` (e.g. "previewer") was made at random from
+/// the run's seed. Names the config when one exists but cannot be read.
+[[noreturn]] void fail_tiny_part_without_run(const std::string& path, const std::string& architecture,
+                                             const std::string& part);
+
 /// The compute dtype to sample a denoiser with: bf16 on a CUDA device with
 /// native bf16, fp16 on older ones; on the CPU bf16 when the file stores the
 /// denoiser (its first tensor under `prefix`) in bf16 and the CPU has fast

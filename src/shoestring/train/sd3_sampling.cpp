@@ -24,14 +24,6 @@ bool holds(const WeightFiles& f, const std::string& prefix) {
   return false;
 }
 
-/// A file an option or config key names, opened with errors naming it.
-WeightFiles open_named(const std::string& what, const std::string& path) {
-  try {
-    return WeightFiles::open(path);
-  } catch (const Error& e) {
-    fail("{} '{}': {}", what, path, e.what());
-  }
-}
 
 }  // namespace
 
@@ -61,27 +53,17 @@ CheckpointSamples sample_sd3_checkpoint(const std::string& path, const Sd3Sample
   // run's key, else the run's base file; a tiny run's random parts by its seed.
   std::optional<WeightFiles> base;
   if (run && !run->pretrained_model_name_or_path.empty())
-    base.emplace(open_named("the run's pretrained_model_name_or_path", expand_path(run->pretrained_model_name_or_path)));
+    base.emplace(open_named_weights("the run's pretrained_model_name_or_path", expand_path(run->pretrained_model_name_or_path)));
   const bool random_parts = found->tiny && run && !base;
   std::deque<WeightFiles> opened;  // the files the options and the run name (stable addresses)
   auto source = [&](const std::string& option, const std::string& given, const char* prefix, const std::string& key,
                     const std::string& run_value, const char* what) -> const WeightFiles* {
-    if (!given.empty()) return &opened.emplace_back(open_named(option, given));
+    if (!given.empty()) return &opened.emplace_back(open_named_weights(option, given));
     if (holds(file, prefix)) return &file;
-    if (!run_value.empty()) return &opened.emplace_back(open_named("the run's " + key, expand_path(run_value)));
+    if (!run_value.empty()) return &opened.emplace_back(open_named_weights("the run's " + key, expand_path(run_value)));
     if (base && holds(*base, prefix)) return &*base;
     if (random_parts) return nullptr;
-    if (found->tiny) {
-      const std::string config = run_config_path_beside(path);
-      if (!config.empty())
-        fail("{}: its run's {} cannot be read (see the warning above), and a tiny {} file's {} is made at random "
-             "from the run's seed: fix the config",
-             path, config, found->architecture, what);
-      fail(
-          "{}: a tiny {} file outside its run folder: its {} was made at random from the run's seed; sample it where "
-          "RUN_DIR/config.toml is",
-          path, found->architecture, what);
-    }
+    if (found->tiny) fail_tiny_part_without_run(path, found->architecture, what);
     fail("{}: holds no {} (no '{}*' keys) and no run config names one: pass {} FILE", path, what, prefix, option);
   };
   Sd3TextSources sources;
@@ -97,7 +79,7 @@ CheckpointSamples sample_sd3_checkpoint(const std::string& path, const Sd3Sample
   const std::string t5_file = !request.t5xxl.empty() ? request.t5xxl : run ? expand_path(run->t5xxl) : "";
   const LdmTokenizer tokenizer = sampling_tokenizer(file, request.tokenizer_dir, run ? &*run : nullptr, arch);
   if (!t5_file.empty()) {
-    sources.t5 = &opened.emplace_back(open_named(request.t5xxl.empty() ? "the run's t5xxl" : "--t5xxl", t5_file));
+    sources.t5 = &opened.emplace_back(open_named_weights(request.t5xxl.empty() ? "the run's t5xxl" : "--t5xxl", t5_file));
     const std::string dir = !request.tokenizer_dir.empty() ? request.tokenizer_dir : run ? run->tokenizer_dir : "";
     sources.t5_spiece = sd3_t5_spiece(dir, request.t5xxl.empty() ? "the run's t5xxl" : "--t5xxl",
                                       !request.tokenizer_dir.empty() || !run ? "--tokenizer-dir" : "the run's tokenizer_dir");
