@@ -187,6 +187,11 @@ TEST_P(CheckpointSampling, RefusesWhatDoesNotFit) {
     const std::string big = error_of([&] { draw(GetParam(), file, images, {}, 8192); });
     EXPECT_NE(big.find("at most 4096 px a side"), std::string::npos) << big;
   }
+  // An empty LoRA file merges nothing: refused rather than drawing the base's images.
+  const std::string empty = run + "/empty_lora.safetensors";
+  save_safetensors(empty, {});
+  const std::string none = error_of([&] { draw(GetParam(), file, images, {{empty, 1.0}}); });
+  EXPECT_NE(none.find("--lora " + empty + ": holds no tensors"), std::string::npos) << none;
   const std::string utf8 = error_of([&] { draw(GetParam(), file, images_of("bad \xff prompt")); });
   EXPECT_NE(utf8.find("UTF-8"), std::string::npos) << utf8;
   // Each family's test refuses the other's files and the LDM files.

@@ -163,6 +163,15 @@ TEST(Sd3Training, T5FromItsFileWithSentencePiece) {
   EXPECT_NE(with_a, with_b);
   EXPECT_NE(with_a, without);
 
+  // A file without a T5 encoder (here a single VAE tensor) is named before anything is loaded.
+  save_safetensors(dir + "/not_t5.safetensors", {{"decoder.conv_in.weight", torch::zeros({2, 2}), std::nullopt}});
+  {
+    TrainConfig c = sd3_config(temp_dir("not_t5"), "tokenizer_dir = \"" + dir + "/tok\"\nt5xxl = \"" + dir +
+                                                       "/not_t5.safetensors\"\n");
+    const std::string m = train_error(c);
+    EXPECT_NE(m.find("t5xxl: " + dir + "/not_t5.safetensors holds no T5 encoder"), std::string::npos) << m;
+  }
+
   // t5xxl without the SentencePiece model is refused by name.
   TrainConfig c = sd3_config(temp_dir("t5err"), "t5xxl = \"" + dir + "/t5_a.safetensors\"\n");
   std::string m = train_error(c);

@@ -326,6 +326,7 @@ void check_denoiser_lora(const std::string& path, const std::string& prefix) {
     fail("--lora {}: {}", path, e.what());
   }
   const WeightFiles& lora = *opened;
+  if (lora.names().empty()) fail("--lora {}: holds no tensors, so no LoRA modules to merge", path);
   int64_t text_keys = 0;
   std::string example;
   for (const auto& name : lora.names()) {

@@ -71,6 +71,12 @@ models::T5Encoder build_t5(const Sd3TextSources& s, const T5Tokenizer& tokenizer
     for (const auto& n : s.t5->names())
       if (has_suffix(n, "shared.weight") || has_suffix(n, "embed_tokens.weight")) o.vocab_size(s.t5->find(n)->shape.at(0));
   }
+  bool has_embedding = false;
+  for (const auto& n : s.t5->names())
+    has_embedding = has_embedding || has_suffix(n, "shared.weight") || has_suffix(n, "embed_tokens.weight");
+  if (!has_embedding)
+    fail("{}: {} holds no T5 encoder (no 'shared.weight' or 'encoder.embed_tokens.weight', bare or under '{}')",
+         s.t5_name, s.t5->path(), models::kSd3T5xxlPrefix);
   models::T5Encoder t5(o.init(init));
   try {
     models::load_t5_encoder_weights(*t5, *s.t5);
