@@ -192,7 +192,21 @@ void register_sample(CLI::App& app) {
     req.steps = args->steps;
     req.cfg = args->cfg;
     const std::vector<std::pair<std::string, double>> loras = lora_list(args->loras, args->lora_scales);
-    auto log_drawn = [&](const CheckpointSamples& d, double cfg) {
+    // The fields SD3's and Cascade's requests share; one of --width / --height alone: a square.
+    auto request_of = [&](auto r, double cfg_scale) {
+      r.images = req;
+      r.images.cfg = cfg_scale;
+      r.negative_prompt = args->negative_prompt;
+      r.width = args->width > 0 ? args->width : args->height;
+      r.height = args->height > 0 ? args->height : args->width;
+      r.loras = loras;
+      r.tokenizer_dir = args->tokenizer_dir;
+      r.device = device;
+      return r;
+    };
+    auto draw_and_save = [&](const CheckpointSamples& d, const SampleRequest& images) {
+      save_sample_grid(args->out, d.images, images);
+      const double cfg = images.cfg;
       spdlog::info("wrote {} ({} x {} seed{}; {}{}, {} x {} px, {} steps, cfg {}, {} in {}; {})", args->out,
                    plural(req.prompts.size(), "prompt"), req.seeds.size(), req.seeds.size() == 1 ? "" : "s",
                    d.architecture, d.tiny ? " (tiny)" : "", d.width, d.height, req.steps, cfg,
@@ -200,40 +214,21 @@ void register_sample(CLI::App& app) {
     };
     if (is_sd3_checkpoint(args->checkpoint)) {
       refuse_options({sampler, clip_skip, prediction, previewer}, args->checkpoint, "an SD3.5 Medium checkpoint");
-      Sd3SampleRequest r;
-      r.images = req;
-      if (cfg->count() == 0) r.images.cfg = 5.0;
-      r.negative_prompt = args->negative_prompt;
-      r.width = args->width > 0 ? args->width : args->height;
-      r.height = args->height > 0 ? args->height : args->width;
-      r.loras = loras;
-      r.tokenizer_dir = args->tokenizer_dir;
+      Sd3SampleRequest r = request_of(Sd3SampleRequest{}, cfg->count() == 0 ? 5.0 : args->cfg);
       r.clip_l = args->clip_l;
       r.clip_g = args->clip_g;
       r.t5xxl = args->t5xxl;
       r.vae = args->vae;
-      r.device = device;
-      const CheckpointSamples drawn = sample_sd3_checkpoint(args->checkpoint, r);
-      save_sample_grid(args->out, drawn.images, r.images);
-      log_drawn(drawn, r.images.cfg);
+      draw_and_save(sample_sd3_checkpoint(args->checkpoint, r), r.images);
       return;
     }
     if (is_cascade_checkpoint(args->checkpoint)) {
       refuse_options({sampler, clip_skip, prediction, clip_l, t5xxl, vae}, args->checkpoint,
                      "a Stable Cascade stage C checkpoint");
-      CascadeSampleRequest r;
-      r.images = req;
-      r.negative_prompt = args->negative_prompt;
-      r.width = args->width > 0 ? args->width : args->height;
-      r.height = args->height > 0 ? args->height : args->width;
-      r.loras = loras;
-      r.tokenizer_dir = args->tokenizer_dir;
+      CascadeSampleRequest r = request_of(CascadeSampleRequest{}, args->cfg);
       r.clip_g = args->clip_g;
       r.previewer = args->previewer;
-      r.device = device;
-      const CheckpointSamples drawn = sample_cascade_checkpoint(args->checkpoint, r);
-      save_sample_grid(args->out, drawn.images, r.images);
-      log_drawn(drawn, r.images.cfg);
+      draw_and_save(sample_cascade_checkpoint(args->checkpoint, r), r.images);
       return;
     }
     if (is_ldm_checkpoint(args->checkpoint)) {

@@ -22,6 +22,7 @@
 #include "shoestring/train/config.h"
 #include "shoestring/train/dataset_config.h"
 #include "shoestring/train/device_precision.h"
+#include "shoestring/train/ldm_components.h"
 #include "shoestring/train/training_model.h"
 
 namespace shoestring {
@@ -359,26 +360,16 @@ void encode_missing_latents(const ImageCaptionDataset& dataset, const std::vecto
                             const std::function<at::Tensor(const at::Tensor&)>& encode) {
   torch::NoGradGuard no_grad;
   const std::set<size_t> wanted(missing.begin(), missing.end());
-  // The images of each bucket (as encode_bucket_latents groups them) whose entry is missing.
-  std::vector<std::vector<int64_t>> groups;
-  if (dataset.bucketed()) {
-    for (const DatasetBucket& b : dataset.buckets()) groups.push_back(b.images);
-  } else {
-    groups.emplace_back();
-    for (int64_t i = 0; i < dataset.size(); ++i) groups.back().push_back(i);
-  }
   // Images whose pixels cannot be decoded (only their headers were read at
   // load): the others are encoded and kept, then the run stops naming them all.
   std::vector<std::string> undecodable;
-  for (const std::vector<int64_t>& images : groups) {
+  // Each group's missing images, in the batches encode_bucket_latents makes (the same bits as in memory).
+  for (const std::vector<int64_t>& images : latent_groups(dataset)) {
     std::vector<int64_t> todo;
     for (const int64_t i : images)
       if (wanted.count(static_cast<size_t>(i))) todo.push_back(i);
     if (todo.empty()) continue;
-    const BucketReso size = dataset.bucketed()
-                                ? dataset.buckets()[static_cast<size_t>(dataset.bucket_of(images.front()))].reso
-                                : BucketReso{dataset.resolution(), dataset.resolution()};
-    const int64_t chunk = std::max<int64_t>(1, (256 * 256 * 4) / (size.width * size.height));  // as in memory
+    const int64_t chunk = latent_chunk_size(dataset, images);
     const auto m = static_cast<int64_t>(todo.size());
     for (int64_t i = 0; i < m; i += chunk) {
       std::vector<int64_t> idx(todo.begin() + i, todo.begin() + std::min(m, i + chunk));

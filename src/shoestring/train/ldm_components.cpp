@@ -281,11 +281,7 @@ std::string BucketLatents::describe() const {
   return fmt::format("{}{}", fmt::join(shapes, ", "), flipped.empty() ? "" : " (and their mirror images, flip_aug)");
 }
 
-BucketLatents encode_bucket_latents(const ImageCaptionDataset& dataset, bool flip, at::Device device,
-                                    at::ScalarType cache_dtype,
-                                    const std::function<at::Tensor(const at::Tensor&)>& encode) {
-  torch::NoGradGuard no_grad;
-  // The images of each bucket (without buckets: all, at resolution^2).
+std::vector<std::vector<int64_t>> latent_groups(const ImageCaptionDataset& dataset) {
   std::vector<std::vector<int64_t>> groups;
   if (dataset.bucketed()) {
     for (const DatasetBucket& b : dataset.buckets()) groups.push_back(b.images);
@@ -293,13 +289,27 @@ BucketLatents encode_bucket_latents(const ImageCaptionDataset& dataset, bool fli
     groups.emplace_back();
     for (int64_t i = 0; i < dataset.size(); ++i) groups.back().push_back(i);
   }
+  return groups;
+}
+
+int64_t latent_chunk_size(const ImageCaptionDataset& dataset, const std::vector<int64_t>& group) {
+  const BucketReso size = dataset.bucketed() && !group.empty()
+                              ? dataset.buckets()[static_cast<size_t>(dataset.bucket_of(group.front()))].reso
+                              : BucketReso{dataset.resolution(), dataset.resolution()};
+  return std::max<int64_t>(1, (256 * 256 * 4) / (size.width * size.height));
+}
+
+BucketLatents encode_bucket_latents(const ImageCaptionDataset& dataset, bool flip, at::Device device,
+                                    at::ScalarType cache_dtype,
+                                    const std::function<at::Tensor(const at::Tensor&)>& encode) {
+  torch::NoGradGuard no_grad;
+  const std::vector<std::vector<int64_t>> groups = latent_groups(dataset);
   BucketLatents out;
   out.row.assign(static_cast<size_t>(dataset.size()), 0);
   for (const std::vector<int64_t>& images : groups) {
     const auto n = static_cast<int64_t>(images.size());
     for (int64_t k = 0; k < n; ++k) out.row[static_cast<size_t>(images[static_cast<size_t>(k)])] = k;
-    const at::Tensor first = dataset.batch_images({images.front()});
-    const int64_t chunk = std::max<int64_t>(1, (256 * 256 * 4) / (first.size(2) * first.size(3)));
+    const int64_t chunk = latent_chunk_size(dataset, images);
     std::vector<at::Tensor> parts, mirrored;
     for (int64_t i = 0; i < n; i += chunk) {
       const std::vector<int64_t> idx(images.begin() + i, images.begin() + std::min(n, i + chunk));

@@ -109,6 +109,14 @@ struct BucketLatents {
   std::string describe() const;
 };
 
+/// The images of `dataset` in the groups their latents are encoded in:
+/// each bucket's images in order, or (no buckets) all of them.
+std::vector<std::vector<int64_t>> latent_groups(const ImageCaptionDataset& dataset);
+
+/// How many images of `group` (one of latent_groups) are encoded at once:
+/// about 256 K pixels x 4 at the group's size (bucket, else resolution^2), at least one.
+int64_t latent_chunk_size(const ImageCaptionDataset& dataset, const std::vector<int64_t>& group);
+
 /// Encodes every image of `dataset` with `encode` (pixels [n, 3, H, W] in
 /// [-1, 1] on `device` -> latents [n, C, h, w]), bucket by bucket in chunks
 /// of about 256 K pixels x 4 (at least one image), into `cache_dtype` host
