@@ -448,6 +448,13 @@ TEST(ZeroCheckpoint, Stage3ResumesAtTwoRanksAndOneProcess) {
             0)
       << read_text(dir + "/consolidate.txt");
   compare_files(dir + "/s3.safetensors", dir + "/s3/model.safetensors");
+  // --ema on a run without EMA: refused, nothing written.
+  EXPECT_NE(std::system((cli + "--ema " + dir + "/s3/checkpoints/step-000004 " + dir + "/no_ema.safetensors > " + dir +
+                         "/consolidate.txt 2>&1")
+                            .c_str()),
+            0);
+  EXPECT_THAT(read_text(dir + "/consolidate.txt"), HasSubstr("holds no EMA weights"));
+  EXPECT_FALSE(fs::exists(dir + "/no_ema.safetensors"));
   // The model alone is read: a checkpoint that lost an optimizer shard still
   // gives its weights. Given the model file instead of its folder: named.
   const std::string lost = dir + "/lost_shard";
@@ -502,6 +509,62 @@ TEST(ZeroEma, ShardedWithItsTensorsSavedInTheShardsAndSwappedInForTheFinalFile) 
   copy_stopped_at_step_2(dir + "/s3", dir + "/r1");
   train_and_record(ddp_config(dir + "/r1", 4, extra), 0, dir + "/r1");
   compare_files(dir + "/r1/model.safetensors", dir + "/s3/model.safetensors", 5e-5);
+  // consolidate --ema: the last step's checkpoint gives the final (EMA) file
+  // bit for bit, from the shards (stage 3) and from state.safetensors (stage 0).
+  const std::string cli = std::string(SHOESTRING_BINARY) + " consolidate ";
+  const std::string log = dir + "/consolidate.txt";
+  for (const std::string run : {"s3", "s0"}) {
+    const std::string out = dir + "/" + run + "_ema.safetensors";
+    ASSERT_EQ(
+        std::system(
+            (cli + "--ema " + dir + "/" + run + "/checkpoints/step-000004 " + out + " > " + log + " 2>&1").c_str()),
+        0)
+        << read_text(log);
+    EXPECT_THAT(read_text(log), HasSubstr(" from their EMA)"));
+    EXPECT_EQ(compare_files(out, dir + "/" + run + "/model.safetensors"), 0.0) << run;
+  }
+  // In fp32: the shadows themselves, which round to the final file's bf16 values.
+  ASSERT_EQ(std::system(
+                (cli + "--ema --dtype fp32 " + step4 + " " + dir + "/s3_ema32.safetensors > " + log + " 2>&1").c_str()),
+            0)
+      << read_text(log);
+  {
+    const auto fp32 = SafetensorsFile::open(dir + "/s3_ema32.safetensors");
+    const auto final_file = SafetensorsFile::open(dir + "/s3/model.safetensors");
+    ASSERT_EQ(fp32.tensors().size(), final_file.tensors().size());
+    for (const auto& info : final_file.tensors()) {
+      const at::Tensor kept = final_file.get(info);
+      const at::Tensor shadow = fp32.get(*fp32.find(info.name));
+      if (kept.is_floating_point()) {
+        EXPECT_EQ(shadow.scalar_type(), at::kFloat) << info.name;
+      }
+      EXPECT_TRUE(torch::equal(shadow.to(kept.scalar_type()), kept)) << info.name;
+    }
+  }
+  // A lost shard, or a run without EMA: refused by name, nothing written.
+  const std::string lost = dir + "/lost_ema_shard";
+  fs::copy(dir + "/s3/checkpoints/step-000004", lost, fs::copy_options::recursive);
+  fs::remove(lost + "/" + optimizer_shard_name(1, 2));
+  EXPECT_NE(std::system((cli + "--ema " + lost + " " + dir + "/lost.safetensors > " + log + " 2>&1").c_str()), 0);
+  EXPECT_THAT(read_text(log), HasSubstr(optimizer_shard_name(1, 2)));
+  EXPECT_FALSE(fs::exists(dir + "/lost.safetensors"));
+}
+
+// consolidate --ema of a bf16 run (fp32 shadows, bf16 weights): the shadows
+// rounded to nearest into bf16, the run's final file bit for bit.
+TEST(ZeroEma, ConsolidateEmaOfABf16RunIsItsFinalFile) {
+  const std::string dir = fresh_dist_dir("ema_bf16");
+  train_and_record(ddp_config(dir + "/run", 4, "full_bf16 = true\nema_decay = 0.9\n"));
+  const std::string log = dir + "/consolidate.txt", out = dir + "/ema.safetensors";
+  ASSERT_EQ(std::system((std::string(SHOESTRING_BINARY) + " consolidate --ema " + dir +
+                         "/run/checkpoints/step-000004 " + out + " > " + log + " 2>&1")
+                            .c_str()),
+            0)
+      << read_text(log);
+  EXPECT_THAT(read_text(log), HasSubstr("single-file checkpoint"));
+  EXPECT_EQ(SafetensorsFile::open(out).find("unet.conv_in.weight")->dtype, StDtype::BF16);
+  EXPECT_EQ(compare_files(out, dir + "/run/model.safetensors"), 0.0);
+  EXPECT_GT(compare_files(out, dir + "/run/checkpoints/step-000004/model.safetensors", 1.0), 0.0);
 }
 
 TEST(ZeroCheckpoint, ARankKilledWhileWritingItsShardLeavesAResumableRun) {

@@ -1,4 +1,4 @@
-// `shoestring consolidate RUN_DIR/checkpoints/step-N OUT.safetensors [--dtype keep|fp32|bf16|fp16] [--force]`
+// `shoestring consolidate RUN_DIR/checkpoints/step-N OUT.safetensors [--dtype keep|fp32|bf16|fp16] [--force] [--ema]`
 //
 // The model of one checkpoint of a run (single-file, or sharded by several
 // ZeRO ranks) as one .safetensors file in the model's own key layout,
@@ -23,7 +23,7 @@ namespace {
 
 struct ConsolidateArgs {
   std::string checkpoint, out, dtype = "keep";
-  bool force = false;
+  bool force = false, ema = false;
 };
 
 void run_consolidate(const ConsolidateArgs& a) {
@@ -34,9 +34,11 @@ void run_consolidate(const ConsolidateArgs& a) {
     o.dtype = precision::parse_save_precision(a.dtype);
   }
   o.force = a.force;
+  o.ema = a.ema;
   const ConsolidateResult r = consolidate_checkpoint(a.checkpoint, a.out, o);
-  std::cout << fmt::format("{}: {} tensors from {} file(s) of a {} checkpoint, {}; wrote {} ({})\n", a.checkpoint,
-                           r.tensors, r.files_read, r.sharded ? "sharded" : "single-file",
+  std::cout << fmt::format("{}: {} tensors{} from {} file(s) of a {} checkpoint, {}; wrote {} ({})\n", a.checkpoint,
+                           r.tensors, a.ema ? fmt::format(" ({} from their EMA)", r.ema_tensors) : std::string(),
+                           r.files_read, r.sharded ? "sharded" : "single-file",
                            a.dtype == "keep" ? "dtypes kept" : "dtype " + a.dtype, a.out, format_bytes(r.bytes));
 }
 
@@ -50,6 +52,8 @@ void register_consolidate(CLI::App& app) {
   cmd->add_option("OUT", a->out, "output .safetensors (written atomically)")->required();
   cmd->add_option("--dtype", a->dtype, "keep | fp32 | bf16 | fp16 (floating tensors only; default keep)");
   cmd->add_flag("--force", a->force, "write even if the dtype conversion overflows or flushes values to zero");
+  cmd->add_flag("--ema", a->ema,
+                "write the EMA weights (runs with ema_decay), as the run's final model.safetensors holds them");
   cmd->callback([a] { run_consolidate(*a); });
 }
 

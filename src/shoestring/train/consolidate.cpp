@@ -10,6 +10,9 @@
 #include <fmt/format.h>
 
 #include "shoestring/core/error.h"
+#include "shoestring/core/text.h"
+#include "shoestring/core/units.h"
+#include "shoestring/io/safetensors.h"
 #include "shoestring/io/weight_files.h"
 #include "shoestring/precision/save_guard.h"
 #include "shoestring/train/checkpoint_io.h"
@@ -22,6 +25,44 @@ namespace {
 /// The files of a checkpoint folder that hold the model's tensors (stages 1
 /// and 2: rank 0's model.safetensors).
 bool is_model_file(const std::string& name) { return name == "model.safetensors"; }
+
+constexpr const char* kEmaPrefix = "ema.";
+
+/// The EMA shadows of checkpoint folder `dir` ("<param>" -> the mapped fp32
+/// tensor "ema.<param>"): through the index and its optimizer shards when
+/// sharded, else from state.safetensors. Files opened go to `mapped` and
+/// their names to `sources`.
+std::map<std::string, at::Tensor> ema_shadows(const fs::path& dir, bool sharded, std::list<WeightFiles>& mapped,
+                                              std::set<std::string>& sources) {
+  std::map<std::string, at::Tensor> shadows;
+  std::map<std::string, const WeightFiles*> opened;
+  auto open = [&](const std::string& file) -> const WeightFiles& {
+    auto it = opened.find(file);
+    if (it == opened.end())
+      it = opened.emplace(file, &mapped.emplace_back(WeightFiles::open((dir / file).string()))).first;
+    return *it->second;
+  };
+  if (sharded) {
+    // With the optimizer shards: a missing or foreign shard is named here.
+    const std::optional<CheckpointIndex> index = read_checkpoint_index(dir.string(), /*optimizer_shards=*/true);
+    for (const auto& [name, file] : index->weight_map) {
+      if (!has_prefix(name, kEmaPrefix)) continue;
+      shadows.emplace(name.substr(std::string(kEmaPrefix).size()), open(file).get(name));
+      sources.insert(file);
+    }
+    return shadows;
+  }
+  const fs::path state = dir / "state.safetensors";
+  if (!fs::exists(state))
+    fail("consolidate --ema: '{}' holds no state.safetensors (where a run keeps its EMA)", dir.string());
+  const SafetensorsFile file = SafetensorsFile::open(state.string());
+  for (const auto& info : file.tensors()) {
+    if (!has_prefix(info.name, kEmaPrefix)) continue;
+    shadows.emplace(info.name.substr(std::string(kEmaPrefix).size()), open("state.safetensors").get(info.name));
+    sources.insert("state.safetensors");
+  }
+  return shadows;
+}
 
 }  // namespace
 
@@ -79,15 +120,60 @@ ConsolidateResult consolidate_checkpoint(const std::string& checkpoint_dir, cons
     sources.insert(model.filename().string());
   }
   metadata["shoestring.consolidated_from"] = fs::path(checkpoint_dir).lexically_normal().string();
-  precision::SaveGuardOptions guard;
-  guard.force = options.force;
-  precision::save_with_guard(out, tensors, options.dtype, guard, metadata, out);
+  // With --ema: each shadowed tensor is written from its fp32 shadow,
+  // converted while writing (no converted copy of the model is held).
+  std::map<std::string, at::ScalarType> model_dtype;
+  if (options.ema) {
+    const std::map<std::string, at::Tensor> shadows = ema_shadows(dir, result.sharded, mapped, sources);
+    if (shadows.empty()) {
+      fail("consolidate --ema: checkpoint '{}' holds no EMA weights (no \"ema.*\" tensors: the run had no ema_decay)",
+           checkpoint_dir);
+    }
+    std::set<std::string> used;
+    for (auto& [name, t] : tensors) {
+      const auto it = shadows.find(name);
+      if (it == shadows.end()) continue;
+      if (it->second.sizes() != t.sizes()) {
+        fail("consolidate --ema: EMA tensor 'ema.{}' of '{}' is {}, its model tensor {}", name, checkpoint_dir,
+             format_shape(it->second.sizes()), format_shape(t.sizes()));
+      }
+      model_dtype[name] = t.scalar_type();
+      t = it->second;
+      used.insert(name);
+    }
+    for (const auto& [name, shadow] : shadows) {
+      if (!used.count(name)) {
+        fail("consolidate --ema: EMA tensor 'ema.{}' of '{}' has no model tensor of that name", name, checkpoint_dir);
+      }
+    }
+    result.ema_tensors = static_cast<int64_t>(used.size());
+    metadata["shoestring.ema"] = "true";
+  }
+  if (options.dtype || model_dtype.empty()) {
+    precision::SaveGuardOptions guard;
+    guard.force = options.force;
+    precision::save_with_guard(out, tensors, options.dtype, guard, metadata, out);
+  } else {
+    // Dtypes kept: a shadow is rounded to nearest into its model tensor's
+    // dtype, as EMA::swap_in copies it into the parameter for the final file.
+    std::vector<NamedTensor> named;
+    named.reserve(tensors.size());
+    for (const auto& [name, t] : tensors) {
+      const auto it = model_dtype.find(name);
+      std::optional<at::ScalarType> cast;
+      if (it != model_dtype.end() && it->second != t.scalar_type()) cast = it->second;
+      named.push_back({name, t, std::nullopt, cast});
+    }
+    save_safetensors(out, named, metadata);
+  }
   result.tensors = static_cast<int64_t>(tensors.size());
   for (const auto& [name, t] : tensors) {
     const bool cast = options.dtype && t.is_floating_point();
+    const auto kept = model_dtype.find(name);
     result.bytes +=
         t.numel() * (cast ? static_cast<int64_t>(c10::elementSize(precision::container_dtype(*options.dtype)))
-                          : static_cast<int64_t>(t.element_size()));
+                     : kept != model_dtype.end() ? static_cast<int64_t>(c10::elementSize(kept->second))
+                                                 : static_cast<int64_t>(t.element_size()));
   }
   result.files_read = static_cast<int64_t>(sources.size());
   return result;

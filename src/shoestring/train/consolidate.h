@@ -25,14 +25,22 @@ struct ConsolidateOptions {
   /// Write even when narrowing overflows or flushes values in bulk (the
   /// guard's findings are then logged as warnings).
   bool force = false;
+  /// Write the EMA weights: every model tensor that has an EMA shadow
+  /// ("ema.<name>", fp32: state.safetensors of a single-file checkpoint, the
+  /// optimizer shards of a sharded one) takes the shadow's values, rounded
+  /// to nearest into the tensor's dtype (or to `dtype` when given, from the
+  /// fp32 shadow directly), as the run's final model.safetensors holds them
+  /// (train/ema.h, swap_in).
+  bool ema = false;
 };
 
 /// What consolidate_checkpoint wrote.
 struct ConsolidateResult {
-  int64_t tensors = 0;    ///< tensors written
-  int64_t bytes = 0;      ///< their data bytes in the output
-  int64_t files_read = 0;  ///< checkpoint files the tensors came from
-  bool sharded = false;    ///< the checkpoint had an index (several ranks)
+  int64_t tensors = 0;      ///< tensors written
+  int64_t bytes = 0;        ///< their data bytes in the output
+  int64_t files_read = 0;   ///< checkpoint files the tensors came from
+  bool sharded = false;     ///< the checkpoint had an index (several ranks)
+  int64_t ema_tensors = 0;  ///< tensors written from their EMA shadow (options.ema)
 };
 
 /// Writes the model of checkpoint folder `checkpoint_dir`
@@ -44,7 +52,9 @@ struct ConsolidateResult {
 /// model in it (a LoRA run on a pretrained base keeps lora.safetensors
 /// only), an invalid index or file, `out` inside the checkpoint folder or a
 /// folder, tensors the range guard refuses (unless options.force), and on
-/// I/O failure.
+/// I/O failure. With options.ema also: a checkpoint without EMA shadows
+/// (ema_decay was not set, or an optimizer shard is missing), and a shadow
+/// whose model tensor is missing or of another shape.
 ConsolidateResult consolidate_checkpoint(const std::string& checkpoint_dir, const std::string& out,
                                          const ConsolidateOptions& options = {});
 
