@@ -192,6 +192,70 @@ void check_zero_stage3(ProcessGroup& g) {
   }
 }
 
+/// Stage 3 prefetch: three streamed groups fetched in a step's order
+/// (forward 0, 1, 2, then the recomputes 2, 1, 0), each released before the
+/// next. The first step records the order; from the second on, every gather
+/// but the step's first and the last block's recompute (its own group came
+/// just before) is served by the prefetch started at the previous fetch.
+/// Values are the owners' current ones (changed between steps, as an
+/// optimizer step changes them); a step that leaves the order gathers as
+/// before and prefetches nothing, and the next step prefetches again.
+/// With set_prefetch(false) (zero3_prefetch = false) nothing is prefetched.
+void check_zero_stage3_prefetch(ProcessGroup& g, bool prefetch) {
+  const int r = g.rank();
+  NamedTensors params = make_params();
+  ZeroSharding zero(g, params, 3, /*bucket_bytes=*/48);
+  zero.set_prefetch(prefetch);
+  const int64_t on = prefetch ? 1 : 0;
+  const std::vector<std::vector<size_t>> groups = {{0, 1, 3}, {2}, {4}};
+  for (const auto& members : groups) zero.add_streamed_group(members);
+  auto value_of = [](size_t i, int step) { return 1000.0 + 10.0 * static_cast<double>(i) + step + 0.5; };
+  auto set_owned = [&](int step) {
+    at::NoGradGuard no_grad;
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (zero.ownership().owner(i) == r && params[i].second.numel() > 0) params[i].second.fill_(value_of(i, step));
+    }
+  };
+  set_owned(0);
+  zero.start_streaming();
+  const std::vector<size_t> order = {0, 1, 2, 2, 1, 0};
+  auto run_step = [&](const std::vector<size_t>& fetches, int step) {
+    for (size_t group : fetches) {
+      zero.fetch(group);
+      for (size_t i : groups[group]) {
+        const at::Tensor& p = params[i].second;
+        EXPECT_TRUE(p.sizes() == make_params()[i].second.sizes() &&
+                    p.equal(at::full(p.sizes(), value_of(i, step), p.options())))
+            << params[i].first << " at step " << step << " on rank " << r;
+      }
+      zero.release(group, false);
+      for (size_t i : groups[group]) {
+        if (zero.ownership().owner(i) != r) {
+          EXPECT_EQ(params[i].second.numel(), 0) << params[i].first << " released at step " << step;
+        }
+      }
+    }
+    zero.end_step_fetches();
+  };
+  run_step(order, 0);
+  EXPECT_EQ(zero.prefetched_gathers(), 0) << "the first step records the order";
+  set_owned(1);  // the optimizer step
+  run_step(order, 1);
+  EXPECT_EQ(zero.prefetched_gathers(), 4 * on) << "1, 2, then 1 and 0 in backward";
+  set_owned(2);
+  run_step({1, 0, 2}, 2);  // leaves the order at once
+  EXPECT_EQ(zero.prefetched_gathers(), 4 * on);
+  set_owned(3);
+  run_step({0, 2, 1}, 3);  // group 1, prefetched after 0, is not fetched next: dropped
+  EXPECT_EQ(zero.prefetched_gathers(), 4 * on);
+  set_owned(4);
+  run_step({0, 1, 2, 0}, 4);  // follows it for three fetches
+  EXPECT_EQ(zero.prefetched_gathers(), 6 * on);
+  set_owned(5);
+  run_step(order, 5);
+  EXPECT_EQ(zero.prefetched_gathers(), 10 * on);
+}
+
 void check_zero(ProcessGroup& g) {
   const int r = g.rank();
   const int w = g.size();
@@ -265,6 +329,8 @@ void check_zero(ProcessGroup& g) {
   EXPECT_THAT([&] { ZeroSharding(g, make_params(), 2).add_streamed_group({0}); },
               ::testing::ThrowsMessage<Error>(HasSubstr("zero_stage = 3")));
   check_zero_stage3(g);
+  check_zero_stage3_prefetch(g, /*prefetch=*/true);
+  check_zero_stage3_prefetch(g, /*prefetch=*/false);
 }
 
 DIST_SCENARIO(zero_collectives) {

@@ -311,20 +311,25 @@ double ProcessGroup::all_reduce_sum(double value) {
   return t.item<double>();
 }
 
-void ProcessGroup::broadcast(at::Tensor& tensor, int root) {
+PendingCollective ProcessGroup::broadcast_async(const at::Tensor& tensor, int root) {
   const std::string what = fmt::format("broadcast from rank {} on {}", root, where());
   if (root < 0 || root >= size_) fail("{}: root {} is not a rank of the group", what, root);
-  at::Tensor work = tensor.is_contiguous() ? tensor : tensor.contiguous();
+  if (!tensor.is_contiguous()) fail("{}: broadcast_async needs a contiguous tensor", what);
   // bf16 moves as its bits (Gloo copies without arithmetic); bool as bytes.
-  at::Tensor wire = work;
-  if (work.scalar_type() == at::kBFloat16) wire = work.view(at::kHalf);
-  if (work.scalar_type() == at::kBool || work.scalar_type() == at::kShort) wire = work.view(at::kByte);
-  start(impl_.get(), what, hint_for(timeout_), [&] {
+  at::Tensor wire = tensor;
+  if (tensor.scalar_type() == at::kBFloat16) wire = tensor.view(at::kHalf);
+  if (tensor.scalar_type() == at::kBool || tensor.scalar_type() == at::kShort) wire = tensor.view(at::kByte);
+  return start(impl_.get(), what, hint_for(timeout_), [&] {
     std::vector<at::Tensor> v{wire};
     c10d::BroadcastOptions o;
     o.rootRank = root;
     return impl_->group->broadcast(v, o);
-  }).wait();
+  });
+}
+
+void ProcessGroup::broadcast(at::Tensor& tensor, int root) {
+  at::Tensor work = tensor.is_contiguous() ? tensor : tensor.contiguous();
+  broadcast_async(work, root).wait();
   if (!work.is_same(tensor)) tensor.copy_(work);
 }
 

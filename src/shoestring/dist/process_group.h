@@ -102,6 +102,11 @@ class ProcessGroup {
   /// dtype on every rank), bit for bit, any dtype (bf16 and bool move as
   /// their bits). Throws shoestring::Error as all_reduce_sum.
   void broadcast(at::Tensor& tensor, int root);
+  /// broadcast of a contiguous tensor, in flight: every rank's tensor must
+  /// stay alive and untouched until wait(), after which it holds the root's
+  /// bits. Throws shoestring::Error for a non-contiguous tensor and as
+  /// broadcast.
+  PendingCollective broadcast_async(const at::Tensor& tensor, int root);
 
   /// Reduce-scatter: `input` (1-D, numel = size() * n, any floating dtype)
   /// is summed over ranks and this rank receives chunk rank() (numel n) as

@@ -6,6 +6,7 @@
 #include <ATen/core/grad_mode.h>
 #include <c10/util/accumulate.h>
 #include <fmt/format.h>
+#include <spdlog/spdlog.h>
 
 #include "shoestring/core/error.h"
 #include "shoestring/core/memory_ledger.h"
@@ -140,25 +141,30 @@ void ZeroSharding::broadcast_updated_parameters() {
   for (const Bucket& bucket : weight_buckets_) gather_bucket(bucket, -1);
 }
 
+at::Tensor ZeroSharding::pack_bucket(const Bucket& bucket, MemoryCategory category) const {
+  at::NoGradGuard no_grad;
+  at::Tensor flat;
+  {
+    ScopedMemoryCategory scope(category);
+    flat = at::empty({bucket.numel}, params_.front().second.options().dtype(bucket.dtype));
+  }
+  if (bucket.owner != group_.rank()) return flat;
+  int64_t offset = 0;
+  for (size_t i : bucket.params) {
+    const at::Tensor& p = tensors_[i];
+    flat.narrow(0, offset, p.numel()).copy_(p.detach().reshape({p.numel()}));
+    offset += p.numel();
+  }
+  return flat;
+}
+
 void ZeroSharding::gather_bucket(const Bucket& bucket, int root) {
   at::NoGradGuard no_grad;
   const int rank = group_.rank();
-  at::Tensor flat;
-  {
-    ScopedMemoryCategory category(MemoryCategory::temporaries);
-    flat = at::empty({bucket.numel}, params_.front().second.options().dtype(bucket.dtype));
-  }
-  int64_t offset = 0;
-  if (bucket.owner == rank) {
-    for (size_t i : bucket.params) {
-      const at::Tensor& p = tensors_[i];
-      flat.narrow(0, offset, p.numel()).copy_(p.detach().reshape({p.numel()}));
-      offset += p.numel();
-    }
-  }
+  at::Tensor flat = pack_bucket(bucket, MemoryCategory::temporaries);
   group_.broadcast(flat, bucket.owner);
   if (bucket.owner == rank || (root >= 0 && root != rank)) return;
-  offset = 0;
+  int64_t offset = 0;
   for (size_t i : bucket.params) {
     at::Tensor p = tensors_[i];
     const int64_t n = c10::multiply_integers(shapes_[i]);
@@ -215,7 +221,80 @@ void ZeroSharding::fetch(size_t group) {
   StreamGroup& g = groups_.at(group);
   if (!streaming_ || group_.size() == 1 || held_on_ == group_.rank()) return;
   if (g.fetched++ > 0) return;
-  for (const Bucket& b : g.fetch_buckets) gather_bucket(b, -1);
+  const bool in_order = follow_order(group);
+  if (prefetch_ && prefetch_->group == group) {
+    finish_prefetch(/*use=*/true);
+  } else {
+    if (prefetch_) finish_prefetch(/*use=*/false);  // left the order: every rank drops it alike
+    for (const Bucket& b : g.fetch_buckets) gather_bucket(b, -1);
+  }
+  if (in_order) start_prefetch(group);
+}
+
+bool ZeroSharding::follow_order(size_t group) {
+  if (!order_known_) {
+    fetch_order_.push_back(group);
+    return false;
+  }
+  if (order_followed_ && order_pos_ < fetch_order_.size() && fetch_order_[order_pos_] == group) {
+    ++order_pos_;
+    return true;
+  }
+  order_followed_ = false;
+  return false;
+}
+
+void ZeroSharding::start_prefetch(size_t current) {
+  if (!prefetch_on_ || order_pos_ >= fetch_order_.size()) return;  // the step's last gather: never across steps
+  const size_t next = fetch_order_[order_pos_];
+  // A group in use (e.g. the last block, whose backward recompute follows its
+  // forward) is gathered again when it is fetched next.
+  if (next == current || groups_.at(next).fetched > 0) return;
+  Prefetch p;
+  p.group = next;
+  for (const Bucket& b : groups_[next].fetch_buckets) {
+    // Category weights: the buffers become the parameters (finish_prefetch).
+    p.flats.push_back(pack_bucket(b, MemoryCategory::weights));
+    p.pending.push_back(group_.broadcast_async(p.flats.back(), b.owner));
+  }
+  prefetch_ = std::move(p);
+}
+
+void ZeroSharding::finish_prefetch(bool use) {
+  if (!prefetch_) return;
+  Prefetch p = std::move(*prefetch_);
+  prefetch_.reset();
+  for (PendingCollective& pending : p.pending) pending.wait();
+  if (!use) return;
+  at::NoGradGuard no_grad;
+  const StreamGroup& g = groups_.at(p.group);
+  for (size_t b = 0; b < g.fetch_buckets.size(); ++b) {
+    const Bucket& bucket = g.fetch_buckets[b];
+    if (bucket.owner == group_.rank()) continue;
+    int64_t offset = 0;
+    for (size_t i : bucket.params) {
+      const int64_t n = c10::multiply_integers(shapes_[i]);
+      // A view of the buffer: it is freed with the last of its parameters.
+      tensors_[i].set_data(p.flats[b].narrow(0, offset, n).view(shapes_[i]));
+      offset += n;
+    }
+  }
+  ++prefetched_gathers_;
+}
+
+void ZeroSharding::end_step_fetches() {
+  finish_prefetch(/*use=*/false);
+  if (streaming_ && !order_known_ && !fetch_order_.empty()) {
+    order_known_ = true;
+    if (prefetch_on_ && group_.rank() == 0) {
+      spdlog::info(
+          "ZeRO stage 3: {} block gathers per step recorded; from the next step on, each one prefetches the "
+          "next block",
+          fetch_order_.size());
+    }
+  }
+  order_pos_ = 0;
+  order_followed_ = true;
 }
 
 void ZeroSharding::release(size_t group, bool gradients_complete) {
@@ -249,6 +328,7 @@ void ZeroSharding::release(size_t group, bool gradients_complete) {
 void ZeroSharding::hold_all_on(int root) {
   if (root < 0 || root >= group_.size()) fail("ZeroSharding::hold_all_on: rank {} of {}", root, group_.size());
   if (!streaming_ || group_.size() == 1 || held_on_ >= 0) return;
+  finish_prefetch(/*use=*/false);
   for (const StreamGroup& g : groups_) {
     if (g.fetched > 0) fail("ZeroSharding::hold_all_on: a streamed group is in use (fetched)");
     for (const Bucket& b : g.fetch_buckets) gather_bucket(b, root);

@@ -42,8 +42,18 @@
 // Checkpoints: each rank writes its own tensors' optimizer state to a shard
 // file of the checkpoint, indexed by rank 0 (train/checkpoint_io.h); on
 // resume, at any world size and stage, each rank reads the state of the
-// tensors it owns then (parameter_of_state + ownership()). NCCL, prefetch of
-// the next block and overlapping the reductions with backward are later
+// tensors it owns then (parameter_of_state + ownership()).
+//
+// Prefetch (stage 3): the gathering fetches of the first streamed step are
+// recorded in order (forward blocks, then their recomputes in backward); from
+// the next step on, once a group is gathered the next group of that order is
+// gathered in flight (asynchronous broadcasts into a buffer that becomes its
+// parameters), overlapped with the running block's compute, as DeepSpeed's
+// stage-3 prefetch follows the first step's module trace. A step whose
+// fetches leave the recorded order stops prefetching until end_step_fetches();
+// every rank follows the same order, so the collectives stay matched.
+// Never across steps: the optimizer step changes the weights in between.
+// NCCL and overlapping the resident reductions with backward are later
 // steps.
 #pragma once
 #include <cstdint>
@@ -56,6 +66,7 @@
 
 #include <ATen/ATen.h>
 
+#include "shoestring/core/memory_ledger.h"
 #include "shoestring/dist/data_parallel.h"
 #include "shoestring/dist/process_group.h"
 
@@ -162,6 +173,17 @@ class ZeroSharding {
   void hold_all_on(int root);
   /// Ends hold_all_on: the root frees what it does not own again. No collective.
   void release_held();
+  /// After a step's micro-batches (before the optimizer step): the step's
+  /// fetches are over. Waits for a prefetch still in flight (collective:
+  /// every rank has issued it) and drops it; the first call ends the
+  /// recording of the fetch order that later steps prefetch by. Throws as
+  /// reduce_gradients.
+  void end_step_fetches();
+  /// Whether stage 3 prefetches (default true; false: every gather happens
+  /// at its fetch). Set before the first fetch.
+  void set_prefetch(bool on) { prefetch_on_ = on; }
+  /// Gathers served by a prefetch so far (for tests and logs).
+  int64_t prefetched_gathers() const { return prefetched_gathers_; }
   /// Elements of the trainable parameters in streamed groups / in all.
   int64_t streamed_elements() const;
   /// Streamed groups declared.
@@ -197,6 +219,22 @@ class ZeroSharding {
   /// The owners' values of `bucket`'s parameters into every rank's (root
   /// < 0) or into rank `root`'s only (the others pass the bucket through).
   void gather_bucket(const Bucket& bucket, int root);
+  /// A bucket's flat buffer, filled on its owner (category `category`).
+  at::Tensor pack_bucket(const Bucket& bucket, MemoryCategory category) const;
+  /// A group gathered in flight (prefetch).
+  struct Prefetch {
+    size_t group = 0;
+    std::vector<at::Tensor> flats;  ///< one per fetch bucket (category weights)
+    std::vector<PendingCollective> pending;
+  };
+  /// Order bookkeeping of a gathering fetch of `group`; returns whether a
+  /// prefetch may follow it.
+  bool follow_order(size_t group);
+  /// Starts gathering the group after position order_pos_ of fetch_order_.
+  void start_prefetch(size_t current);
+  /// Waits for the prefetch in flight and gives its parameters their values
+  /// (views of its buffers); `use` false: waits and drops it.
+  void finish_prefetch(bool use);
   /// Frees group parameters this rank does not own.
   void free_unowned(const StreamGroup& g);
   bool owns(size_t i) const { return ownership_.owner(i) == group_.rank(); }
@@ -206,18 +244,26 @@ class ZeroSharding {
   std::map<std::string, size_t> index_of_;  ///< parameter name -> index into params_
   int stage_;
   TensorOwnership ownership_;
-  std::unique_ptr<GradientAverager> averager_;  ///< stage 1
+  std::unique_ptr<GradientAverager> averager_;    ///< stage 1
   std::vector<GradientBucket> gradient_buckets_;  ///< stages 2, 3 (resident): fp32, one owner (root) each
-  std::vector<Bucket> weight_buckets_;          ///< one owner and dtype each (stage 3: resident only)
+  std::vector<Bucket> weight_buckets_;            ///< one owner and dtype each (stage 3: resident only)
   int64_t bucket_bytes_;
-  std::vector<at::Tensor> tensors_;             ///< params_' tensors
+  std::vector<at::Tensor> tensors_;  ///< params_' tensors
   // stage 3
   std::vector<StreamGroup> groups_;
-  std::vector<int> group_of_;          ///< per parameter: its group, or -1 (resident)
+  std::vector<int> group_of_;                 ///< per parameter: its group, or -1 (resident)
   std::vector<std::vector<int64_t>> shapes_;  ///< per parameter: its full shape
   std::vector<at::Tensor> step_gradient_;     ///< per owned streamed parameter: the step's summed mean gradient
   bool streaming_ = false;
-  int held_on_ = -1;                   ///< hold_all_on's root, -1 when none
+  int held_on_ = -1;  ///< hold_all_on's root, -1 when none
+  // stage 3 prefetch (see the file comment)
+  std::vector<size_t> fetch_order_;  ///< gathering fetches of the first streamed step
+  bool order_known_ = false;         ///< fetch_order_ is complete (after the first end_step_fetches)
+  size_t order_pos_ = 0;             ///< this step's gathers so far, while they follow fetch_order_
+  bool order_followed_ = true;
+  std::optional<Prefetch> prefetch_;
+  bool prefetch_on_ = true;
+  int64_t prefetched_gathers_ = 0;
 };
 
 }  // namespace shoestring::dist

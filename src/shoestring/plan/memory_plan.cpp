@@ -474,12 +474,15 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
     int64_t largest_group = 0;
     for (const auto& [g, bytes] : group_weights) largest_group = std::max(largest_group, bytes);
     const int64_t most_owned = *std::max_element(owned_weights.begin(), owned_weights.end());
-    stage3_weights_saved = streamed_weights - most_owned - largest_group;
+    // The block running and, with zero3_prefetch, the next one gathered in flight.
+    const int64_t in_use = largest_group * (c.zero3_prefetch ? 2 : 1);
+    stage3_weights_saved = streamed_weights - most_owned - in_use;
     stage3_gradients = resident_grads + *std::max_element(owned_grads.begin(), owned_grads.end()) + largest_group;
     p.notes.push_back(fmt::format(
         "ZeRO stage 3: {} of the trained weights in {} checkpointed blocks are sharded (this rank keeps {} of "
-        "them, plus the largest block, {}, while it runs); the rest stays on every rank",
-        format_bytes(streamed_weights), group_weights.size(), format_bytes(most_owned), format_bytes(largest_group)));
+        "them, plus the largest block, {}, while it runs{}); the rest stays on every rank",
+        format_bytes(streamed_weights), group_weights.size(), format_bytes(most_owned), format_bytes(largest_group),
+        c.zero3_prefetch ? ", and as much again for the next block, prefetched" : ""));
     if (group_weights.empty()) {
       p.notes.push_back("ZeRO stage 3 streams checkpointed blocks only: set gradient_checkpointing = true");
     }

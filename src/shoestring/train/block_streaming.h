@@ -85,6 +85,9 @@ class ZeroBlockStreaming final : public RunBlockStreaming {
   size_t blocks() const override { return group_of_.size(); }
   int64_t streamed_elements() const override { return zero_.streamed_elements(); }
   void start() override { zero_.start_streaming(); }
+  /// The step's fetches are over (dist::ZeroSharding::end_step_fetches: a
+  /// prefetch never crosses the optimizer step).
+  void before_step() override { zero_.end_step_fetches(); }
   void hold_all() override { zero_.hold_all_on(0); }
   void release_held() override { zero_.release_held(); }
 
@@ -148,7 +151,7 @@ class HostBlockStreaming final : public RunBlockStreaming {
   std::vector<Group> groups_;
   std::unordered_map<const torch::nn::Module*, size_t> group_of_;
   bool started_ = false;
-  bool held_ = false;     ///< hold_all: the host tensors are the parameters' data
+  bool held_ = false;      ///< hold_all: the host tensors are the parameters' data
   bool stepping_ = false;  ///< between before_step and after_step
 };
 

@@ -84,8 +84,8 @@ struct TrainConfig {
   std::string timestep_sampling = "logit_normal";  ///< "logit_normal" | "uniform" | "mode"
   double logit_mean = 0.0;
   double logit_std = 1.0;
-  double mode_scale = 1.29;            ///< timestep_sampling = "mode" (SD3 paper's mode sampling)
-  double training_shift = 1.0;         ///< SD3: t -> s t / (1 + (s - 1) t) on training times (kohya's)
+  double mode_scale = 1.29;               ///< timestep_sampling = "mode" (SD3 paper's mode sampling)
+  double training_shift = 1.0;            ///< SD3: t -> s t / (1 + (s - 1) t) on training times (kohya's)
   double pos_emb_random_crop_rate = 0.0;  ///< SD3.5: share of batches with a random crop of pos_embed (kohya's)
   std::string weighting_scheme = "none";  ///< SD3 loss weight per sample: none | sigma_sqrt | cosmap
   /// SD3: the loss on x0 = x_t - t v (kohya; diffusers' --precondition_outputs), i.e. the velocity loss
@@ -115,14 +115,14 @@ struct TrainConfig {
   /// Weights of checkpointed blocks (and their gradients and optimizer state)
   /// in host memory, streamed to the device block by block (train/block_streaming.h).
   bool offload_params = false;
-  std::string mixed_precision = "no";    ///< no | bf16 | fp16 (compute dtype, fp32 weights)
-  bool full_bf16 = false;                ///< bf16 weights, updates stochastically rounded
-  bool full_fp16 = false;                ///< fp16 weights (SR updates), fp16 compute, loss scaling
+  std::string mixed_precision = "no";  ///< no | bf16 | fp16 (compute dtype, fp32 weights)
+  bool full_bf16 = false;              ///< bf16 weights, updates stochastically rounded
+  bool full_fp16 = false;              ///< fp16 weights (SR updates), fp16 compute, loss scaling
   // ---- precision policy (docs/precision.md) ----
   /// [[precision.rule]] entries, in file order (after the shorthands above).
   std::vector<precision::RuleSpec> precision_rules;
-  double overflow_threshold = 0.5;    ///< precision.overflow_threshold: fraction of 65504
-  bool auto_upcast = false;           ///< precision.auto_upcast: overflowing fp16 blocks -> fp32
+  double overflow_threshold = 0.5;  ///< precision.overflow_threshold: fraction of 65504
+  bool auto_upcast = false;         ///< precision.auto_upcast: overflowing fp16 blocks -> fp32
   /// precision.activation_rescale: Stable Cascade's fp16 fix, the factor each
   /// TimestepBlock of the last up group multiplies the stream by (1 = off;
   /// models::StageCImpl::set_activation_rescale).
@@ -144,9 +144,9 @@ struct TrainConfig {
   std::string previewer_checkpoint_path;   ///< latent previewer for samples (previewer.safetensors)
   std::string text_model_checkpoint_path;  ///< OpenCLIP bigG (SDXL single file or open_clip layout)
   // SD3's text encoders (kohya sd3_train.py's names; "" = from the base file, or random for model.tiny).
-  std::string clip_l;                   ///< CLIP-L (text_encoders/clip_l.safetensors)
-  std::string clip_g;                   ///< OpenCLIP bigG (text_encoders/clip_g.safetensors)
-  std::string t5xxl;                    ///< T5-XXL encoder; "" = no T5 (zero tokens)
+  std::string clip_l;                    ///< CLIP-L (text_encoders/clip_l.safetensors)
+  std::string clip_g;                    ///< OpenCLIP bigG (text_encoders/clip_g.safetensors)
+  std::string t5xxl;                     ///< T5-XXL encoder; "" = no T5 (zero tokens)
   int64_t t5xxl_max_token_length = 256;  ///< T5 tokens per caption (kohya's default)
   std::string
       tokenizer_dir;  ///< folder with CLIP's vocab.json + merges.txt ("" = word tokenizer built from the captions)
@@ -193,7 +193,10 @@ struct TrainConfig {
   /// gradients and optimizer state live; the dataset and caches stay in host memory.
   std::string device = "auto";
   // ---- several processes (train/run.h; the launch is in dist/launch_env.h) ----
-  int64_t zero_stage = 0;  ///< 0 = data parallel; 1, 2 = ZeRO (dist/zero.h); 3 not implemented yet
+  int64_t zero_stage = 0;  ///< 0 = data parallel; 1, 2, 3 = ZeRO (dist/zero.h)
+  /// zero_stage 3: gather the next checkpointed block's weights while the
+  /// current one runs (dist::ZeroSharding's prefetch; one more block held).
+  bool zero3_prefetch = true;
   double ddp_timeout = 2;  ///< minutes a rank waits for the others (rendezvous, each collective), as kohya
 };
 

@@ -92,7 +92,8 @@ const std::vector<Field>& schema() {
           .with(kResumeValue),
       Field{"cache_latents_to_disk", &TrainConfig::cache_latents_to_disk,
             "latent architectures (LDM, SD3.5, Stable Cascade): keep the latents as safetensors shards in "
-            "cache_dir/latents, keyed by image content, the latent encoder's weights, bucket, crop, flip and dtype; a later run (or `shoestring cache`) encodes only "
+            "cache_dir/latents, keyed by image content, the latent encoder's weights, bucket, crop, flip and dtype; a "
+            "later run (or `shoestring cache`) encodes only "
             "what changed, and training reads them a batch at a time (docs/datasets.md)"}
           .with(kReleasedModelOnly),
       Field{"cache_text_encoder_outputs_to_disk", &TrainConfig::cache_text_encoder_outputs_to_disk,
@@ -154,8 +155,7 @@ const std::vector<Field>& schema() {
       Field{"logit_mean", &TrainConfig::logit_mean, "logit-normal mean", -10, 10}.with(kFlowMatchingOnly),
       Field{"logit_std", &TrainConfig::logit_std, "logit-normal standard deviation", 1e-3, 10}.with(kFlowMatchingOnly),
       Field{"mode_scale", &TrainConfig::mode_scale,
-            "timestep_sampling = \"mode\": its scale (SD3: 1.29; the map stays monotone up to 2 / (pi - 2))", -1,
-            1.75}
+            "timestep_sampling = \"mode\": its scale (SD3: 1.29; the map stays monotone up to 2 / (pi - 2))", -1, 1.75}
           .with(kFlowMatchingOnly | kReleasedModelOnly),
       Field{"training_shift", &TrainConfig::training_shift,
             "SD3: shift of the training times, t -> s t / (1 + (s - 1) t) (kohya's training_shift; 1 = none)", 1e-3,
@@ -448,6 +448,10 @@ const std::vector<Field>& schema() {
        "3 = stage 2 and the weights of each checkpointed block kept by their owner only, gathered for the block's "
        "forward and its recompute in backward (needs gradient_checkpointing); one process ignores it",
        0, 3},
+      {"zero3_prefetch", &TrainConfig::zero3_prefetch,
+       "zero_stage = 3: from the second step on, gather the next checkpointed block's weights while the current "
+       "block runs (in the order the first step fetched them), as DeepSpeed's stage-3 prefetch; costs one more "
+       "block's weights per rank; false gathers each block when it is needed"},
       {"ddp_timeout", &TrainConfig::ddp_timeout,
        "minutes (as kohya's --ddp_timeout; fractions allowed) a rank waits for the others in the rendezvous and "
        "in each collective before it stops with an error; Gloo's own default is 30 minutes",

@@ -793,6 +793,7 @@ std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions&
   // ZeRO: each rank's optimizer updates, and keeps state for, the tensors it owns.
   if (run.group && c.zero_stage > 0) {
     run.zero = std::make_unique<dist::ZeroSharding>(*run.group, run.trainable, c.zero_stage);
+    run.zero->set_prefetch(c.zero3_prefetch);
     if (c.zero_stage == 3)
       run.block_streaming = ZeroBlockStreaming::attach(*run.zero, run.model->block_tables(), run.trainable);
   }

@@ -217,7 +217,8 @@ StepRecord train_step(Run& run, int64_t step, bool quiet) {
   const double loss = mean_over_ranks(run, loss_sum / static_cast<double>(c.gradient_accumulation_steps));
 
   const std::vector<std::string> overflowed = check_fp16_overflow(run, step);
-  if (run.block_streaming) run.block_streaming->before_step();  // offload_params: the host copies and gradients
+  // offload_params: the host copies and gradients; ZeRO 3: no prefetch past this point.
+  if (run.block_streaming) run.block_streaming->before_step();
   const GradientStepResult result = gradients.end_step(lr, std::isfinite(loss));
   if (result.stepped) share_updated_weights(run);  // every rank agrees on `stepped` (the norm is global)
   if (result.stepped && run.ema) {
