@@ -208,6 +208,31 @@ TEST(Launch, AKilledRankStopsTheRunAndLeavesNoProcess) {
   for (pid_t p : ranks) EXPECT_TRUE(gone(p)) << "rank process " << p << " is still there";
 }
 
+// A rank suspended by SIGSTOP (a hung peer): the other's next collective
+// times out (ddp_timeout 0.1 min), and the launcher's summary names the
+// suspended rank and carries rank 0's own account; no process is left.
+TEST(Launch, ASuspendedRankIsNamedInTheSummary) {
+  const std::string dir = fresh_dist_dir("launchstop");
+  TrainConfig c = shoestring::testing::tiny_emoji_config(dir + "/run");
+  c.max_train_steps = 100000;  // far more steps than the test waits for
+  c.train_batch_size = 2;
+  c.ddp_timeout = 0.1;  // minutes
+  const std::string config = dir + "/run.toml";
+  std::ofstream(config) << to_toml(c);
+  Launcher l({"launch", "--nproc", "2", "--", "train", config}, dir + "/out.txt");
+  const auto until = std::chrono::steady_clock::now() + 90s;
+  while (read_text(dir + "/run/metrics.jsonl").empty() && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(20ms);
+  const std::vector<pid_t> ranks = l.children();
+  ASSERT_EQ(ranks.size(), 2u) << l.output();
+  ::kill(ranks[1], SIGSTOP);
+  EXPECT_EQ(l.wait(std::chrono::seconds(60)), 1);
+  EXPECT_THAT(l.output(), AllOf(HasSubstr("error: launch: rank 0 of 2 exited with status 1: "),
+                                HasSubstr("rank 1 was suspended by signal 19")))
+      << l.output();
+  for (pid_t p : ranks) EXPECT_TRUE(gone(p)) << "rank process " << p << " is still there";
+}
+
 }  // namespace
 }  // namespace shoestring
 

@@ -7,7 +7,9 @@
 // are forwarded prefixed with "[rank R] "; the CPUs are divided between the
 // ranks by the trainer (LOCAL_WORLD_SIZE). When a rank exits non-zero the
 // others are stopped (SIGTERM, then SIGKILL after a grace period) and the
-// launcher fails naming the rank; a launcher that is interrupted or killed
+// launcher fails naming the rank, with that rank's own last "error:" line
+// (which names the peer a collective waited for) and any rank suspended
+// (SIGSTOP) at the time; a launcher that is interrupted or killed
 // takes its ranks with it (SIGTERM forwarded; PR_SET_PDEATHSIG), so no
 // process is left behind.
 #include <fcntl.h>
@@ -66,6 +68,9 @@ struct Child {
   std::string partial;   ///< an output line not yet ended
   int status = -1;       ///< exit status once reaped (128 + signal when killed)
   bool stopped = false;  ///< the launcher stopped it (after another rank failed)
+  bool paused = false;   ///< suspended by a signal (SIGSTOP, SIGTSTP): alive, running nothing
+  int pause_signal = 0;
+  std::string last_error;  ///< the last "error: ..." line it printed (its own account of a failure)
 };
 
 /// Starts rank `rank` of `world`: `self COMMAND...` with the launch variables.
@@ -127,6 +132,7 @@ void forward_output(Child& c, bool flush_partial) {
   size_t start = 0;
   for (size_t nl; (nl = c.partial.find('\n', start)) != std::string::npos; start = nl + 1) {
     std::fprintf(stdout, "[rank %d] %.*s\n", c.rank, static_cast<int>(nl - start), c.partial.data() + start);
+    if (c.partial.compare(start, 7, "error: ") == 0) c.last_error = c.partial.substr(start + 7, nl - start - 7);
   }
   c.partial.erase(0, start);
   if (flush_partial && !c.partial.empty()) {
@@ -150,12 +156,15 @@ std::string supervise(std::vector<Child>& children) {
   constexpr auto kGrace = std::chrono::seconds(10);
   Clock::time_point failed_at{};
   std::string failure;
+  int failed_rank = -1;
+  std::vector<std::string> suspended;
   bool stopping = false;
   Clock::time_point stop_at{};
   auto stop_all = [&](int sig) {
     for (auto& c : children) {
       if (c.status >= 0) continue;
       ::kill(c.pid, sig);
+      if (c.paused) ::kill(c.pid, SIGCONT);  // a suspended rank acts on SIGTERM only once it runs
       c.stopped = true;
     }
   };
@@ -175,14 +184,28 @@ std::string supervise(std::vector<Child>& children) {
     for (auto& c : children) {
       if (c.status >= 0) continue;
       int s = 0;
-      if (::waitpid(c.pid, &s, WNOHANG) == c.pid) {
-        c.status = WIFEXITED(s) ? WEXITSTATUS(s) : 128 + WTERMSIG(s);
-        if (c.status != 0 && failure.empty() && !stopping) {
-          failure = fmt::format("rank {} of {} {}", c.rank, children.size(), describe_status(c.status));
-          failed_at = Clock::now();
-        }
-      } else {
+      if (::waitpid(c.pid, &s, WNOHANG | WUNTRACED | WCONTINUED) != c.pid) {
         ++running;
+        continue;
+      }
+      if (WIFSTOPPED(s) || WIFCONTINUED(s)) {
+        c.paused = WIFSTOPPED(s);
+        c.pause_signal = c.paused ? WSTOPSIG(s) : 0;
+        ++running;
+        continue;
+      }
+      c.status = WIFEXITED(s) ? WEXITSTATUS(s) : 128 + WTERMSIG(s);
+      if (c.status != 0 && failure.empty() && !stopping) {
+        failure = fmt::format("rank {} of {} {}", c.rank, children.size(), describe_status(c.status));
+        failed_at = Clock::now();
+        failed_rank = c.rank;
+        // Ranks suspended at this moment: the likely cause when the failure is a timeout.
+        for (const auto& other : children) {
+          if (other.paused && other.status < 0) {
+            suspended.push_back(fmt::format("rank {} was suspended by signal {} ({})", other.rank, other.pause_signal,
+                                            strsignal(other.pause_signal)));
+          }
+        }
       }
     }
     if (g_interrupted && failure.empty()) {
@@ -209,6 +232,14 @@ std::string supervise(std::vector<Child>& children) {
     if (c.status != 0 && !c.stopped && failure.rfind(fmt::format("rank {} ", c.rank), 0) != 0)
       also.push_back(fmt::format("rank {} {}", c.rank, describe_status(c.status)));
   }
+  // The failing rank's own account (e.g. which peer did not answer a collective).
+  for (const auto& c : children) {
+    if (c.rank == failed_rank && !c.last_error.empty()) {
+      constexpr size_t kMost = 400;
+      failure += ": " + (c.last_error.size() > kMost ? c.last_error.substr(0, kMost) + "..." : c.last_error);
+    }
+  }
+  if (!suspended.empty()) failure += fmt::format(" ({} at the time)", fmt::join(suspended, ", "));
   if (!also.empty()) failure += fmt::format(" (then {})", fmt::join(also, ", "));
   bool stopped = false;
   for (const auto& c : children) stopped = stopped || c.stopped;
