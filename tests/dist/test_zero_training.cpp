@@ -565,6 +565,41 @@ TEST(ZeroEma, ConsolidateEmaOfABf16RunIsItsFinalFile) {
   EXPECT_EQ(SafetensorsFile::open(out).find("unet.conv_in.weight")->dtype, StDtype::BF16);
   EXPECT_EQ(compare_files(out, dir + "/run/model.safetensors"), 0.0);
   EXPECT_GT(compare_files(out, dir + "/run/checkpoints/step-000004/model.safetensors", 1.0), 0.0);
+  // Damaged shadows are refused by name, nothing written: one beyond bf16's
+  // range (the guard), one of another dtype, one missing beside its optimizer state.
+  const std::string step4 = dir + "/run/checkpoints/step-000004";
+  const SafetensorsFile state = SafetensorsFile::open(step4 + "/state.safetensors");
+  const std::string victim = "ema.unet.conv_in.weight";
+  auto tampered = [&](const std::string& name, const std::function<std::optional<at::Tensor>(const at::Tensor&)>& f) {
+    const std::string copy = dir + "/" + name;
+    fs::create_directories(copy);
+    fs::copy_file(step4 + "/model.safetensors", copy + "/model.safetensors");
+    std::vector<NamedTensor> tensors;
+    for (const auto& info : state.tensors()) {
+      const at::Tensor t = state.get(info);
+      if (info.name != victim) {
+        tensors.push_back({info.name, t, std::nullopt});
+      } else if (const std::optional<at::Tensor> changed = f(t)) {
+        tensors.push_back({info.name, *changed, std::nullopt});
+      }
+    }
+    save_safetensors(copy + "/state.safetensors", tensors, state.metadata());
+    return copy;
+  };
+  const std::string cli = std::string(SHOESTRING_BINARY) + " consolidate --ema ";
+  for (const auto& [copy, expected] : std::vector<std::pair<std::string, std::string>>{
+           {tampered("huge", [](const at::Tensor& t) { return t.clone().fill_(3.4e38); }), "would damage 1 tensor"},
+           {tampered("int", [](const at::Tensor& t) { return t.to(at::kInt); }), "expected an fp32 shadow"},
+           {tampered("nan", [](const at::Tensor& t) { return t.clone().fill_(NAN); }), "holds inf or NaN"},
+           {tampered("gone", [](const at::Tensor&) { return std::nullopt; }), "but no EMA shadow"}}) {
+    EXPECT_NE(std::system((cli + copy + " " + copy + ".safetensors > " + log + " 2>&1").c_str()), 0) << copy;
+    EXPECT_THAT(read_text(log), AllOf(HasSubstr(expected), HasSubstr("unet.conv_in.weight"))) << read_text(log);
+    EXPECT_FALSE(fs::exists(copy + ".safetensors"));
+  }
+  // An output anywhere under the checkpoint folder is refused.
+  fs::create_directories(step4 + "/sub");
+  EXPECT_NE(std::system((cli + step4 + " " + step4 + "/sub/x.safetensors > " + log + " 2>&1").c_str()), 0);
+  EXPECT_THAT(read_text(log), HasSubstr("inside the checkpoint folder"));
 }
 
 TEST(ZeroCheckpoint, ARankKilledWhileWritingItsShardLeavesAResumableRun) {

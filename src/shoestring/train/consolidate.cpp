@@ -8,6 +8,8 @@
 #include <vector>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <spdlog/spdlog.h>
 
 #include "shoestring/core/error.h"
 #include "shoestring/core/text.h"
@@ -27,14 +29,34 @@ namespace {
 bool is_model_file(const std::string& name) { return name == "model.safetensors"; }
 
 constexpr const char* kEmaPrefix = "ema.";
+constexpr const char* kOptimizerPrefix = "optimizer.";
 
-/// The EMA shadows of checkpoint folder `dir` ("<param>" -> the mapped fp32
-/// tensor "ema.<param>"): through the index and its optimizer shards when
-/// sharded, else from state.safetensors. Files opened go to `mapped` and
-/// their names to `sources`.
-std::map<std::string, at::Tensor> ema_shadows(const fs::path& dir, bool sharded, std::list<WeightFiles>& mapped,
-                                              std::set<std::string>& sources) {
+/// A checkpoint's EMA shadows ("<param>" -> the mapped tensor "ema.<param>")
+/// and the parameters that have optimizer state ("optimizer.<param>.<state>":
+/// the trained ones, every one of which the EMA covers).
+struct EmaShadows {
   std::map<std::string, at::Tensor> shadows;
+  std::set<std::string> trained;
+};
+
+/// Sorts one tensor name of a checkpoint's state into `out`; `get` maps it.
+template <typename Get>
+void note_state_tensor(const std::string& name, EmaShadows& out, const Get& get) {
+  if (has_prefix(name, kEmaPrefix)) {
+    out.shadows.emplace(name.substr(std::string(kEmaPrefix).size()), get());
+  } else if (has_prefix(name, kOptimizerPrefix)) {
+    const std::string key = name.substr(std::string(kOptimizerPrefix).size());
+    const size_t dot = key.rfind('.');
+    if (dot != std::string::npos) out.trained.insert(key.substr(0, dot));
+  }
+}
+
+/// The EMA shadows of checkpoint folder `dir`: through the index and its
+/// optimizer shards when sharded, else from state.safetensors. Files opened
+/// go to `mapped` and their names to `sources`.
+EmaShadows ema_shadows(const fs::path& dir, bool sharded, std::list<WeightFiles>& mapped,
+                       std::set<std::string>& sources) {
+  EmaShadows out;
   std::map<std::string, const WeightFiles*> opened;
   auto open = [&](const std::string& file) -> const WeightFiles& {
     auto it = opened.find(file);
@@ -46,22 +68,36 @@ std::map<std::string, at::Tensor> ema_shadows(const fs::path& dir, bool sharded,
     // With the optimizer shards: a missing or foreign shard is named here.
     const std::optional<CheckpointIndex> index = read_checkpoint_index(dir.string(), /*optimizer_shards=*/true);
     for (const auto& [name, file] : index->weight_map) {
-      if (!has_prefix(name, kEmaPrefix)) continue;
-      shadows.emplace(name.substr(std::string(kEmaPrefix).size()), open(file).get(name));
-      sources.insert(file);
+      note_state_tensor(name, out, [&] { return open(file).get(name); });
+      if (has_prefix(name, kEmaPrefix)) sources.insert(file);
     }
-    return shadows;
+    return out;
+  }
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    if (is_optimizer_shard_name(entry.path().filename().string())) {
+      fail(
+          "consolidate --ema: '{}' holds optimizer shards ({}) but no {}: a sharded checkpoint keeps its EMA in "
+          "the shards, found through the index",
+          dir.string(), entry.path().filename().string(), kCheckpointIndexFile);
+    }
   }
   const fs::path state = dir / "state.safetensors";
   if (!fs::exists(state))
     fail("consolidate --ema: '{}' holds no state.safetensors (where a run keeps its EMA)", dir.string());
   const SafetensorsFile file = SafetensorsFile::open(state.string());
   for (const auto& info : file.tensors()) {
-    if (!has_prefix(info.name, kEmaPrefix)) continue;
-    shadows.emplace(info.name.substr(std::string(kEmaPrefix).size()), open("state.safetensors").get(info.name));
-    sources.insert("state.safetensors");
+    note_state_tensor(info.name, out, [&] { return open("state.safetensors").get(info.name); });
+    if (has_prefix(info.name, kEmaPrefix)) sources.insert("state.safetensors");
   }
-  return shadows;
+  return out;
+}
+
+/// The dtype a model tensor of `t`'s scalar type is saved as, for the guard.
+std::optional<precision::Dtype> guard_dtype(at::ScalarType t) {
+  if (t == at::kFloat) return precision::Dtype::fp32;
+  if (t == at::kBFloat16) return precision::Dtype::bf16;
+  if (t == at::kHalf) return precision::Dtype::fp16;
+  return std::nullopt;
 }
 
 }  // namespace
@@ -74,12 +110,18 @@ ConsolidateResult consolidate_checkpoint(const std::string& checkpoint_dir, cons
          checkpoint_dir, dir.parent_path().string());
   }
   if (!fs::is_directory(dir)) fail("consolidate: checkpoint folder '{}' does not exist", checkpoint_dir);
+  if (out.empty()) fail("consolidate: the output path is empty, expected a .safetensors file path");
   if (fs::is_directory(out)) fail("consolidate: output '{}' is a folder, expected a .safetensors file path", out);
   {
+    // Anywhere under the checkpoint folder (its files are what is read).
     std::error_code ec;
-    const fs::path parent = fs::absolute(out).parent_path();
-    if (fs::equivalent(parent, dir, ec))
-      fail("consolidate: output '{}' is inside the checkpoint folder it reads ({})", out, checkpoint_dir);
+    const fs::path inside = fs::weakly_canonical(dir, ec);
+    for (fs::path p = fs::weakly_canonical(fs::absolute(out), ec).parent_path(); !ec && !p.empty();
+         p = p.parent_path()) {
+      if (p == inside)
+        fail("consolidate: output '{}' is inside the checkpoint folder it reads ({})", out, checkpoint_dir);
+      if (p == p.root_path()) break;
+    }
   }
   ConsolidateResult result;
   // The model alone is read: a checkpoint whose optimizer shards are lost still gives its weights.
@@ -124,27 +166,72 @@ ConsolidateResult consolidate_checkpoint(const std::string& checkpoint_dir, cons
   // converted while writing (no converted copy of the model is held).
   std::map<std::string, at::ScalarType> model_dtype;
   if (options.ema) {
-    const std::map<std::string, at::Tensor> shadows = ema_shadows(dir, result.sharded, mapped, sources);
+    const EmaShadows found = ema_shadows(dir, result.sharded, mapped, sources);
+    const std::map<std::string, at::Tensor>& shadows = found.shadows;
     if (shadows.empty()) {
       fail("consolidate --ema: checkpoint '{}' holds no EMA weights (no \"ema.*\" tensors: the run had no ema_decay)",
            checkpoint_dir);
     }
+    std::set<std::string> model_names;
+    for (const auto& [name, t] : tensors) model_names.insert(name);
+    for (const auto& [name, shadow] : shadows) {
+      if (model_names.count(name)) continue;
+      if (fs::exists(dir / "lora.safetensors")) {
+        fail(
+            "consolidate --ema: '{}' is a LoRA run's checkpoint: its EMA covers the adapters ('ema.{}'), which "
+            "consolidate does not write; the run's final lora.safetensors holds the EMA adapters",
+            checkpoint_dir, name);
+      }
+      fail("consolidate --ema: EMA tensor 'ema.{}' of '{}' has no model tensor of that name", name, checkpoint_dir);
+    }
+    for (const std::string& name : found.trained) {
+      if (model_names.count(name) && !shadows.count(name)) {
+        fail(
+            "consolidate --ema: '{}' holds optimizer state for '{}' but no EMA shadow 'ema.{}': an incomplete EMA "
+            "(a damaged index or state file)",
+            checkpoint_dir, name, name);
+      }
+    }
+    precision::SaveGuardOptions guard;
+    guard.force = options.force;
+    std::vector<std::string> damaged;
     std::set<std::string> used;
     for (auto& [name, t] : tensors) {
       const auto it = shadows.find(name);
       if (it == shadows.end()) continue;
-      if (it->second.sizes() != t.sizes()) {
+      const at::Tensor& shadow = it->second;
+      if (shadow.scalar_type() != at::kFloat) {
+        fail("consolidate --ema: EMA tensor 'ema.{}' of '{}' is {}, expected an fp32 shadow", name, checkpoint_dir,
+             c10::toString(shadow.scalar_type()));
+      }
+      if (shadow.sizes() != t.sizes()) {
         fail("consolidate --ema: EMA tensor 'ema.{}' of '{}' is {}, its model tensor {}", name, checkpoint_dir,
-             format_shape(it->second.sizes()), format_shape(t.sizes()));
+             format_shape(shadow.sizes()), format_shape(t.sizes()));
+      }
+      if (!at::isfinite(shadow).all().item<bool>()) {
+        fail("consolidate --ema: EMA tensor 'ema.{}' of '{}' holds inf or NaN", name, checkpoint_dir);
+      }
+      // Dtypes kept: the rounding into the model tensor's dtype goes through
+      // the range guard (with --dtype, save_with_guard checks against it).
+      const std::optional<precision::Dtype> target = guard_dtype(t.scalar_type());
+      if (!options.dtype && target && *target != precision::Dtype::fp32) {
+        const precision::NarrowingReport r = precision::check_narrowing(name, shadow, *target);
+        if (r.bad(guard)) damaged.push_back(r.describe(*target));
       }
       model_dtype[name] = t.scalar_type();
-      t = it->second;
+      t = shadow;
       used.insert(name);
     }
-    for (const auto& [name, shadow] : shadows) {
-      if (!used.count(name)) {
-        fail("consolidate --ema: EMA tensor 'ema.{}' of '{}' has no model tensor of that name", name, checkpoint_dir);
+    if (!damaged.empty()) {
+      const std::string list = fmt::format("{}", fmt::join(damaged, "; "));
+      if (!options.force) {
+        fail(
+            "consolidate --ema: rounding the EMA shadows into the model's dtypes would damage {} tensor(s): {}; "
+            "write them wider (--dtype fp32) or anyway (--force)",
+            damaged.size(), list);
       }
+      spdlog::warn("consolidate --ema: writing anyway (--force) although {} tensor(s) lose values: {}", damaged.size(),
+                   list);
     }
     result.ema_tensors = static_cast<int64_t>(used.size());
     metadata["shoestring.ema"] = "true";
