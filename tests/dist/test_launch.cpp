@@ -89,17 +89,27 @@ struct Launcher {
   std::string output() const { return read_text(output_path); }
 };
 
-std::string write_config(const std::string& dir, int64_t steps, int64_t batch) {
+std::string write_config(const std::string& dir, int64_t steps, int64_t batch, double ddp_timeout_minutes = 2) {
   TrainConfig c = shoestring::testing::tiny_emoji_config(dir + "/run");
   c.max_train_steps = steps;
   c.train_batch_size = batch;
   c.num_threads = 0;  // divided between the ranks
+  c.ddp_timeout = ddp_timeout_minutes;
   const std::string path = dir + "/run.toml";
   std::ofstream(path) << to_toml(c);
   return path;
 }
 
 bool gone(pid_t p) { return ::kill(p, 0) != 0 && errno == ESRCH; }
+
+/// The rank processes of `l` once its first step is done (rank 0 writes
+/// dir/run/metrics.jsonl), waiting at most 90 s.
+std::vector<pid_t> ranks_after_the_first_step(Launcher& l, const std::string& dir) {
+  const auto until = std::chrono::steady_clock::now() + 90s;
+  while (read_text(dir + "/run/metrics.jsonl").empty() && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(20ms);
+  return l.children();
+}
 
 TEST(Launch, TwoRanksTrainOneRun) {
   const std::string dir = fresh_dist_dir("launch2");
@@ -194,11 +204,7 @@ TEST(Launch, AKilledRankStopsTheRunAndLeavesNoProcess) {
   const std::string dir = fresh_dist_dir("launchkill");
   const std::string config = write_config(dir, 100000, 2);  // far more steps than the test waits for
   Launcher l({"launch", "--nproc", "2", "--", "train", config}, dir + "/out.txt");
-  // Wait for the first step (rank 0 writes metrics.jsonl), then kill rank 1.
-  const auto until = std::chrono::steady_clock::now() + 90s;
-  while (read_text(dir + "/run/metrics.jsonl").empty() && std::chrono::steady_clock::now() < until)
-    std::this_thread::sleep_for(20ms);
-  const std::vector<pid_t> ranks = l.children();
+  const std::vector<pid_t> ranks = ranks_after_the_first_step(l, dir);
   ASSERT_EQ(ranks.size(), 2u) << l.output();
   ::kill(ranks[1], SIGKILL);
   EXPECT_EQ(l.wait(), 1);
@@ -213,17 +219,9 @@ TEST(Launch, AKilledRankStopsTheRunAndLeavesNoProcess) {
 // suspended rank and carries rank 0's own account; no process is left.
 TEST(Launch, ASuspendedRankIsNamedInTheSummary) {
   const std::string dir = fresh_dist_dir("launchstop");
-  TrainConfig c = shoestring::testing::tiny_emoji_config(dir + "/run");
-  c.max_train_steps = 100000;  // far more steps than the test waits for
-  c.train_batch_size = 2;
-  c.ddp_timeout = 0.1;  // minutes
-  const std::string config = dir + "/run.toml";
-  std::ofstream(config) << to_toml(c);
+  const std::string config = write_config(dir, 100000, 2, /*ddp_timeout_minutes=*/0.1);
   Launcher l({"launch", "--nproc", "2", "--", "train", config}, dir + "/out.txt");
-  const auto until = std::chrono::steady_clock::now() + 90s;
-  while (read_text(dir + "/run/metrics.jsonl").empty() && std::chrono::steady_clock::now() < until)
-    std::this_thread::sleep_for(20ms);
-  const std::vector<pid_t> ranks = l.children();
+  const std::vector<pid_t> ranks = ranks_after_the_first_step(l, dir);
   ASSERT_EQ(ranks.size(), 2u) << l.output();
   ::kill(ranks[1], SIGSTOP);
   EXPECT_EQ(l.wait(std::chrono::seconds(60)), 1);
