@@ -253,8 +253,10 @@ void ZeroSharding::start_prefetch(size_t current) {
   Prefetch p;
   p.group = next;
   for (const Bucket& b : groups_[next].fetch_buckets) {
-    // Category weights: the buffers become the parameters (finish_prefetch).
-    p.flats.push_back(pack_bucket(b, MemoryCategory::weights));
+    // Category weights: the buffers become the parameters (finish_prefetch);
+    // an owner's own bucket is only sent, a temporary.
+    const bool own = b.owner == group_.rank();
+    p.flats.push_back(pack_bucket(b, own ? MemoryCategory::temporaries : MemoryCategory::weights));
     p.pending.push_back(group_.broadcast_async(p.flats.back(), b.owner));
   }
   prefetch_ = std::move(p);
