@@ -3,6 +3,8 @@
 // file sees c10d and gloo headers.
 #include "shoestring/dist/process_group.h"
 
+#include <signal.h>
+
 #include <condition_variable>
 #include <cstdlib>
 #include <exception>
@@ -195,11 +197,23 @@ c10::intrusive_ptr<c10d::ProcessGroupGloo> make_gloo(const c10::intrusive_ptr<c1
   return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
 }
 
+/// A peer that exits closes its sockets; Gloo's next write to one of them
+/// raises SIGPIPE, whose default action killed this rank silently (status
+/// 141) instead of letting the write fail with EPIPE and the collective
+/// throw its error naming the peer (seen in Collectives.DeadPeerOfThree).
+/// Python, under which torch.distributed usually runs, ignores SIGPIPE from
+/// start-up; a rank does the same here, unless a handler is installed.
+void ignore_sigpipe() {
+  struct sigaction current {};
+  if (::sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) ::signal(SIGPIPE, SIG_IGN);
+}
+
 }  // namespace
 
 std::unique_ptr<ProcessGroup> ProcessGroup::connect(const LaunchEnvironment& env, std::chrono::milliseconds timeout) {
   if (env.world_size < 1 || env.rank < 0 || env.rank >= env.world_size)
     fail("ProcessGroup::connect: rank {} of world size {} is not a valid rank", env.rank, env.world_size);
+  ignore_sigpipe();
   auto impl = std::make_unique<Impl>();
   const std::string where = fmt::format("rank {} of {}", env.rank, env.world_size);
   try {
@@ -229,6 +243,7 @@ std::unique_ptr<ProcessGroup> ProcessGroup::connect_file(const std::string& path
                                                          std::chrono::milliseconds timeout) {
   if (size < 1 || rank < 0 || rank >= size)
     fail("ProcessGroup::connect_file: rank {} of world size {} is not a valid rank", rank, size);
+  ignore_sigpipe();
   auto impl = std::make_unique<Impl>();
   try {
     auto store = c10::make_intrusive<c10d::FileStore>(path, size);

@@ -61,8 +61,11 @@ class ProcessGroup {
   /// Blocks until every rank has joined. `timeout` bounds the rendezvous and
   /// every collective. The Gloo device is GLOO_SOCKET_IFNAME's interfaces
   /// when set, loopback when MASTER_ADDR is a loopback address, else the
-  /// address this host's name resolves to. Throws shoestring::Error naming
-  /// the store and the rank when the rendezvous fails or times out.
+  /// address this host's name resolves to. Sets SIGPIPE to be ignored
+  /// (unless a handler is installed), as Python does, so that a write to a
+  /// dead peer's socket fails the collective instead of killing this process.
+  /// Throws shoestring::Error naming the store and the rank when the
+  /// rendezvous fails or times out.
   static std::unique_ptr<ProcessGroup> connect(const LaunchEnvironment& env,
                                                std::chrono::milliseconds timeout = kDefaultTimeout);
   /// Joins a group of `size` processes on one machine through a FileStore
