@@ -1,5 +1,7 @@
 #include "shoestring/precision/save_guard.h"
 
+#include <set>
+
 #include <spdlog/spdlog.h>
 #include <torch/torch.h>
 
@@ -48,16 +50,25 @@ NarrowingReport check_narrowing(const std::string& name, const at::Tensor& t, Dt
   return r;
 }
 
-std::vector<NamedTensor> convert_for_save(const std::vector<std::pair<std::string, at::Tensor>>& tensors, Dtype target,
+std::vector<NamedTensor> convert_for_save(const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                                          const std::vector<std::optional<Dtype>>& targets,
                                           const SaveGuardOptions& options, const std::string& what) {
-  if (is_fp8(target)) fail("{}: saving weights as {} is not supported by this build", what, to_string(target));
+  if (targets.size() != tensors.size())
+    fail("{}: {} save targets for {} tensors", what, targets.size(), tensors.size());
+  std::set<std::string> names;  // of the targets, for the messages
   std::vector<std::string> problems;
-  for (const auto& [name, t] : tensors) {
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (!targets[i]) continue;
+    const Dtype target = *targets[i];
+    if (is_fp8(target)) fail("{}: saving weights as {} is not supported by this build", what, to_string(target));
+    const auto& [name, t] = tensors[i];
     if (!t.is_floating_point() || t.scalar_type() == container_dtype(target)) continue;
+    names.insert(to_string(target));
     NarrowingReport r = check_narrowing(name, t, target);
     if (r.bad(options)) problems.push_back(r.describe(target));
   }
   if (!problems.empty()) {
+    const std::string in = fmt::format("{}", fmt::join(names, " / "));
     const size_t shown = std::min<size_t>(problems.size(), 20);
     std::string list = fmt::format("{}", fmt::join(problems.begin(), problems.begin() + shown, "\n  "));
     if (problems.size() > shown) list += fmt::format("\n  ... and {} more tensors", problems.size() - shown);
@@ -66,20 +77,27 @@ std::vector<NamedTensor> convert_for_save(const std::vector<std::pair<std::strin
           "{}: saving in {} would damage {} tensor(s) (overflow, or more than {:.3g}% of nonzero values flushed "
           "to zero):\n  {}\nSave in a wider dtype (save_precision = \"fp32\" or \"bf16\"), or set "
           "save_precision_force = true to save anyway",
-          what, to_string(target), problems.size(), 100 * options.max_flush_fraction, list);
+          what, in, problems.size(), 100 * options.max_flush_fraction, list);
     }
-    spdlog::warn("{}: saving in {} anyway (save_precision_force) although {} tensor(s) lose values:\n  {}", what,
-                 to_string(target), problems.size(), list);
+    spdlog::warn("{}: saving in {} anyway (save_precision_force) although {} tensor(s) lose values:\n  {}", what, in,
+                 problems.size(), list);
   }
   std::vector<NamedTensor> out;
   out.reserve(tensors.size());
-  for (const auto& [name, t] : tensors) {
-    const at::Tensor v = t.detach();
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor v = tensors[i].second.detach();
     std::optional<at::ScalarType> cast;
-    if (v.is_floating_point() && v.scalar_type() != container_dtype(target)) cast = container_dtype(target);
-    out.push_back({name, v, std::nullopt, cast});
+    if (targets[i] && v.is_floating_point() && v.scalar_type() != container_dtype(*targets[i]))
+      cast = container_dtype(*targets[i]);
+    out.push_back({tensors[i].first, v, std::nullopt, cast});
   }
   return out;
+}
+
+std::vector<NamedTensor> convert_for_save(const std::vector<std::pair<std::string, at::Tensor>>& tensors, Dtype target,
+                                          const SaveGuardOptions& options, const std::string& what) {
+  if (is_fp8(target)) fail("{}: saving weights as {} is not supported by this build", what, to_string(target));
+  return convert_for_save(tensors, std::vector<std::optional<Dtype>>(tensors.size(), target), options, what);
 }
 
 void save_with_guard(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,

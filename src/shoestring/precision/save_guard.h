@@ -59,6 +59,13 @@ NarrowingReport check_narrowing(const std::string& name, const at::Tensor& t, Dt
 /// `what` names the file being written.
 std::vector<NamedTensor> convert_for_save(const std::vector<std::pair<std::string, at::Tensor>>& tensors, Dtype target,
                                           const SaveGuardOptions& options, const std::string& what);
+/// convert_for_save with a target per tensor (`targets[i]` for tensors[i],
+/// one entry each; nullopt: written as it is): e.g. fp32 shadows rounded
+/// back into their model tensors' own dtypes (`shoestring consolidate
+/// --ema`). Throws as convert_for_save, and for a size mismatch.
+std::vector<NamedTensor> convert_for_save(const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                                          const std::vector<std::optional<Dtype>>& targets,
+                                          const SaveGuardOptions& options, const std::string& what);
 
 /// Writes `tensors` to safetensors file `path` (atomic), in `target` when
 /// given (through convert_for_save, with metadata "dtype" = the target's

@@ -8,8 +8,6 @@
 #include <vector>
 
 #include <fmt/format.h>
-#include <fmt/ranges.h>
-#include <spdlog/spdlog.h>
 
 #include "shoestring/core/error.h"
 #include "shoestring/core/text.h"
@@ -115,13 +113,9 @@ ConsolidateResult consolidate_checkpoint(const std::string& checkpoint_dir, cons
   {
     // Anywhere under the checkpoint folder (its files are what is read).
     std::error_code ec;
-    const fs::path inside = fs::weakly_canonical(dir, ec);
-    for (fs::path p = fs::weakly_canonical(fs::absolute(out), ec).parent_path(); !ec && !p.empty();
-         p = p.parent_path()) {
-      if (p == inside)
-        fail("consolidate: output '{}' is inside the checkpoint folder it reads ({})", out, checkpoint_dir);
-      if (p == p.root_path()) break;
-    }
+    const fs::path rel = fs::weakly_canonical(fs::absolute(out), ec).lexically_relative(fs::weakly_canonical(dir, ec));
+    if (!ec && !rel.empty() && *rel.begin() != "..")
+      fail("consolidate: output '{}' is inside the checkpoint folder it reads ({})", out, checkpoint_dir);
   }
   ConsolidateResult result;
   // The model alone is read: a checkpoint whose optimizer shards are lost still gives its weights.
@@ -162,9 +156,12 @@ ConsolidateResult consolidate_checkpoint(const std::string& checkpoint_dir, cons
     sources.insert(model.filename().string());
   }
   metadata["shoestring.consolidated_from"] = fs::path(checkpoint_dir).lexically_normal().string();
-  // With --ema: each shadowed tensor is written from its fp32 shadow,
-  // converted while writing (no converted copy of the model is held).
-  std::map<std::string, at::ScalarType> model_dtype;
+  // Each tensor's dtype in the output: --dtype's, else its own; with --ema
+  // the shadowed ones are written from their fp32 shadows, rounded to nearest
+  // into the model tensor's dtype (as EMA::swap_in copies them into the
+  // parameters for the final file). Converted while writing, through the
+  // range guard: no converted copy of the model is held.
+  std::vector<std::optional<precision::Dtype>> targets(tensors.size(), options.dtype);
   if (options.ema) {
     const EmaShadows found = ema_shadows(dir, result.sharded, mapped, sources);
     const std::map<std::string, at::Tensor>& shadows = found.shadows;
@@ -192,11 +189,8 @@ ConsolidateResult consolidate_checkpoint(const std::string& checkpoint_dir, cons
             checkpoint_dir, name, name);
       }
     }
-    precision::SaveGuardOptions guard;
-    guard.force = options.force;
-    std::vector<std::string> damaged;
-    std::set<std::string> used;
-    for (auto& [name, t] : tensors) {
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      auto& [name, t] = tensors[i];
       const auto it = shadows.find(name);
       if (it == shadows.end()) continue;
       const at::Tensor& shadow = it->second;
@@ -211,56 +205,20 @@ ConsolidateResult consolidate_checkpoint(const std::string& checkpoint_dir, cons
       if (!at::isfinite(shadow).all().item<bool>()) {
         fail("consolidate --ema: EMA tensor 'ema.{}' of '{}' holds inf or NaN", name, checkpoint_dir);
       }
-      // Dtypes kept: the rounding into the model tensor's dtype goes through
-      // the range guard (with --dtype, save_with_guard checks against it).
-      const std::optional<precision::Dtype> target = guard_dtype(t.scalar_type());
-      if (!options.dtype && target && *target != precision::Dtype::fp32) {
-        const precision::NarrowingReport r = precision::check_narrowing(name, shadow, *target);
-        if (r.bad(guard)) damaged.push_back(r.describe(*target));
-      }
-      model_dtype[name] = t.scalar_type();
+      if (!options.dtype) targets[i] = guard_dtype(t.scalar_type());
       t = shadow;
-      used.insert(name);
+      ++result.ema_tensors;
     }
-    if (!damaged.empty()) {
-      const std::string list = fmt::format("{}", fmt::join(damaged, "; "));
-      if (!options.force) {
-        fail(
-            "consolidate --ema: rounding the EMA shadows into the model's dtypes would damage {} tensor(s): {}; "
-            "write them wider (--dtype fp32) or anyway (--force)",
-            damaged.size(), list);
-      }
-      spdlog::warn("consolidate --ema: writing anyway (--force) although {} tensor(s) lose values: {}", damaged.size(),
-                   list);
-    }
-    result.ema_tensors = static_cast<int64_t>(used.size());
     metadata["shoestring.ema"] = "true";
   }
-  if (options.dtype || model_dtype.empty()) {
-    precision::SaveGuardOptions guard;
-    guard.force = options.force;
-    precision::save_with_guard(out, tensors, options.dtype, guard, metadata, out);
-  } else {
-    // Dtypes kept: a shadow is rounded to nearest into its model tensor's
-    // dtype, as EMA::swap_in copies it into the parameter for the final file.
-    std::vector<NamedTensor> named;
-    named.reserve(tensors.size());
-    for (const auto& [name, t] : tensors) {
-      const auto it = model_dtype.find(name);
-      std::optional<at::ScalarType> cast;
-      if (it != model_dtype.end() && it->second != t.scalar_type()) cast = it->second;
-      named.push_back({name, t, std::nullopt, cast});
-    }
-    save_safetensors(out, named, metadata);
-  }
-  result.tensors = static_cast<int64_t>(tensors.size());
-  for (const auto& [name, t] : tensors) {
-    const bool cast = options.dtype && t.is_floating_point();
-    const auto kept = model_dtype.find(name);
-    result.bytes +=
-        t.numel() * (cast ? static_cast<int64_t>(c10::elementSize(precision::container_dtype(*options.dtype)))
-                     : kept != model_dtype.end() ? static_cast<int64_t>(c10::elementSize(kept->second))
-                                                 : static_cast<int64_t>(t.element_size()));
+  if (options.dtype) metadata["dtype"] = precision::to_string(*options.dtype);
+  precision::SaveGuardOptions guard;
+  guard.force = options.force;
+  const std::vector<NamedTensor> named = precision::convert_for_save(tensors, targets, guard, out);
+  save_safetensors(out, named, metadata);
+  result.tensors = static_cast<int64_t>(named.size());
+  for (const NamedTensor& t : named) {
+    result.bytes += t.tensor.numel() * static_cast<int64_t>(c10::elementSize(t.cast.value_or(t.tensor.scalar_type())));
   }
   result.files_read = static_cast<int64_t>(sources.size());
   return result;
