@@ -57,7 +57,8 @@ struct ProcessGroup::Impl {
   /// After a collective failed: which ranks do not answer. Every rank that
   /// sees a collective fail leaves "shoestring/failed/<rank>" in the store
   /// and looks for the others' for 1.5 s; a rank that left none is
-  /// the stopped, hung or dead one (or still computing). Asked once per
+  /// the stopped, hung or dead one (or still computing, or blocked on this
+  /// rank, which reports only once this rank exits). Asked once per
   /// group (later failures reuse the answer), within about 3 s even when the
   /// store itself does not answer (its host, rank 0, stopped).
   std::string unresponsive_ranks() {
@@ -110,7 +111,7 @@ struct ProcessGroup::Impl {
     } else {
       diagnosis = fmt::format(
           "; rank{} {} did not report this failure within 1.5 s: stopped, hung or exited (or still "
-          "computing)",
+          "computing, or blocked on this rank in the collective)",
           shared->silent.size() == 1 ? "" : "s", fmt::join(shared->silent, ", "));
     }
     return *diagnosis;
