@@ -15,7 +15,8 @@ Same work on both sides: the architecture and its parameter count, random inputs
 optimizer (Adafactor with kohya's arguments or AdamW, lr 1e-5), gradient checkpointing per ResBlock
 and transformer block, the same intra-op thread count (every CPU of the affinity mask) and the same
 OMP_WAIT_POLICY and GOMP_SPINCOUNT (PASSIVE and 3000 unless set, as shoestring sets them for itself:
-core/threads.h). bf16 rows (bf16 weights with
+core/threads.h), and the same OpenBLAS kernels (OPENBLAS_CORETYPE where OpenBLAS fell back to generic ones
+on a CPU it does not know, as shoestring sets it for itself). bf16 rows (bf16 weights with
 stochastic rounding) run only where /proc/cpuinfo has avx512_bf16 or amx_bf16; rows whose weights and
 gradients would not fit in MemAvailable are skipped with the reason printed.
 
@@ -60,8 +61,41 @@ def cpu_line():
     wait = os.environ.get("OMP_WAIT_POLICY") or "default (spinning)"
     if os.environ.get("GOMP_SPINCOUNT"):
         wait += f", GOMP_SPINCOUNT {os.environ['GOMP_SPINCOUNT']}"
+    blas = os.environ.get("OPENBLAS_CORETYPE")
+    blas = f"OpenBLAS {blas} (OPENBLAS_CORETYPE)" if blas else f"OpenBLAS {openblas_corename() or 'unknown'}"
     return f"CPU: {model} | features: {' '.join(present)} | bf16 units: {'yes' if bf16 else 'no'} | " \
-           f"OpenMP wait {wait}", bf16
+           f"OpenMP wait {wait} | BLAS {blas}", bf16, flags
+
+
+def openblas_corename():
+    """The kernel set OpenBLAS picks in a process with this environment ("" without OpenBLAS)."""
+    import ctypes
+    try:
+        lib = ctypes.CDLL("libopenblas.so.0")
+    except OSError:
+        return ""
+    lib.openblas_get_corename.restype = ctypes.c_char_p
+    return (lib.openblas_get_corename() or b"").decode()
+
+
+def openblas_corename_unset():
+    """The kernel set OpenBLAS picks without OPENBLAS_CORETYPE (asked in a child: it reads it once, when loaded)."""
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_CORETYPE"}
+    code = "import ctypes; l = ctypes.CDLL('libopenblas.so.0'); l.openblas_get_corename.restype = ctypes.c_char_p; " \
+           "print(l.openblas_get_corename().decode())"
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    return r.stdout.strip() or "unknown"
+
+
+def openblas_core_override(chosen, flags):
+    """core/threads.cpp openblas_core_override: the kernel set shoestring asks OpenBLAS for, "" to keep its own."""
+    if not chosen or chosen.lower() in ("haswell", "zen", "skylakex", "cooperlake", "sapphirerapids", "excavator"):
+        return ""
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+        return "SkylakeX"
+    if {"avx2", "fma"} <= flags:
+        return "Haswell"
+    return ""
 
 
 def emoji_unet(config):
@@ -197,19 +231,34 @@ def main():
     ap.add_argument("--steps", type=int, default=0, help="steps per process, first one not counted (default: per row)")
     ap.add_argument("--build-dir", default=os.environ.get("SHOESTRING_BUILD_DIR", os.path.join(ROOT, "build")))
     ap.add_argument("--json", default="", help="append one JSON object per row to this file")
+    ap.add_argument("--peer-default-blas", action="store_true",
+                    help="the peer runs the OpenBLAS kernels OpenBLAS picks itself (what a PyTorch user gets), "
+                         "not the ones shoestring asks for")
     args = ap.parse_args()
     if args.rounds < 0:
         ap.error(f"--rounds must be >= 1 (or 0 for the row's default), got {args.rounds}")
     if args.steps != 0 and args.steps < 2:
         ap.error(f"--steps must be >= 2 (the first step of each process is not counted), got {args.steps}")
     env = dict(os.environ)
+    env_at_start = dict(env)
     if not env.get("OMP_WAIT_POLICY"):
         # what shoestring sets for itself (core/threads.h); the peer gets the same
         for key, value in (("OMP_WAIT_POLICY", "PASSIVE"), ("GOMP_SPINCOUNT", "3000")):
             if not env.get(key):
                 env[key] = value
                 os.environ[key] = value
-    line, bf16_units = cpu_line()
+    if not env.get("OPENBLAS_CORETYPE"):
+        # OpenBLAS kernels where OpenBLAS did not know the CPU: shoestring sets them for itself, the peer gets
+        # the same (unset, a peer on such a CPU runs OpenBLAS's generic fallback)
+        core = openblas_core_override(openblas_corename(), cpu_line()[2])
+        if core:
+            env["OPENBLAS_CORETYPE"] = core
+            os.environ["OPENBLAS_CORETYPE"] = core
+    peer_env = dict(env)
+    line, bf16_units, _ = cpu_line()
+    if args.peer_default_blas and "OPENBLAS_CORETYPE" in env and not env_at_start.get("OPENBLAS_CORETYPE"):
+        del peer_env["OPENBLAS_CORETYPE"]
+        line += f" (the peer: OpenBLAS {openblas_corename_unset()}, its own pick)"
     print(line, flush=True)
     threads = len(os.sched_getaffinity(0))
     print(f"threads: {threads} on both sides; peer: {sys.executable} (torch, eager)", flush=True)
@@ -240,7 +289,7 @@ def main():
             if rnd % 2:
                 order.reverse()
             for side, cmd in order:
-                j, peak, wall = run_one(cmd, env)
+                j, peak, wall = run_one(cmd, env if side == "ours" else peer_env)
                 steps[side] += j["step_seconds"][1:] if len(j["step_seconds"]) > 1 else j["step_seconds"]
                 rss[side] = max(rss[side], peak)
                 params[side] = j["parameters"]

@@ -18,6 +18,8 @@
 
 #include <torch/torch.h>
 
+#include "shoestring/core/cpu_features.h"
+#include "shoestring/core/threads.h"
 #include "shoestring/io/safetensors.h"
 #include "shoestring/models/architecture.h"
 
@@ -52,20 +54,35 @@ TEST(Cli, TrainSampleInspectFlow) {
   fs::remove_all(out);
   // Without OpenMP settings of the user's, the CLI re-executes itself with
   // PASSIVE and a bounded spin count (core/threads.h).
+  // OpenBLAS's kernels: ours where it did not know this CPU (the same rule
+  // applied to what it picks in this test process, which does not re-execute).
   Result t = shoestring::testing::run_cli("train " + cfg + " --output-dir " + out + " --set seed=4",
-                                          "env -u OMP_WAIT_POLICY -u GOMP_SPINCOUNT");
+                                          "env -u OMP_WAIT_POLICY -u GOMP_SPINCOUNT -u OPENBLAS_CORETYPE");
   ASSERT_EQ(t.code, 0) << t.output;
   EXPECT_NE(t.output.find("OpenMP wait PASSIVE, GOMP_SPINCOUNT 3000)"), std::string::npos) << t.output;
+  const std::string here = shoestring::blas_kernels();  // "OpenBLAS <core>" as OpenBLAS picked it
+  const char* user_core = std::getenv("OPENBLAS_CORETYPE");
+  if (here.rfind("OpenBLAS ", 0) == 0 && (user_core == nullptr || *user_core == '\0')) {
+    const std::string picked = here.substr(9);
+    const std::string ours = shoestring::openblas_core_override(picked, shoestring::cpu_features());
+    EXPECT_NE(t.output.find("| BLAS OpenBLAS " + (ours.empty() ? picked + "\n" : ours + " (OPENBLAS_CORETYPE)")),
+              std::string::npos)
+        << here << "\n" << t.output;
+  }
   EXPECT_NE(t.output.find("step 1 measured peak"), std::string::npos) << t.output;
   EXPECT_NE(t.output.find("step 3/3"), std::string::npos) << t.output;
   EXPECT_TRUE(fs::exists(out + "/model.safetensors"));
 
   // Resume further; the step counter continues.
   // A spin count the user set is kept.
+  // So is a kernel set the user chose (Prescott: SSE3, on every x86-64).
   Result r = shoestring::testing::run_cli("train --resume " + out + " --max-steps 5",
-                                          "env -u OMP_WAIT_POLICY GOMP_SPINCOUNT=77");
+                                          "env -u OMP_WAIT_POLICY GOMP_SPINCOUNT=77 OPENBLAS_CORETYPE=Prescott");
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_NE(r.output.find("OpenMP wait PASSIVE, GOMP_SPINCOUNT 77)"), std::string::npos) << r.output;
+  if (here.rfind("OpenBLAS ", 0) == 0) {
+    EXPECT_NE(r.output.find("| BLAS OpenBLAS Prescott (OPENBLAS_CORETYPE)"), std::string::npos) << r.output;
+  }
   EXPECT_NE(r.output.find("resumed from"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("step 5/5"), std::string::npos) << r.output;
 

@@ -9,6 +9,7 @@
 #include "../error_testing.h"
 #include "shoestring/core/cpu_features.h"
 #include "shoestring/core/error.h"
+#include "shoestring/core/threads.h"
 
 using namespace shoestring;
 
@@ -95,4 +96,23 @@ TEST(CpuFeatures, Bf16SlowdownIsAPositiveRatio) {
             std::string::npos);
   EXPECT_NE(shoestring::testing::error_of([] { measure_bf16_matmul_slowdown(64, 0); }).find("repeats = 0"),
             std::string::npos);
+}
+
+TEST(CpuFeatures, OpenBlasKernelsFollowTheCpuWhereOpenBlasFellBack) {
+  const CpuFeatures v4 = parse_cpuinfo("flags\t: avx2 fma f16c avx512f avx512bw avx512vl avx512dq avx512_bf16\n");
+  const CpuFeatures v3 = parse_cpuinfo("flags\t: avx2 fma f16c\n");
+  const CpuFeatures v2 = parse_cpuinfo("flags\t: sse4_2 avx\n");
+  // Generic fallbacks of an OpenBLAS that did not know the CPU are replaced
+  // by the newest kernel set the CPU runs.
+  EXPECT_EQ(openblas_core_override("Prescott", v4), "SkylakeX");
+  EXPECT_EQ(openblas_core_override("Nehalem", v4), "SkylakeX");
+  EXPECT_EQ(openblas_core_override("Prescott", v3), "Haswell");
+  EXPECT_EQ(openblas_core_override("Sandybridge", v3), "Haswell");
+  // Kernels with AVX2 or better are OpenBLAS's informed choice: kept, in any case.
+  for (const char* kept : {"Haswell", "ZEN", "SkylakeX", "cooperlake", "SapphireRapids", "Excavator"}) {
+    EXPECT_EQ(openblas_core_override(kept, v4), "") << kept;
+  }
+  // A CPU without AVX2, or no OpenBLAS: nothing to ask for.
+  EXPECT_EQ(openblas_core_override("Prescott", v2), "");
+  EXPECT_EQ(openblas_core_override("", v4), "");
 }

@@ -13,8 +13,8 @@
 #include "shoestring/core/threads.h"
 
 int main(int argc, char** argv) {
-  // CPU runtime first: libgomp reads its wait policy when loaded (re-exec).
-  shoestring::prefer_passive_omp_wait(argv);
+  // CPU runtime first: libgomp and OpenBLAS read their settings when loaded (re-exec).
+  shoestring::set_cpu_runtime_environment(argv);
   shoestring::configure_allocator();
   CLI::App app{"shoestring: train diffusion image models on small-memory hardware"};
   app.require_subcommand(1);

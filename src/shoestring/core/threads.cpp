@@ -4,6 +4,7 @@
 #include <sched.h>
 #include <unistd.h>
 
+#include <cctype>
 #include <cstdlib>
 #include <thread>
 
@@ -37,14 +38,56 @@ int configure_threads(int64_t requested) {
   return n;
 }
 
-void prefer_passive_omp_wait(char** argv) {
-  const char* set = std::getenv("OMP_WAIT_POLICY");
-  if (set != nullptr && *set != '\0') return;
-  if (setenv("OMP_WAIT_POLICY", "PASSIVE", 1) != 0) return;
-  setenv("GOMP_SPINCOUNT", kOmpSpinCount, 0);  // a value the user set is kept
+namespace {
+
+bool unset(const char* name) {
+  const char* v = std::getenv(name);
+  return v == nullptr || *v == '\0';
+}
+
+/// OpenBLAS's name for the kernel set it runs, "" without OpenBLAS.
+std::string openblas_corename() {
+  using CoreName = char* (*)();
+  auto* get = reinterpret_cast<CoreName>(dlsym(RTLD_DEFAULT, "openblas_get_corename"));
+  const char* name = get != nullptr ? get() : nullptr;
+  return name != nullptr ? name : "";
+}
+
+}  // namespace
+
+std::string openblas_core_override(const std::string& chosen, const CpuFeatures& cpu) {
+  if (chosen.empty()) return "";
+  std::string lower = chosen;
+  for (char& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  for (const char* modern : {"haswell", "zen", "skylakex", "cooperlake", "sapphirerapids", "excavator"}) {
+    if (lower == modern) return "";
+  }
+  if (cpu.avx512f && cpu.avx512bw && cpu.avx512vl && cpu.avx512dq) return "SkylakeX";
+  if (cpu.avx2 && cpu.fma) return "Haswell";
+  return "";
+}
+
+std::string blas_kernels() {
+  const std::string core = openblas_corename();
+  if (core.empty()) return "unknown";
+  return "OpenBLAS " + core + (unset("OPENBLAS_CORETYPE") ? "" : " (OPENBLAS_CORETYPE)");
+}
+
+void set_cpu_runtime_environment(char** argv) {
+  bool changed = false;
+  if (unset("OMP_WAIT_POLICY")) {
+    changed = setenv("OMP_WAIT_POLICY", "PASSIVE", 1) == 0;
+    if (changed) setenv("GOMP_SPINCOUNT", kOmpSpinCount, 0);  // a value the user set is kept
+  }
+  if (unset("OPENBLAS_CORETYPE")) {
+    const std::string core = openblas_core_override(openblas_corename(), cpu_features());
+    if (!core.empty() && setenv("OPENBLAS_CORETYPE", core.c_str(), 1) == 0) changed = true;
+  }
+  if (!changed) return;
   execv("/proc/self/exe", argv);
-  // execv returned: it failed. Carry on with libgomp's default; the variable
-  // now set only affects children, which is what the user would get anyway.
+  // execv returned: it failed. Carry on with what the libraries chose; the
+  // variables now set only affect children, which is what the user would get
+  // anyway.
 }
 
 std::string omp_wait_policy() {

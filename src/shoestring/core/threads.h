@@ -1,5 +1,5 @@
 // CPU runtime settings for libtorch: intra-op thread count, OpenMP wait
-// policy and the C allocator's trim behaviour.
+// policy, OpenBLAS's kernel set and the C allocator's trim behaviour.
 //
 // libtorch 1.13 defaults to the number of *physical* cores that cpuinfo
 // reports, which on small virtual machines whose vCPUs are presented as SMT
@@ -15,6 +15,8 @@
 #pragma once
 #include <cstdint>
 #include <string>
+
+#include "shoestring/core/cpu_features.h"
 
 namespace shoestring {
 
@@ -40,15 +42,40 @@ int configure_threads(int64_t requested);
 /// unbounded spinning (see above).
 inline constexpr const char* kOmpSpinCount = "3000";
 
-/// Makes libgomp's idle workers sleep instead of spinning for long, for a
-/// program's main(): libgomp reads OMP_WAIT_POLICY once, when it is loaded, so
-/// when the variable is unset this sets it to PASSIVE (and GOMP_SPINCOUNT to
-/// kOmpSpinCount unless set) and re-executes the running binary
-/// (/proc/self/exe) with the same `argv`. A value the user set, any
-/// non-empty value, is kept (libgomp ignores values it does not know). Returns normally (without re-executing) when the
-/// variable was already set or when the re-execution fails; never throws. Why: with 2 cores, libgomp's spinning workers
-/// compete with OpenBLAS's own threads and with every other process (see the measurement above).
-void prefer_passive_omp_wait(char** argv);
+/// Sets the environment that libgomp and OpenBLAS read only when they are
+/// loaded, for a program's main(), and re-executes the running binary
+/// (/proc/self/exe) with the same `argv` when it changed anything:
+/// - OMP_WAIT_POLICY = PASSIVE (and GOMP_SPINCOUNT = kOmpSpinCount) when
+///   unset, so that libgomp's idle workers sleep instead of spinning for long.
+///   Why: with 2 cores, spinning workers compete with OpenBLAS's own threads
+///   and with every other process (see the measurement above).
+/// - OPENBLAS_CORETYPE = openblas_core_override(...) when unset and OpenBLAS
+///   picked kernels older than the CPU (see there).
+/// A value the user set, any non-empty value, is kept (libgomp and OpenBLAS
+/// ignore values they do not know). Returns normally (without re-executing)
+/// when nothing needed setting or when the re-execution fails; never throws.
+void set_cpu_runtime_environment(char** argv);
+
+/// The OpenBLAS kernel set ("core", the value of OPENBLAS_CORETYPE) to ask for
+/// instead of `chosen`, the one OpenBLAS picked (openblas_get_corename()), on
+/// a CPU with `cpu`'s features; "" to keep `chosen`. OpenBLAS's DYNAMIC_ARCH
+/// build (Debian's) picks by CPU family and model, and one that it does not
+/// know falls back to generic kernels: Debian 12's OpenBLAS 0.3.21 runs its
+/// SSE3 "Prescott" sgemm on a Xeon of family 6 model 207 (Emerald Rapids,
+/// AVX-512 BF16 and AMX). Measured there (2 vCPUs, build/bench/model_step,
+/// emoji model, fp32, batch 32, unfused AdamW, alternating 3 rounds):
+/// 0.162-0.171 s/step with Prescott, 0.115-0.126 with SkylakeX. So a
+/// `chosen` without AVX2 kernels (not Haswell, Zen, SkylakeX, Cooperlake,
+/// SapphireRapids or Excavator; compared case-insensitively) is replaced by
+/// "SkylakeX" where the CPU has x86-64-v4 (AVX-512 F, BW, VL, DQ) and by
+/// "Haswell" where it has x86-64-v3 (AVX2 and FMA). "" for an empty `chosen`
+/// (no OpenBLAS in the process). Never throws.
+std::string openblas_core_override(const std::string& chosen, const CpuFeatures& cpu);
+
+/// The BLAS under libtorch's fp32 matrix products: "OpenBLAS <core>" (the
+/// kernel set in use, openblas_get_corename()), with " (OPENBLAS_CORETYPE)"
+/// when that variable chose it; "unknown" when the process has no OpenBLAS.
+std::string blas_kernels();
 
 /// The OpenMP wait policy in effect for this process: the value of
 /// OMP_WAIT_POLICY, or "default (spinning)" when it is unset, followed by

@@ -368,7 +368,7 @@ std::unique_ptr<GradientPath> make_run_gradient_path(const Run& run, const std::
 
 void log_setup(const Run& run) {
   const TrainConfig& c = run.config;
-  spdlog::info("{}", describe(cpu_features()));
+  spdlog::info("{} | BLAS {}", describe(cpu_features()), blas_kernels());
   spdlog::info("device: {}{}", describe_device(run.device),
                run.device.is_cpu() ? "" : "; dataset and caches in host memory, sent a batch at a time");
   if (!run.device_note.empty()) spdlog::info("{}", run.device_note);
