@@ -1,5 +1,8 @@
 #include "shoestring/io/atomic_file.h"
 
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -40,6 +43,46 @@ TEST(AtomicFile, WriterThrowingLeavesNoFileAndNoTemp) {
                std::runtime_error);
   EXPECT_FALSE(fs::exists(path));
   EXPECT_TRUE(dir.entries().empty());
+}
+
+TEST(AtomicFile, TerminatedMidWriteLeavesNoTemporary) {
+  // A child process stopped by SIGTERM (a launcher stopping its ranks, `kill`)
+  // in the middle of a write: its temporary was on disk, and is gone after,
+  // and the child still ends by the signal.
+  for (int sig : {SIGTERM, SIGINT}) {
+    TempDir dir;
+    const std::string path = dir.file("out.bin");
+    int ready[2];
+    ASSERT_EQ(::pipe(ready), 0);
+    const pid_t child = ::fork();
+    ASSERT_GE(child, 0);
+    if (child == 0) {
+      ::close(ready[0]);
+      try {
+        write_file_atomic(path, [&](std::FILE* f) {
+          std::fputs("partial", f);
+          std::fflush(f);
+          const char byte = 1;
+          if (::write(ready[1], &byte, 1) != 1) ::_exit(2);
+          for (;;) ::pause();  // until the signal
+        });
+      } catch (...) {
+      }
+      ::_exit(3);
+    }
+    ::close(ready[1]);
+    pollfd wait_ready{ready[0], POLLIN, 0};
+    ASSERT_EQ(::poll(&wait_ready, 1, 20000), 1) << "the child did not start writing";
+    const std::vector<std::string> during = dir.entries();
+    ASSERT_EQ(during.size(), 1u);
+    EXPECT_THAT(during[0], HasSubstr("out.bin.tmp." + std::to_string(child) + "."));
+    ASSERT_EQ(::kill(child, sig), 0);
+    int status = 0;
+    ASSERT_EQ(::waitpid(child, &status, 0), child);
+    ::close(ready[0]);
+    EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == sig) << "status " << status << ", signal " << sig;
+    EXPECT_TRUE(dir.entries().empty()) << "signal " << sig;
+  }
 }
 
 TEST(AtomicFile, WriterThrowingKeepsPreviousContent) {

@@ -1,6 +1,7 @@
 #include "shoestring/io/atomic_file.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/file.h>
 #include <unistd.h>
 
@@ -12,6 +13,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <mutex>
 #include <sstream>
 
 #include "shoestring/core/error.h"
@@ -51,6 +53,74 @@ std::string temporary_target(const std::string& name) {
   return name.substr(0, pid_dot - 4);
 }
 
+/// Temporaries being written now, for the signal handler below: fixed slots
+/// (no allocation, lock-free atomics), so the handler only reads them and
+/// calls unlink, both async-signal-safe. 0 free, 1 being filled, 2 ready.
+struct TemporarySlot {
+  std::atomic<int> state{0};
+  char path[4096];
+};
+TemporarySlot g_temporaries[32];
+
+/// SIGINT, SIGTERM or SIGHUP (Ctrl-C, a launcher stopping its ranks, a
+/// closed terminal): removes the temporaries being written, then ends the
+/// process by the same signal with its default action, as it would have
+/// ended without this handler.
+void remove_temporaries_and_reraise(int sig) {
+  for (TemporarySlot& slot : g_temporaries) {
+    if (slot.state.load() == 2) ::unlink(slot.path);
+  }
+  ::signal(sig, SIG_DFL);
+  ::raise(sig);  // delivered when this handler returns
+}
+
+/// Installs the handler once per process, for each of the three signals whose
+/// disposition is still the default (a handler of the program's own, e.g. the
+/// launcher's, is kept; so is an ignored signal).
+void install_temporary_cleanup() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    for (int sig : {SIGINT, SIGTERM, SIGHUP}) {
+      struct sigaction current {};
+      if (::sigaction(sig, nullptr, &current) != 0 || (current.sa_flags & SA_SIGINFO) != 0 ||
+          current.sa_handler != SIG_DFL) {
+        continue;
+      }
+      struct sigaction action {};
+      action.sa_handler = remove_temporaries_and_reraise;
+      sigemptyset(&action.sa_mask);
+      ::sigaction(sig, &action, nullptr);
+    }
+  });
+}
+
+/// A temporary the signal handler removes while registered (RAII). A path
+/// too long for a slot, or more than 32 writes at once, is not registered:
+/// remove_temporaries still finds it later.
+class RegisteredTemporary {
+ public:
+  explicit RegisteredTemporary(const std::string& path) {
+    install_temporary_cleanup();
+    if (path.size() >= sizeof(TemporarySlot::path)) return;
+    for (TemporarySlot& slot : g_temporaries) {
+      int expected = 0;
+      if (!slot.state.compare_exchange_strong(expected, 1)) continue;
+      std::memcpy(slot.path, path.c_str(), path.size() + 1);
+      slot.state.store(2);
+      slot_ = &slot;
+      return;
+    }
+  }
+  ~RegisteredTemporary() {
+    if (slot_) slot_->state.store(0);
+  }
+  RegisteredTemporary(const RegisteredTemporary&) = delete;
+  RegisteredTemporary& operator=(const RegisteredTemporary&) = delete;
+
+ private:
+  TemporarySlot* slot_ = nullptr;
+};
+
 void fsync_dir(const fs::path& dir) {
   int fd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY);
   if (fd >= 0) {
@@ -63,6 +133,7 @@ void fsync_dir(const fs::path& dir) {
 void write_file_atomic(const std::string& path, const std::function<void(std::FILE*)>& writer) {
   fs::path target(path);
   std::string tmp = fmt::format("{}.tmp.{}.{}", path, ::getpid(), g_counter++);
+  const RegisteredTemporary registered(tmp);  // a SIGINT / SIGTERM / SIGHUP meanwhile removes it
   std::FILE* f = std::fopen(tmp.c_str(), "wb");
   if (!f) {
     fail("cannot create '{}' (writing '{}'): {}", tmp, path, std::strerror(errno));

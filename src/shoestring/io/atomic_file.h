@@ -3,9 +3,11 @@
 // fsync'd, then renamed over the target, so a crash never leaves a partial
 // file under the final name.
 //
-// A process killed mid-write (kill -9, power loss) leaves its temporary
-// behind; remove_temporaries() clears them in a folder the caller owns
-// (FolderLock).
+// A process stopped mid-write by SIGINT, SIGTERM or SIGHUP removes its
+// temporaries before it ends (a handler installed at the first write, where
+// the program has none of its own). One killed otherwise (kill -9, power
+// loss) leaves its temporary behind; remove_temporaries() clears them in a
+// folder the caller owns (FolderLock).
 // SHOESTRING_TEST_CRASH_AT_WRITE=N (a test hook) makes the N-th atomic write
 // of the process end it with _exit(kCrashExitCode) after the temporary is
 // written and before the rename, as a kill at that point would: the
@@ -23,7 +25,10 @@ namespace shoestring {
 /// `<path>.tmp.<pid>.<n>` in the same directory; on success the temporary is
 /// fsync'd and renamed to `path`, and the directory is fsync'd.
 /// If `writer` throws, the temporary is removed and the exception propagates;
-/// `path` is left as it was.
+/// `path` is left as it was. SIGINT, SIGTERM or SIGHUP during the write
+/// removes the temporary and ends the process by that signal (the handler is
+/// installed at the first call, for those of the three signals whose
+/// disposition is still the default).
 /// Throws shoestring::Error naming the path when the file cannot be
 /// created, written, synced or renamed (e.g. directory missing or read-only).
 void write_file_atomic(const std::string& path, const std::function<void(std::FILE*)>& writer);

@@ -75,11 +75,10 @@ std::vector<NamedTensor> convert_for_save(const std::vector<std::pair<std::strin
     if (!options.force) {
       fail(
           "{}: saving in {} would damage {} tensor(s) (overflow, or more than {:.3g}% of nonzero values flushed "
-          "to zero):\n  {}\nSave in a wider dtype (save_precision = \"fp32\" or \"bf16\"), or set "
-          "save_precision_force = true to save anyway",
-          what, in, problems.size(), 100 * options.max_flush_fraction, list);
+          "to zero):\n  {}\n{}",
+          what, in, problems.size(), 100 * options.max_flush_fraction, list, options.override_hint);
     }
-    spdlog::warn("{}: saving in {} anyway (save_precision_force) although {} tensor(s) lose values:\n  {}", what, in,
+    spdlog::warn("{}: saving in {} anyway (forced) although {} tensor(s) lose values:\n  {}", what, in,
                  problems.size(), list);
   }
   std::vector<NamedTensor> out;

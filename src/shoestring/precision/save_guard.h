@@ -28,6 +28,12 @@ namespace shoestring::precision {
 struct SaveGuardOptions {
   double max_flush_fraction = 0.01;
   bool force = false;
+  /// The refusal's last sentence: how the user widens the dtype or forces
+  /// the save, in the words of the command that saves (its config keys or
+  /// its flags).
+  std::string override_hint =
+      "Save in a wider dtype (save_precision = \"fp32\" or \"bf16\"), or set save_precision_force = true to save "
+      "anyway";
 };
 
 /// What converting one tensor would do.

@@ -214,6 +214,7 @@ ConsolidateResult consolidate_checkpoint(const std::string& checkpoint_dir, cons
   if (options.dtype) metadata["dtype"] = precision::to_string(*options.dtype);
   precision::SaveGuardOptions guard;
   guard.force = options.force;
+  guard.override_hint = "Write fp32 (--dtype fp32), or pass --force to write anyway";
   const std::vector<NamedTensor> named = precision::convert_for_save(tensors, targets, guard, out);
   save_safetensors(out, named, metadata);
   result.tensors = static_cast<int64_t>(named.size());
