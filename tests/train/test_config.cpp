@@ -58,6 +58,9 @@ TEST(Config, WrongTypeAndRangeNameKeyValueAndAllowed) {
   std::string r = error_of("caption_dropout_rate = 1.5\n");
   EXPECT_NE(r.find("caption_dropout_rate"), std::string::npos) << r;
   EXPECT_NE(r.find("[0, 1]"), std::string::npos) << r;
+  // A float is shown as written, not with its binary expansion (0.050000000000000003).
+  std::string t = error_of("ddp_timeout = 0.05\n");
+  EXPECT_NE(t.find("invalid value 0.05 for 'ddp_timeout'"), std::string::npos) << t;
   std::string ch = error_of("mixed_precision = \"fp8\"\n");
   EXPECT_NE(ch.find("one of \"no\", \"bf16\""), std::string::npos) << ch;
   std::string syn = error_of("seed = = 3\n");

@@ -34,6 +34,8 @@ std::string describe(const toml::node& node) {
   std::ostringstream ss;
   if (node.is_string()) {
     ss << '"' << *node.value<std::string>() << '"';
+  } else if (node.is_floating_point()) {
+    ss << fmt::format("{}", *node.value<double>());  // shortest exact form: 0.05, not toml++'s 0.050000000000000003
   } else {
     node.visit([&](auto&& n) { ss << n; });
   }
