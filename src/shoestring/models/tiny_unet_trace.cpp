@@ -95,7 +95,9 @@ Sym tiny_unet(nn::MemoryTracer& t, const TinyUNetImpl& unet, const Sym& x_in, co
                     [&](const std::vector<Sym>& in) { return t.spatial_transformer(in[0], in[1], true, sp, false); });
   };
 
-  Sym x = t.copy(x_in, x_in.shape, "channels_last copy");  // contiguous(ChannelsLast)
+  // contiguous(ChannelsLast) of the input, and the GroupNorms' layout copies (nn::GroupNorm)
+  Sym x = u.channels_last() ? t.copy(x_in, x_in.shape, "channels_last copy") : x_in;
+  t.set_channels_last(u.channels_last());
   Sym h = t.conv(x, base, 3, 1);
   std::vector<Sym> skips{h};
   const int64_t levels = static_cast<int64_t>(u.channel_mult().size());

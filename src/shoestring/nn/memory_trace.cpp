@@ -331,9 +331,10 @@ Sym MemoryTracer::linear(const Sym& x_in, int64_t out_f, bool bias, bool scaled_
 }
 
 Sym MemoryTracer::norm(const Sym& x_in, int64_t C, int64_t stat_rows, const std::string& name, bool affine,
-                       int64_t transient) {
+                       int64_t transient, bool relayout) {
   const int in_elem = x_in.elem;
-  Sym x = in_elem == 2 ? cast(x_in, 4) : x_in;
+  const bool copied = in_elem == 2 || relayout;  // to fp32, or to NCHW: a copy that backward undoes
+  Sym x = copied ? cast(x_in, 4) : x_in;
   Sym y = make(x.shape, x.elem, x.rg || (affine && weight_grad()) || p_.frozen);
   TraceOp o;
   o.name = name;
@@ -343,6 +344,9 @@ Sym MemoryTracer::norm(const Sym& x_in, int64_t C, int64_t stat_rows, const std:
   if (x.rg) o.grad_inputs = {x.id};
   o.saved_extra = 2 * stat_rows * 4;
   o.forward_transient = transient;
+  // Channels-last: the gradient reaches the norm's backward in channels-last
+  // layout, and libtorch's contiguous kernel copies it to NCHW first.
+  if (relayout) o.backward_transient = x.numel() * 4;
   if (affine) {
     add_param({C});
     add_param({C});
@@ -350,7 +354,7 @@ Sym MemoryTracer::norm(const Sym& x_in, int64_t C, int64_t stat_rows, const std:
     o.param_grads = {param_grad_bytes({C}), param_grad_bytes({C})};
   }
   emit(o, y);
-  return in_elem == 2 ? cast(y, 2) : y;
+  return copied ? cast(y, in_elem) : y;
 }
 
 Sym MemoryTracer::layer_norm(const Sym& x, bool affine) {
@@ -359,7 +363,8 @@ Sym MemoryTracer::layer_norm(const Sym& x, bool affine) {
 }
 
 Sym MemoryTracer::group_norm(const Sym& x, int64_t C, int64_t groups) {
-  return norm(x, C, x.shape[0] * groups, fmt::format("group_norm {}", C));
+  return norm(x, C, x.shape[0] * groups, fmt::format("group_norm {}", C), /*affine=*/true, /*transient=*/0,
+              channels_last_ && x.shape.size() == 4);
 }
 
 Sym MemoryTracer::embed_mlp(Sym feats, int64_t hidden, int64_t out) {

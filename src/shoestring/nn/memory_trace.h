@@ -126,6 +126,10 @@ class MemoryTracer {
   int64_t param_grad_bytes(const std::vector<int64_t>& shape) const;
   /// Bytes per parameter-gradient element (the weight's storage dtype).
   int grad_elem() const { return p_.param_elem; }
+  /// Activations in channels-last layout (the tiny UNet's, models/tiny_unet.h):
+  /// group_norm then copies an fp32 input to NCHW and its output back, as
+  /// nn::GroupNorm does (a 2-byte input is copied to fp32 either way).
+  void set_channels_last(bool on) { channels_last_ = on; }
 
   // ---- elementwise and layout ----
   /// A dtype conversion: new tensor; backward converts the gradient back.
@@ -172,8 +176,13 @@ class MemoryTracer {
   /// to an fp32 copy (which the norm saves), the output cast back; affine
   /// weights of 2-byte storage are cast to fp32 too. `stat_rows`: rows of
   /// mean / rstd; `transient`: forward scratch (a contiguous copy inside).
+  /// `relayout`: a 4-byte input is copied too (nn::GroupNorm of a
+  /// channels-last input normalises an NCHW copy, saved, and returns a
+  /// channels-last copy); backward copies the channels-last gradient to
+  /// NCHW inside the kernel (one more fp32 copy while it runs) and the
+  /// input's gradient back.
   Sym norm(const Sym& x, int64_t channels, int64_t stat_rows, const std::string& name, bool affine = true,
-           int64_t transient = 0);
+           int64_t transient = 0, bool relayout = false);
   Sym layer_norm(const Sym& x, bool affine = true);
   Sym group_norm(const Sym& x, int64_t channels, int64_t groups);
   /// Timestep / vector embedding MLP: Linear, SiLU, Linear (fp32 features
@@ -245,6 +254,7 @@ class MemoryTracer {
 
   TracePrecision p_;
   BlockLookup lookup_;
+  bool channels_last_ = false;
 };
 
 }  // namespace shoestring::nn
