@@ -61,30 +61,25 @@ def cpu_line():
     wait = os.environ.get("OMP_WAIT_POLICY") or "default (spinning)"
     if os.environ.get("GOMP_SPINCOUNT"):
         wait += f", GOMP_SPINCOUNT {os.environ['GOMP_SPINCOUNT']}"
-    blas = os.environ.get("OPENBLAS_CORETYPE")
-    blas = f"OpenBLAS {blas} (OPENBLAS_CORETYPE)" if blas else f"OpenBLAS {openblas_corename() or 'unknown'}"
+    core = openblas_corename_with(os.environ)  # what runs, as threads.cpp blas_kernels() says it
+    blas = f"OpenBLAS {core}" + (" (OPENBLAS_CORETYPE)" if "OPENBLAS_CORETYPE" in os.environ else "") \
+        if core else "unknown"
     return f"CPU: {model} | features: {' '.join(present)} | bf16 units: {'yes' if bf16 else 'no'} | " \
            f"OpenMP wait {wait} | BLAS {blas}", bf16, flags
 
 
-def openblas_corename():
-    """The kernel set OpenBLAS picks in a process with this environment ("" without OpenBLAS)."""
-    import ctypes
-    try:
-        lib = ctypes.CDLL("libopenblas.so.0")
-    except OSError:
-        return ""
-    lib.openblas_get_corename.restype = ctypes.c_char_p
-    return (lib.openblas_get_corename() or b"").decode()
+def openblas_corename_with(env):
+    """The kernel set OpenBLAS runs in a process with `env` (asked in a child: OpenBLAS reads the environment
+    once, when loaded); "" without OpenBLAS."""
+    code = "import ctypes; l = ctypes.CDLL('libopenblas.so.0'); l.openblas_get_corename.restype = ctypes.c_char_p; " \
+           "print(l.openblas_get_corename().decode())"
+    r = subprocess.run([sys.executable, "-c", code], env=dict(env), capture_output=True, text=True)
+    return r.stdout.strip() if r.returncode == 0 else ""
 
 
 def openblas_corename_unset():
-    """The kernel set OpenBLAS picks without OPENBLAS_CORETYPE (asked in a child: it reads it once, when loaded)."""
-    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_CORETYPE"}
-    code = "import ctypes; l = ctypes.CDLL('libopenblas.so.0'); l.openblas_get_corename.restype = ctypes.c_char_p; " \
-           "print(l.openblas_get_corename().decode())"
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    return r.stdout.strip() or "unknown"
+    """The kernel set OpenBLAS picks without OPENBLAS_CORETYPE."""
+    return openblas_corename_with({k: v for k, v in os.environ.items() if k != "OPENBLAS_CORETYPE"})
 
 
 def openblas_core_override(chosen, flags):
@@ -247,18 +242,18 @@ def main():
             if not env.get(key):
                 env[key] = value
                 os.environ[key] = value
-    if not env.get("OPENBLAS_CORETYPE"):
+    if "OPENBLAS_CORETYPE" not in env:  # an empty value is the user's too, as in threads.cpp
         # OpenBLAS kernels where OpenBLAS did not know the CPU: shoestring sets them for itself, the peer gets
         # the same (unset, a peer on such a CPU runs OpenBLAS's generic fallback)
-        core = openblas_core_override(openblas_corename(), cpu_line()[2])
+        core = openblas_core_override(openblas_corename_unset(), cpu_line()[2])
         if core:
             env["OPENBLAS_CORETYPE"] = core
             os.environ["OPENBLAS_CORETYPE"] = core
     peer_env = dict(env)
     line, bf16_units, _ = cpu_line()
-    if args.peer_default_blas and "OPENBLAS_CORETYPE" in env and not env_at_start.get("OPENBLAS_CORETYPE"):
+    if args.peer_default_blas and "OPENBLAS_CORETYPE" in env and "OPENBLAS_CORETYPE" not in env_at_start:
         del peer_env["OPENBLAS_CORETYPE"]
-        line += f" (the peer: OpenBLAS {openblas_corename_unset()}, its own pick)"
+        line += f" (the peer: OpenBLAS {openblas_corename_unset() or 'unknown'}, its own pick)"
     print(line, flush=True)
     threads = len(os.sched_getaffinity(0))
     print(f"threads: {threads} on both sides; peer: {sys.executable} (torch, eager)", flush=True)

@@ -112,6 +112,18 @@ TEST(Cli, TrainSampleInspectFlow) {
   fs::remove(cfg);
 }
 
+TEST(Cli, RunsThroughTheDynamicLoader) {
+  // `ld-linux-x86-64.so.2 shoestring ...`: /proc/self/exe is the loader, so
+  // the CPU runtime's re-exec (core/threads.h) must not happen; it runs on.
+  const std::string loader = "/lib64/ld-linux-x86-64.so.2";
+  if (!fs::exists(loader)) GTEST_SKIP() << "no " << loader;
+  for (const char* env : {"env -u OMP_WAIT_POLICY -u OPENBLAS_CORETYPE", "env -u OPENBLAS_CORETYPE OMP_WAIT_POLICY=PASSIVE"}) {
+    Result r = shoestring::testing::run_cli("--version", std::string(env) + " " + loader);
+    EXPECT_EQ(r.code, 0) << env << ": " << r.output;
+    EXPECT_NE(r.output.find("shoestring 0.1.0"), std::string::npos) << env << ": " << r.output;
+  }
+}
+
 TEST(Cli, BadInputsGiveClearErrors) {
   Result unknown = run("trian x.toml");
   EXPECT_EQ(unknown.code, 2);

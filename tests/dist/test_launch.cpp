@@ -214,6 +214,35 @@ TEST(Launch, AKilledRankStopsTheRunAndLeavesNoProcess) {
   for (pid_t p : ranks) EXPECT_TRUE(gone(p)) << "rank process " << p << " is still there";
 }
 
+// `nohup shoestring launch ...`: a SIGHUP ignored when the launcher starts
+// stays ignored, in the launcher and in its ranks (which inherit it); the
+// run goes on until stopped otherwise.
+TEST(Launch, AnIgnoredHangupStaysIgnored) {
+  const std::string dir = fresh_dist_dir("launchhup");
+  const std::string config = write_config(dir, 100000, 2);
+  struct sigaction ignore {}, previous {};
+  ignore.sa_handler = SIG_IGN;
+  ASSERT_EQ(::sigaction(SIGHUP, &ignore, &previous), 0);
+  Launcher l({"launch", "--nproc", "2", "--", "train", config}, dir + "/out.txt");
+  ::sigaction(SIGHUP, &previous, nullptr);
+  const std::vector<pid_t> ranks = ranks_after_the_first_step(l, dir);
+  ASSERT_EQ(ranks.size(), 2u) << l.output();
+  ::kill(l.pid, SIGHUP);
+  for (pid_t p : ranks) ::kill(p, SIGHUP);
+  std::this_thread::sleep_for(1500ms);
+  int status = 0;
+  if (::waitpid(l.pid, &status, WNOHANG) == l.pid) {  // reaped: l.wait() has nothing left to wait for
+    ADD_FAILURE() << "the launcher ended on SIGHUP: " << l.output();
+    for (pid_t p : ranks) ::kill(p, SIGKILL);
+    return;
+  }
+  for (pid_t p : ranks) EXPECT_FALSE(gone(p)) << "rank process " << p << " ended on SIGHUP";
+  ::kill(l.pid, SIGTERM);  // stops the ranks
+  EXPECT_EQ(l.wait(), 1);
+  EXPECT_THAT(l.output(), HasSubstr("interrupted by signal 15")) << l.output();
+  for (pid_t p : ranks) EXPECT_TRUE(gone(p)) << "rank process " << p << " is still there";
+}
+
 // A rank suspended by SIGSTOP (a hung peer): the other's next collective
 // times out (ddp_timeout 0.1 min), and the launcher's summary names the
 // suspended rank and carries rank 0's own account; no process is left.

@@ -11,6 +11,7 @@ set_tests_properties("DataParallelTraining.TwoRanksMatchOneProcessWithDoubleBatc
   "DataParallelTraining.UnsupportedGradientPathIsRefusedOnEveryRank" PROPERTIES TIMEOUT 300)
 set_tests_properties("Launch.TwoRanksTrainOneRun" "Launch.AFailingRankFailsTheLaunchNamingIt"
   "Launch.AKilledRankStopsTheRunAndLeavesNoProcess" "Launch.TwoRanksEncodeDisjointSharesOfTheDiskCache"
+  "Launch.AnIgnoredHangupStaysIgnored"
   "Torchrun.ARestartedGroupResumesFromItsLastCheckpoint"
   PROPERTIES TIMEOUT 180)
 set_tests_properties("ZeroCollectives.TwoProcesses" "ZeroCollectives.ThreeProcesses" PROPERTIES TIMEOUT 120)

@@ -288,9 +288,13 @@ void register_launch(CLI::App& app) {
     const int port = args->port > 0 ? args->port : free_port();
     struct sigaction sa {};
     sa.sa_handler = on_signal;
-    ::sigaction(SIGINT, &sa, nullptr);
-    ::sigaction(SIGTERM, &sa, nullptr);
-    ::sigaction(SIGHUP, &sa, nullptr);
+    for (int sig : {SIGINT, SIGTERM, SIGHUP}) {
+      // An ignored signal stays ignored (`nohup shoestring launch ...`), in
+      // the ranks too, which inherit the disposition.
+      struct sigaction current {};
+      if (::sigaction(sig, nullptr, &current) == 0 && current.sa_handler == SIG_IGN) continue;
+      ::sigaction(sig, &sa, nullptr);
+    }
     std::vector<Child> children;
     try {
       for (int rank = 0; rank < args->nproc; ++rank) {

@@ -6,6 +6,7 @@
 
 #include <cctype>
 #include <cstdlib>
+#include <cstring>
 #include <thread>
 
 #if defined(__GLIBC__)
@@ -70,8 +71,28 @@ std::string openblas_core_override(const std::string& chosen, const CpuFeatures&
 std::string blas_kernels() {
   const std::string core = openblas_corename();
   if (core.empty()) return "unknown";
-  return "OpenBLAS " + core + (unset("OPENBLAS_CORETYPE") ? "" : " (OPENBLAS_CORETYPE)");
+  // Set at all, even empty, the variable chose: OpenBLAS 0.3.21 then skips
+  // its CPU-model table (an empty value gave Cooperlake where unset gave
+  // Prescott on a family 6 model 207 Xeon).
+  return "OpenBLAS " + core + (std::getenv("OPENBLAS_CORETYPE") == nullptr ? "" : " (OPENBLAS_CORETYPE)");
 }
+
+namespace {
+
+/// True when this process runs under the dynamic loader invoked as a
+/// program (`ld-linux-x86-64.so.2 shoestring ...`): /proc/self/exe is the
+/// loader then, and re-executing it would treat argv[1] as the program.
+bool run_by_the_loader() {
+  char path[4096];
+  const ssize_t n = ::readlink("/proc/self/exe", path, sizeof(path) - 1);
+  if (n <= 0) return false;
+  path[n] = '\0';
+  const char* slash = std::strrchr(path, '/');
+  const char* name = slash != nullptr ? slash + 1 : path;
+  return std::strncmp(name, "ld-", 3) == 0 || std::strncmp(name, "ld.so", 5) == 0;
+}
+
+}  // namespace
 
 void set_cpu_runtime_environment(char** argv) {
   bool changed = false;
@@ -79,11 +100,11 @@ void set_cpu_runtime_environment(char** argv) {
     changed = setenv("OMP_WAIT_POLICY", "PASSIVE", 1) == 0;
     if (changed) setenv("GOMP_SPINCOUNT", kOmpSpinCount, 0);  // a value the user set is kept
   }
-  if (unset("OPENBLAS_CORETYPE")) {
+  if (std::getenv("OPENBLAS_CORETYPE") == nullptr) {  // an empty value is the user's too (blas_kernels)
     const std::string core = openblas_core_override(openblas_corename(), cpu_features());
     if (!core.empty() && setenv("OPENBLAS_CORETYPE", core.c_str(), 1) == 0) changed = true;
   }
-  if (!changed) return;
+  if (!changed || run_by_the_loader()) return;
   execv("/proc/self/exe", argv);
   // execv returned: it failed. Carry on with what the libraries chose; the
   // variables now set only affect children, which is what the user would get

@@ -51,9 +51,13 @@ inline constexpr const char* kOmpSpinCount = "3000";
 ///   and with every other process (see the measurement above).
 /// - OPENBLAS_CORETYPE = openblas_core_override(...) when unset and OpenBLAS
 ///   picked kernels older than the CPU (see there).
-/// A value the user set, any non-empty value, is kept (libgomp and OpenBLAS
-/// ignore values they do not know). Returns normally (without re-executing)
-/// when nothing needed setting or when the re-execution fails; never throws.
+/// A value the user set is kept (any non-empty OMP_WAIT_POLICY; any
+/// OPENBLAS_CORETYPE, even empty: OpenBLAS reads an empty one as set).
+/// libgomp and OpenBLAS ignore values they do not know. Returns normally
+/// (without re-executing) when nothing needed setting, when the program was
+/// started through the dynamic loader (`ld-linux-x86-64.so.2 PROGRAM`, where
+/// /proc/self/exe is the loader; the variables then reach children only) or
+/// when the re-execution fails; never throws.
 void set_cpu_runtime_environment(char** argv);
 
 /// The OpenBLAS kernel set ("core", the value of OPENBLAS_CORETYPE) to ask for
