@@ -54,6 +54,19 @@ std::string openblas_corename() {
   return name != nullptr ? name : "";
 }
 
+/// True when this process runs under the dynamic loader invoked as a
+/// program (`ld-linux-x86-64.so.2 shoestring ...`): /proc/self/exe is the
+/// loader then, and re-executing it would treat argv[1] as the program.
+bool run_by_the_loader() {
+  char path[4096];
+  const ssize_t n = ::readlink("/proc/self/exe", path, sizeof(path) - 1);
+  if (n <= 0) return false;
+  path[n] = '\0';
+  const char* slash = std::strrchr(path, '/');
+  const char* name = slash != nullptr ? slash + 1 : path;
+  return std::strncmp(name, "ld-", 3) == 0 || std::strncmp(name, "ld.so", 5) == 0;
+}
+
 }  // namespace
 
 std::string openblas_core_override(const std::string& chosen, const CpuFeatures& cpu) {
@@ -76,23 +89,6 @@ std::string blas_kernels() {
   // Prescott on a family 6 model 207 Xeon).
   return "OpenBLAS " + core + (std::getenv("OPENBLAS_CORETYPE") == nullptr ? "" : " (OPENBLAS_CORETYPE)");
 }
-
-namespace {
-
-/// True when this process runs under the dynamic loader invoked as a
-/// program (`ld-linux-x86-64.so.2 shoestring ...`): /proc/self/exe is the
-/// loader then, and re-executing it would treat argv[1] as the program.
-bool run_by_the_loader() {
-  char path[4096];
-  const ssize_t n = ::readlink("/proc/self/exe", path, sizeof(path) - 1);
-  if (n <= 0) return false;
-  path[n] = '\0';
-  const char* slash = std::strrchr(path, '/');
-  const char* name = slash != nullptr ? slash + 1 : path;
-  return std::strncmp(name, "ld-", 3) == 0 || std::strncmp(name, "ld.so", 5) == 0;
-}
-
-}  // namespace
 
 void set_cpu_runtime_environment(char** argv) {
   bool changed = false;
