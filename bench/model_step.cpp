@@ -76,9 +76,14 @@ int main(int argc, char** argv) {
   app.add_flag("--offload-params", o.offload_params,
                "checkpointed blocks' weights, gradients and optimizer state in host memory (needs --no-fused)");
   app.add_flag("--tiny", o.tiny, "the architecture's tiny-width variant (quick check)");
+  bool machine_only = false;
   app.add_flag("--json", json, "one JSON object");
+  app.add_flag("--machine", machine_only,
+               "print the machine line (with --json its JSON object) and exit: the runtime settings shoestring "
+               "gives itself here (bench/peer_step.py gives its peer the same)");
   CLI11_PARSE(app, argc, argv);
   shoestring::bench::print_machine(json);
+  if (machine_only) return 0;
   try {
     configure_threads(threads);
     o.checkpointing = !no_checkpointing;

@@ -7,7 +7,8 @@ and bench/peer_torch.py with the same arguments, each in its own process. It pri
 steady-state step times (every step of a process but its first, which includes one-time allocations) of
 each side and their ratio, and the peak resident memory of each side's processes (ru_maxrss from wait4,
 the highest over the rounds) and its ratio. The first line is the machine line of the C++ benches
-(bench/bench_machine.h: CPU model, features, bf16 units, OpenMP wait policy).
+(bench/bench_machine.h, printed by `model_step --machine`: CPU model, features, bf16 units, OpenMP wait policy,
+BLAS kernels).
 
 Same work on both sides: the architecture and its parameter count, random inputs of the same shapes
 (LDM latents [B,4,R/8,R/8], 77 text tokens, SDXL's y; the emoji example's UNet on pixels [B,3,R,R] with
@@ -43,54 +44,25 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PEER = os.path.join(ROOT, "bench", "peer_torch.py")
 
 
-def cpu_line():
-    """The line bench_machine.h prints (core/cpu_features.cpp describe(), threads.cpp omp_wait_policy())."""
-    model, flags = "unknown", set()
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            key = key.strip()
-            if key == "model name" and model == "unknown":
-                model = value.strip() or "unknown"
-            elif key == "flags" and not flags:
-                flags = set(value.split())
-    names = ["avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_fp16",
-             "amx_bf16"]
-    present = [n for n in names if n in flags] or ["none"]
-    bf16 = "avx512_bf16" in flags or "amx_bf16" in flags
-    wait = os.environ.get("OMP_WAIT_POLICY") or "default (spinning)"
-    if os.environ.get("GOMP_SPINCOUNT"):
-        wait += f", GOMP_SPINCOUNT {os.environ['GOMP_SPINCOUNT']}"
-    core = openblas_corename_with(os.environ)  # what runs, as threads.cpp blas_kernels() says it
-    blas = f"OpenBLAS {core}" + (" (OPENBLAS_CORETYPE)" if "OPENBLAS_CORETYPE" in os.environ else "") \
-        if core else "unknown"
-    return f"CPU: {model} | features: {' '.join(present)} | bf16 units: {'yes' if bf16 else 'no'} | " \
-           f"OpenMP wait {wait} | BLAS {blas}", bf16, flags
-
-
-def openblas_corename_with(env):
-    """The kernel set OpenBLAS runs in a process with `env` (asked in a child: OpenBLAS reads the environment
-    once, when loaded); "" without OpenBLAS."""
-    code = "import ctypes; l = ctypes.CDLL('libopenblas.so.0'); l.openblas_get_corename.restype = ctypes.c_char_p; " \
-           "print(l.openblas_get_corename().decode())"
-    r = subprocess.run([sys.executable, "-c", code], env=dict(env), capture_output=True, text=True)
-    return r.stdout.strip() if r.returncode == 0 else ""
+def ours_machine(model_step, env):
+    """shoestring's machine line and its JSON form (`model_step --machine`, bench/bench_machine.h): the CPU, its
+    features and the runtime settings shoestring gives itself in this environment (core/threads.h)."""
+    def run(extra):
+        r = subprocess.run([model_step, "--machine", *extra], env=env, capture_output=True, text=True)
+        if r.returncode != 0:
+            sys.exit(f"peer_step: {model_step} --machine {' '.join(extra)}: exit {r.returncode}\n{r.stderr[-2000:]}")
+        return r.stdout.strip().splitlines()[0]
+    return run([]), json.loads(run(["--json"]))
 
 
 def openblas_corename_unset():
-    """The kernel set OpenBLAS picks without OPENBLAS_CORETYPE."""
-    return openblas_corename_with({k: v for k, v in os.environ.items() if k != "OPENBLAS_CORETYPE"})
-
-
-def openblas_core_override(chosen, flags):
-    """core/threads.cpp openblas_core_override: the kernel set shoestring asks OpenBLAS for, "" to keep its own."""
-    if not chosen or chosen.lower() in ("haswell", "zen", "skylakex", "cooperlake", "sapphirerapids", "excavator"):
-        return ""
-    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
-        return "SkylakeX"
-    if {"avx2", "fma"} <= flags:
-        return "Haswell"
-    return ""
+    """The kernel set OpenBLAS picks without OPENBLAS_CORETYPE (asked in a child: OpenBLAS reads the environment
+    once, when loaded); "" without OpenBLAS."""
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_CORETYPE"}
+    code = "import ctypes; l = ctypes.CDLL('libopenblas.so.0'); l.openblas_get_corename.restype = ctypes.c_char_p; " \
+           "print(l.openblas_get_corename().decode())"
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    return r.stdout.strip() if r.returncode == 0 else ""
 
 
 def emoji_unet(config):
@@ -242,24 +214,23 @@ def main():
             if not env.get(key):
                 env[key] = value
                 os.environ[key] = value
-    if "OPENBLAS_CORETYPE" not in env:  # an empty value is the user's too, as in threads.cpp
-        # OpenBLAS kernels where OpenBLAS did not know the CPU: shoestring sets them for itself, the peer gets
-        # the same (unset, a peer on such a CPU runs OpenBLAS's generic fallback)
-        core = openblas_core_override(openblas_corename_unset(), cpu_line()[2])
-        if core:
-            env["OPENBLAS_CORETYPE"] = core
-            os.environ["OPENBLAS_CORETYPE"] = core
+    model_step = os.path.join(args.build_dir, "bench", "model_step")
+    if not os.access(model_step, os.X_OK):
+        sys.exit(f"peer_step: {model_step} not found; build it with scripts/build.sh model_step")
+    line, machine = ours_machine(model_step, env)
+    bf16_units = machine["bf16_units"]
+    if "OPENBLAS_CORETYPE" not in env and machine["blas"].endswith(" (OPENBLAS_CORETYPE)"):
+        # OpenBLAS kernels shoestring set for itself (OpenBLAS did not know the CPU): the peer gets the same
+        # (unset, a peer on such a CPU runs OpenBLAS's generic fallback)
+        env["OPENBLAS_CORETYPE"] = machine["blas"].split()[1]
+        os.environ["OPENBLAS_CORETYPE"] = env["OPENBLAS_CORETYPE"]
     peer_env = dict(env)
-    line, bf16_units, _ = cpu_line()
     if args.peer_default_blas and "OPENBLAS_CORETYPE" in env and "OPENBLAS_CORETYPE" not in env_at_start:
         del peer_env["OPENBLAS_CORETYPE"]
         line += f" (the peer: OpenBLAS {openblas_corename_unset() or 'unknown'}, its own pick)"
     print(line, flush=True)
     threads = len(os.sched_getaffinity(0))
     print(f"threads: {threads} on both sides; peer: {sys.executable} (torch, eager)", flush=True)
-    model_step = os.path.join(args.build_dir, "bench", "model_step")
-    if not os.access(model_step, os.X_OK):
-        sys.exit(f"peer_step: {model_step} not found; build it with scripts/build.sh model_step")
     rows = make_rows(args, bf16_units)
     if not bf16_units:
         print("bf16 rows skipped: this CPU has no bf16 units (avx512_bf16 / amx_bf16)", flush=True)
