@@ -17,6 +17,7 @@
 #include <gtest/gtest.h>
 
 #include "../train/train_testing.h"
+#include "shoestring/core/memory_ledger.h"
 #include "shoestring/io/safetensors.h"
 #include "shoestring/train/config.h"
 #include "shoestring/train/trainer.h"
@@ -41,9 +42,12 @@ struct Trajectory {
   std::vector<double> losses;
   std::vector<double> grad_norms;  ///< per step, before clipping
   std::vector<at::Tensor> weights;
-  double activation_peak = 0;          ///< the first step's peak activation bytes (proportional to the rows trained)
-  double optimizer_state_peak = 0;     ///< the last step's peak optimizer_state bytes (the ledger's)
-  double weights_peak = 0;             ///< the last step's peak weights bytes (the ledger's)
+  double activation_peak = 0;       ///< the first step's peak activation bytes (proportional to the rows trained)
+  double optimizer_state_peak = 0;  ///< the last step's peak optimizer_state bytes (the ledger's)
+  double weights_peak = 0;          ///< the last step's peak weights bytes (the ledger's)
+  /// The ledger's peak weights bytes of the last step with what follows it
+  /// (its checkpoint, samples and final files).
+  double last_step_with_saves_weights_peak = 0;
   double summary_images_per_step = 0;  ///< the run summary's images/s x s/step (the "done:" log line)
 };
 
@@ -75,6 +79,7 @@ inline Trajectory train_and_record(const TrainConfig& c, int64_t die_at_step = 0
     }
   };
   const TrainSummary summary = train(c, o);
+  t.last_step_with_saves_weights_peak = static_cast<double>(MemoryLedger::global().peak_bytes(MemoryCategory::weights));
   t.summary_images_per_step = summary.images_per_second * summary.seconds_per_step;
   bool sharded = false;
   for (const at::Tensor& w : t.weights) sharded = sharded || w.numel() == 0;
@@ -122,7 +127,8 @@ inline void save_trajectory(const Trajectory& t, const std::string& path) {
   std::vector<at::Tensor> all = t.weights;
   all.push_back(at::tensor(t.grad_norms, at::TensorOptions().dtype(at::kDouble)));
   all.push_back(at::tensor(t.losses, at::TensorOptions().dtype(at::kDouble)));
-  all.push_back(at::tensor({t.activation_peak, t.optimizer_state_peak, t.summary_images_per_step, t.weights_peak},
+  all.push_back(at::tensor({t.activation_peak, t.optimizer_state_peak, t.summary_images_per_step, t.weights_peak,
+                            t.last_step_with_saves_weights_peak},
                            at::TensorOptions().dtype(at::kDouble)));
   torch::save(all, path);
 }
@@ -135,6 +141,7 @@ inline Trajectory load_trajectory(const std::string& path) {
   t.optimizer_state_peak = all.back()[1].item<double>();
   t.summary_images_per_step = all.back()[2].item<double>();
   t.weights_peak = all.back()[3].item<double>();
+  t.last_step_with_saves_weights_peak = all.back()[4].item<double>();
   all.pop_back();
   at::Tensor losses = all.back();
   all.pop_back();

@@ -97,7 +97,8 @@ at::Tensor expected_mean(const at::Tensor& p, size_t i, int world) {
 /// d.weight and e.unused stay resident. A released parameter this rank does
 /// not own is empty; fetch gathers its owner's values bit for bit; release
 /// after backward leaves each gradient's mean, summed over two
-/// micro-batches, on its owner only; hold_all_on gathers onto one rank.
+/// micro-batches, on its owner only; hold_all_on gathers onto one rank,
+/// hold_on gives it values from elsewhere (files) by name.
 void check_zero_stage3(ProcessGroup& g) {
   const int r = g.rank();
   const int w = g.size();
@@ -183,6 +184,56 @@ void check_zero_stage3(ProcessGroup& g) {
     zero.fetch(second);
     zero.release(second, false);
     EXPECT_TRUE(present_as_owner(2)) << "held: release does not free";
+  }
+  zero.release_held();
+  for (size_t i : streamed) {
+    if (zero.ownership().owner(i) != r) {
+      EXPECT_EQ(params[i].second.numel(), 0) << params[i].first;
+    }
+  }
+  // The same without a collective: rank w - 1 is given the others' values
+  // (what their owned_streamed() wrote to files), checked by name, shape and dtype.
+  std::vector<std::string> names;
+  for (size_t i : streamed) names.push_back(params[i].first);
+  EXPECT_EQ(zero.streamed_names(), names);
+  const NamedTensors owned = zero.owned_streamed();
+  size_t owned_count = 0;
+  for (size_t i : streamed) {
+    if (zero.ownership().owner(i) != r) continue;
+    ASSERT_LT(owned_count, owned.size());
+    EXPECT_EQ(owned[owned_count].first, params[i].first);
+    EXPECT_TRUE(owned[owned_count].second.equal(params[i].second)) << params[i].first;
+    ++owned_count;
+  }
+  EXPECT_EQ(owned_count, owned.size());
+  std::map<std::string, at::Tensor> values;
+  for (size_t i : streamed) {
+    const at::Tensor shape = make_params()[i].second;
+    values[params[i].first] = at::full(shape.sizes(), value_of(i), shape.options());
+  }
+  if (r == w - 1) {
+    size_t other = streamed.size();
+    for (size_t i : streamed) {
+      if (zero.ownership().owner(i) != r) other = i;
+    }
+    if (other < streamed.size()) {
+      std::map<std::string, at::Tensor> missing = values;
+      missing.erase(params[other].first);
+      EXPECT_THAT([&] { zero.hold_on(r, missing); },
+                  ::testing::ThrowsMessage<Error>(HasSubstr("no values for parameter '" + params[other].first)));
+      std::map<std::string, at::Tensor> reshaped = values;
+      reshaped[params[other].first] = reshaped[params[other].first].reshape({-1, 1});
+      EXPECT_THAT([&] { zero.hold_on(r, reshaped); },
+                  ::testing::ThrowsMessage<Error>(HasSubstr("parameter '" + params[other].first + "' is")));
+    }
+  }
+  zero.hold_on(w - 1, r == w - 1 ? values : std::map<std::string, at::Tensor>{});
+  for (size_t i : streamed) {
+    if (r == w - 1 || zero.ownership().owner(i) == r) {
+      EXPECT_TRUE(present_as_owner(i)) << params[i].first << " held on rank " << r;
+    } else {
+      EXPECT_EQ(params[i].second.numel(), 0) << params[i].first << " not held on rank " << r;
+    }
   }
   zero.release_held();
   for (size_t i : streamed) {

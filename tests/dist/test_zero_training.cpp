@@ -36,6 +36,7 @@ using shoestring::testing::fresh_dist_dir;
 using shoestring::testing::load_trajectory;
 using shoestring::testing::max_weight_diff;
 using shoestring::testing::rank_env;
+using shoestring::testing::read_png;
 using shoestring::testing::read_text;
 using shoestring::testing::run_workers;
 using shoestring::testing::save_trajectory;
@@ -181,17 +182,19 @@ TEST(ZeroTwoRanks, Bf16StochasticRounding) {
 /// (the streamed blocks' weights gathered for each use) trains as stage 0
 /// does: each block's gradients are reduced to their owner as soon as its
 /// backward has run (summed in another order than stage 0's all-reduce) and
-/// the final model is written from the weights gathered on rank 0. Each
+/// the final model is written from the other ranks' model shards that rank
+/// 0 maps. Each
 /// rank's weights (the ledger's peak, a streamed block gathered included)
 /// are well under one process's; together they hold the model once plus
-/// the resident layers and the blocks in use.
-void expect_stage3_trains_as_stage_0(const std::string& name, int world, const std::string& extra) {
+/// the resident layers and the blocks in use. Returns the test's folder.
+std::string expect_stage3_trains_as_stage_0(const std::string& name, int world, const std::string& extra) {
   const std::string dir = fresh_dist_dir("zero_stage3_" + name);
   const std::string checkpointed = "gradient_checkpointing = true\n" + extra;
   const std::vector<Trajectory> s0 = train_ranks(dir, {"s0", world, 2, 0, checkpointed});
   const std::vector<Trajectory> s3 = train_ranks(dir, {"s3", world, 2, 3, checkpointed});
-  ASSERT_EQ(s0.size(), static_cast<size_t>(world));
-  ASSERT_EQ(s3.size(), static_cast<size_t>(world));
+  EXPECT_EQ(s0.size(), static_cast<size_t>(world));
+  EXPECT_EQ(s3.size(), static_cast<size_t>(world));
+  if (s0.size() != static_cast<size_t>(world) || s3.size() != static_cast<size_t>(world)) return dir;
   expect_matches_one_process(s3[0], s0[0], 1e-5);
   for (size_t s = 0; s < s0[0].grad_norms.size() && s < s3[0].grad_norms.size(); ++s)
     EXPECT_NEAR(s3[0].grad_norms[s], s0[0].grad_norms[s], 1e-6 * s0[0].grad_norms[s]) << "step " << s + 1;
@@ -203,9 +206,17 @@ void expect_stage3_trains_as_stage_0(const std::string& name, int world, const s
     sum += t.weights_peak;
     EXPECT_LT(t.weights_peak, 0.8 * s0[0].weights_peak) << name;
   }
+  // The last step's checkpoint, samples and final file neither: rank 0
+  // maps the other ranks' model shards instead of gathering the model.
+  std::cout << "; with the last step's saves";
+  for (size_t r = 0; r < s3.size(); ++r) {
+    std::cout << " " << s3[r].last_step_with_saves_weights_peak;
+    EXPECT_LT(s3[r].last_step_with_saves_weights_peak, 0.8 * s0[0].weights_peak) << name << ": rank " << r;
+  }
   std::cout << "\n";
   EXPECT_GE(sum, s0[0].weights_peak) << name << ": the model is held once over the ranks";
   expect_sharded_state(s3, s0[0].optimizer_state_peak, name + " stage 3");
+  return dir;
 }
 
 // (AdamW at 2 ranks: ZeroEma, whose stage-3 final file equals stage 0's bit for bit.)
@@ -213,8 +224,19 @@ TEST(ZeroStage3, TwoRanksAdafactorBf16StochasticRounding) {
   expect_stage3_trains_as_stage_0("Adafactor_bf16", 2,
                                   "optimizer_type = \"Adafactor\"\nfull_bf16 = true\nmixed_precision = \"bf16\"");
 }
+// A sample grid at every step: at the steps without a checkpoint (1, 3)
+// every rank writes its streamed weights into RUN_DIR/.streamed-weights/
+// for rank 0, removed after; the grids are stage 0's.
 TEST(ZeroStage3, ThreeRanksWithGradientAccumulation) {
-  expect_stage3_trains_as_stage_0("accumulation", 3, "gradient_accumulation_steps = 2");
+  const std::string dir =
+      expect_stage3_trains_as_stage_0("accumulation", 3, "gradient_accumulation_steps = 2\nsample_every_n_steps = 1");
+  EXPECT_FALSE(fs::exists(dir + "/s3/.streamed-weights"));
+  for (const char* step : {"step-000001.png", "step-000003.png"}) {
+    const at::Tensor s0 = read_png(dir + "/s0/samples/" + step), s3 = read_png(dir + "/s3/samples/" + step);
+    ASSERT_EQ(s0.sizes(), s3.sizes()) << step;
+    // Weights equal up to fp32 summation order: pixels within 1 of 255.
+    EXPECT_LE((s0.to(at::kInt) - s3.to(at::kInt)).abs().max().item<int>(), 1) << step;
+  }
 }
 
 TEST(ZeroTraining, ThreeRanksMatchOneProcessWithTripleBatch) {
@@ -425,15 +447,37 @@ TEST(ZeroCheckpoint, ShardedResumesAtOneTwoAndThreeRanksAndConsolidates) {
   EXPECT_EQ(bf16.metadata().at("dtype"), "bf16");
 }
 
-// A stage-3 checkpoint (the model written by rank 0 from the weights
-// gathered onto it, each rank's optimizer shard) resumes at 2 ranks, stage 3
-// (bit for bit: the same reductions in the same order) and in one process;
-// consolidate writes the run's final model.
+// A stage-3 checkpoint (each rank's model shard with the streamed weights
+// it owns, rank 0's model.safetensors with the others, each rank's
+// optimizer shard) resumes at 2 ranks, stage 3 (bit for bit: the same
+// reductions in the same order) and in one process; consolidate writes the
+// run's final model.
 TEST(ZeroCheckpoint, Stage3ResumesAtTwoRanksAndOneProcess) {
   const std::string dir = fresh_dist_dir("zero3shards");
   const std::string checkpointed = "gradient_checkpointing = true\n";
   const std::vector<Trajectory> s3 = train_ranks(dir, {"s3", 2, 3, 3, checkpointed});
   ASSERT_EQ(s3.size(), 2u);
+  {
+    // The model once: every final tensor in exactly one of the model files,
+    // each rank's shard holding some (the blocks it owns).
+    const std::string step4 = dir + "/s3/checkpoints/step-000004/";
+    std::map<std::string, int> copies;
+    for (const std::string& file : {std::string("model.safetensors"), model_shard_name(0, 2), model_shard_name(1, 2)}) {
+      ASSERT_TRUE(fs::exists(step4 + file)) << file;
+      const auto f = SafetensorsFile::open(step4 + file);
+      if (file != "model.safetensors") {
+        EXPECT_GT(f.tensors().size(), 0u) << file;
+      }
+      for (const auto& info : f.tensors()) ++copies[info.name];
+    }
+    const auto final_file = SafetensorsFile::open(dir + "/s3/model.safetensors");
+    EXPECT_EQ(copies.size(), final_file.tensors().size());
+    for (const auto& [name, n] : copies) {
+      EXPECT_EQ(n, 1) << name;
+      EXPECT_NE(final_file.find(name), nullptr) << name;
+    }
+    EXPECT_FALSE(fs::exists(dir + "/s3/.streamed-weights"));
+  }
   copy_stopped_at_step_2(dir + "/s3", dir + "/r2");
   const std::vector<Trajectory> r2 = train_ranks(dir, {"r2", 2, 3, 3, checkpointed, /*resume=*/true});
   ASSERT_EQ(r2.size(), 2u);
@@ -473,7 +517,8 @@ TEST(ZeroCheckpoint, Stage3ResumesAtTwoRanksAndOneProcess) {
 // EMA with ZeRO on 2 ranks (stages 2 and 3): each rank keeps the EMA of the
 // tensors it owns and writes it into its checkpoint shard (none in
 // state.safetensors); the final model file, written from the EMA weights
-// every rank swapped in and rank 0 gathered, is stage 0's (whose every rank
+// every rank swapped in (stage 3: and wrote to a scratch folder that rank 0
+// maps, removed after), is stage 0's (whose every rank
 // keeps the whole EMA) within stage 3's summation-order tolerance; a
 // stage-3 checkpoint's EMA shards resume at 2 ranks bit for bit and in one
 // process.
@@ -495,6 +540,7 @@ TEST(ZeroEma, ShardedWithItsTensorsSavedInTheShardsAndSwappedInForTheFinalFile) 
   // Optimizer state and EMA (both the ledger's optimizer_state): about half on each rank, the whole once.
   expect_sharded_state(s2, s0[0].optimizer_state_peak, "EMA, stage 2");
   expect_sharded_state(s3, s0[0].optimizer_state_peak, "EMA, stage 3");
+  EXPECT_FALSE(fs::exists(dir + "/s3/.streamed-weights")) << "the scratch folder of the EMA weights";
   const std::string step4 = dir + "/s3/checkpoints/step-000004/";
   EXPECT_EQ(tensor_bytes(step4 + "state.safetensors", "ema."), 0);
   const int64_t ema0 = tensor_bytes(step4 + optimizer_shard_name(0, 2), "ema.");

@@ -254,6 +254,56 @@ TEST(ShardedCheckpoint, IndexNamesEveryTensorsFile) {
   EXPECT_TRUE(fs::exists(dir + "/state.safetensors"));
 }
 
+// ZeRO stage 3: each rank's model shard (the streamed weights it owns)
+// beside model.safetensors (the others); the index maps every weight to its
+// file, model shards of another world size go, and a model shard of another
+// step is named even when the optimizer shards are not read (consolidate).
+TEST(ShardedCheckpoint, Stage3ModelShardsAreIndexedAndChecked) {
+  EXPECT_EQ(model_shard_name(1, 3), "model-rank-00001-of-00003.safetensors");
+  EXPECT_TRUE(is_model_shard_name("model-rank-00001-of-00003.safetensors"));
+  EXPECT_FALSE(is_model_shard_name("model-rank-00001-of-0003.safetensors"));
+  EXPECT_FALSE(is_model_shard_name(optimizer_shard_name(1, 3)));
+  EXPECT_FALSE(is_optimizer_shard_name(model_shard_name(1, 3)));
+  EXPECT_TRUE(is_checkpoint_model_file("model.safetensors"));
+  EXPECT_TRUE(is_checkpoint_model_file(model_shard_name(0, 2)));
+  EXPECT_FALSE(is_checkpoint_model_file("state.safetensors"));
+
+  const std::string dir = shoestring::testing::fresh_temp_dir("ckpt_io", "stage3");
+  fs::create_directories(dir);
+  save_safetensors(dir + "/model.safetensors", {{"resident", torch::ones({2}), std::nullopt}});
+  TrainingState s;
+  s.rng_cpu = cpu_rng_state();
+  save_training_state(dir + "/state.safetensors", s);
+  for (int r = 0; r < 2; ++r) {
+    save_optimizer_shard(dir + "/" + optimizer_shard_name(r, 2), {}, {}, r, 2, 6);
+    save_model_shard(dir + "/" + model_shard_name(r, 2), {{"block" + std::to_string(r) + ".weight", torch::zeros({3})}},
+                     r, 2, 6);
+  }
+  // Left by an interrupted save of this step at 3 ranks.
+  save_model_shard(dir + "/" + model_shard_name(2, 3), {{"block2.weight", torch::zeros({1})}}, 2, 3, 6);
+  write_checkpoint_index(dir, 6, 2, 3);
+  EXPECT_FALSE(fs::exists(dir + "/" + model_shard_name(2, 3)));
+  const std::optional<CheckpointIndex> index = read_checkpoint_index(dir, /*optimizer_shards=*/false);
+  ASSERT_TRUE(index.has_value());
+  EXPECT_EQ(index->weight_map.at("resident"), "model.safetensors");
+  EXPECT_EQ(index->weight_map.at("block0.weight"), model_shard_name(0, 2));
+  EXPECT_EQ(index->weight_map.at("block1.weight"), model_shard_name(1, 2));
+  EXPECT_EQ(SafetensorsFile::open(dir + "/" + model_shard_name(1, 2)).metadata().at("rank"), "1");
+
+  save_model_shard(dir + "/" + model_shard_name(1, 2), {{"block1.weight", torch::zeros({3})}}, 1, 2, 5);
+  try {
+    read_checkpoint_index(dir, /*optimizer_shards=*/false);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("this model shard is not part of the checkpoint"), std::string::npos)
+        << e.what();
+    EXPECT_NE(std::string(e.what()).find("metadata step 5"), std::string::npos) << e.what();
+  }
+  remove_sharded_files(dir);
+  EXPECT_FALSE(fs::exists(dir + "/" + model_shard_name(0, 2)));
+  EXPECT_TRUE(fs::exists(dir + "/model.safetensors"));
+}
+
 TEST(TrainingState, RecordsTheGlobalBatchShape) {
   const std::string dir = shoestring::testing::fresh_temp_dir("ckpt_io", "batch_shape");
   fs::create_directories(dir);

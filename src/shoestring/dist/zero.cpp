@@ -10,6 +10,7 @@
 
 #include "shoestring/core/error.h"
 #include "shoestring/core/memory_ledger.h"
+#include "shoestring/core/units.h"
 
 namespace shoestring::dist {
 
@@ -336,6 +337,49 @@ void ZeroSharding::hold_all_on(int root) {
     for (const Bucket& b : g.fetch_buckets) gather_bucket(b, root);
   }
   held_on_ = root;
+}
+
+void ZeroSharding::hold_on(int root, const std::map<std::string, at::Tensor>& values) {
+  if (root < 0 || root >= group_.size()) fail("ZeroSharding::hold_on: rank {} of {}", root, group_.size());
+  if (!streaming_ || group_.size() == 1 || held_on_ >= 0) return;
+  finish_prefetch(/*use=*/false);
+  if (root == group_.rank()) {
+    at::NoGradGuard no_grad;
+    for (const StreamGroup& g : groups_) {
+      if (g.fetched > 0) fail("ZeroSharding::hold_on: a streamed group is in use (fetched)");
+      for (size_t i : g.params) {
+        if (owns(i)) continue;
+        const std::string& name = params_[i].first;
+        const auto it = values.find(name);
+        if (it == values.end())
+          fail("streamed weights: no values for parameter '{}' (owned by rank {})", name, ownership_.owner(i));
+        at::Tensor p = tensors_[i];
+        if (it->second.sizes().vec() != shapes_[i] || it->second.scalar_type() != p.scalar_type()) {
+          fail("streamed weights: parameter '{}' is {} {}, its values {} {}", name, c10::toString(p.scalar_type()),
+               format_shape(shapes_[i]), c10::toString(it->second.scalar_type()), format_shape(it->second.sizes()));
+        }
+        p.set_data(it->second.to(p.device()));
+      }
+    }
+  }
+  held_on_ = root;
+}
+
+NamedTensors ZeroSharding::owned_streamed() const {
+  NamedTensors out;
+  if (!streaming_ || group_.size() == 1) return out;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (group_of_[i] >= 0 && owns(i)) out.emplace_back(params_[i].first, tensors_[i].detach());
+  }
+  return out;
+}
+
+std::vector<std::string> ZeroSharding::streamed_names() const {
+  std::vector<std::string> out;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (group_of_[i] >= 0) out.push_back(params_[i].first);
+  }
+  return out;
 }
 
 void ZeroSharding::release_held() {

@@ -36,8 +36,10 @@
 // becomes the owner's .grad. Parameters in no group (the layers between
 // blocks) stay resident and are treated as in stage 2. train/ connects the
 // groups to the model's blocks (nn::BlockParameterStreaming). Saving and
-// sampling gather everything onto one rank for their duration
-// (hold_all_on).
+// sampling need every weight on one rank for their duration: gathered
+// there (hold_all_on), or given to it from the files every rank wrote of
+// the parameters it owns (owned_streamed, hold_on: train/ does that for a
+// full fine-tune, so no rank ever holds the whole model in its memory).
 //
 // Checkpoints: each rank writes its own tensors' optimizer state to a shard
 // file of the checkpoint, indexed by rank 0 (train/checkpoint_io.h); on
@@ -171,8 +173,21 @@ class ZeroSharding {
   /// and release do nothing on `root`. Collective. Throws as
   /// reduce_gradients.
   void hold_all_on(int root);
-  /// Ends hold_all_on: the root frees what it does not own again. No collective.
+  /// hold_all_on without a collective: rank `root` gives every streamed
+  /// parameter it does not own the values `values` has under its name (the
+  /// other ranks' owned_streamed(), e.g. mapped from the files they wrote;
+  /// copied to the parameter's device when elsewhere); the other ranks only
+  /// record the hold. Every rank calls it. Throws shoestring::Error naming a
+  /// parameter missing from `values` or of another shape or dtype.
+  void hold_on(int root, const std::map<std::string, at::Tensor>& values);
+  /// Ends hold_all_on / hold_on: the root frees what it does not own again. No collective.
   void release_held();
+  /// The streamed parameters this rank owns (their names and tensors;
+  /// present on this rank between uses). Empty before streaming starts or
+  /// on one rank.
+  NamedTensors owned_streamed() const;
+  /// Names of every streamed parameter (of all ranks), in list order.
+  std::vector<std::string> streamed_names() const;
   /// After a step's micro-batches (before the optimizer step): the step's
   /// fetches are over. Waits for a prefetch still in flight (collective:
   /// every rank has issued it) and drops it; the first call ends the

@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <optional>
 #include <set>
+#include <utility>
 
 #include <fmt/format.h>
 
@@ -30,9 +32,11 @@ std::vector<std::pair<std::string, at::Tensor>> module_tensors(const torch::nn::
 }
 
 void save_module(const std::string& path, const torch::nn::Module& module,
-                 const std::map<std::string, std::string>& metadata) {
+                 const std::map<std::string, std::string>& metadata, const std::set<std::string>& excluded) {
   std::vector<NamedTensor> tensors;
-  for (auto& [name, t] : module_tensors(module)) tensors.push_back({name, t.detach(), std::nullopt});
+  for (auto& [name, t] : module_tensors(module)) {
+    if (!excluded.count(name)) tensors.push_back({name, t.detach(), std::nullopt});
+  }
   save_safetensors(path, tensors, metadata);
 }
 
@@ -234,22 +238,67 @@ TrainingState load_training_state(const std::string& path) {
 
 namespace shoestring {
 
-std::string optimizer_shard_name(int rank, int world) {
-  return fmt::format("optimizer-rank-{:05d}-of-{:05d}.safetensors", rank, world);
+namespace {
+
+/// "<kind>-rank-RRRRR-of-WWWWW.safetensors"
+std::string rank_file_name(const char* kind, int rank, int world) {
+  return fmt::format("{}-rank-{:05d}-of-{:05d}.safetensors", kind, rank, world);
 }
 
-bool is_optimizer_shard_name(const std::string& name) {
-  // optimizer-rank-RRRRR-of-WWWWW.safetensors
-  static const std::string head = "optimizer-rank-", mid = "-of-", tail = ".safetensors";
+/// The rank and world size of a name rank_file_name(kind, ...) gives; nullopt for any other name.
+std::optional<std::pair<int, int>> parse_rank_file_name(const std::string& name, const char* kind) {
+  const std::string head = std::string(kind) + "-rank-", mid = "-of-", tail = ".safetensors";
   const size_t n = head.size() + 5 + mid.size() + 5 + tail.size();
-  if (name.size() != n || name.compare(0, head.size(), head) != 0) return false;
+  if (name.size() != n || name.compare(0, head.size(), head) != 0) return std::nullopt;
   if (name.compare(head.size() + 5, mid.size(), mid) != 0 || name.compare(n - tail.size(), tail.size(), tail) != 0)
-    return false;
-  auto digits = [&](size_t at) {
-    return std::all_of(name.begin() + static_cast<std::ptrdiff_t>(at),
-                       name.begin() + static_cast<std::ptrdiff_t>(at + 5), [](char c) { return c >= '0' && c <= '9'; });
+    return std::nullopt;
+  auto number = [&](size_t at) -> std::optional<int> {
+    const auto first = name.begin() + static_cast<std::ptrdiff_t>(at);
+    if (!std::all_of(first, first + 5, [](char c) { return c >= '0' && c <= '9'; })) return std::nullopt;
+    return std::stoi(name.substr(at, 5));
   };
-  return digits(head.size()) && digits(head.size() + 5 + mid.size());
+  const std::optional<int> rank = number(head.size()), world = number(head.size() + 5 + mid.size());
+  if (!rank || !world) return std::nullopt;
+  return std::make_pair(*rank, *world);
+}
+
+constexpr const char* kOptimizerShard = "optimizer";
+constexpr const char* kModelShard = "model";
+
+/// A rank file of either kind: its rank and world size.
+std::optional<std::pair<int, int>> parse_shard_name(const std::string& name) {
+  if (auto r = parse_rank_file_name(name, kOptimizerShard)) return r;
+  return parse_rank_file_name(name, kModelShard);
+}
+
+void save_rank_file(const std::string& path, const std::vector<NamedTensor>& tensors, int rank, int world,
+                    int64_t step) {
+  save_safetensors(
+      path, tensors,
+      {{"rank", std::to_string(rank)}, {"world_size", std::to_string(world)}, {"step", std::to_string(step)}});
+}
+
+}  // namespace
+
+std::string optimizer_shard_name(int rank, int world) { return rank_file_name(kOptimizerShard, rank, world); }
+
+bool is_optimizer_shard_name(const std::string& name) {
+  return parse_rank_file_name(name, kOptimizerShard).has_value();
+}
+
+std::string model_shard_name(int rank, int world) { return rank_file_name(kModelShard, rank, world); }
+
+bool is_model_shard_name(const std::string& name) { return parse_rank_file_name(name, kModelShard).has_value(); }
+
+bool is_checkpoint_model_file(const std::string& name) {
+  return name == "model.safetensors" || is_model_shard_name(name);
+}
+
+void save_model_shard(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& weights, int rank,
+                      int world, int64_t step) {
+  std::vector<NamedTensor> tensors;
+  for (const auto& [name, t] : weights) tensors.push_back({name, t.detach(), std::nullopt});
+  save_rank_file(path, tensors, rank, world, step);
 }
 
 void save_optimizer_shard(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& optimizer,
@@ -258,9 +307,7 @@ void save_optimizer_shard(const std::string& path, const std::vector<std::pair<s
   std::vector<NamedTensor> tensors;
   for (const auto& [name, t] : optimizer) tensors.push_back({"optimizer." + name, t, std::nullopt});
   for (const auto& [name, t] : ema) tensors.push_back({"ema." + name, t, std::nullopt});
-  save_safetensors(
-      path, tensors,
-      {{"rank", std::to_string(rank)}, {"world_size", std::to_string(world)}, {"step", std::to_string(step)}});
+  save_rank_file(path, tensors, rank, world, step);
 }
 
 void write_checkpoint_index(const std::string& dir, int64_t step, int world, int zero_stage) {
@@ -270,11 +317,8 @@ void write_checkpoint_index(const std::string& dir, int64_t step, int world, int
   std::error_code ec;
   std::vector<fs::path> stale;
   for (const auto& e : fs::directory_iterator(folder, ec)) {
-    const std::string name = e.path().filename().string();
-    if (!is_optimizer_shard_name(name)) continue;
-    bool ours = false;
-    for (int r = 0; r < world && !ours; ++r) ours = name == optimizer_shard_name(r, world);
-    if (!ours) stale.push_back(e.path());
+    const std::optional<std::pair<int, int>> shard = parse_shard_name(e.path().filename().string());
+    if (shard && (shard->second != world || shard->first >= world)) stale.push_back(e.path());
   }
   for (const fs::path& p : stale) {
     if (!fs::remove(p, ec) && ec)
@@ -286,6 +330,10 @@ void write_checkpoint_index(const std::string& dir, int64_t step, int world, int
   }
   files.emplace_back("state.safetensors", 0);
   for (int r = 0; r < world; ++r) files.emplace_back(optimizer_shard_name(r, world), r);
+  // ZeRO stage 3: each rank's streamed weights (all ranks write theirs, or none does).
+  if (fs::exists(folder / model_shard_name(0, world))) {
+    for (int r = 0; r < world; ++r) files.emplace_back(model_shard_name(r, world), r);
+  }
   nlohmann::ordered_json index = {{"format", "shoestring.sharded_checkpoint"},
                                   {"version", 1},
                                   {"step", step},
@@ -313,7 +361,7 @@ void remove_sharded_files(const std::string& dir) {
   std::vector<fs::path> stale;
   for (const auto& e : fs::directory_iterator(dir, ec)) {
     const std::string name = e.path().filename().string();
-    if (name == kCheckpointIndexFile || is_optimizer_shard_name(name)) stale.push_back(e.path());
+    if (name == kCheckpointIndexFile || parse_shard_name(name)) stale.push_back(e.path());
   }
   for (const fs::path& p : stale) {
     if (!fs::remove(p, ec) && ec)
@@ -348,15 +396,14 @@ std::optional<CheckpointIndex> read_checkpoint_index(const std::string& dir, boo
     if (!fs::exists(fs::path(dir) / file))
       fail("{}: weight_map[\"{}\"] names {}, which is missing", path.string(), tensor, file);
   }
-  // Every optimizer shard is this checkpoint's: its own metadata (written
-  // with it) names the index's step and world size and the rank of its name.
+  // Every shard is this checkpoint's: its own metadata (written with it)
+  // names the index's step and world size and the rank of its name.
   std::set<std::string> shards;
   for (const auto& [tensor, file] : out.weight_map) {
-    if (optimizer_shards && is_optimizer_shard_name(file)) shards.insert(file);
+    if ((optimizer_shards && is_optimizer_shard_name(file)) || is_model_shard_name(file)) shards.insert(file);
   }
   for (const std::string& file : shards) {
-    const int rank = std::stoi(file.substr(std::string("optimizer-rank-").size(), 5));
-    const int world = std::stoi(file.substr(std::string("optimizer-rank-00000-of-").size(), 5));
+    const auto [rank, world] = *parse_shard_name(file);
     const SafetensorsFile shard = SafetensorsFile::open((fs::path(dir) / file).string());
     auto meta = [&](const char* key) {
       const auto it = shard.metadata().find(key);
@@ -366,11 +413,11 @@ std::optional<CheckpointIndex> read_checkpoint_index(const std::string& dir, boo
     if (world != out.world_size || meta("world_size") != want_world || meta("rank") != std::to_string(rank) ||
         meta("step") != want_step) {
       fail(
-          "{}: this optimizer shard is not part of the checkpoint {} indexes (step {}, world size {}): its name says "
+          "{}: this {} shard is not part of the checkpoint {} indexes (step {}, world size {}): its name says "
           "rank {} of {}, its metadata step {}, rank {}, world_size {}; a shard of another checkpoint or run was "
           "copied here",
-          shard.path(), path.string(), out.step, out.world_size, rank, world, meta("step"), meta("rank"),
-          meta("world_size"));
+          shard.path(), is_model_shard_name(file) ? "model" : "optimizer", path.string(), out.step, out.world_size,
+          rank, world, meta("step"), meta("rank"), meta("world_size"));
     }
   }
   return out;

@@ -9,6 +9,8 @@
 //   (ZeRO stages 1-3 on several ranks, a sharded checkpoint: state.safetensors
 //   holds no optimizer state and no EMA; instead
 //   checkpoints/step-NNNNNN/optimizer-rank-RRRRR-of-WWWWW.safetensors  rank R's own tensors' state and EMA
+//   checkpoints/step-NNNNNN/model-rank-RRRRR-of-WWWWW.safetensors  ZeRO stage 3: rank R's own streamed
+//                                    weights (model.safetensors then holds the others)
 //   checkpoints/step-NNNNNN/checkpoint.index.json  every tensor of the folder -> the file holding it)
 //   checkpoints/latest.json          names the newest complete checkpoint
 //   model.safetensors                final weights (EMA weights when EMA is on)
@@ -21,10 +23,11 @@
 // A sharded checkpoint (docs/training.md, "Checkpoints of several
 // processes"): each rank writes its shard (the optimizer state of the
 // tensors it owns, "optimizer.<param>.<state>", and their EMA shadows,
-// "ema.<param>"), the ranks agree that every shard is on disk (a
-// collective), then rank 0 writes what every rank holds alike once
-// (model.safetensors / lora.safetensors, state.safetensors with masters,
-// RNG and counters), then the index, then latest.json. So the
+// "ema.<param>"; at ZeRO stage 3 also its model shard, the streamed
+// weights it owns, which no other rank holds), the ranks agree that every
+// shard is on disk (a collective), then rank 0 writes what every rank holds
+// alike once (model.safetensors / lora.safetensors, state.safetensors with
+// masters, RNG and counters), then the index, then latest.json. So the
 // folder holds the model and the state once, not once per rank, and counts
 // only when latest.json names it. A resume at any world size and zero stage
 // (one process included) reads, through the index, the state (and EMA) of
@@ -34,6 +37,7 @@
 #pragma once
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -50,10 +54,12 @@ namespace shoestring {
 std::vector<std::pair<std::string, at::Tensor>> module_tensors(const torch::nn::Module& module);
 
 /// Writes every parameter and buffer of `module` (in its storage dtype; fp8
-/// bytes as bf16 values, see module_tensors) to a
-/// .safetensors file with string metadata. Throws shoestring::Error on I/O failure.
+/// bytes as bf16 values, see module_tensors), except those named in
+/// `excluded` (ZeRO stage 3's streamed weights, in the ranks' model shards),
+/// to a .safetensors file with string metadata. Throws shoestring::Error on
+/// I/O failure.
 void save_module(const std::string& path, const torch::nn::Module& module,
-                 const std::map<std::string, std::string>& metadata);
+                 const std::map<std::string, std::string>& metadata, const std::set<std::string>& excluded = {});
 
 /// Copies tensors from `tensors` into the module's parameters and buffers by
 /// name, converting dtype to the module's (a parameter stored as fp8 bytes is
@@ -83,6 +89,14 @@ inline constexpr const char* kCheckpointIndexFile = "checkpoint.index.json";
 std::string optimizer_shard_name(int rank, int world);
 /// True for a name optimizer_shard_name gives (any rank and world).
 bool is_optimizer_shard_name(const std::string& name);
+/// "model-rank-RRRRR-of-WWWWW.safetensors": rank `rank`'s model shard (ZeRO
+/// stage 3: the streamed weights it owns) in a checkpoint of a `world`-rank run.
+std::string model_shard_name(int rank, int world);
+/// True for a name model_shard_name gives (any rank and world).
+bool is_model_shard_name(const std::string& name);
+/// True for the files of a checkpoint folder that hold model tensors under
+/// their own names: model.safetensors and the model shards.
+bool is_checkpoint_model_file(const std::string& name);
 
 /// Writes one rank's optimizer shard: `optimizer` ("<param>.<state>"
 /// tensors) as "optimizer.<param>.<state>" and, when the EMA is sharded, the
@@ -93,19 +107,27 @@ void save_optimizer_shard(const std::string& path, const std::vector<std::pair<s
                           const std::vector<std::pair<std::string, at::Tensor>>& ema, int rank, int world,
                           int64_t step);
 
+/// Writes one rank's model shard: `weights` (the streamed parameters it
+/// owns, under their module names, in their storage dtype) with metadata
+/// "rank", "world_size" and "step" (atomic). Throws shoestring::Error on I/O
+/// failure.
+void save_model_shard(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& weights, int rank,
+                      int world, int64_t step);
+
 /// Writes `dir`/checkpoint.index.json (atomic), after the files it names are
 /// complete: {"format": "shoestring.sharded_checkpoint", "version": 1,
 /// "step", "world_size", "zero_stage", "files": {file: {"bytes", "rank"}},
 /// "weight_map": {tensor: file}}: model.safetensors and lora.safetensors
-/// (when present) and state.safetensors (rank 0), and the `world` optimizer
-/// shards (their rank), every tensor of each (the weight_map of a Hugging
-/// Face index, so WeightFiles opens it). Removes optimizer shards of another
-/// world size that an interrupted save left in `dir`. Throws
+/// (when present) and state.safetensors (rank 0), the `world` optimizer
+/// shards (their rank) and, when rank 0's is present (ZeRO stage 3), the
+/// `world` model shards, every tensor of each (the weight_map of a Hugging
+/// Face index, so WeightFiles opens it). Removes optimizer and model shards
+/// of another world size that an interrupted save left in `dir`. Throws
 /// shoestring::Error naming the file that is missing or invalid, or a tensor
 /// name two files hold.
 void write_checkpoint_index(const std::string& dir, int64_t step, int world, int zero_stage);
 
-/// Removes checkpoint.index.json and every optimizer shard from checkpoint
+/// Removes checkpoint.index.json and every optimizer and model shard from checkpoint
 /// folder `dir` (left there by an interrupted sharded save of the same step)
 /// before a single-file checkpoint is written into it, so that the folder
 /// is read as what it now holds. Throws shoestring::Error naming a file
@@ -123,9 +145,10 @@ struct CheckpointIndex {
 /// Reads `dir`/checkpoint.index.json; nullopt when the folder has none (a
 /// single-file checkpoint). Throws shoestring::Error naming the index when
 /// it is not JSON or lacks a field, or names a file outside the folder or
-/// missing from it, and naming an optimizer shard whose metadata (step,
-/// rank, world size) is not the index's. Without `optimizer_shards` (to
-/// read the model alone: consolidate) the optimizer shards are not looked at.
+/// missing from it, and naming an optimizer or model shard whose metadata
+/// (step, rank, world size) is not the index's. Without `optimizer_shards`
+/// (to read the model alone: consolidate) the optimizer shards are not
+/// looked at.
 std::optional<CheckpointIndex> read_checkpoint_index(const std::string& dir, bool optimizer_shards = true);
 
 /// The counters of a run that a resume restores: what the loop has done so

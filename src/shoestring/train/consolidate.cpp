@@ -1,5 +1,6 @@
 #include "shoestring/train/consolidate.h"
 
+#include <algorithm>
 #include <filesystem>
 #include <list>
 #include <map>
@@ -21,10 +22,6 @@ namespace shoestring {
 namespace fs = std::filesystem;
 
 namespace {
-
-/// The files of a checkpoint folder that hold the model's tensors (stages 1
-/// and 2: rank 0's model.safetensors).
-bool is_model_file(const std::string& name) { return name == "model.safetensors"; }
 
 constexpr const char* kEmaPrefix = "ema.";
 constexpr const char* kOptimizerPrefix = "optimizer.";
@@ -134,19 +131,25 @@ ConsolidateResult consolidate_checkpoint(const std::string& checkpoint_dir, cons
   std::set<std::string> sources;
   std::map<std::string, std::string> metadata;
   if (index) {
-    // In the model files' own order (their data-buffer order), file by file.
-    std::set<std::string> model_files;
+    // In the model files' own order (their data-buffer order), file by file:
+    // model.safetensors, then (ZeRO stage 3) the ranks' model shards.
+    std::vector<std::string> model_files;
     for (const auto& [name, file] : index->weight_map) {
-      if (is_model_file(file)) model_files.insert(file);
+      if (is_checkpoint_model_file(file) && !sources.count(file)) {
+        sources.insert(file);
+        model_files.push_back(file);
+      }
     }
-    if (model_files.empty())
-      fail("consolidate: the index of '{}' maps no tensor to a model file (model.safetensors)", checkpoint_dir);
+    if (!sources.count("model.safetensors"))
+      fail("consolidate: the index of '{}' maps no tensor to its model file (model.safetensors)", checkpoint_dir);
+    std::stable_partition(model_files.begin(), model_files.end(),
+                          [](const std::string& f) { return f == "model.safetensors"; });
+    std::sort(model_files.begin() + 1, model_files.end());
     for (const std::string& file : model_files) {
       const SafetensorsFile f = SafetensorsFile::open((dir / file).string());
-      if (metadata.empty()) metadata = f.metadata();
+      if (file == "model.safetensors") metadata = f.metadata();  // the shards' own are rank, world size, step
       const WeightFiles& files = mapped.emplace_back(WeightFiles::open((dir / file).string()));
       for (const auto& info : f.tensors()) tensors.emplace_back(info.name, files.get(info.name));
-      sources.insert(file);
     }
   } else {
     const WeightFiles& files = mapped.emplace_back(WeightFiles::open(model.string()));

@@ -45,8 +45,9 @@ struct ConsolidateResult {
 
 /// Writes the model of checkpoint folder `checkpoint_dir`
 /// (RUN_DIR/checkpoints/step-NNNNNN) to `out`: every tensor the checkpoint
-/// index maps to a model file (a single-file checkpoint: every tensor of
-/// model.safetensors), under its own name, with the model file's metadata
+/// index maps to a model file (model.safetensors and, from ZeRO stage 3,
+/// the ranks' model shards; a single-file checkpoint: every tensor of
+/// model.safetensors), under its own name, with model.safetensors' metadata
 /// (plus "shoestring.consolidated_from" and, when converting, "dtype").
 /// Throws shoestring::Error naming the folder or file: no such folder, no
 /// model in it (a LoRA run on a pretrained base keeps lora.safetensors

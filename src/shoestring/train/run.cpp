@@ -163,6 +163,10 @@ void check_resume(const std::string& run_dir, const std::string& checkpoint_dir,
   if (step && now.max_train_epochs == 0) refuse_if_finished(run_dir, *step, now.max_train_steps, 0);
 }
 
+/// Where every rank writes its streamed weights for rank 0's samples and
+/// final files when no checkpoint of the step holds them (ZeRO stage 3).
+fs::path streamed_weights_dir_of(const std::string& run_dir) { return fs::path(run_dir) / ".streamed-weights"; }
+
 /// Removes the temporaries that writes interrupted by a crash or kill left
 /// in the run folder (io/atomic_file.h), saying how much space came back:
 /// only those of the files a run writes, in the folders it writes them in
@@ -193,9 +197,22 @@ void remove_stale_temporaries_of(const std::string& run_dir, bool quiet) {
     if (!e.is_symlink() && e.is_directory() && step_file(e.path().filename().string(), "")) {
       add(remove_temporaries(e.path().string(), [](const std::string& name) {
         return name == "model.safetensors" || name == "lora.safetensors" || name == "state.safetensors" ||
-               name == kCheckpointIndexFile || is_optimizer_shard_name(name);  // sharded checkpoints
+               name == kCheckpointIndexFile || is_optimizer_shard_name(name) ||
+               is_model_shard_name(name);  // sharded checkpoints
       }));
     }
+  }
+  // ZeRO stage 3's streamed weights for samples and final files
+  // (hold_streamed_weights_on_rank_zero), left by a run stopped meanwhile.
+  const fs::path scratch = streamed_weights_dir_of(run_dir);
+  if (fs::is_directory(scratch, ec)) {
+    for (const auto& e : fs::recursive_directory_iterator(scratch, ec)) {
+      if (e.is_regular_file(ec)) {
+        stale.paths.push_back(e.path().string());
+        stale.bytes += e.file_size(ec);
+      }
+    }
+    fs::remove_all(scratch, ec);
   }
   add(remove_temporaries((root / "samples").string(),
                          [&](const std::string& name) { return step_file(name, ".png") || step_file(name, ".txt"); }));
@@ -901,21 +918,28 @@ bool shards_ema(const Run& run) { return run.ema != nullptr && shards_checkpoint
 
 EMA* local_ema(Run& run) { return shards_ema(run) ? nullptr : run.ema.get(); }
 
-void write_checkpoint_shards(Run& run, int64_t step) {
-  if (!shards_checkpoints(run)) return;
-  const fs::path dir = fs::path(run.run_dir) / "checkpoints" / step_name(step);
+bool streams_weights_through_files(const Run& run) {
+  return run.zero != nullptr && run.zero->stage() == 3 && run.world_size() > 1 && run.block_streaming != nullptr &&
+         !run.network;
+}
+
+namespace {
+
+/// Every rank says whether `write` (its shard(s) into `dir`) succeeded, so
+/// that rank 0 uses the folder only when all did. Throws shoestring::Error
+/// on every rank naming the ranks that failed (and this rank's own error),
+/// and as the collective when a peer died. `context` ("checkpoint of step
+/// N") and `what` (the files) are for the message; a folder left empty is
+/// removed (rank 0).
+void write_on_every_rank(Run& run, const fs::path& dir, const std::string& context, const std::string& what,
+                         const std::function<void()>& write) {
   std::string error;
   try {
     fs::create_directories(dir);
-    save_optimizer_shard((dir / optimizer_shard_name(run.rank(), run.world_size())).string(),
-                         run.gradients->optimizer().state_tensors(),
-                         shards_ema(run) ? run.ema->tensors() : std::vector<std::pair<std::string, at::Tensor>>{},
-                         run.rank(), run.world_size(), step);
+    write();
   } catch (const std::exception& e) {
     error = e.what();
   }
-  // Every rank says whether its shard is on disk: rank 0 indexes the
-  // checkpoint only when all are.
   at::Tensor failed = at::zeros({run.world_size()}, at::TensorOptions().dtype(at::kInt));
   if (!error.empty()) failed[run.rank()].fill_(1);
   run.group->all_reduce_sum(failed);
@@ -928,8 +952,60 @@ void write_checkpoint_shards(Run& run, int64_t step) {
     std::error_code ec;
     if (fs::is_empty(dir, ec)) fs::remove(dir, ec);  // a failed save leaves no empty folder
   }
-  fail("checkpoint of step {}: rank(s) {} could not write their optimizer shard in {}{}", step, fmt::join(ranks, ", "),
-       dir.string(), error.empty() ? std::string() : ": " + error);
+  fail("{}: rank(s) {} could not write their {} in {}{}", context, fmt::join(ranks, ", "), what, dir.string(),
+       error.empty() ? std::string() : ": " + error);
+}
+
+}  // namespace
+
+std::string write_checkpoint_shards(Run& run, int64_t step) {
+  if (!shards_checkpoints(run)) return {};
+  const fs::path dir = fs::path(run.run_dir) / "checkpoints" / step_name(step);
+  const bool model_shard = streams_weights_through_files(run);
+  write_on_every_rank(run, dir, fmt::format("checkpoint of step {}", step),
+                      model_shard ? "optimizer and model shards" : "optimizer shard", [&] {
+                        save_optimizer_shard(
+                            (dir / optimizer_shard_name(run.rank(), run.world_size())).string(),
+                            run.gradients->optimizer().state_tensors(),
+                            shards_ema(run) ? run.ema->tensors() : std::vector<std::pair<std::string, at::Tensor>>{},
+                            run.rank(), run.world_size(), step);
+                        if (model_shard) {
+                          save_model_shard((dir / model_shard_name(run.rank(), run.world_size())).string(),
+                                           run.zero->owned_streamed(), run.rank(), run.world_size(), step);
+                        }
+                      });
+  return dir.string();
+}
+
+std::string hold_streamed_weights_on_rank_zero(Run& run, int64_t step, const std::string& checkpoint_dir) {
+  fs::path dir = checkpoint_dir;
+  std::string scratch;
+  if (dir.empty()) {
+    dir = streamed_weights_dir_of(run.run_dir);
+    scratch = dir.string();
+    write_on_every_rank(run, dir, fmt::format("samples and final files of step {}", step), "streamed weights", [&] {
+      save_model_shard((dir / model_shard_name(run.rank(), run.world_size())).string(), run.zero->owned_streamed(),
+                       run.rank(), run.world_size(), step);
+    });
+  }
+  std::map<std::string, at::Tensor> values;
+  if (run.writes_files()) {
+    // Mapped, not read: the pages come in as the weights are used.
+    for (int r = 0; r < run.world_size(); ++r) {
+      if (r == run.rank()) continue;
+      const SafetensorsFile shard = SafetensorsFile::open((dir / model_shard_name(r, run.world_size())).string());
+      for (const auto& info : shard.tensors()) values.emplace(info.name, shard.get(info));
+    }
+  }
+  run.zero->hold_on(0, values);
+  return scratch;
+}
+
+void remove_streamed_weights(const Run& run, const std::string& scratch) {
+  if (scratch.empty() || !run.writes_files()) return;
+  std::error_code ec;
+  fs::remove_all(scratch, ec);
+  if (ec) spdlog::warn("cannot remove {}: {}", scratch, ec.message());
 }
 
 std::string write_checkpoint(Run& run, int64_t step) {
@@ -940,7 +1016,11 @@ std::string write_checkpoint(Run& run, int64_t step) {
   RemoveIfEmpty cleanup{dir.string(), fs::create_directories(dir), ""};
   if (!sharded) remove_sharded_files(dir.string());  // of an interrupted sharded save of this step
   if (!run.lora_only()) {
-    save_module((dir / "model.safetensors").string(), run.model->module(), run.model->metadata(step));
+    std::set<std::string> in_shards;  // ZeRO stage 3: each rank's model shard holds its streamed weights
+    if (streams_weights_through_files(run)) {
+      for (const std::string& name : run.zero->streamed_names()) in_shards.insert(name);
+    }
+    save_module((dir / "model.safetensors").string(), run.model->module(), run.model->metadata(step), in_shards);
   }
   if (run.network) save_lora(run, (dir / "lora.safetensors").string(), step, /*final_file=*/false);
 
@@ -1053,10 +1133,22 @@ void remove_expired_checkpoints(Run& run, int64_t step) {
 
 int64_t restore_checkpoint(Run& run, const std::string& dir) {
   if (!run.lora_only()) {
-    auto model_file = SafetensorsFile::open((fs::path(dir) / "model.safetensors").string());
+    // A sharded checkpoint's model files (model.safetensors and, from ZeRO
+    // stage 3, the ranks' model shards) through its index.
+    const std::optional<CheckpointIndex> index = read_checkpoint_index(dir, /*optimizer_shards=*/false);
     std::map<std::string, at::Tensor> weights;
-    for (const auto& info : model_file.tensors()) weights[info.name] = model_file.get(info.name);
-    load_module(run.model->module(), weights, model_file.path());
+    std::string source = (fs::path(dir) / "model.safetensors").string();
+    if (index) {
+      source = (fs::path(dir) / kCheckpointIndexFile).string();
+      const WeightFiles files = WeightFiles::open(source);
+      for (const auto& [name, file] : index->weight_map) {
+        if (is_checkpoint_model_file(file)) weights[name] = files.get(name);
+      }
+    } else {
+      auto model_file = SafetensorsFile::open(source);
+      for (const auto& info : model_file.tensors()) weights[info.name] = model_file.get(info.name);
+    }
+    load_module(run.model->module(), weights, source);
   }
   if (run.network) run.network->load((fs::path(dir) / "lora.safetensors").string());
 

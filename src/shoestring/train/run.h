@@ -156,13 +156,38 @@ bool shards_checkpoints(const Run& run);
 /// them swapped in and gathered by every rank (train/trainer.cpp).
 bool shards_ema(const Run& run);
 
+/// True when the streamed weights of `run` reach rank 0 through files, not
+/// a gather, for checkpoints, samples and final files: ZeRO stage 3 on
+/// several ranks, a full fine-tune (no LoRA network). Each rank writes the
+/// streamed weights it owns (a checkpoint's model shard); rank 0 maps the
+/// others' files. So no rank ever holds the whole model in its memory: the
+/// mapped pages are the page cache's, which the kernel can drop.
+bool streams_weights_through_files(const Run& run);
+
 /// Every rank of a sharded run (nothing otherwise): writes this rank's
-/// optimizer shard into checkpoints/step-NNNNNN/, then learns from every
-/// rank whether theirs is on disk (a collective), so that rank 0 indexes the
-/// checkpoint (write_checkpoint) only when all are. Throws shoestring::Error
-/// on every rank naming the ranks that failed (and this rank's own I/O
-/// error), and as the collective when a peer died.
-void write_checkpoint_shards(Run& run, int64_t step);
+/// optimizer shard (and, when streams_weights_through_files, its model
+/// shard) into checkpoints/step-NNNNNN/, then learns from every rank
+/// whether theirs is on disk (a collective), so that rank 0 indexes the
+/// checkpoint (write_checkpoint) only when all are. Returns the folder
+/// (empty when not sharded). Throws shoestring::Error on every rank naming
+/// the ranks that failed (and this rank's own I/O error), and as the
+/// collective when a peer died.
+std::string write_checkpoint_shards(Run& run, int64_t step);
+
+/// When streams_weights_through_files, on every rank: makes every streamed
+/// weight present on rank 0 (dist::ZeroSharding::hold_on, ended by
+/// release_held) from the model shards of `checkpoint_dir` (this step's,
+/// from write_checkpoint_shards) or, when that is empty, from the files
+/// every rank first writes into RUN_DIR/.streamed-weights/ (collective, as
+/// write_checkpoint_shards). Returns that scratch folder (empty when the
+/// checkpoint's shards served) for remove_streamed_weights. Throws as
+/// write_checkpoint_shards, and shoestring::Error naming a shard that
+/// cannot be read.
+std::string hold_streamed_weights_on_rank_zero(Run& run, int64_t step, const std::string& checkpoint_dir);
+
+/// Rank 0: removes the scratch folder hold_streamed_weights_on_rank_zero
+/// wrote (nothing for ""); a failure is a warning.
+void remove_streamed_weights(const Run& run, const std::string& scratch);
 
 /// Rank 0 (one process: the process): writes checkpoints/step-NNNNNN/
 /// (weights or LoRA adapters, and the training state, with the whole

@@ -268,46 +268,66 @@ void update_report(const Run& run) {
 bool every(int64_t n, int64_t step) { return n > 0 && step % n == 0; }
 
 /// Streamed blocks (ZeRO stage 3, offload_params): every weight present on
-/// rank 0 while it writes the checkpoint, samples and final files of a step
-/// (RunBlockStreaming::hold_all; collective for ZeRO), then released;
-/// nothing otherwise.
+/// rank 0 while it writes the checkpoint, samples and final files of a step,
+/// then released; nothing otherwise. A full fine-tune at ZeRO stage 3
+/// (streams_weights_through_files) gives rank 0 the other ranks' weights
+/// from the files they wrote (the step's checkpoint shards `checkpoint_dir`,
+/// or a scratch folder), and only when `needs_weights` (samples, final
+/// files: the checkpoint itself takes them from each rank's shard); others
+/// gather them there (RunBlockStreaming::hold_all). Collective for ZeRO.
 class WeightsOnRankZero {
  public:
-  explicit WeightsOnRankZero(Run& run) : streaming_(run.block_streaming.get()) {
-    if (streaming_) streaming_->hold_all();
+  WeightsOnRankZero(Run& run, int64_t step, const std::string& checkpoint_dir, bool needs_weights)
+      : run_(run), streaming_(run.block_streaming.get()) {
+    if (!streaming_) return;
+    if (!streams_weights_through_files(run)) {
+      streaming_->hold_all();
+    } else if (needs_weights) {
+      scratch_ = hold_streamed_weights_on_rank_zero(run, step, checkpoint_dir);
+    }
   }
   ~WeightsOnRankZero() {
-    if (streaming_) streaming_->release_held();
+    if (!streaming_) return;
+    streaming_->release_held();
+    remove_streamed_weights(run_, scratch_);
   }
   WeightsOnRankZero(const WeightsOnRankZero&) = delete;
   WeightsOnRankZero& operator=(const WeightsOnRankZero&) = delete;
 
  private:
+  Run& run_;
   RunBlockStreaming* streaming_;
+  std::string scratch_;
 };
 
 /// A sharded EMA (shards_ema: ZeRO on several ranks, each rank keeping the
 /// shadows of its own tensors): for this object's lifetime, every rank's own
 /// tensors hold their EMA weights and rank 0 holds all of them (the owners
 /// broadcast the resident ones, as after an optimizer step; ZeRO stage 3
-/// gathers the streamed ones onto rank 0 with hold_all), so that rank 0
-/// samples and writes the final files from the EMA weights. Collective,
-/// construction and destruction both; nothing without a sharded EMA. The
-/// trained weights come back, bit for bit, on every rank; when leaving by an
-/// exception the destructor does no collective (the run is over and a peer
-/// may be gone).
+/// gives rank 0 the streamed ones, as WeightsOnRankZero does, always through
+/// scratch files for a full fine-tune), so that rank 0 samples and writes
+/// the final files from the EMA weights. Collective, construction and
+/// destruction both; nothing without a sharded EMA. The trained weights come
+/// back, bit for bit, on every rank; when leaving by an exception the
+/// destructor does no collective (the run is over and a peer may be gone).
 class EmaWeightsOnRankZero {
  public:
-  explicit EmaWeightsOnRankZero(Run& run) : run_(shards_ema(run) ? &run : nullptr) {
+  EmaWeightsOnRankZero(Run& run, int64_t step) : run_(shards_ema(run) ? &run : nullptr) {
     if (!run_) return;
     ScopedMemoryCategory category(MemoryCategory::temporaries);
     saved_ = run_->ema->swap_in();
     run_->zero->broadcast_updated_parameters();
-    if (run_->block_streaming) run_->block_streaming->hold_all();
+    if (!run_->block_streaming) return;
+    if (streams_weights_through_files(*run_)) {
+      scratch_ = hold_streamed_weights_on_rank_zero(*run_, step, "");
+    } else {
+      run_->block_streaming->hold_all();
+    }
   }
   ~EmaWeightsOnRankZero() {
     if (!run_) return;
     if (run_->block_streaming) run_->block_streaming->release_held();
+    remove_streamed_weights(*run_, scratch_);
     run_->ema->restore(saved_);
     if (std::uncaught_exceptions() > 0) return;
     ScopedMemoryCategory category(MemoryCategory::temporaries);
@@ -319,6 +339,7 @@ class EmaWeightsOnRankZero {
  private:
   Run* run_;
   std::vector<at::Tensor> saved_;
+  std::string scratch_;
 };
 
 /// Runs `write` (`what`: the checkpoint, samples, final files of `step`) on
@@ -378,21 +399,23 @@ TrainSummary train(const TrainConfig& config, const TrainRunOptions& options) {
     const bool saves = save_schedule(*run).due(step);  // save_every_n_steps / _epochs, the last step
     const bool samples = every(c.sample_every_n_steps, step) || last;
     if (!saves && !samples) continue;
-    if (saves) write_checkpoint_shards(*run, step);  // ZeRO on several ranks: each rank its optimizer shard
+    // ZeRO on several ranks: each rank its optimizer shard (stage 3: and its model shard).
+    const std::string shards = saves ? write_checkpoint_shards(*run, step) : std::string();
     std::string checkpoint;
     auto samples_and_final_files = [&] {
       if (samples) sample(*run, report, step);
       if (last) save_final_files(*run, step);  // EMA weights when EMA is on
     };
     {
-      WeightsOnRankZero gathered(*run);  // zero_stage 3: the whole model on rank 0 meanwhile
+      // zero_stage 3: the whole model on rank 0 meanwhile
+      WeightsOnRankZero held(*run, step, shards, !shards_ema(*run) && (samples || last));
       on_rank_zero(*run, step, "checkpoint and samples", [&] {
         if (saves) checkpoint = write_checkpoint(*run, step);  // sharded: indexed last
         if (!shards_ema(*run)) samples_and_final_files();      // the EMA weights swapped in there
       });
     }
     if (shards_ema(*run)) {
-      EmaWeightsOnRankZero ema_weights(*run);  // every rank swaps its EMA shards in, rank 0 gathers them
+      EmaWeightsOnRankZero ema_weights(*run, step);  // every rank swaps its EMA shards in, rank 0 holds them
       on_rank_zero(*run, step, "EMA samples and final files", samples_and_final_files);
     }
     on_rank_zero(*run, step, "report", [&] {
