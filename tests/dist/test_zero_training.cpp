@@ -9,9 +9,11 @@
 // model file; configs it cannot run are refused naming the key.
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include "../cli/run_cli.h"
 #include "../train/train_testing.h"
@@ -512,6 +514,55 @@ TEST(ZeroCheckpoint, Stage3ResumesAtTwoRanksAndOneProcess) {
           (cli + lost + "/model.safetensors " + dir + "/file.safetensors > " + dir + "/consolidate.txt 2>&1").c_str()),
       0);
   EXPECT_THAT(read_text(dir + "/consolidate.txt"), HasSubstr("is a file; give the checkpoint folder"));
+  // A damaged model part: refused naming it, nothing written.
+  auto refused = [&](const std::string& what, const std::function<void(const std::string&)>& damage,
+                     const std::string& named) {
+    const std::string copy = dir + "/damaged_" + what;
+    fs::copy(dir + "/s3/checkpoints/step-000004", copy, fs::copy_options::recursive);
+    damage(copy);
+    const std::string out = dir + "/damaged_" + what + ".safetensors";
+    EXPECT_NE(std::system((cli + copy + " " + out + " > " + dir + "/consolidate.txt 2>&1").c_str()), 0) << what;
+    EXPECT_THAT(read_text(dir + "/consolidate.txt"), HasSubstr(named)) << what;
+    EXPECT_FALSE(fs::exists(out)) << what;
+  };
+  refused(
+      "optimizer_as_model",
+      [](const std::string& c) {
+        fs::copy_file(c + "/" + optimizer_shard_name(1, 2), c + "/" + model_shard_name(1, 2),
+                      fs::copy_options::overwrite_existing);
+      },
+      model_shard_name(1, 2));
+  refused(
+      "no_index", [](const std::string& c) { fs::remove(c + "/" + std::string(kCheckpointIndexFile)); },
+      "no " + std::string(kCheckpointIndexFile));
+  refused(
+      "index_without_shards",
+      [](const std::string& c) {
+        const std::string path = c + "/" + std::string(kCheckpointIndexFile);
+        nlohmann::json index = nlohmann::json::parse(read_text(path));
+        nlohmann::json kept = nlohmann::json::object();
+        for (const auto& [name, file] : index["weight_map"].items()) {
+          if (!is_model_shard_name(file.get<std::string>())) kept[name] = file;
+        }
+        index["weight_map"] = kept;
+        write_text(path, index.dump());
+      },
+      model_shard_name(0, 2));
+  // The step's model.safetensors alone is part of the model: `sample`
+  // says so and takes the index instead.
+  const std::string step4 = dir + "/s3/checkpoints/step-000004/";
+  const std::string sample = std::string(SHOESTRING_BINARY) + " sample --prompt 'red heart' --steps 2 --out ";
+  EXPECT_NE(
+      std::system((sample + dir + "/part.png " + step4 + "model.safetensors > " + dir + "/sample.txt 2>&1").c_str()),
+      0);
+  EXPECT_THAT(read_text(dir + "/sample.txt"),
+              AllOf(HasSubstr("one part of a ZeRO stage-3 checkpoint"), HasSubstr("consolidate")));
+  EXPECT_EQ(
+      std::system(
+          (sample + dir + "/index.png " + step4 + kCheckpointIndexFile + " > " + dir + "/sample.txt 2>&1").c_str()),
+      0)
+      << read_text(dir + "/sample.txt");
+  EXPECT_TRUE(fs::exists(dir + "/index.png"));
 }
 
 // EMA with ZeRO on 2 ranks (stages 2 and 3): each rank keeps the EMA of the
@@ -692,6 +743,17 @@ TEST(ZeroTraining, ConfigsItCannotRunAreRefusedNamingTheKey) {
     for (int r : {0, 1}) {
       EXPECT_THAT(read_text(dir3 + "/plain.error" + std::to_string(r) + ".txt"),
                   AllOf(HasSubstr("zero_stage = 3"), HasSubstr("gradient_checkpointing = true")));
+    }
+  }
+
+  {
+    // A LoRA network at stage 3: its adapters are outside the checkpointed blocks; stage 2 named instead.
+    const std::string dir3 = fresh_dist_dir("zero3lora");
+    EXPECT_EQ(launch(dir3, {"lora", 2, 2, 3, "gradient_checkpointing = true\nnetwork_module = \"networks.lora\""}),
+              (std::vector<int>{4, 4}));
+    for (int r : {0, 1}) {
+      EXPECT_THAT(read_text(dir3 + "/lora.error" + std::to_string(r) + ".txt"),
+                  AllOf(HasSubstr("LoRA network's adapters"), HasSubstr("zero_stage = 2")));
     }
   }
 

@@ -299,8 +299,19 @@ TEST(ShardedCheckpoint, Stage3ModelShardsAreIndexedAndChecked) {
         << e.what();
     EXPECT_NE(std::string(e.what()).find("metadata step 5"), std::string::npos) << e.what();
   }
-  remove_sharded_files(dir);
+  save_model_shard(dir + "/" + model_shard_name(1, 2), {{"block1.weight", torch::zeros({3})}}, 1, 2, 6);
+  // The folder as the model alone (resume, sample, consolidate read it so).
+  const std::map<std::string, at::Tensor> model = checkpoint_model_tensors(dir);
+  EXPECT_EQ(model.size(), 3u);
+  EXPECT_TRUE(model.count("block1.weight"));
+  EXPECT_FALSE(model.count("rng.cpu"));
+  // The step saved again at stage 2 (a resume after a stage-3 save was
+  // interrupted): the stage-3 model shards are stale, not indexed.
+  write_checkpoint_index(dir, 6, 2, 2);
   EXPECT_FALSE(fs::exists(dir + "/" + model_shard_name(0, 2)));
+  EXPECT_FALSE(fs::exists(dir + "/" + model_shard_name(1, 2)));
+  EXPECT_EQ(read_checkpoint_index(dir)->weight_map.count("block0.weight"), 0u);
+  remove_sharded_files(dir);
   EXPECT_TRUE(fs::exists(dir + "/model.safetensors"));
 }
 

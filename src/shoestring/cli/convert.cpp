@@ -33,6 +33,7 @@
 #include "shoestring/models/architecture.h"
 #include "shoestring/models/unet_ldm.h"
 #include "shoestring/precision/save_guard.h"
+#include "shoestring/train/checkpoint_io.h"
 
 namespace shoestring::cli {
 
@@ -196,6 +197,7 @@ void run_convert(const ConvertOptions& o) {
     target = precision::parse_save_precision(o.dtype);
     cast = target == precision::Dtype::fp16 ? at::kHalf : target == precision::Dtype::bf16 ? at::kBFloat16 : at::kFloat;
   }
+  refuse_partial_checkpoint_model(o.in, "convert");
   WeightFiles files = WeightFiles::open(o.in);
   // Never overwrite what is being read, however the path is spelled (./x, a
   // symlink, the shard of an index).

@@ -18,6 +18,7 @@
 #include "shoestring/core/threads.h"
 #include "shoestring/io/weight_files.h"
 #include "shoestring/train/cascade_sampling.h"
+#include "shoestring/train/checkpoint_io.h"
 #include "shoestring/train/ldm_sampling.h"
 #include "shoestring/train/samplers.h"
 #include "shoestring/train/sampling.h"
@@ -100,14 +101,16 @@ void register_sample(CLI::App& app) {
   cmd->add_option("checkpoint", args->checkpoint,
                   "model .safetensors: the emoji example's, a single-file SD 1.5 / SDXL / SSD-1B or SD3.5 Medium "
                   "checkpoint, or a Stable Cascade stage C file (a run's RUN_DIR/model.safetensors, a step "
-                  "checkpoint, or a released / ComfyUI / A1111 / kohya file)")
+                  "checkpoint, or a released / ComfyUI / A1111 / kohya file); a step checkpoint of a ZeRO stage-3 "
+                  "run: its checkpoint.index.json")
       ->required();
   cmd->add_option("--prompt", args->prompts, "prompt (repeatable; one grid row each)")
       ->required()
       ->allow_extra_args(false);
   CLI::Option* negative = cmd->add_option("--negative-prompt", args->negative_prompt,
                                           "the prompt guidance steers away from (default empty; not the emoji model)");
-  cmd->add_option("--steps", args->steps, "sampler steps (denoiser evaluations per image; default 30)")->check(CLI::Range(1, 1000));
+  cmd->add_option("--steps", args->steps, "sampler steps (denoiser evaluations per image; default 30)")
+      ->check(CLI::Range(1, 1000));
   CLI::Option* cfg = cmd->add_option("--cfg", args->cfg,
                                      "classifier-free guidance scale (1 = off; default 4 for the emoji model and "
                                      "Stable Cascade, 7.5 for SD 1.5 / SDXL as kohya's sample_prompts, 5 for SD3.5 "
@@ -123,8 +126,7 @@ void register_sample(CLI::App& app) {
                                        "Stable Cascade, whose previews are a quarter of it)")
                            ->check(CLI::Range(8, 8192));
   CLI::Option* height =
-      cmd->add_option("--height", args->height,
-                      "image height in pixels (default: --width when given, else as --width)")
+      cmd->add_option("--height", args->height, "image height in pixels (default: --width when given, else as --width)")
           ->check(CLI::Range(8, 8192));
   CLI::Option* sampler = cmd->add_option("--sampler", args->sampler,
                                          "SD 1.5 / SDXL: ddim (default, as kohya's samples), euler, euler_a, "
@@ -149,9 +151,10 @@ void register_sample(CLI::App& app) {
                       "SD 1.5 / SDXL: what the UNet predicts: auto (the file's metadata, else the "
                       "run's v_parameterization, else epsilon), epsilon, v")
           ->check(CLI::IsMember({"auto", "epsilon", "v"}));
-  CLI::Option* clip_l = cmd->add_option("--clip-l", args->clip_l,
-                                        "SD3.5: CLIP-L's file (default: the checkpoint's text_encoders.clip_l, else the "
-                                        "run's clip_l)");
+  CLI::Option* clip_l =
+      cmd->add_option("--clip-l", args->clip_l,
+                      "SD3.5: CLIP-L's file (default: the checkpoint's text_encoders.clip_l, else the "
+                      "run's clip_l)");
   CLI::Option* clip_g = cmd->add_option("--clip-g", args->clip_g,
                                         "SD3.5 / Stable Cascade: OpenCLIP bigG's file (default SD3.5: the checkpoint's "
                                         "text_encoders.clip_g, else the run's clip_g; Cascade: the run's "
@@ -160,9 +163,9 @@ void register_sample(CLI::App& app) {
                                        "SD3.5: T5-XXL's file, may be the checkpoint itself (default: the run's t5xxl, "
                                        "else none: 77 zero tokens)");
   CLI::Option* vae = cmd->add_option("--vae", args->vae, "SD3.5: the SD3 VAE's file (default: the checkpoint's)");
-  CLI::Option* previewer = cmd->add_option(
-      "--previewer", args->previewer,
-      "Stable Cascade: previewer.safetensors (default: the run's previewer_checkpoint_path)");
+  CLI::Option* previewer =
+      cmd->add_option("--previewer", args->previewer,
+                      "Stable Cascade: previewer.safetensors (default: the run's previewer_checkpoint_path)");
   cmd->add_option("--out", args->out, "output PNG")->required();
   cmd->add_option("--device", args->device,
                   "where to sample: auto (first CUDA device if any, else cpu), cpu, cuda, "
@@ -178,6 +181,7 @@ void register_sample(CLI::App& app) {
     if (fs::is_directory(args->checkpoint))
       fail("checkpoint '{}' is a directory, expected a .safetensors file", args->checkpoint);
     if (!fs::is_regular_file(args->checkpoint)) fail("checkpoint '{}': no such file", args->checkpoint);
+    refuse_partial_checkpoint_model(args->checkpoint, "sample");
     if (is_lora_file(args->checkpoint)) {
       fail(
           "checkpoint '{}' is a LoRA file (kohya lora_* tensors only): pass its base model as CHECKPOINT and this "
@@ -258,9 +262,8 @@ void register_sample(CLI::App& app) {
       return;
     }
     // The emoji model: flow matching, Euler, square at its training resolution.
-    for (const CLI::Option* o :
-         {negative, width, height, sampler, lora, lora_scale, tokenizer, clip_skip, prediction, clip_l, clip_g, t5xxl,
-          vae, previewer}) {
+    for (const CLI::Option* o : {negative, width, height, sampler, lora, lora_scale, tokenizer, clip_skip, prediction,
+                                 clip_l, clip_g, t5xxl, vae, previewer}) {
       if (o->count() > 0) {
         fail(
             "{} applies to the released architectures' checkpoints; {} is the emoji example's model, which samples "

@@ -317,8 +317,12 @@ void write_checkpoint_index(const std::string& dir, int64_t step, int world, int
   std::error_code ec;
   std::vector<fs::path> stale;
   for (const auto& e : fs::directory_iterator(folder, ec)) {
-    const std::optional<std::pair<int, int>> shard = parse_shard_name(e.path().filename().string());
-    if (shard && (shard->second != world || shard->first >= world)) stale.push_back(e.path());
+    const std::string name = e.path().filename().string();
+    const std::optional<std::pair<int, int>> shard = parse_shard_name(name);
+    // Model shards exist at stage 3 only: others are an interrupted stage-3
+    // save of this step, which a resume at another stage saves again.
+    if (shard && (shard->second != world || shard->first >= world || (zero_stage != 3 && is_model_shard_name(name))))
+      stale.push_back(e.path());
   }
   for (const fs::path& p : stale) {
     if (!fs::remove(p, ec) && ec)
@@ -330,8 +334,8 @@ void write_checkpoint_index(const std::string& dir, int64_t step, int world, int
   }
   files.emplace_back("state.safetensors", 0);
   for (int r = 0; r < world; ++r) files.emplace_back(optimizer_shard_name(r, world), r);
-  // ZeRO stage 3: each rank's streamed weights (all ranks write theirs, or none does).
-  if (fs::exists(folder / model_shard_name(0, world))) {
+  // ZeRO stage 3: each rank's streamed weights (a full fine-tune: model.safetensors holds the rest).
+  if (zero_stage == 3 && fs::exists(folder / "model.safetensors")) {
     for (int r = 0; r < world; ++r) files.emplace_back(model_shard_name(r, world), r);
   }
   nlohmann::ordered_json index = {{"format", "shoestring.sharded_checkpoint"},
@@ -366,6 +370,46 @@ void remove_sharded_files(const std::string& dir) {
   for (const fs::path& p : stale) {
     if (!fs::remove(p, ec) && ec)
       fail("cannot remove {} (a stale part of a sharded checkpoint): {}", p.string(), ec.message());
+  }
+}
+
+std::map<std::string, at::Tensor> checkpoint_model_tensors(const std::string& dir, std::string* source) {
+  const std::optional<CheckpointIndex> index = read_checkpoint_index(dir, /*optimizer_shards=*/false);
+  std::map<std::string, at::Tensor> out;
+  const std::string path = (fs::path(dir) / (index ? kCheckpointIndexFile : "model.safetensors")).string();
+  if (source) *source = path;
+  if (index) {
+    // Through the index: every file it names is checked against it (foreign or edited shards named).
+    const WeightFiles files = WeightFiles::open(path);
+    for (const auto& [name, file] : index->weight_map) {
+      if (is_checkpoint_model_file(file)) out.emplace(name, files.get(name));
+    }
+  } else {
+    const SafetensorsFile file = SafetensorsFile::open(path);
+    for (const auto& info : file.tensors()) out.emplace(info.name, file.get(info));
+  }
+  return out;
+}
+
+void refuse_partial_checkpoint_model(const std::string& path, const std::string& command) {
+  const fs::path file(path);
+  if (file.filename() != "model.safetensors") return;
+  const fs::path dir = file.parent_path().empty() ? fs::path(".") : file.parent_path();
+  std::error_code ec;
+  if (!fs::exists(dir / kCheckpointIndexFile, ec)) return;
+  std::optional<CheckpointIndex> index;
+  try {
+    index = read_checkpoint_index(dir.string(), /*optimizer_shards=*/false);
+  } catch (const Error&) {
+    return;  // a damaged index: the model file is read (and judged) on its own
+  }
+  for (const auto& [name, in] : index->weight_map) {
+    if (!is_model_shard_name(in)) continue;
+    fail(
+        "{}: {} is one part of a ZeRO stage-3 checkpoint's model (the weights that do not stream; each rank's "
+        "model shard holds the rest, e.g. '{}' in {}): give {} instead, or write the whole model as one file with "
+        "`shoestring consolidate {} OUT.safetensors`",
+        command, path, name, in, (dir / kCheckpointIndexFile).string(), dir.string());
   }
 }
 
@@ -414,8 +458,8 @@ std::optional<CheckpointIndex> read_checkpoint_index(const std::string& dir, boo
         meta("step") != want_step) {
       fail(
           "{}: this {} shard is not part of the checkpoint {} indexes (step {}, world size {}): its name says "
-          "rank {} of {}, its metadata step {}, rank {}, world_size {}; a shard of another checkpoint or run was "
-          "copied here",
+          "rank {} of {}, its metadata step {}, rank {}, world_size {}; a shard of another checkpoint was copied "
+          "here",
           shard.path(), is_model_shard_name(file) ? "model" : "optimizer", path.string(), out.step, out.world_size,
           rank, world, meta("step"), meta("rank"), meta("world_size"));
     }

@@ -119,10 +119,11 @@ void save_model_shard(const std::string& path, const std::vector<std::pair<std::
 /// "step", "world_size", "zero_stage", "files": {file: {"bytes", "rank"}},
 /// "weight_map": {tensor: file}}: model.safetensors and lora.safetensors
 /// (when present) and state.safetensors (rank 0), the `world` optimizer
-/// shards (their rank) and, when rank 0's is present (ZeRO stage 3), the
-/// `world` model shards, every tensor of each (the weight_map of a Hugging
-/// Face index, so WeightFiles opens it). Removes optimizer and model shards
-/// of another world size that an interrupted save left in `dir`. Throws
+/// shards (their rank) and, at `zero_stage` 3 with a model.safetensors (a
+/// full fine-tune), the `world` model shards, every tensor of each (the
+/// weight_map of a Hugging Face index, so WeightFiles opens it). Removes
+/// the shards an interrupted save left in `dir` that are not this
+/// checkpoint's: of another world size, and model shards below stage 3. Throws
 /// shoestring::Error naming the file that is missing or invalid, or a tensor
 /// name two files hold.
 void write_checkpoint_index(const std::string& dir, int64_t step, int world, int zero_stage);
@@ -150,6 +151,22 @@ struct CheckpointIndex {
 /// (to read the model alone: consolidate) the optimizer shards are not
 /// looked at.
 std::optional<CheckpointIndex> read_checkpoint_index(const std::string& dir, bool optimizer_shards = true);
+
+/// The model's tensors in checkpoint folder `dir` (mapped, not read): every
+/// tensor its index maps to a model file (model.safetensors and, from ZeRO
+/// stage 3, the ranks' model shards), or model.safetensors' tensors without
+/// an index. `source` (when given) receives the path to name in errors: the
+/// index or model.safetensors. Throws shoestring::Error as
+/// read_checkpoint_index and WeightFiles::open do (a missing, damaged or
+/// foreign file named).
+std::map<std::string, at::Tensor> checkpoint_model_tensors(const std::string& dir, std::string* source = nullptr);
+
+/// Throws shoestring::Error when `path` is the model.safetensors of a
+/// checkpoint folder whose index maps weights to model shards (ZeRO stage
+/// 3): that file alone holds only the weights that do not stream. The
+/// message names the index to give instead and the `consolidate` command;
+/// `command` ("sample", "convert") starts it. Nothing for any other path.
+void refuse_partial_checkpoint_model(const std::string& path, const std::string& command);
 
 /// The counters of a run that a resume restores: what the loop has done so
 /// far and the state of its fp16 machinery. Stored as the JSON

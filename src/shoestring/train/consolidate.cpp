@@ -68,14 +68,7 @@ EmaShadows ema_shadows(const fs::path& dir, bool sharded, std::list<WeightFiles>
     }
     return out;
   }
-  for (const auto& entry : fs::directory_iterator(dir)) {
-    if (is_optimizer_shard_name(entry.path().filename().string())) {
-      fail(
-          "consolidate --ema: '{}' holds optimizer shards ({}) but no {}: a sharded checkpoint keeps its EMA in "
-          "the shards, found through the index",
-          dir.string(), entry.path().filename().string(), kCheckpointIndexFile);
-    }
-  }
+  // (Shards without an index were refused before: consolidate_checkpoint.)
   const fs::path state = dir / "state.safetensors";
   if (!fs::exists(state))
     fail("consolidate --ema: '{}' holds no state.safetensors (where a run keeps its EMA)", dir.string());
@@ -145,13 +138,46 @@ ConsolidateResult consolidate_checkpoint(const std::string& checkpoint_dir, cons
     std::stable_partition(model_files.begin(), model_files.end(),
                           [](const std::string& f) { return f == "model.safetensors"; });
     std::sort(model_files.begin() + 1, model_files.end());
+    // ZeRO stage 3: every rank's model shard, or (older checkpoints) none.
+    const size_t shards = model_files.size() - 1;
+    for (int r = 0; r < index->world_size; ++r) {
+      const std::string shard = model_shard_name(r, index->world_size);
+      if (!sources.count(shard) && (shards > 0 || fs::exists(dir / shard))) {
+        fail(
+            "consolidate: '{}' holds {} but its index maps no weight to it: the index is damaged or of another "
+            "save (every rank's model shard holds its part of the model)",
+            checkpoint_dir, shard);
+      }
+    }
     for (const std::string& file : model_files) {
       const SafetensorsFile f = SafetensorsFile::open((dir / file).string());
       if (file == "model.safetensors") metadata = f.metadata();  // the shards' own are rank, world size, step
+      // Exactly the tensors the index maps to this file.
+      std::set<std::string> listed;
+      for (const auto& [name, in] : index->weight_map) {
+        if (in == file) listed.insert(name);
+      }
+      for (const auto& info : f.tensors()) {
+        if (!listed.erase(info.name))
+          fail("consolidate: {} holds '{}', which the index of '{}' does not map to it", f.path(), info.name,
+               checkpoint_dir);
+      }
+      if (!listed.empty())
+        fail("consolidate: the index of '{}' puts '{}' in {}, which does not hold it", checkpoint_dir, *listed.begin(),
+             f.path());
       const WeightFiles& files = mapped.emplace_back(WeightFiles::open((dir / file).string()));
       for (const auto& info : f.tensors()) tensors.emplace_back(info.name, files.get(info.name));
     }
   } else {
+    for (const auto& entry : fs::directory_iterator(dir)) {
+      const std::string name = entry.path().filename().string();
+      if (is_model_shard_name(name) || is_optimizer_shard_name(name)) {
+        fail(
+            "consolidate: '{}' holds {}, a part of a sharded checkpoint, but no {}: a save interrupted before its "
+            "index (it does not count: resume from the checkpoint latest.json names) or a damaged folder",
+            checkpoint_dir, name, kCheckpointIndexFile);
+      }
+    }
     const WeightFiles& files = mapped.emplace_back(WeightFiles::open(model.string()));
     metadata = files.metadata();
     const SafetensorsFile f = SafetensorsFile::open(model.string());

@@ -205,7 +205,9 @@ void remove_stale_temporaries_of(const std::string& run_dir, bool quiet) {
   // ZeRO stage 3's streamed weights for samples and final files
   // (hold_streamed_weights_on_rank_zero), left by a run stopped meanwhile.
   const fs::path scratch = streamed_weights_dir_of(run_dir);
-  if (fs::is_directory(scratch, ec)) {
+  if (fs::is_symlink(scratch, ec)) {
+    fs::remove(scratch, ec);  // not ours to empty: only the link goes
+  } else if (fs::is_directory(scratch, ec)) {
     for (const auto& e : fs::recursive_directory_iterator(scratch, ec)) {
       if (e.is_regular_file(ec)) {
         stale.paths.push_back(e.path().string());
@@ -500,6 +502,13 @@ void check_data_parallel(const Run& run) {
         "WORLD_SIZE = {}{}: offload_params is for one process for now (zero_stage = 3 shards the weights over the "
         "ranks instead)",
         run.world_size(), stage);
+  }
+  if (c.zero_stage == 3 && run.block_streaming && run.block_streaming->blocks() == 0 && run.network) {
+    fail(
+        "WORLD_SIZE = {}{}: stage 3 shards the weights inside the model's checkpointed blocks, and a LoRA "
+        "network's adapters (network_module = \"{}\") live outside them, so there is nothing to stream; use "
+        "zero_stage = 2, which shards the adapters' optimizer state and gradients (the adapters themselves are small)",
+        run.world_size(), stage, c.network_module);
   }
   if (c.zero_stage == 3 && run.block_streaming && run.block_streaming->blocks() == 0) {
     fail(
@@ -983,27 +992,48 @@ std::string hold_streamed_weights_on_rank_zero(Run& run, int64_t step, const std
   if (dir.empty()) {
     dir = streamed_weights_dir_of(run.run_dir);
     scratch = dir.string();
-    write_on_every_rank(run, dir, fmt::format("samples and final files of step {}", step), "streamed weights", [&] {
-      save_model_shard((dir / model_shard_name(run.rank(), run.world_size())).string(), run.zero->owned_streamed(),
-                       run.rank(), run.world_size(), step);
-    });
-  }
-  std::map<std::string, at::Tensor> values;
-  if (run.writes_files()) {
-    // Mapped, not read: the pages come in as the weights are used.
-    for (int r = 0; r < run.world_size(); ++r) {
-      if (r == run.rank()) continue;
-      const SafetensorsFile shard = SafetensorsFile::open((dir / model_shard_name(r, run.world_size())).string());
-      for (const auto& info : shard.tensors()) values.emplace(info.name, shard.get(info));
+    try {
+      write_on_every_rank(run, dir, fmt::format("samples and final files of step {}", step), "streamed weights", [&] {
+        save_model_shard((dir / model_shard_name(run.rank(), run.world_size())).string(), run.zero->owned_streamed(),
+                         run.rank(), run.world_size(), step);
+      });
+    } catch (...) {
+      remove_streamed_weights(run, scratch);
+      throw;
     }
   }
-  run.zero->hold_on(0, values);
+  std::map<std::string, at::Tensor> values;
+  try {
+    if (run.writes_files()) {
+      // Mapped, not read: the pages come in as the weights are used.
+      for (int r = 0; r < run.world_size(); ++r) {
+        if (r == run.rank()) continue;
+        const fs::path path = dir / model_shard_name(r, run.world_size());
+        if (!fs::exists(path)) {
+          fail(
+              "{} is missing although rank {} wrote it: rank 0 reads the other ranks' files from the run folder, so "
+              "every rank must train in the same folder (a file system they share)",
+              path.string(), r);
+        }
+        const SafetensorsFile shard = SafetensorsFile::open(path.string());
+        for (const auto& info : shard.tensors()) values.emplace(info.name, shard.get(info));
+      }
+    }
+    run.zero->hold_on(0, values);
+  } catch (...) {
+    remove_streamed_weights(run, scratch);
+    throw;
+  }
   return scratch;
 }
 
 void remove_streamed_weights(const Run& run, const std::string& scratch) {
-  if (scratch.empty() || !run.writes_files()) return;
+  if (scratch.empty()) return;
   std::error_code ec;
+  // Each rank its own file (a run folder that is not shared keeps no
+  // leftovers either), rank 0 the folder.
+  fs::remove(fs::path(scratch) / model_shard_name(run.rank(), run.world_size()), ec);
+  if (!run.writes_files()) return;
   fs::remove_all(scratch, ec);
   if (ec) spdlog::warn("cannot remove {}: {}", scratch, ec.message());
 }
@@ -1133,21 +1163,8 @@ void remove_expired_checkpoints(Run& run, int64_t step) {
 
 int64_t restore_checkpoint(Run& run, const std::string& dir) {
   if (!run.lora_only()) {
-    // A sharded checkpoint's model files (model.safetensors and, from ZeRO
-    // stage 3, the ranks' model shards) through its index.
-    const std::optional<CheckpointIndex> index = read_checkpoint_index(dir, /*optimizer_shards=*/false);
-    std::map<std::string, at::Tensor> weights;
-    std::string source = (fs::path(dir) / "model.safetensors").string();
-    if (index) {
-      source = (fs::path(dir) / kCheckpointIndexFile).string();
-      const WeightFiles files = WeightFiles::open(source);
-      for (const auto& [name, file] : index->weight_map) {
-        if (is_checkpoint_model_file(file)) weights[name] = files.get(name);
-      }
-    } else {
-      auto model_file = SafetensorsFile::open(source);
-      for (const auto& info : model_file.tensors()) weights[info.name] = model_file.get(info.name);
-    }
+    std::string source;
+    const std::map<std::string, at::Tensor> weights = checkpoint_model_tensors(dir, &source);
     load_module(run.model->module(), weights, source);
   }
   if (run.network) run.network->load((fs::path(dir) / "lora.safetensors").string());

@@ -158,7 +158,7 @@ bool shards_ema(const Run& run);
 
 /// True when the streamed weights of `run` reach rank 0 through files, not
 /// a gather, for checkpoints, samples and final files: ZeRO stage 3 on
-/// several ranks, a full fine-tune (no LoRA network). Each rank writes the
+/// several ranks (a LoRA network is refused there). Each rank writes the
 /// streamed weights it owns (a checkpoint's model shard); rank 0 maps the
 /// others' files. So no rank ever holds the whole model in its memory: the
 /// mapped pages are the page cache's, which the kernel can drop.
@@ -182,11 +182,13 @@ std::string write_checkpoint_shards(Run& run, int64_t step);
 /// write_checkpoint_shards). Returns that scratch folder (empty when the
 /// checkpoint's shards served) for remove_streamed_weights. Throws as
 /// write_checkpoint_shards, and shoestring::Error naming a shard that
-/// cannot be read.
+/// cannot be read (a missing one: the ranks do not share the run folder),
+/// having removed the scratch files first.
 std::string hold_streamed_weights_on_rank_zero(Run& run, int64_t step, const std::string& checkpoint_dir);
 
-/// Rank 0: removes the scratch folder hold_streamed_weights_on_rank_zero
-/// wrote (nothing for ""); a failure is a warning.
+/// Removes what hold_streamed_weights_on_rank_zero wrote into `scratch`
+/// (nothing for ""): every rank its own file, rank 0 the folder; a failure
+/// is a warning. Call on every rank once rank 0 is done with the files.
 void remove_streamed_weights(const Run& run, const std::string& scratch);
 
 /// Rank 0 (one process: the process): writes checkpoints/step-NNNNNN/

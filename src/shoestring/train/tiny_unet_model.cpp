@@ -284,7 +284,11 @@ nlohmann::json metadata_json(const SafetensorsFile& file, const std::string& key
 }  // namespace
 
 TinyUNetCheckpoint load_tiny_unet_checkpoint(const std::string& path, at::Device device) {
-  auto file = SafetensorsFile::open(path);
+  // A sharded checkpoint's index (ZeRO stage 3: the model in several files):
+  // its model files' tensors, with model.safetensors' metadata.
+  const bool index = std::filesystem::path(path).filename() == kCheckpointIndexFile;
+  const std::string dir = std::filesystem::path(path).parent_path().string();
+  auto file = SafetensorsFile::open(index ? (std::filesystem::path(dir) / "model.safetensors").string() : path);
   auto arch = file.metadata().find("architecture");
   if (arch != file.metadata().end() && arch->second != models::kTinyUNet) {
     fail(
@@ -297,14 +301,18 @@ TinyUNetCheckpoint load_tiny_unet_checkpoint(const std::string& path, at::Device
   out.tokenizer = WordTokenizer::from_json(metadata_json(file, "tokenizer"));
   out.model = TinyUNetModel(TinyUNetModelOptions::from_json(metadata_json(file, "model_config")));
   std::map<std::string, at::Tensor> tensors;
-  for (const auto& info : file.tensors()) tensors[info.name] = file.get(info.name);
+  if (index) {
+    tensors = checkpoint_model_tensors(dir.empty() ? "." : dir);
+  } else {
+    for (const auto& info : file.tensors()) tensors[info.name] = file.get(info.name);
+  }
   const bool bf16_file = !tensors.empty() && tensors.begin()->second.scalar_type() == torch::kBFloat16;
   const bool slow_bf16 = device.is_cpu() && precision::choose_bf16_compute(precision::Bf16Compute::automatic,
                                                                            precision::cpu_hardware(cpu_features()))
                                                 .has_value();
   if (bf16_file && !slow_bf16) out.model->to(torch::kBFloat16);
   // Refuses NaN / inf weights by name (sampling from them gives a blank grid).
-  load_module(*out.model, tensors, file.path());
+  load_module(*out.model, tensors, path);
   out.model->to(device);
   return out;
 }

@@ -414,7 +414,7 @@ TrainSummary train(const TrainConfig& config, const TrainRunOptions& options) {
         if (!shards_ema(*run)) samples_and_final_files();      // the EMA weights swapped in there
       });
     }
-    if (shards_ema(*run)) {
+    if (shards_ema(*run) && (samples || last)) {
       EmaWeightsOnRankZero ema_weights(*run, step);  // every rank swaps its EMA shards in, rank 0 holds them
       on_rank_zero(*run, step, "EMA samples and final files", samples_and_final_files);
     }
