@@ -37,12 +37,14 @@ std::string bytes_of(const fs::path& p) {
 }
 
 /// A training state file as text: its metadata without the wall-clock
-/// elapsed_seconds, and each tensor's name, dtype, shape and bytes.
+/// elapsed_seconds and the run's random run_id (a run killed before its
+/// first checkpoint starts over as a new run), and each tensor's name,
+/// dtype, shape and bytes.
 std::string state_of(const fs::path& path) {
-  static const std::regex elapsed(R"("elapsed_seconds":[0-9.eE+-]+)");
+  static const std::regex varying(R"re("(elapsed_seconds|run_id)":("[0-9a-f]*"|[0-9.eE+-]+))re");
   const auto file = shoestring::SafetensorsFile::open(path.string());
   std::string out;
-  for (const auto& [key, value] : file.metadata()) out += key + "=" + std::regex_replace(value, elapsed, "") + "\n";
+  for (const auto& [key, value] : file.metadata()) out += key + "=" + std::regex_replace(value, varying, "") + "\n";
   for (const auto& info : file.tensors()) {
     const at::Tensor t = file.get(info.name).contiguous();
     out += info.name + " " + shoestring::to_string(info.dtype) + " " + std::to_string(t.numel()) + "\n";

@@ -548,6 +548,16 @@ TEST(ZeroCheckpoint, Stage3ResumesAtTwoRanksAndOneProcess) {
         write_text(path, index.dump());
       },
       model_shard_name(0, 2));
+  // A shard of another run (same config, step and world size): refused.
+  const std::vector<Trajectory> other = train_ranks(dir, {"other", 2, 3, 3, checkpointed});
+  ASSERT_EQ(other.size(), 2u);
+  refused(
+      "other_run",
+      [&](const std::string& c) {
+        fs::copy_file(dir + "/other/checkpoints/step-000004/" + model_shard_name(1, 2),
+                      c + "/" + model_shard_name(1, 2), fs::copy_options::overwrite_existing);
+      },
+      "written by another run");
   // The step's model.safetensors alone is part of the model: `sample`
   // says so and takes the index instead.
   const std::string step4 = dir + "/s3/checkpoints/step-000004/";

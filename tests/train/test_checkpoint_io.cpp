@@ -273,11 +273,13 @@ TEST(ShardedCheckpoint, Stage3ModelShardsAreIndexedAndChecked) {
   save_safetensors(dir + "/model.safetensors", {{"resident", torch::ones({2}), std::nullopt}});
   TrainingState s;
   s.rng_cpu = cpu_rng_state();
+  s.counters.run_id = "0123456789abcdef";
   save_training_state(dir + "/state.safetensors", s);
+  EXPECT_EQ(load_training_counters(dir + "/state.safetensors").run_id, s.counters.run_id);
   for (int r = 0; r < 2; ++r) {
-    save_optimizer_shard(dir + "/" + optimizer_shard_name(r, 2), {}, {}, r, 2, 6);
+    save_optimizer_shard(dir + "/" + optimizer_shard_name(r, 2), {}, {}, r, 2, 6, s.counters.run_id);
     save_model_shard(dir + "/" + model_shard_name(r, 2), {{"block" + std::to_string(r) + ".weight", torch::zeros({3})}},
-                     r, 2, 6);
+                     r, 2, 6, s.counters.run_id);
   }
   // Left by an interrupted save of this step at 3 ranks.
   save_model_shard(dir + "/" + model_shard_name(2, 3), {{"block2.weight", torch::zeros({1})}}, 2, 3, 6);
@@ -299,7 +301,19 @@ TEST(ShardedCheckpoint, Stage3ModelShardsAreIndexedAndChecked) {
         << e.what();
     EXPECT_NE(std::string(e.what()).find("metadata step 5"), std::string::npos) << e.what();
   }
-  save_model_shard(dir + "/" + model_shard_name(1, 2), {{"block1.weight", torch::zeros({3})}}, 1, 2, 6);
+  // The same step, rank and world size, but another run's: named as such.
+  save_model_shard(dir + "/" + model_shard_name(1, 2), {{"block1.weight", torch::zeros({3})}}, 1, 2, 6,
+                   "fedcba9876543210");
+  try {
+    read_checkpoint_index(dir, /*optimizer_shards=*/false);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("written by another run (run_id fedcba9876543210"), std::string::npos)
+        << e.what();
+  }
+  save_model_shard(dir + "/" + model_shard_name(1, 2), {{"block1.weight", torch::zeros({3})}}, 1, 2, 6,
+                   s.counters.run_id);
+  EXPECT_TRUE(read_checkpoint_index(dir, /*optimizer_shards=*/false).has_value());
   // The folder as the model alone (resume, sample, consolidate read it so).
   const std::map<std::string, at::Tensor> model = checkpoint_model_tensors(dir);
   EXPECT_EQ(model.size(), 3u);

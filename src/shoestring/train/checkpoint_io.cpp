@@ -138,7 +138,8 @@ nlohmann::json counters_to_json(const TrainingCounters& c) {
           {"gradient_accumulation_steps", c.gradient_accumulation_steps},
           {"epoch_end", c.epoch_end},
           {"step_checkpoint", c.step_checkpoint},
-          {"run_last", c.run_last}};
+          {"run_last", c.run_last},
+          {"run_id", c.run_id}};
 }
 
 TrainingCounters counters_from_json(const nlohmann::json& j, const std::string& source) {
@@ -168,6 +169,7 @@ TrainingCounters counters_from_json(const nlohmann::json& j, const std::string& 
     c.epoch_end = j.value("epoch_end", int64_t{0});
     c.step_checkpoint = j.value("step_checkpoint", true);
     c.run_last = j.value("run_last", false);
+    c.run_id = j.value("run_id", std::string());
     if (j.contains("precision_upcast")) c.precision_upcast = j["precision_upcast"].get<std::vector<std::string>>();
     if (j.contains("fused_previous_grad_norm") && j["fused_previous_grad_norm"].is_number()) {
       c.fused_previous_grad_norm = j["fused_previous_grad_norm"].get<double>();
@@ -271,11 +273,12 @@ std::optional<std::pair<int, int>> parse_shard_name(const std::string& name) {
   return parse_rank_file_name(name, kModelShard);
 }
 
-void save_rank_file(const std::string& path, const std::vector<NamedTensor>& tensors, int rank, int world,
-                    int64_t step) {
-  save_safetensors(
-      path, tensors,
-      {{"rank", std::to_string(rank)}, {"world_size", std::to_string(world)}, {"step", std::to_string(step)}});
+void save_rank_file(const std::string& path, const std::vector<NamedTensor>& tensors, int rank, int world, int64_t step,
+                    const std::string& run_id) {
+  std::map<std::string, std::string> metadata = {
+      {"rank", std::to_string(rank)}, {"world_size", std::to_string(world)}, {"step", std::to_string(step)}};
+  if (!run_id.empty()) metadata["run_id"] = run_id;
+  save_safetensors(path, tensors, metadata);
 }
 
 }  // namespace
@@ -295,19 +298,19 @@ bool is_checkpoint_model_file(const std::string& name) {
 }
 
 void save_model_shard(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& weights, int rank,
-                      int world, int64_t step) {
+                      int world, int64_t step, const std::string& run_id) {
   std::vector<NamedTensor> tensors;
   for (const auto& [name, t] : weights) tensors.push_back({name, t.detach(), std::nullopt});
-  save_rank_file(path, tensors, rank, world, step);
+  save_rank_file(path, tensors, rank, world, step, run_id);
 }
 
 void save_optimizer_shard(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& optimizer,
-                          const std::vector<std::pair<std::string, at::Tensor>>& ema, int rank, int world,
-                          int64_t step) {
+                          const std::vector<std::pair<std::string, at::Tensor>>& ema, int rank, int world, int64_t step,
+                          const std::string& run_id) {
   std::vector<NamedTensor> tensors;
   for (const auto& [name, t] : optimizer) tensors.push_back({"optimizer." + name, t, std::nullopt});
   for (const auto& [name, t] : ema) tensors.push_back({"ema." + name, t, std::nullopt});
-  save_rank_file(path, tensors, rank, world, step);
+  save_rank_file(path, tensors, rank, world, step, run_id);
 }
 
 void write_checkpoint_index(const std::string& dir, int64_t step, int world, int zero_stage) {
@@ -446,6 +449,11 @@ std::optional<CheckpointIndex> read_checkpoint_index(const std::string& dir, boo
   for (const auto& [tensor, file] : out.weight_map) {
     if ((optimizer_shards && is_optimizer_shard_name(file)) || is_model_shard_name(file)) shards.insert(file);
   }
+  // The run that wrote the checkpoint (state.safetensors, rank 0's): every
+  // shard must be that run's.
+  std::string run_id;
+  const fs::path state = fs::path(dir) / "state.safetensors";
+  if (!shards.empty() && fs::exists(state)) run_id = load_training_counters(state.string()).run_id;
   for (const std::string& file : shards) {
     const auto [rank, world] = *parse_shard_name(file);
     const SafetensorsFile shard = SafetensorsFile::open((fs::path(dir) / file).string());
@@ -462,6 +470,13 @@ std::optional<CheckpointIndex> read_checkpoint_index(const std::string& dir, boo
           "here",
           shard.path(), is_model_shard_name(file) ? "model" : "optimizer", path.string(), out.step, out.world_size,
           rank, world, meta("step"), meta("rank"), meta("world_size"));
+    }
+    const auto shard_run = shard.metadata().find("run_id");
+    if (!run_id.empty() && shard_run != shard.metadata().end() && shard_run->second != run_id) {
+      fail(
+          "{}: this {} shard was written by another run (run_id {}; the checkpoint's state.safetensors says {}): a "
+          "shard of another run was copied here",
+          shard.path(), is_model_shard_name(file) ? "model" : "optimizer", shard_run->second, run_id);
     }
   }
   return out;

@@ -101,18 +101,18 @@ bool is_checkpoint_model_file(const std::string& name);
 /// Writes one rank's optimizer shard: `optimizer` ("<param>.<state>"
 /// tensors) as "optimizer.<param>.<state>" and, when the EMA is sharded, the
 /// rank's EMA shadows `ema` ("<param>") as "ema.<param>", with metadata
-/// "rank", "world_size" and "step" (atomic). Throws shoestring::Error on I/O
+/// "rank", "world_size", "step" and (when not empty) "run_id" (atomic). Throws shoestring::Error on I/O
 /// failure.
 void save_optimizer_shard(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& optimizer,
-                          const std::vector<std::pair<std::string, at::Tensor>>& ema, int rank, int world,
-                          int64_t step);
+                          const std::vector<std::pair<std::string, at::Tensor>>& ema, int rank, int world, int64_t step,
+                          const std::string& run_id = "");
 
 /// Writes one rank's model shard: `weights` (the streamed parameters it
 /// owns, under their module names, in their storage dtype) with metadata
-/// "rank", "world_size" and "step" (atomic). Throws shoestring::Error on I/O
+/// as save_optimizer_shard's (atomic). Throws shoestring::Error on I/O
 /// failure.
 void save_model_shard(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& weights, int rank,
-                      int world, int64_t step);
+                      int world, int64_t step, const std::string& run_id = "");
 
 /// Writes `dir`/checkpoint.index.json (atomic), after the files it names are
 /// complete: {"format": "shoestring.sharded_checkpoint", "version": 1,
@@ -147,7 +147,8 @@ struct CheckpointIndex {
 /// single-file checkpoint). Throws shoestring::Error naming the index when
 /// it is not JSON or lacks a field, or names a file outside the folder or
 /// missing from it, and naming an optimizer or model shard whose metadata
-/// (step, rank, world size) is not the index's. Without `optimizer_shards`
+/// (step, rank, world size) is not the index's, or whose run_id is not
+/// state.safetensors' (a shard of another run; checked where both have one). Without `optimizer_shards`
 /// (to read the model alone: consolidate) the optimizer shards are not
 /// looked at.
 std::optional<CheckpointIndex> read_checkpoint_index(const std::string& dir, bool optimizer_shards = true);
@@ -199,6 +200,10 @@ struct TrainingCounters {
   int64_t epoch_end = 0;
   bool step_checkpoint = true;
   bool run_last = false;
+  /// "run_id": random, drawn when a run starts fresh and kept by its
+  /// resumes; its checkpoint shards carry it, so a shard of another run is
+  /// refused (read_checkpoint_index). Empty in older files (not checked).
+  std::string run_id;
 };
 
 /// Everything state.safetensors holds: the counters and the optimizer, EMA

@@ -6,6 +6,7 @@
 #include <functional>
 #include <map>
 #include <optional>
+#include <random>
 #include <set>
 
 #include <spdlog/spdlog.h>
@@ -161,6 +162,18 @@ void check_resume(const std::string& run_dir, const std::string& checkpoint_dir,
   // loaded: setup_run checks it then (after apply_epochs).
   const auto step = step_of_folder(fs::path(checkpoint_dir).filename().string());
   if (step && now.max_train_epochs == 0) refuse_if_finished(run_dir, *step, now.max_train_steps, 0);
+}
+
+/// TrainingCounters::run_id of a run that starts: 64 random bits drawn on
+/// rank 0 (std::random_device; all ranks get rank 0's: a collective), as 16
+/// hex digits.
+std::string draw_run_id(Run& run) {
+  std::random_device device;
+  const uint64_t bits = (static_cast<uint64_t>(device()) << 32) ^ device();
+  at::Tensor id = at::empty({1}, at::TensorOptions().dtype(at::kLong));
+  id[0] = static_cast<int64_t>(bits);
+  if (run.group) dist::broadcast_tensors(*run.group, {id});
+  return fmt::format("{:016x}", static_cast<uint64_t>(id[0].item<int64_t>()));
 }
 
 /// Where every rank writes its streamed weights for rank 0's samples and
@@ -874,6 +887,8 @@ std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions&
     const int64_t step = restore_checkpoint(run, run.resume_from);
     refuse_if_finished(run.run_dir, step, c.max_train_steps, c.max_train_epochs);
   }
+  // A fresh run (or one resumed from a checkpoint older than run ids) draws its id.
+  if (run.counters.run_id.empty()) run.counters.run_id = draw_run_id(run);
   // The run folder always records the config that is running (a resume may
   // have raised max_train_steps), first: a run killed from here on can be
   // resumed (`--resume` reads this file).
@@ -971,18 +986,18 @@ std::string write_checkpoint_shards(Run& run, int64_t step) {
   if (!shards_checkpoints(run)) return {};
   const fs::path dir = fs::path(run.run_dir) / "checkpoints" / step_name(step);
   const bool model_shard = streams_weights_through_files(run);
-  write_on_every_rank(run, dir, fmt::format("checkpoint of step {}", step),
-                      model_shard ? "optimizer and model shards" : "optimizer shard", [&] {
-                        save_optimizer_shard(
-                            (dir / optimizer_shard_name(run.rank(), run.world_size())).string(),
-                            run.gradients->optimizer().state_tensors(),
-                            shards_ema(run) ? run.ema->tensors() : std::vector<std::pair<std::string, at::Tensor>>{},
-                            run.rank(), run.world_size(), step);
-                        if (model_shard) {
-                          save_model_shard((dir / model_shard_name(run.rank(), run.world_size())).string(),
-                                           run.zero->owned_streamed(), run.rank(), run.world_size(), step);
-                        }
-                      });
+  write_on_every_rank(
+      run, dir, fmt::format("checkpoint of step {}", step),
+      model_shard ? "optimizer and model shards" : "optimizer shard", [&] {
+        save_optimizer_shard((dir / optimizer_shard_name(run.rank(), run.world_size())).string(),
+                             run.gradients->optimizer().state_tensors(),
+                             shards_ema(run) ? run.ema->tensors() : std::vector<std::pair<std::string, at::Tensor>>{},
+                             run.rank(), run.world_size(), step, run.counters.run_id);
+        if (model_shard) {
+          save_model_shard((dir / model_shard_name(run.rank(), run.world_size())).string(), run.zero->owned_streamed(),
+                           run.rank(), run.world_size(), step, run.counters.run_id);
+        }
+      });
   return dir.string();
 }
 
