@@ -1009,6 +1009,7 @@ std::string hold_streamed_weights_on_rank_zero(Run& run, int64_t step, const std
     scratch = dir.string();
     try {
       write_on_every_rank(run, dir, fmt::format("samples and final files of step {}", step), "streamed weights", [&] {
+        if (run.writes_files()) return;  // rank 0 holds its own
         save_model_shard((dir / model_shard_name(run.rank(), run.world_size())).string(), run.zero->owned_streamed(),
                          run.rank(), run.world_size(), step);
       });
