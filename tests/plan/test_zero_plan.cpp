@@ -133,4 +133,11 @@ TEST(ZeroPlan, Stage3ShardsTheWeightsOfCheckpointedBlocks) {
   bool says = false;
   for (const std::string& n : plain.notes) says = says || n.find("gradient_checkpointing = true") != std::string::npos;
   EXPECT_TRUE(says);
+  // A LoRA network at stage 3: the run refuses it; the plan says so.
+  TrainConfig lora = c;
+  lora.network_module = "networks.lora";
+  bool refused = false;
+  for (const std::string& n : plan::plan_memory(lora, plan::kDefaultVocabSize, 2).notes)
+    refused = refused || n.find("the run refuses it") != std::string::npos;
+  EXPECT_TRUE(refused);
 }

@@ -1,5 +1,6 @@
 // The training-state file (train/checkpoint_io.h): written and read in one
 // place; the JSON names are the format (older files must keep loading).
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -189,7 +190,9 @@ TEST(ShardedCheckpoint, IndexNamesEveryTensorsFile) {
   save_optimizer_shard(dir + "/" + optimizer_shard_name(1, 2), {{"b.exp_avg", torch::zeros({3})}}, {}, 1, 2, 4);
   // Left by an interrupted save of this step at 3 ranks.
   save_optimizer_shard(dir + "/" + optimizer_shard_name(2, 3), {{"c.exp_avg", torch::zeros({1})}}, {}, 2, 3, 4);
-  EXPECT_FALSE(read_checkpoint_index(dir).has_value());
+  // Shards without their index (not written yet, or lost): not a checkpoint to read.
+  EXPECT_THAT([&] { read_checkpoint_index(dir); },
+              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("but no " + std::string(kCheckpointIndexFile))));
 
   write_checkpoint_index(dir, 4, 2, 2);
   EXPECT_FALSE(fs::exists(dir + "/" + optimizer_shard_name(2, 3)));
@@ -270,10 +273,11 @@ TEST(ShardedCheckpoint, Stage3ModelShardsAreIndexedAndChecked) {
 
   const std::string dir = shoestring::testing::fresh_temp_dir("ckpt_io", "stage3");
   fs::create_directories(dir);
-  save_safetensors(dir + "/model.safetensors", {{"resident", torch::ones({2}), std::nullopt}});
+  const std::string run_id = "0123456789abcdef";
+  save_safetensors(dir + "/model.safetensors", {{"resident", torch::ones({2}), std::nullopt}}, {{"run_id", run_id}});
   TrainingState s;
   s.rng_cpu = cpu_rng_state();
-  s.counters.run_id = "0123456789abcdef";
+  s.counters.run_id = run_id;
   save_training_state(dir + "/state.safetensors", s);
   EXPECT_EQ(load_training_counters(dir + "/state.safetensors").run_id, s.counters.run_id);
   for (int r = 0; r < 2; ++r) {
@@ -310,6 +314,18 @@ TEST(ShardedCheckpoint, Stage3ModelShardsAreIndexedAndChecked) {
                    "fedcba9876543210");
   error = model_index_error();
   EXPECT_NE(error.find("written by another run (run_id fedcba9876543210"), std::string::npos) << error;
+  // Or one without an id (stripped, or of an older version) while the state has one.
+  save_model_shard(dir + "/" + model_shard_name(1, 2), {{"block1.weight", torch::zeros({3})}}, 1, 2, 6);
+  error = model_index_error();
+  EXPECT_NE(error.find("written by another run (run_id (none)"), std::string::npos) << error;
+  // The model.safetensors of another run (the weights that do not stream).
+  save_model_shard(dir + "/" + model_shard_name(1, 2), {{"block1.weight", torch::zeros({3})}}, 1, 2, 6,
+                   s.counters.run_id);
+  save_safetensors(dir + "/model.safetensors", {{"resident", torch::ones({2}), std::nullopt}},
+                   {{"run_id", "fedcba9876543210"}});
+  error = model_index_error();
+  EXPECT_NE(error.find("this model file was written by another run"), std::string::npos) << error;
+  save_safetensors(dir + "/model.safetensors", {{"resident", torch::ones({2}), std::nullopt}}, {{"run_id", run_id}});
   save_model_shard(dir + "/" + model_shard_name(1, 2), {{"block1.weight", torch::zeros({3})}}, 1, 2, 6,
                    s.counters.run_id);
   EXPECT_TRUE(read_checkpoint_index(dir, /*optimizer_shards=*/false).has_value());

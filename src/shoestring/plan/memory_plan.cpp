@@ -487,6 +487,11 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
       p.notes.push_back("ZeRO stage 3 streams checkpointed blocks only: set gradient_checkpointing = true");
     }
   }
+  if (p.zero_stage == 3 && lora) {
+    p.notes.push_back(
+        "a LoRA network at ZeRO stage 3: the run refuses it (the adapters live outside the checkpointed blocks, "
+        "so nothing streams); planned as stage 2, which shards their optimizer state and gradients");
+  }
   p.weights_bytes -= std::max<int64_t>(0, stage3_weights_saved);
   // offload_params (one process): the streamed weights and gradients in host
   // memory, the largest block's on the device while it runs; its optimizer

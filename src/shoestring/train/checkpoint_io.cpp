@@ -418,7 +418,18 @@ void refuse_partial_checkpoint_model(const std::string& path, const std::string&
 
 std::optional<CheckpointIndex> read_checkpoint_index(const std::string& dir, bool optimizer_shards) {
   const fs::path path = fs::path(dir) / kCheckpointIndexFile;
-  if (!fs::exists(path)) return std::nullopt;
+  if (!fs::exists(path)) {
+    std::error_code ec;
+    for (const auto& e : fs::directory_iterator(dir, ec)) {
+      const std::string name = e.path().filename().string();
+      if (!parse_shard_name(name)) continue;
+      fail(
+          "'{}' holds {}, a part of a sharded checkpoint, but no {}: a save interrupted before its index (it does "
+          "not count: resume from the checkpoint checkpoints/latest.json names) or a damaged folder",
+          dir, name, kCheckpointIndexFile);
+    }
+    return std::nullopt;
+  }
   nlohmann::json j;
   try {
     j = nlohmann::json::parse(read_file(path.string()));
@@ -450,10 +461,22 @@ std::optional<CheckpointIndex> read_checkpoint_index(const std::string& dir, boo
     if ((optimizer_shards && is_optimizer_shard_name(file)) || is_model_shard_name(file)) shards.insert(file);
   }
   // The run that wrote the checkpoint (state.safetensors, rank 0's): every
-  // shard must be that run's.
+  // shard, and the model.safetensors beside them, must be that run's.
   std::string run_id;
   const fs::path state = fs::path(dir) / "state.safetensors";
-  if (!shards.empty() && fs::exists(state)) run_id = load_training_counters(state.string()).run_id;
+  if (fs::exists(state)) run_id = load_training_counters(state.string()).run_id;
+  auto require_run = [&](const SafetensorsFile& file, const char* what) {
+    if (run_id.empty()) return;  // an older checkpoint: no ids
+    const auto it = file.metadata().find("run_id");
+    if (it != file.metadata().end() && it->second == run_id) return;
+    fail(
+        "{}: this {} was written by another run (run_id {}; the checkpoint's state.safetensors says {}): a file of "
+        "another run was copied here",
+        file.path(), what, it == file.metadata().end() ? std::string("(none)") : it->second, run_id);
+  };
+  const bool has_model = std::any_of(out.weight_map.begin(), out.weight_map.end(),
+                                     [](const auto& entry) { return entry.second == "model.safetensors"; });
+  if (has_model) require_run(SafetensorsFile::open((fs::path(dir) / "model.safetensors").string()), "model file");
   for (const std::string& file : shards) {
     const auto [rank, world] = *parse_shard_name(file);
     const SafetensorsFile shard = SafetensorsFile::open((fs::path(dir) / file).string());
@@ -471,13 +494,7 @@ std::optional<CheckpointIndex> read_checkpoint_index(const std::string& dir, boo
           shard.path(), is_model_shard_name(file) ? "model" : "optimizer", path.string(), out.step, out.world_size,
           rank, world, meta("step"), meta("rank"), meta("world_size"));
     }
-    const auto shard_run = shard.metadata().find("run_id");
-    if (!run_id.empty() && shard_run != shard.metadata().end() && shard_run->second != run_id) {
-      fail(
-          "{}: this {} shard was written by another run (run_id {}; the checkpoint's state.safetensors says {}): a "
-          "shard of another run was copied here",
-          shard.path(), is_model_shard_name(file) ? "model" : "optimizer", shard_run->second, run_id);
-    }
+    require_run(shard, is_model_shard_name(file) ? "model shard" : "optimizer shard");
   }
   return out;
 }

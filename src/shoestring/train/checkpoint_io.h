@@ -147,8 +147,11 @@ struct CheckpointIndex {
 /// single-file checkpoint). Throws shoestring::Error naming the index when
 /// it is not JSON or lacks a field, or names a file outside the folder or
 /// missing from it, and naming an optimizer or model shard whose metadata
-/// (step, rank, world size) is not the index's, or whose run_id is not
-/// state.safetensors' (a shard of another run; checked where both have one). Without `optimizer_shards`
+/// (step, rank, world size) is not the index's, or a shard or
+/// model.safetensors whose "run_id" metadata is not state.safetensors'
+/// (a file of another run; checked where the state has one). Without an
+/// index, throws naming a shard the folder holds (a save interrupted
+/// before its index, or a damaged folder). Without `optimizer_shards`
 /// (to read the model alone: consolidate) the optimizer shards are not
 /// looked at.
 std::optional<CheckpointIndex> read_checkpoint_index(const std::string& dir, bool optimizer_shards = true);

@@ -68,7 +68,7 @@ EmaShadows ema_shadows(const fs::path& dir, bool sharded, std::list<WeightFiles>
     }
     return out;
   }
-  // (Shards without an index were refused before: consolidate_checkpoint.)
+  // (Shards without an index were refused before: read_checkpoint_index.)
   const fs::path state = dir / "state.safetensors";
   if (!fs::exists(state))
     fail("consolidate --ema: '{}' holds no state.safetensors (where a run keeps its EMA)", dir.string());
@@ -169,21 +169,13 @@ ConsolidateResult consolidate_checkpoint(const std::string& checkpoint_dir, cons
       for (const auto& info : f.tensors()) tensors.emplace_back(info.name, files.get(info.name));
     }
   } else {
-    for (const auto& entry : fs::directory_iterator(dir)) {
-      const std::string name = entry.path().filename().string();
-      if (is_model_shard_name(name) || is_optimizer_shard_name(name)) {
-        fail(
-            "consolidate: '{}' holds {}, a part of a sharded checkpoint, but no {}: a save interrupted before its "
-            "index (it does not count: resume from the checkpoint latest.json names) or a damaged folder",
-            checkpoint_dir, name, kCheckpointIndexFile);
-      }
-    }
     const WeightFiles& files = mapped.emplace_back(WeightFiles::open(model.string()));
     metadata = files.metadata();
     const SafetensorsFile f = SafetensorsFile::open(model.string());
     for (const auto& info : f.tensors()) tensors.emplace_back(info.name, files.get(info.name));
     sources.insert(model.filename().string());
   }
+  metadata.erase("run_id");  // a sharded checkpoint's tie to its run (read_checkpoint_index), not the model's
   metadata["shoestring.consolidated_from"] = fs::path(checkpoint_dir).lexically_normal().string();
   // Each tensor's dtype in the output: --dtype's, else its own; with --ema
   // the shadowed ones are written from their fp32 shadows, rounded to nearest

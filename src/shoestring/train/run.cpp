@@ -1066,7 +1066,9 @@ std::string write_checkpoint(Run& run, int64_t step) {
     if (streams_weights_through_files(run)) {
       for (const std::string& name : run.zero->streamed_names()) in_shards.insert(name);
     }
-    save_module((dir / "model.safetensors").string(), run.model->module(), run.model->metadata(step), in_shards);
+    std::map<std::string, std::string> metadata = run.model->metadata(step);
+    if (sharded) metadata["run_id"] = run.counters.run_id;  // checked against the shards' (read_checkpoint_index)
+    save_module((dir / "model.safetensors").string(), run.model->module(), metadata, in_shards);
   }
   if (run.network) save_lora(run, (dir / "lora.safetensors").string(), step, /*final_file=*/false);
 
