@@ -330,10 +330,15 @@ TEST(ShardedCheckpoint, Stage3ModelShardsAreIndexedAndChecked) {
                    s.counters.run_id);
   EXPECT_TRUE(read_checkpoint_index(dir, /*optimizer_shards=*/false).has_value());
   // The folder as the model alone (resume, sample, consolidate read it so).
-  const std::map<std::string, at::Tensor> model = checkpoint_model_tensors(dir);
-  EXPECT_EQ(model.size(), 3u);
-  EXPECT_TRUE(model.count("block1.weight"));
-  EXPECT_FALSE(model.count("rng.cpu"));
+  const CheckpointModel model = read_checkpoint_model(dir);
+  const std::map<std::string, at::Tensor> by_name(model.tensors.begin(), model.tensors.end());
+  EXPECT_EQ(by_name.size(), 3u);
+  EXPECT_TRUE(by_name.count("block1.weight"));
+  EXPECT_FALSE(by_name.count("rng.cpu"));
+  EXPECT_EQ(model.files,
+            (std::vector<std::string>{"model.safetensors", model_shard_name(0, 2), model_shard_name(1, 2)}));
+  EXPECT_EQ(model.metadata.at("run_id"), run_id);  // model.safetensors', not a shard's
+  EXPECT_TRUE(model.sharded);
   // The step saved again at stage 2 (a resume after a stage-3 save was
   // interrupted): the stage-3 model shards are stale, not indexed.
   write_checkpoint_index(dir, 6, 2, 2);

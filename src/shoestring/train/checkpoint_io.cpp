@@ -376,20 +376,54 @@ void remove_sharded_files(const std::string& dir) {
   }
 }
 
-std::map<std::string, at::Tensor> checkpoint_model_tensors(const std::string& dir, std::string* source) {
-  const std::optional<CheckpointIndex> index = read_checkpoint_index(dir, /*optimizer_shards=*/false);
-  std::map<std::string, at::Tensor> out;
-  const std::string path = (fs::path(dir) / (index ? kCheckpointIndexFile : "model.safetensors")).string();
-  if (source) *source = path;
-  if (index) {
-    // Through the index: every file it names is checked against it (foreign or edited shards named).
-    const WeightFiles files = WeightFiles::open(path);
-    for (const auto& [name, file] : index->weight_map) {
-      if (is_checkpoint_model_file(file)) out.emplace(name, files.get(name));
-    }
+CheckpointModel read_checkpoint_model(const std::string& dir_path) {
+  const fs::path dir(dir_path);
+  const std::optional<CheckpointIndex> index = read_checkpoint_index(dir_path, /*optimizer_shards=*/false);
+  CheckpointModel out;
+  out.sharded = index.has_value();
+  out.source = (dir / (index ? kCheckpointIndexFile : "model.safetensors")).string();
+  if (!index) {
+    out.files.push_back("model.safetensors");
   } else {
-    const SafetensorsFile file = SafetensorsFile::open(path);
-    for (const auto& info : file.tensors()) out.emplace(info.name, file.get(info));
+    // model.safetensors first, then (ZeRO stage 3) the ranks' model shards.
+    std::set<std::string> seen;
+    for (const auto& [name, file] : index->weight_map) {
+      if (is_checkpoint_model_file(file) && seen.insert(file).second) out.files.push_back(file);
+    }
+    if (!seen.count("model.safetensors"))
+      fail("{}: its index maps no tensor to its model file (model.safetensors)", dir_path);
+    std::stable_partition(out.files.begin(), out.files.end(),
+                          [](const std::string& f) { return f == "model.safetensors"; });
+    std::sort(out.files.begin() + 1, out.files.end());
+    // Every rank's model shard, or (older stage-3 checkpoints) none.
+    const bool shards = out.files.size() > 1;
+    for (int r = 0; r < index->world_size; ++r) {
+      const std::string shard = model_shard_name(r, index->world_size);
+      if (!seen.count(shard) && (shards || fs::exists(dir / shard))) {
+        fail(
+            "{}: holds {} but its index maps no weight to it: the index is damaged or of another save (every "
+            "rank's model shard holds its part of the model)",
+            dir_path, shard);
+      }
+    }
+  }
+  for (const std::string& name : out.files) {
+    const SafetensorsFile file = SafetensorsFile::open((dir / name).string());
+    if (name == "model.safetensors") out.metadata = file.metadata();
+    if (index) {
+      // Exactly the tensors the index maps to this file.
+      std::set<std::string> listed;
+      for (const auto& [tensor, in] : index->weight_map) {
+        if (in == name) listed.insert(tensor);
+      }
+      for (const auto& info : file.tensors()) {
+        if (!listed.erase(info.name))
+          fail("{} holds '{}', which the index of '{}' does not map to it", file.path(), info.name, dir_path);
+      }
+      if (!listed.empty())
+        fail("the index of '{}' puts '{}' in {}, which does not hold it", dir_path, *listed.begin(), file.path());
+    }
+    for (const auto& info : file.tensors()) out.tensors.emplace_back(info.name, file.get(info));
   }
   return out;
 }

@@ -156,14 +156,27 @@ struct CheckpointIndex {
 /// looked at.
 std::optional<CheckpointIndex> read_checkpoint_index(const std::string& dir, bool optimizer_shards = true);
 
-/// The model's tensors in checkpoint folder `dir` (mapped, not read): every
-/// tensor its index maps to a model file (model.safetensors and, from ZeRO
-/// stage 3, the ranks' model shards), or model.safetensors' tensors without
-/// an index. `source` (when given) receives the path to name in errors: the
-/// index or model.safetensors. Throws shoestring::Error as
-/// read_checkpoint_index and WeightFiles::open do (a missing, damaged or
-/// foreign file named).
-std::map<std::string, at::Tensor> checkpoint_model_tensors(const std::string& dir, std::string* source = nullptr);
+/// The model held by a checkpoint folder (read_checkpoint_model).
+struct CheckpointModel {
+  /// Every model tensor, mapped (nothing read until used), file by file in
+  /// each file's data order: model.safetensors, then (ZeRO stage 3) the
+  /// ranks' model shards by rank.
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  std::map<std::string, std::string> metadata;  ///< model.safetensors' (not a shard's)
+  std::vector<std::string> files;               ///< the files read, relative to the folder
+  std::string source;                           ///< the path to name in errors: the index or model.safetensors
+  bool sharded = false;                         ///< read through checkpoint.index.json
+};
+
+/// The model of checkpoint folder `dir`: through its index when sharded
+/// (every file the index maps a model tensor to: model.safetensors and the
+/// model shards, each holding exactly what the index maps to it, and every
+/// rank's model shard or, older checkpoints, none), else model.safetensors.
+/// The optimizer shards are not read (a checkpoint that lost one still
+/// gives its model). Throws shoestring::Error naming the folder or file:
+/// what read_checkpoint_index throws, a model file the index does not
+/// match, a model shard the index leaves out, an unreadable file.
+CheckpointModel read_checkpoint_model(const std::string& dir);
 
 /// Throws shoestring::Error when `path` is the model.safetensors of a
 /// checkpoint folder whose index maps weights to model shards (ZeRO stage

@@ -108,74 +108,21 @@ ConsolidateResult consolidate_checkpoint(const std::string& checkpoint_dir, cons
       fail("consolidate: output '{}' is inside the checkpoint folder it reads ({})", out, checkpoint_dir);
   }
   ConsolidateResult result;
-  // The model alone is read: a checkpoint whose optimizer shards are lost still gives its weights.
-  const std::optional<CheckpointIndex> index = read_checkpoint_index(checkpoint_dir, /*optimizer_shards=*/false);
-  result.sharded = index.has_value();
-  const fs::path model = dir / "model.safetensors";
-  if (!index && !fs::exists(model)) {
+  if (!fs::exists(dir / kCheckpointIndexFile) && !fs::exists(dir / "model.safetensors")) {
     fail("consolidate: '{}' holds no model.safetensors{}", checkpoint_dir,
          fs::exists(dir / "lora.safetensors")
              ? " (a LoRA run on a pretrained base checkpoints its adapters only: lora.safetensors is the file)"
              : "");
   }
-  // The model files, mapped (nothing read until a tensor is written).
-  std::list<WeightFiles> mapped;  // a list: the mappings never move
-  std::vector<std::pair<std::string, at::Tensor>> tensors;
-  std::set<std::string> sources;
-  std::map<std::string, std::string> metadata;
-  if (index) {
-    // In the model files' own order (their data-buffer order), file by file:
-    // model.safetensors, then (ZeRO stage 3) the ranks' model shards.
-    std::vector<std::string> model_files;
-    for (const auto& [name, file] : index->weight_map) {
-      if (is_checkpoint_model_file(file) && !sources.count(file)) {
-        sources.insert(file);
-        model_files.push_back(file);
-      }
-    }
-    if (!sources.count("model.safetensors"))
-      fail("consolidate: the index of '{}' maps no tensor to its model file (model.safetensors)", checkpoint_dir);
-    std::stable_partition(model_files.begin(), model_files.end(),
-                          [](const std::string& f) { return f == "model.safetensors"; });
-    std::sort(model_files.begin() + 1, model_files.end());
-    // ZeRO stage 3: every rank's model shard, or (older checkpoints) none.
-    const size_t shards = model_files.size() - 1;
-    for (int r = 0; r < index->world_size; ++r) {
-      const std::string shard = model_shard_name(r, index->world_size);
-      if (!sources.count(shard) && (shards > 0 || fs::exists(dir / shard))) {
-        fail(
-            "consolidate: '{}' holds {} but its index maps no weight to it: the index is damaged or of another "
-            "save (every rank's model shard holds its part of the model)",
-            checkpoint_dir, shard);
-      }
-    }
-    for (const std::string& file : model_files) {
-      const SafetensorsFile f = SafetensorsFile::open((dir / file).string());
-      if (file == "model.safetensors") metadata = f.metadata();  // the shards' own are rank, world size, step
-      // Exactly the tensors the index maps to this file.
-      std::set<std::string> listed;
-      for (const auto& [name, in] : index->weight_map) {
-        if (in == file) listed.insert(name);
-      }
-      for (const auto& info : f.tensors()) {
-        if (!listed.erase(info.name))
-          fail("consolidate: {} holds '{}', which the index of '{}' does not map to it", f.path(), info.name,
-               checkpoint_dir);
-      }
-      if (!listed.empty())
-        fail("consolidate: the index of '{}' puts '{}' in {}, which does not hold it", checkpoint_dir, *listed.begin(),
-             f.path());
-      const WeightFiles& files = mapped.emplace_back(WeightFiles::open((dir / file).string()));
-      for (const auto& info : f.tensors()) tensors.emplace_back(info.name, files.get(info.name));
-    }
-  } else {
-    const WeightFiles& files = mapped.emplace_back(WeightFiles::open(model.string()));
-    metadata = files.metadata();
-    const SafetensorsFile f = SafetensorsFile::open(model.string());
-    for (const auto& info : f.tensors()) tensors.emplace_back(info.name, files.get(info.name));
-    sources.insert(model.filename().string());
-  }
-  metadata.erase("run_id");  // a sharded checkpoint's tie to its run (read_checkpoint_index), not the model's
+  // The model alone is read: a checkpoint whose optimizer shards are lost
+  // still gives its weights. Mapped: nothing read until a tensor is written.
+  CheckpointModel model = read_checkpoint_model(checkpoint_dir);
+  result.sharded = model.sharded;
+  std::vector<std::pair<std::string, at::Tensor>>& tensors = model.tensors;
+  std::map<std::string, std::string>& metadata = model.metadata;
+  std::set<std::string> sources(model.files.begin(), model.files.end());
+  std::list<WeightFiles> mapped;  // the EMA's files (a list: the mappings never move)
+  metadata.erase("run_id");       // a sharded checkpoint's tie to its run (read_checkpoint_index), not the model's
   metadata["shoestring.consolidated_from"] = fs::path(checkpoint_dir).lexically_normal().string();
   // Each tensor's dtype in the output: --dtype's, else its own; with --ema
   // the shadowed ones are written from their fp32 shadows, rounded to nearest

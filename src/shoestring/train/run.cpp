@@ -1181,9 +1181,8 @@ void remove_expired_checkpoints(Run& run, int64_t step) {
 
 int64_t restore_checkpoint(Run& run, const std::string& dir) {
   if (!run.lora_only()) {
-    std::string source;
-    const std::map<std::string, at::Tensor> weights = checkpoint_model_tensors(dir, &source);
-    load_module(run.model->module(), weights, source);
+    const CheckpointModel model = read_checkpoint_model(dir);
+    load_module(run.model->module(), {model.tensors.begin(), model.tensors.end()}, model.source);
   }
   if (run.network) run.network->load((fs::path(dir) / "lora.safetensors").string());
 

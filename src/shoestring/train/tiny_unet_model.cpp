@@ -302,7 +302,8 @@ TinyUNetCheckpoint load_tiny_unet_checkpoint(const std::string& path, at::Device
   out.model = TinyUNetModel(TinyUNetModelOptions::from_json(metadata_json(file, "model_config")));
   std::map<std::string, at::Tensor> tensors;
   if (index) {
-    tensors = checkpoint_model_tensors(dir.empty() ? "." : dir);
+    const CheckpointModel model = read_checkpoint_model(dir.empty() ? "." : dir);
+    tensors.insert(model.tensors.begin(), model.tensors.end());
   } else {
     for (const auto& info : file.tensors()) tensors[info.name] = file.get(info.name);
   }
