@@ -1050,6 +1050,12 @@ void remove_streamed_weights(const Run& run, const std::string& scratch) {
   // leftovers either), rank 0 the folder.
   fs::remove(fs::path(scratch) / model_shard_name(run.rank(), run.world_size()), ec);
   if (!run.writes_files()) return;
+  // Every rank's file by name first: a rank may remove its own at the same
+  // moment, which fs::remove takes as done but would abort a remove_all
+  // walking the folder (ENOENT), leaving the folder behind.
+  for (int r = 0; r < run.world_size(); ++r) {
+    fs::remove(fs::path(scratch) / model_shard_name(r, run.world_size()), ec);
+  }
   fs::remove_all(scratch, ec);
   if (ec) spdlog::warn("cannot remove {}: {}", scratch, ec.message());
 }
