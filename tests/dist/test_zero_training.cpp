@@ -7,6 +7,7 @@
 // 1, 2 and 3 ranks and another stage, a one-process checkpoint at 2 ranks,
 // survives a rank killed while writing it, and consolidates into the final
 // model file; configs it cannot run are refused naming the key.
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <functional>
@@ -733,6 +734,110 @@ TEST(ZeroCheckpoint, ARankKilledWhileWritingItsShardLeavesAResumableRun) {
     EXPECT_EQ(e.path().filename().string().find(".tmp."), std::string::npos) << e.path();
   compare_files(dir + "/killed/checkpoints/step-000004/" + optimizer_shard_name(1, 2),
                 dir + "/full/checkpoints/step-000004/" + optimizer_shard_name(1, 2));
+}
+
+/// Steps skipped as non-finite (fp16 overflow at the loss scale), 1-based.
+std::vector<size_t> skipped_steps(const Trajectory& t) {
+  std::vector<size_t> out;
+  for (size_t s = 0; s < t.grad_norms.size(); ++s) {
+    if (!std::isfinite(t.grad_norms[s])) out.push_back(s + 1);
+  }
+  return out;
+}
+
+/// Largest |difference| of two trajectories' final weights.
+double max_weight_diff_of(const Trajectory& a, const Trajectory& b) {
+  double d = 0;
+  for (size_t i = 0; i < a.weights.size() && i < b.weights.size(); ++i) {
+    d = std::max(d, (a.weights[i].to(at::kDouble) - b.weights[i].to(at::kDouble)).abs().max().item<double>());
+  }
+  return d;
+}
+
+// fp16 weights with fp32 master weights (a precision rule with master =
+// "fp32") and dynamic loss scaling, on 2 ranks at zero_stage 0 to 3. The
+// loss scale starts high and grows after every clean step, so that steps
+// overflow and are skipped: every stage skips the steps one process with
+// the same global batch skips (the skip follows the global gradient norm,
+// which all ranks agree on), and trains to its weights within fp16's
+// rounding. From stage 1 on each rank keeps the masters of the tensors it
+// owns only (with their optimizer state: about 1/2 each) and writes them
+// into its checkpoint shard as "master.<param>"; a run resumed from that
+// checkpoint at 2 ranks goes on bit for bit, and in one process reads every
+// rank's masters.
+TEST(ZeroMixedPrecision, Fp16LossScalingAndFp32MastersAtEveryStage) {
+  const std::string dir = fresh_dist_dir("zero_fp16");
+  const std::string extra =
+      "gradient_checkpointing = true\n"
+      "precision.loss_scale_init = 32768.0\n"
+      "precision.loss_scale_growth_interval = 1\n"
+      "[[precision.rule]]\nmatch = \"*\"\nstorage = \"fp16\"\ncompute = \"fp16\"\nmaster = \"fp32\"\n";
+  const Trajectory one = train_and_record(ddp_config(dir + "/one", 4, extra));
+  const std::vector<size_t> skipped = skipped_steps(one);
+  ASSERT_FALSE(skipped.empty()) << "the loss scale overflows at least once";
+  ASSERT_LT(skipped.size(), one.grad_norms.size()) << "and some steps apply";
+  for (const auto& w : one.weights) EXPECT_EQ(w.scalar_type(), at::kHalf);
+
+  std::vector<std::vector<Trajectory>> stages;
+  for (int stage = 0; stage <= 3; ++stage) {
+    stages.push_back(train_ranks(dir, {"s" + std::to_string(stage), 2, 2, stage, extra}));
+    ASSERT_EQ(stages.back().size(), 2u) << "zero_stage " << stage;
+  }
+  const Trajectory& s0 = stages[0][0];
+  for (int stage = 0; stage <= 3; ++stage) {
+    const Trajectory& t = stages[static_cast<size_t>(stage)][0];
+    const std::string what = fmt::format("zero_stage {}", stage);
+    EXPECT_EQ(skipped_steps(t), skipped) << what << ": the steps one process skips";
+    EXPECT_EQ(skipped_steps(stages[static_cast<size_t>(stage)][1]), skipped) << what << ", rank 1";
+    ASSERT_EQ(t.losses.size(), one.losses.size());
+    for (size_t s = 0; s < one.losses.size(); ++s) {
+      EXPECT_NEAR(t.losses[s], one.losses[s], 2e-3 * std::abs(one.losses[s])) << what << ", step " << s + 1;
+    }
+    // fp16 weights: within a few of fp16's steps near the largest weights
+    // (2^-10 relative), the 2 ranks' fp32 sums being another order than
+    // one process's.
+    for (size_t i = 0; i < one.weights.size(); ++i) {
+      EXPECT_TRUE(t.weights[i].to(at::kFloat).allclose(one.weights[i].to(at::kFloat), 4e-3, 2e-3))
+          << what << ", parameter " << i;
+    }
+    std::cout << what << ": skipped steps " << fmt::format("{}", fmt::join(skipped_steps(t), " "))
+              << ", max |weight diff| vs one process " << max_weight_diff_of(t, one) << ", vs stage 0 "
+              << max_weight_diff_of(t, s0) << "\n";
+  }
+  // Stage 0 keeps every master and all optimizer state on every rank (one
+  // process's bytes); stage 1 on the owners only.
+  EXPECT_EQ(s0.optimizer_state_peak, one.optimizer_state_peak);
+  expect_sharded_state(stages[1], one.optimizer_state_peak, "fp16 with fp32 masters, stage 1");
+
+  // The checkpoint: the masters once, in the owners' shards.
+  const std::string step2 = dir + "/s2/checkpoints/step-000002/";
+  const int64_t masters = tensor_bytes(dir + "/one/checkpoints/step-000002/state.safetensors", "master.");
+  ASSERT_GT(masters, 0);
+  EXPECT_EQ(tensor_bytes(step2 + "state.safetensors", "master."), 0);
+  const int64_t m0 = tensor_bytes(step2 + optimizer_shard_name(0, 2), "master.");
+  const int64_t m1 = tensor_bytes(step2 + optimizer_shard_name(1, 2), "master.");
+  EXPECT_GT(m0, 0);
+  EXPECT_GT(m1, 0);
+  EXPECT_EQ(m0 + m1, masters);
+
+  // Resumed at step 2: at 2 ranks, the run that did not stop bit for bit;
+  // in one process (batch 4), every rank's masters, within fp16's rounding.
+  copy_stopped_at_step_2(dir + "/s2", dir + "/r2");
+  const std::vector<Trajectory> r2 = train_ranks(dir, {"r2", 2, 2, 2, extra, /*resume=*/true});
+  ASSERT_EQ(r2.size(), 2u);
+  expect_resumed_matches(r2[0], stages[2][0], 0, "fp16 with masters, resumed at 2 ranks");
+  copy_stopped_at_step_2(dir + "/s2", dir + "/r1");
+  const Trajectory r1 = train_and_record(ddp_config(dir + "/r1", 4, extra), 0, dir + "/r1");
+  std::vector<size_t> skipped_after_2;  // the resumed trajectory's steps count from step 3
+  for (size_t step : skipped) {
+    if (step > 2) skipped_after_2.push_back(step - 2);
+  }
+  EXPECT_EQ(skipped_steps(r1), skipped_after_2);
+  EXPECT_EQ(r1.optimizer_state_peak, one.optimizer_state_peak) << "one process holds every master again";
+  for (size_t i = 0; i < one.weights.size(); ++i) {
+    EXPECT_TRUE(r1.weights[i].to(at::kFloat).allclose(stages[2][0].weights[i].to(at::kFloat), 4e-3, 2e-3))
+        << "resumed in one process, parameter " << i;
+  }
 }
 
 TEST(ZeroTraining, ConfigsItCannotRunAreRefusedNamingTheKey) {

@@ -97,6 +97,48 @@ TEST(ZeroPlan, OptimizerStateIsTheLargestRanksOwnedTensors) {
             std::string::npos);
 }
 
+// The ZeRO paper's own configuration: fp16 weights and gradients with fp32
+// master weights and Adam, K = 12 bytes of optimizer state per parameter
+// (master, m, v), all three sharded from stage 1 on: the rank that owns the
+// most elements keeps 12 bytes for each of them, and the per-rank model
+// states are 2 Psi + 2 Psi + 12 Psi / N plus at most the largest tensor's.
+TEST(ZeroPlan, Fp16WithFp32MastersShardsTheMastersWithTheState) {
+  auto model = models::build_architecture("sdxl", nn::LayerInit{torch::kMeta}, /*tiny=*/true);
+  std::vector<int64_t> numels;
+  int64_t psi = 0, largest = 0;
+  for (const auto& p : model->parameters()) {
+    numels.push_back(p.numel());
+    psi += p.numel();
+    largest = std::max(largest, p.numel());
+  }
+  auto config = [](int64_t stage) {
+    return parse_config(fmt::format("resolution = 32\ntrain_batch_size = 1\nzero_stage = {}\n"
+                                    "[[precision.rule]]\nmatch = \"*\"\nstorage = \"fp16\"\ncompute = \"fp16\"\n"
+                                    "master = \"fp32\"\n"
+                                    "[model]\narchitecture = \"sdxl\"\ntiny = true\n",
+                                    stage),
+                        "zero_fp16.toml");
+  };
+  const plan::MemoryPlan one = plan::plan_memory(config(1), plan::kDefaultVocabSize, 1);
+  EXPECT_EQ(one.optimizer_state_bytes, 12 * psi);
+  EXPECT_EQ(one.weights_bytes, 2 * psi);
+  for (const int world : {2, 4}) {
+    const dist::TensorOwnership owners(numels, world);
+    int64_t most = 0;
+    for (int r = 0; r < world; ++r) most = std::max(most, owners.elements_of(r));
+    for (const int64_t stage : {1, 2}) {
+      const plan::MemoryPlan p = plan::plan_memory(config(stage), plan::kDefaultVocabSize, world);
+      EXPECT_EQ(p.optimizer_state_bytes, 12 * most) << "world " << world << " stage " << stage;
+      const int64_t paper = 2 * psi + 2 * psi + 12 * psi / world;
+      const int64_t model_states = p.weights_bytes + 2 * psi + p.optimizer_state_bytes;
+      EXPECT_GE(model_states, paper) << world;
+      EXPECT_LE(model_states, paper + 12 * largest) << world;
+    }
+    // zero_stage 0 keeps every master on every rank.
+    EXPECT_EQ(plan::plan_memory(config(0), plan::kDefaultVocabSize, world).optimizer_state_bytes, 12 * psi);
+  }
+}
+
 // Stage 3 (dist/zero.h) shards the weights of checkpointed blocks: a rank's
 // planned weights are its share of them (the ZeRO paper's 2 Psi / N for bf16
 // weights) plus what stays whole (the layers outside blocks, the block in

@@ -341,6 +341,7 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
   std::map<int, int64_t> offload_group_weights, offload_group_grads;
   std::vector<int> group_of_trained;       // per trained tensor
   std::vector<int64_t> weight_of_trained;  // its stored bytes
+  std::vector<int64_t> master_of_trained;  // its fp32 master's bytes (0: none)
   for (const auto& q : r.resolution.params) {
     const precision::Settings& s = q.settings;
     p.weights_bytes += q.numel * precision::storage_bytes(q);
@@ -360,6 +361,7 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
     weight_of_trained.push_back(q.numel * precision::storage_bytes(q));
     const bool master = s.master_fp32 && s.storage != precision::Dtype::fp32;
     masters += master ? q.numel * 4 : 0;
+    master_of_trained.push_back(master ? q.numel * 4 : 0);
     grad_bytes_storage += q.numel * precision::container_bytes(s.storage);
     trained.emplace_back(q.shape, master ? at::kFloat : precision::container_dtype(s.storage));
     fp16_training = fp16_training || s.storage == precision::Dtype::fp16;
@@ -442,7 +444,13 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
         p.zero_stage >= 3   ? ""
         : p.zero_stage == 2 ? "; weights stay whole on every rank"
                             : "; weights and gradients stay whole on every rank"));
-    ema_elements = owners.elements_of(static_cast<int>(most - per_rank.begin()));
+    const int most_rank = static_cast<int>(most - per_rank.begin());
+    ema_elements = owners.elements_of(most_rank);
+    // fp32 masters are optimizer state: that rank keeps its own tensors' only.
+    masters = 0;
+    for (size_t i = 0; i < master_of_trained.size(); ++i) {
+      if (owners.owner(i) == most_rank) masters += master_of_trained[i];
+    }
     if (p.zero_stage == 2) {
       p.notes.push_back(
           "stage 2 reduces each gradient to its owner after backward, when every gradient exists on every rank: "

@@ -86,6 +86,12 @@ std::vector<std::string> OverflowMonitor::upcast_flagged() {
   return paths;
 }
 
+std::vector<std::string> OverflowMonitor::watched_paths() const {
+  std::vector<std::string> paths;
+  for (const auto& [path, module] : by_path_) paths.push_back(path);
+  return paths;
+}
+
 void OverflowMonitor::upcast(const std::vector<std::string>& paths) {
   for (const auto& path : paths) {
     auto it = by_path_.find(path);

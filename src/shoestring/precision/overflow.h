@@ -64,6 +64,9 @@ class OverflowMonitor : public nn::BlockObserver {
   /// Moves the blocks at `paths` to fp32 compute (used to replay upcasts on
   /// resume). Throws shoestring::Error naming an unknown block path.
   void upcast(const std::vector<std::string>& paths);
+  /// The paths of the blocks still watched, sorted (the same list on every
+  /// rank of a data-parallel run while their upcasts agree).
+  std::vector<std::string> watched_paths() const;
   /// Every block upcast so far, in order.
   const std::vector<std::string>& upcast_paths() const { return upcast_; }
 

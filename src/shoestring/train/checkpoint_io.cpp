@@ -306,10 +306,11 @@ void save_model_shard(const std::string& path, const std::vector<std::pair<std::
 
 void save_optimizer_shard(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& optimizer,
                           const std::vector<std::pair<std::string, at::Tensor>>& ema, int rank, int world, int64_t step,
-                          const std::string& run_id) {
+                          const std::string& run_id, const std::vector<std::pair<std::string, at::Tensor>>& master) {
   std::vector<NamedTensor> tensors;
   for (const auto& [name, t] : optimizer) tensors.push_back({"optimizer." + name, t, std::nullopt});
   for (const auto& [name, t] : ema) tensors.push_back({"ema." + name, t, std::nullopt});
+  for (const auto& [name, t] : master) tensors.push_back({"master." + name, t, std::nullopt});
   save_rank_file(path, tensors, rank, world, step, run_id);
 }
 

@@ -99,13 +99,16 @@ bool is_model_shard_name(const std::string& name);
 bool is_checkpoint_model_file(const std::string& name);
 
 /// Writes one rank's optimizer shard: `optimizer` ("<param>.<state>"
-/// tensors) as "optimizer.<param>.<state>" and, when the EMA is sharded, the
-/// rank's EMA shadows `ema` ("<param>") as "ema.<param>", with metadata
-/// "rank", "world_size", "step" and (when not empty) "run_id" (atomic). Throws shoestring::Error on I/O
-/// failure.
+/// tensors) as "optimizer.<param>.<state>", when the EMA is sharded the
+/// rank's EMA shadows `ema` ("<param>") as "ema.<param>", and the fp32
+/// master weights it keeps `master` ("<param>", fp32) as "master.<param>"
+/// (the name state.safetensors gives them in one process), with metadata
+/// "rank", "world_size", "step" and (when not empty) "run_id" (atomic).
+/// Throws shoestring::Error on I/O failure.
 void save_optimizer_shard(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& optimizer,
                           const std::vector<std::pair<std::string, at::Tensor>>& ema, int rank, int world, int64_t step,
-                          const std::string& run_id = "");
+                          const std::string& run_id = "",
+                          const std::vector<std::pair<std::string, at::Tensor>>& master = {});
 
 /// Writes one rank's model shard: `weights` (the streamed parameters it
 /// owns, under their module names, in their storage dtype) with metadata

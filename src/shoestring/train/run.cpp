@@ -385,10 +385,13 @@ std::unique_ptr<GradientPath> make_run_gradient_path(const Run& run, const std::
     dist::ZeroSharding* zero = run.zero.get();
     go.sum_squared_norm = [zero](double squared) { return zero->sum_over_ranks(squared); };
   }
+  // ZeRO: an fp32 master is optimizer state (the ZeRO paper's K = 12 bytes
+  // per parameter with Adam count it), kept by the tensor's owner only.
+  const std::vector<bool> owned = run.zero ? run.zero->owned() : std::vector<bool>(run.trainable.size(), true);
   std::vector<bool> use_master;
-  for (const auto& [n, p] : run.trainable) {
-    auto it = wants_master.find(n);
-    use_master.push_back(it != wants_master.end() && it->second);
+  for (size_t i = 0; i < run.trainable.size(); ++i) {
+    auto it = wants_master.find(run.trainable[i].first);
+    use_master.push_back(it != wants_master.end() && it->second && owned[i]);
   }
   return make_gradient_path(
       run.trainable, use_master,
@@ -492,13 +495,16 @@ void check_data_parallel(const Run& run) {
   const TrainConfig& c = run.config;
   const std::string stage = c.zero_stage > 0 ? fmt::format(", zero_stage = {}", c.zero_stage) : std::string();
   const std::string path = run.gradients->name();
-  if (path != "autograd") {
+  // The master-weights path (fp16 loss scaling, fp32 masters) reads the
+  // reduced .grad like autograd's: the skip of an overflowing step follows
+  // the global norm, which every rank agrees on (stages 0 and 1: the same
+  // averaged gradients; 2 and 3: the sum of every rank's part).
+  if (path != "autograd" && path != "master weights") {
     // What in the config chose the path (optim/gradient_path.cpp, make_gradient_path).
     const std::string cause =
-        path == "fused backward" ? "fused_backward_pass = true"
-        : path == "accumulator"
-            ? fmt::format("full_bf16 = true with gradient_accumulation_steps = {}", c.gradient_accumulation_steps)
-            : "fp16 loss scaling or fp32 master weights (precision rules)";
+        path == "fused backward"
+            ? "fused_backward_pass = true"
+            : fmt::format("full_bf16 = true with gradient_accumulation_steps = {}", c.gradient_accumulation_steps);
     fail(
         "WORLD_SIZE = {}{}: data parallel averages the gradients autograd leaves in .grad, but {} puts them on the "
         "'{}' gradient path, which several processes do not support yet; remove it to train with several processes",
@@ -542,6 +548,10 @@ struct RestoredState {
   /// Every EMA shadow of the checkpoint, by parameter name (EMA::load keeps
   /// its own): a sharded checkpoint's are in its ranks' shards.
   std::map<std::string, at::Tensor> ema;
+  /// The fp32 master weights by parameter name (MasterWeights keeps those it
+  /// has: with ZeRO, its owned tensors'): a sharded checkpoint's are in its
+  /// ranks' shards.
+  std::map<std::string, at::Tensor> master;
 };
 
 /// Reads RestoredState through the index of a sharded checkpoint (read and
@@ -558,6 +568,7 @@ RestoredState restored_state(const Run& run, const std::string& dir, const Train
   };
   RestoredState out;
   out.ema.insert(state.ema.begin(), state.ema.end());
+  out.master.insert(state.master.begin(), state.master.end());
   const std::optional<CheckpointIndex> index = read_checkpoint_index(dir);
   if (!index) {
     const std::string file = (fs::path(dir) / "state.safetensors").string();
@@ -566,7 +577,7 @@ RestoredState restored_state(const Run& run, const std::string& dir, const Train
     }
     return out;
   }
-  const std::string optimizer_prefix = "optimizer.", ema_prefix = "ema.";
+  const std::string optimizer_prefix = "optimizer.", ema_prefix = "ema.", master_prefix = "master.";
   const WeightFiles files = WeightFiles::open((fs::path(dir) / kCheckpointIndexFile).string());
   for (const auto& [name, file] : index->weight_map) {
     if (name.rfind(optimizer_prefix, 0) == 0) {
@@ -574,6 +585,8 @@ RestoredState restored_state(const Run& run, const std::string& dir, const Train
       if (keeps(key, files.file_of(name))) out.optimizer.emplace(key, files.get(name));
     } else if (name.rfind(ema_prefix, 0) == 0) {
       out.ema.emplace(name.substr(ema_prefix.size()), files.get(name));
+    } else if (name.rfind(master_prefix, 0) == 0) {
+      out.master.emplace(name.substr(master_prefix.size()), files.get(name));
     }
   }
   return out;
@@ -992,7 +1005,7 @@ std::string write_checkpoint_shards(Run& run, int64_t step) {
         save_optimizer_shard((dir / optimizer_shard_name(run.rank(), run.world_size())).string(),
                              run.gradients->optimizer().state_tensors(),
                              shards_ema(run) ? run.ema->tensors() : std::vector<std::pair<std::string, at::Tensor>>{},
-                             run.rank(), run.world_size(), step, run.counters.run_id);
+                             run.rank(), run.world_size(), step, run.counters.run_id, run.gradients->state().masters);
         if (model_shard) {
           save_model_shard((dir / model_shard_name(run.rank(), run.world_size())).string(), run.zero->owned_streamed(),
                            run.rank(), run.world_size(), step, run.counters.run_id);
@@ -1101,7 +1114,7 @@ std::string write_checkpoint(Run& run, int64_t step) {
   // Sharded: every rank's optimizer state is in its shard (write_checkpoint_shards).
   if (!sharded) state.optimizer = run.gradients->optimizer().state_tensors();
   if (run.ema && !shards_ema(run)) state.ema = run.ema->tensors();  // sharded: in the shards
-  state.master = path_state.masters;
+  if (!sharded) state.master = path_state.masters;                  // sharded: each owner's in its shard
   state.rng_cpu = cpu_rng_state();
   save_training_state((dir / "state.safetensors").string(), state);
   if (sharded) write_checkpoint_index(dir.string(), step, run.world_size(), run.zero->stage());
@@ -1201,7 +1214,7 @@ int64_t restore_checkpoint(Run& run, const std::string& dir) {
   path_state.loss_scale = state.counters.loss_scale;
   path_state.loss_scale_growth_tracker = state.counters.loss_scale_growth_tracker;
   path_state.previous_grad_norm = state.counters.fused_previous_grad_norm;
-  path_state.masters = state.master;
+  path_state.masters = {restored.master.begin(), restored.master.end()};
   run.gradients->load_state(path_state);
   if (run.ema) {
     if (restored.ema.empty()) {

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <exception>
 #include <functional>
+#include <map>
 
 #include <spdlog/spdlog.h>
 #include <torch/torch.h>
@@ -132,12 +133,35 @@ std::string overflow_remedies(const TrainConfig& c) {
 std::vector<std::string> check_fp16_overflow(Run& run, int64_t step) {
   std::vector<std::string> overflowed;
   if (!run.overflow) return overflowed;
+  std::vector<std::string> flagged;              // in the order this rank saw them
+  std::map<std::string, std::string> described;  // path -> what this rank saw
   for (const auto& e : run.overflow->events()) {
-    overflowed.push_back(e.nonfinite ? e.path + " (inf/NaN)" : fmt::format("{} (max |x| {:.4g})", e.path, e.max_abs));
+    if (described.count(e.path)) continue;  // again in a later micro-batch
+    described[e.path] = e.nonfinite ? e.path + " (inf/NaN)" : fmt::format("{} (max |x| {:.4g})", e.path, e.max_abs);
+    flagged.push_back(e.path);
   }
+  const std::vector<std::string> watched = run.overflow->watched_paths();
+  if (run.group) {
+    // Every rank takes the blocks any rank flagged (each ran its own rows of
+    // the batch), so that all upcast alike and keep computing the same model.
+    at::Tensor flags = at::zeros({static_cast<int64_t>(watched.size()) + 1}, at::kInt);
+    for (size_t i = 0; i < watched.size(); ++i) flags[static_cast<int64_t>(i)] = described.count(watched[i]) ? 1 : 0;
+    run.group->all_reduce_sum(flags);
+    for (size_t i = 0; i < watched.size(); ++i) {
+      if (flags[static_cast<int64_t>(i)].item<int>() == 0 || described.count(watched[i])) continue;
+      described[watched[i]] = watched[i] + " (on another rank)";
+      flagged.push_back(watched[i]);
+    }
+  }
+  for (const auto& path : flagged) overflowed.push_back(described.at(path));
   if (overflowed.empty()) return overflowed;
   if (run.config.auto_upcast) {
-    for (const auto& moved : run.overflow->upcast_flagged()) run.counters.precision_upcast.push_back(moved);
+    std::vector<std::string> moved;
+    for (const auto& path : flagged) {
+      if (std::binary_search(watched.begin(), watched.end(), path)) moved.push_back(path);
+    }
+    run.overflow->upcast(moved);
+    for (const auto& path : moved) run.counters.precision_upcast.push_back(path);
     spdlog::warn("step {}: fp16 overflow in {}; moved to fp32 compute (precision.auto_upcast)", step,
                  fmt::join(overflowed, ", "));
   } else {
