@@ -38,6 +38,7 @@ constexpr int64_t kSteps = shoestring::testing::kDistSteps;
 DIST_SCENARIO(ddp_train) {
   TrainConfig c = ddp_config(worker_dir() + "/run", std::stoll(worker_env("SHOESTRING_TEST_BATCH")));
   c.fused_backward_pass = worker_env("SHOESTRING_TEST_FUSED") == "1";
+  if (worker_env("SHOESTRING_TEST_MINUTES") == "1") c.max_train_minutes = 1;
   if (!worker_env("SHOESTRING_TEST_ACCUM").empty())
     c.gradient_accumulation_steps = std::stoll(worker_env("SHOESTRING_TEST_ACCUM"));
   const std::string die_at = worker_env("SHOESTRING_TEST_DIE_AT");  // rank 1 exits after this step
@@ -134,22 +135,21 @@ TEST(DataParallelTraining, GradientAccumulationMatchesOneProcess) {
   expect_matches_one_process(r0, one, 1e-5);
 }
 
-TEST(DataParallelTraining, UnsupportedGradientPathIsRefusedOnEveryRank) {
-  const std::string dir = fresh_dist_dir("ddpfused");
+TEST(DataParallelTraining, UnsupportedSettingIsRefusedOnEveryRank) {
+  // max_train_minutes sizes max_train_steps from each rank's own timing.
+  const std::string dir = fresh_dist_dir("ddpminutes");
   const int port = shoestring::testing::free_tcp_port();
   EXPECT_EQ(run_workers("ddp_train", 2, dir,
                         [&](int r) {
                           auto env = rank_env(r, 2, port, 2);
-                          env["SHOESTRING_TEST_FUSED"] = "1";
+                          env["SHOESTRING_TEST_MINUTES"] = "1";
                           return env;
                         }),
             (std::vector<int>{4, 4}));
   for (int r : {0, 1}) {
     EXPECT_THAT(read_text(dir + "/error" + std::to_string(r) + ".txt"),
-                AllOf(HasSubstr("WORLD_SIZE = 2"),
-                      HasSubstr("but fused_backward_pass = true puts them on the 'fused backward' "
-                                "gradient path"),
-                      HasSubstr("not support yet")));
+                AllOf(HasSubstr("WORLD_SIZE = 2"), HasSubstr("max_train_minutes is not supported"),
+                      HasSubstr("set max_train_steps instead")));
   }
 }
 

@@ -32,6 +32,11 @@ FusedBackward::FusedBackward(Optimizer& optimizer, FusedBackwardOptions options)
   if (options_.accumulation_steps < 1) {
     fail("fused backward: accumulation_steps must be >= 1 (got {})", options_.accumulation_steps);
   }
+  if (options_.reduce && options_.clip_method == FusedClipMethod::two_pass) {
+    fail(
+        "fused backward: two_pass clipping measures the step's norm before any update, which with several "
+        "processes would need every gradient averaged twice; use fused_clip_method = \"previous_step_norm\"");
+  }
   std::vector<at::Tensor> params;
   for (const auto& p : optimizer_.params()) params.push_back(p.param);
   const size_t n = params.size();
@@ -164,10 +169,18 @@ void FusedBackward::on_gradient(size_t index, at::Tensor& param) {
             name);
       }
       done_[index] = 1;
-      apply(index, acc->finish(index, grad));
+      reduce_and_apply(index, acc->finish(index, grad));
       return;
     }
   }
+}
+
+void FusedBackward::reduce_and_apply(size_t index, at::Tensor grad_fp32) {
+  if (options_.reduce) {
+    if (!grad_fp32.is_contiguous()) grad_fp32 = grad_fp32.contiguous();
+    if (!options_.reduce(index, grad_fp32)) return;  // another rank's tensor
+  }
+  apply(index, grad_fp32);
 }
 
 void FusedBackward::apply(size_t index, const at::Tensor& grad_fp32) {
@@ -199,10 +212,14 @@ FusedStepResult FusedBackward::end_step() {
     // Buffers whose parameter got no gradient in the last micro-batch.
     for (size_t i = 0; i < done_.size(); ++i) {
       GradientAccumulator* acc = accumulator_of_[i];
-      if (acc->has(i)) apply(i, acc->finish(i, at::Tensor()));
+      if (acc->has(i)) reduce_and_apply(i, acc->finish(i, at::Tensor()));
     }
   }
   for (auto& acc : accumulators_) acc->reset();
+  if (options_.sum_over_ranks) {
+    sumsq_ = options_.sum_over_ranks(sumsq_);
+    stepped_ = static_cast<int64_t>(options_.sum_over_ranks(static_cast<double>(stepped_)));
+  }
   FusedStepResult r;
   r.step = step_;
   r.grad_norm = std::sqrt(sumsq_);

@@ -22,6 +22,7 @@
 // Details, costs and the non-finite policy: docs/fused_backward.md.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -62,6 +63,20 @@ struct FusedBackwardOptions {
   /// for bf16/fp16 weights (chosen per parameter).
   std::optional<GradAccumulationMode> accumulation_mode;
   uint64_t seed = 0;  ///< stochastic-rounding seed of the accumulation buffers
+  /// Several ranks (data parallel, ZeRO stages 1-2): called for each
+  /// parameter's step gradient (fp32, the micro-batches summed) right before
+  /// its update, in hook order, which is the same on every rank (so one
+  /// collective per parameter lines up); it must leave in `grad` the mean
+  /// over ranks and return whether this rank applies the update (ZeRO: the
+  /// tensor's owner only; the others drop the gradient). Unset: one process.
+  /// Not with two_pass clipping (its measuring pass would need the mean too).
+  std::function<bool(size_t index, at::Tensor& grad)> reduce;
+  /// Set when each rank measures only part of the step's norm (with
+  /// `reduce`, at ZeRO stages 1-2: its own tensors'): end_step sums the
+  /// squared norm and the count of stepped parameters over every rank
+  /// through it, so that the norm, the non-finite verdict, the step count
+  /// and the next step's clipping agree everywhere.
+  std::function<double(double)> sum_over_ranks;
 };
 
 /// What one fused optimizer step did (returned by FusedBackward::end_step).
@@ -71,7 +86,7 @@ struct FusedStepResult {
       0;  ///< global L2 norm of this step's gradient (after grad_multiplier, before clipping); inf/NaN if non-finite
   double clip_scale = 1;                 ///< factor applied to every gradient of this step (clipping only)
   bool finite = true;                    ///< false: some gradient had inf/NaN (count it as a non-finite step)
-  int64_t params_stepped = 0;            ///< parameters updated
+  int64_t params_stepped = 0;            ///< parameters updated (over every rank with sum_over_ranks)
   int64_t params_skipped_nonfinite = 0;  ///< parameters left unchanged because their gradient was non-finite
 };
 
@@ -131,6 +146,8 @@ class FusedBackward {
  private:
   enum class Pass { idle, accumulate, measure, apply };
   void on_gradient(size_t index, at::Tensor& param);
+  /// options_.reduce (several ranks), then apply() where this rank updates.
+  void reduce_and_apply(size_t index, at::Tensor grad_fp32);
   void apply(size_t index, const at::Tensor& grad);
   double clip_scale_for(double norm) const;
 

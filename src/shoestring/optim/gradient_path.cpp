@@ -103,21 +103,38 @@ class AutogradPath final : public StepAfterBackwardPath {
 };
 
 /// Each micro-batch's .grad moves into a GradientAccumulator (fp32 or bf16 + SR).
+/// With several ranks (reduced_across_ranks) the last micro-batch's stays
+/// in .grad and sum_into_grad() adds the buffer to it in fp32 (the
+/// accumulator's finish), the sum the ranks then average.
 class AccumulatorPath final : public StepAfterBackwardPath {
  public:
   AccumulatorPath(const NamedTensors& trainable, const GradientPathOptions& o, std::unique_ptr<Optimizer> opt)
-      : StepAfterBackwardPath(o, std::move(opt)) {
+      : StepAfterBackwardPath(o, std::move(opt)), reduced_across_ranks_(o.reduced_across_ranks) {
     for (const auto& [n, p] : trainable) params_.push_back(p);
     accumulator_ = std::make_unique<GradientAccumulator>(params_, o.accumulation_mode, o.seed);
   }
   std::string name() const override { return "accumulator"; }
 
   void end_micro_batch(int64_t micro) override {
+    if (reduced_across_ranks_ && micro + 1 == accumulation_steps_) return;  // sum_into_grad()
+    torch::NoGradGuard no_grad;
+    // A counter unique over the run keys the stochastic rounding of bf16
+    // buffers (as the fused backward's), so that no two steps round alike;
+    // step_count() is restored on resume.
+    const int64_t micro_step = optimizer_->step_count() * accumulation_steps_ + micro;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      at::Tensor& g = params_[i].mutable_grad();
+      if (g.defined()) accumulator_->add(i, g, micro_step);
+      g.reset();
+    }
+  }
+  bool sums_in_grad() const override { return !reduced_across_ranks_; }
+  void sum_into_grad() override {
+    if (!reduced_across_ranks_) return;
     torch::NoGradGuard no_grad;
     for (size_t i = 0; i < params_.size(); ++i) {
       at::Tensor& g = params_[i].mutable_grad();
-      if (g.defined()) accumulator_->add(i, g, micro);
-      g.reset();
+      g = accumulator_->finish(i, g);  // fp32; frees the buffer
     }
   }
 
@@ -125,7 +142,11 @@ class AccumulatorPath final : public StepAfterBackwardPath {
   std::vector<at::Tensor> gradients(bool&) override {
     std::vector<at::Tensor> grads;
     for (size_t i = 0; i < params_.size(); ++i) {
-      grads.push_back(accumulator_->has(i) ? accumulator_->get(i) : at::Tensor());
+      if (reduced_across_ranks_) {
+        grads.push_back(params_[i].grad());  // the mean over ranks (ZeRO 2: on the owner only)
+      } else {
+        grads.push_back(accumulator_->has(i) ? accumulator_->get(i) : at::Tensor());
+      }
     }
     return grads;
   }
@@ -138,6 +159,7 @@ class AccumulatorPath final : public StepAfterBackwardPath {
   }
 
  private:
+  bool reduced_across_ranks_;
   std::vector<at::Tensor> params_;
   std::unique_ptr<GradientAccumulator> accumulator_;
 };
@@ -198,9 +220,13 @@ class FusedBackwardPath final : public GradientPath {
     fo.clip_method = o.fused_clip_method;
     if (o.low_precision_weights) fo.accumulation_mode = o.accumulation_mode;
     fo.seed = o.seed;
+    fo.reduce = o.fused_reduce;
+    fo.sum_over_ranks = o.sum_squared_norm;
     fused_ = std::make_unique<FusedBackward>(*optimizer_, fo);
   }
   std::string name() const override { return "fused backward"; }
+  bool sums_in_grad() const override { return !fused_->options().reduce; }
+  bool reduced_in_backward() const override { return static_cast<bool>(fused_->options().reduce); }
   Optimizer& optimizer() override { return *optimizer_; }
 
   void begin_step(double lr) override { fused_->begin_step(lr); }

@@ -83,8 +83,20 @@ struct GradientPathOptions {
   /// it and takes the square root of the answer, the sum over every part, as
   /// the global norm, so that clipping and the skip of non-finite steps agree
   /// on every process. Called once per end_step. Unset: the gradients here
-  /// are the whole step's. Paths that step after backward only (not fused).
+  /// are the whole step's. The fused path (with fused_reduce, each rank
+  /// stepping its own tensors) sums its norm and stepped count through it
+  /// (FusedBackwardOptions::sum_over_ranks).
   std::function<double(double)> sum_squared_norm;
+  /// Set when several processes reduce the step's gradients after its last
+  /// micro-batch (data parallel, ZeRO stages 1-2): the accumulator path then
+  /// keeps the last micro-batch's gradient in .grad and sum_into_grad() adds
+  /// the earlier ones to it in fp32, so that the reduction averages fp32
+  /// sums (never a bf16-rounded one) and the optimizer reads its result.
+  bool reduced_across_ranks = false;
+  /// Several ranks, the fused backward path: FusedBackwardOptions::reduce
+  /// (the mean over ranks of each parameter's step gradient, inside
+  /// backward; true where this rank applies the update).
+  std::function<bool(size_t index, at::Tensor& grad)> fused_reduce;
 };
 
 /// The interface the training step talks to (see the file comment for the
@@ -112,6 +124,20 @@ class GradientPath {
   virtual bool repeat_micro_batch() { return false; }
   /// After a micro-batch's last backward: moves its gradients where the path sums them.
   virtual void end_micro_batch(int64_t micro) {}
+  /// False when the step's summed gradient reaches .grad only through
+  /// sum_into_grad(), after the last backward: a reduction across ranks must
+  /// then not start during that backward. True: autograd sums into .grad.
+  virtual bool sums_in_grad() const { return true; }
+  /// True when this path reduces the gradients across ranks itself, inside
+  /// backward (the fused path with several ranks): nothing is left to reduce
+  /// after the micro-batches.
+  virtual bool reduced_in_backward() const { return false; }
+  /// Several ranks (GradientPathOptions::reduced_across_ranks), after the
+  /// last micro-batch and before the gradients are reduced across ranks:
+  /// leaves the step's summed gradient of every trainable weight in its
+  /// .grad (undefined where none), which the reduction reads and overwrites
+  /// with the mean over ranks. Nothing to do where autograd summed into .grad.
+  virtual void sum_into_grad() {}
   /// Ends the optimizer step: global norm, clipping, the optimizer update
   /// (skipped when `loss_finite` is false or a gradient is non-finite), and
   /// freeing of every gradient. Throws what the optimizer throws.

@@ -380,10 +380,35 @@ std::unique_ptr<GradientPath> make_run_gradient_path(const Run& run, const std::
   go.loss_scaling.enabled = fp16_training;
   go.loss_scaling.init_scale = c.loss_scale_init;
   go.loss_scaling.growth_interval = c.loss_scale_growth_interval;
-  if (run.zero && run.zero->stage() >= 2) {
+  go.reduced_across_ranks = run.group != nullptr;
+  if (run.zero && (run.zero->stage() >= 2 || c.fused_backward_pass)) {
     // Each rank holds its own tensors' gradients: the global norm sums every rank's part.
     dist::ZeroSharding* zero = run.zero.get();
     go.sum_squared_norm = [zero](double squared) { return zero->sum_over_ranks(squared); };
+  }
+  if (run.group && c.fused_backward_pass) {
+    // Each parameter's step gradient is averaged inside backward, as its
+    // hook fires: all-reduced at stage 0, reduced to its owner at stages 1-2
+    // (which alone steps it; dist::ZeroSharding's owners).
+    dist::ProcessGroup* group = run.group.get();
+    const std::vector<int> owner_of = [&] {
+      std::vector<int> owners(run.trainable.size(), -1);
+      if (run.zero) {
+        for (size_t i = 0; i < owners.size(); ++i) owners[i] = run.zero->ownership().owner(i);
+      }
+      return owners;
+    }();
+    go.fused_reduce = [group, owner_of](size_t index, at::Tensor& grad) {
+      const int owner = owner_of.at(index);
+      if (owner < 0) {
+        group->all_reduce_sum(grad);
+      } else {
+        group->reduce_sum_async(grad, owner).wait();
+        if (owner != group->rank()) return false;
+      }
+      grad.mul_(1.0 / group->size());
+      return true;
+    };
   }
   // ZeRO: an fp32 master is optimizer state (the ZeRO paper's K = 12 bytes
   // per parameter with Adam count it), kept by the tensor's owner only.
@@ -494,21 +519,31 @@ void follow_run_dir(Run& run, const TrainRunOptions& options) {
 void check_data_parallel(const Run& run) {
   const TrainConfig& c = run.config;
   const std::string stage = c.zero_stage > 0 ? fmt::format(", zero_stage = {}", c.zero_stage) : std::string();
+  // Every gradient path runs with several processes: autograd's and the
+  // master-weights path (fp16 loss scaling, fp32 masters) read the reduced
+  // .grad, and an overflowing step's skip follows the global norm, which
+  // every rank agrees on; the accumulator path (full_bf16 with accumulation)
+  // sums the micro-batches in its buffers, then into .grad in fp32 before
+  // the reduction (GradientPath::sum_into_grad); the fused path averages
+  // each parameter's step gradient inside backward (fused_reduce). At stage
+  // 3 the streaming hooks reduce each block's gradients to their owners
+  // inside every backward, in the weights' dtype, which the last two cannot
+  // follow.
   const std::string path = run.gradients->name();
-  // The master-weights path (fp16 loss scaling, fp32 masters) reads the
-  // reduced .grad like autograd's: the skip of an overflowing step follows
-  // the global norm, which every rank agrees on (stages 0 and 1: the same
-  // averaged gradients; 2 and 3: the sum of every rank's part).
-  if (path != "autograd" && path != "master weights") {
-    // What in the config chose the path (optim/gradient_path.cpp, make_gradient_path).
-    const std::string cause =
-        path == "fused backward"
-            ? "fused_backward_pass = true"
-            : fmt::format("full_bf16 = true with gradient_accumulation_steps = {}", c.gradient_accumulation_steps);
+  if (c.zero_stage == 3 && path == "fused backward") {
     fail(
-        "WORLD_SIZE = {}{}: data parallel averages the gradients autograd leaves in .grad, but {} puts them on the "
-        "'{}' gradient path, which several processes do not support yet; remove it to train with several processes",
-        run.world_size(), stage, cause, path);
+        "WORLD_SIZE = {}{}: fused_backward_pass = true steps each parameter inside backward, where stage 3 reduces "
+        "the streamed blocks' gradients to their owners; use zero_stage = 2 (which shards the optimizer state and "
+        "gradients too) or fused_backward_pass = false",
+        run.world_size(), stage);
+  }
+  if (c.zero_stage == 3 && path == "accumulator") {
+    fail(
+        "WORLD_SIZE = {}{}: full_bf16 = true with gradient_accumulation_steps = {} sums the micro-batches in fp32 "
+        "(or bf16 with stochastic rounding) buffers, but stage 3 reduces each block's gradients to their owners "
+        "inside every backward, in the weights' dtype; use zero_stage = 2 (which shards the optimizer state and "
+        "gradients too) or gradient_accumulation_steps = 1",
+        run.world_size(), stage, c.gradient_accumulation_steps);
   }
   if (c.max_train_minutes > 0) {
     fail(

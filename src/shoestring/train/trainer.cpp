@@ -228,7 +228,8 @@ StepRecord train_step(Run& run, int64_t step, bool quiet) {
     const at::Tensor rng = cpu_rng_state();  // a repeated pass replays the same dropout
     gradients.begin_micro_batch(micro);
     // zero_stage 0: the last micro-batch's backward starts the gradient all-reduces as buckets fill.
-    if (run.gradient_averager && micro + 1 == c.gradient_accumulation_steps) run.gradient_averager->start_overlap();
+    if (run.gradient_averager && micro + 1 == c.gradient_accumulation_steps && gradients.sums_in_grad())
+      run.gradient_averager->start_overlap();
     loss_sum += forward_backward(run, batch);
     while (gradients.repeat_micro_batch()) {
       set_cpu_rng_state(rng);
@@ -237,7 +238,12 @@ StepRecord train_step(Run& run, int64_t step, bool quiet) {
     gradients.end_micro_batch(micro);
     ++run.counters.micro_steps;
   }
-  reduce_gradients(run, quiet);  // several ranks: the global batch's mean gradient (zero_stage 2: on its owner)
+  if (run.group) {
+    ScopedMemoryCategory category(MemoryCategory::gradients);
+    gradients.sum_into_grad();  // full_bf16 with accumulation: the fp32 sum of the micro-batches
+  }
+  // several ranks: the global batch's mean gradient (zero_stage 2: on its owner; fused: done in backward)
+  if (!gradients.reduced_in_backward()) reduce_gradients(run, quiet);
   const double loss = mean_over_ranks(run, loss_sum / static_cast<double>(c.gradient_accumulation_steps));
 
   const std::vector<std::string> overflowed = check_fp16_overflow(run, step);
