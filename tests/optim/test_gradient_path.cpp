@@ -158,6 +158,32 @@ TEST(GradientPath, AccumulatorPathSumsBf16MicroBatchesInFp32) {
   }
 }
 
+// bf16 accumulation buffers round stochastically, keyed by a micro-batch
+// count over the whole run (as the fused path's): two optimizer steps over
+// the same micro-batch gradients (lr 0 keeps the weights, and these
+// gradients do not depend on them) draw other random bits, so their
+// buffers, and the norms measured on them, differ; each stays within the
+// rounding of the exact norm. Keyed by the micro-batch index alone (as
+// before 2026-12-06), every step rounded alike.
+TEST(GradientPath, AccumulatorPathDrawsFreshRoundingBitsEachStep) {
+  Named params = make_params(torch::kBFloat16);
+  GradientPathOptions o;
+  o.accumulation_steps = 2;
+  o.max_grad_norm = 0;
+  o.low_precision_weights = true;
+  o.accumulation_mode = GradAccumulationMode::bf16_sr;
+  o.seed = 11;
+  const Expected e = sgd_reference(params, 2, 0.0, 0);
+  auto path = make_gradient_path(params, {false, false}, sgd_factory(), o);
+  ASSERT_EQ(path->name(), "accumulator");
+  const GradientStepResult first = run_step(*path, params, 2, 0.0);
+  const GradientStepResult second = run_step(*path, params, 2, 0.0);
+  EXPECT_NE(first.grad_norm, second.grad_norm);
+  for (const double norm : {first.grad_norm, second.grad_norm}) {
+    EXPECT_NEAR(norm, e.norm, 4 * std::ldexp(1.0, -8) * e.norm);
+  }
+}
+
 TEST(GradientPath, NonFiniteGradientSkipsTheStepAndReleasesGradients) {
   Named params = make_params(torch::kFloat32);
   const at::Tensor before = params[0].second.detach().clone();
