@@ -235,6 +235,24 @@ TEST(ShardedCheckpoint, IndexNamesEveryTensorsFile) {
   EXPECT_NE(error.find("world size 5"), std::string::npos) << error;
   write_bytes_atomic(dir + "/" + kCheckpointIndexFile, index_text);
 
+  // A shard of this run and step replaced by another with more tensors
+  // (the weight_map does not list the extra one): its size is not the one
+  // the index recorded.
+  save_optimizer_shard(dir + "/" + optimizer_shard_name(1, 2),
+                       {{"b.exp_avg", torch::zeros({3})}, {"b.exp_avg_sq", torch::zeros({3})}}, {}, 1, 2, 4);
+  error = error_of();
+  EXPECT_NE(error.find(optimizer_shard_name(1, 2) + " is "), std::string::npos) << error;
+  EXPECT_NE(error.find("replaced or cut"), std::string::npos) << error;
+  save_optimizer_shard(dir + "/" + optimizer_shard_name(1, 2), {{"b.exp_avg", torch::zeros({3})}}, {}, 1, 2, 4);
+  EXPECT_EQ(error_of(), "no error");
+  // An index whose "files" misses a file of its weight_map.
+  edited = nlohmann::json::parse(index_text);
+  edited["files"].erase(optimizer_shard_name(0, 2));
+  write_bytes_atomic(dir + "/" + kCheckpointIndexFile, edited.dump());
+  error = error_of();
+  EXPECT_NE(error.find("which \"files\" does not list"), std::string::npos) << error;
+  write_bytes_atomic(dir + "/" + kCheckpointIndexFile, index_text);
+
   // A shard the index needs is missing: named.
   fs::remove(dir + "/" + optimizer_shard_name(1, 2));
   try {

@@ -488,6 +488,11 @@ std::optional<CheckpointIndex> read_checkpoint_index(const std::string& dir, boo
     if (!optimizer_shards && is_optimizer_shard_name(file)) continue;
     if (!fs::exists(fs::path(dir) / file))
       fail("{}: weight_map[\"{}\"] names {}, which is missing", path.string(), tensor, file);
+    if (is_model_shard_name(file) && out.zero_stage != 3)
+      fail(
+          "{}: weight_map[\"{}\"] names the model shard {}, but model shards exist at zero_stage 3 only, and the "
+          "index says zero_stage {}",
+          path.string(), tensor, file, out.zero_stage);
   }
   // Every shard is this checkpoint's: its own metadata (written with it)
   // names the index's step and world size and the rank of its name.
@@ -530,6 +535,34 @@ std::optional<CheckpointIndex> read_checkpoint_index(const std::string& dir, boo
           rank, world, meta("step"), meta("rank"), meta("world_size"));
     }
     require_run(shard, is_model_shard_name(file) ? "model shard" : "optimizer shard");
+  }
+  // "files" records each file's size when the checkpoint was saved: a file
+  // replaced or cut since (by hand, a copy of another save: those of another
+  // step or run are named above) is named here, before any of its tensors is
+  // read.
+  if (j.contains("files")) {
+    std::map<std::string, int64_t> recorded;
+    try {
+      for (const auto& [file, entry] : j.at("files").items()) recorded[file] = entry.at("bytes").get<int64_t>();
+    } catch (const nlohmann::json::exception& e) {
+      fail("{}: \"files\" must map each file to {{\"bytes\", \"rank\"}}: {}", path.string(), e.what());
+    }
+    for (const auto& [tensor, file] : out.weight_map) {
+      if (!recorded.count(file))
+        fail("{}: weight_map[\"{}\"] names {}, which \"files\" does not list", path.string(), tensor, file);
+    }
+    for (const auto& [file, bytes] : recorded) {
+      if (!optimizer_shards && is_optimizer_shard_name(file)) continue;
+      std::error_code ec;
+      const uintmax_t size = fs::file_size(fs::path(dir) / file, ec);
+      if (ec) fail("{}: \"files\" lists {}, which cannot be read: {}", path.string(), file, ec.message());
+      if (static_cast<int64_t>(size) != bytes) {
+        fail(
+            "{}: {} is {} bytes, but the checkpoint's index recorded {} when it was saved: the file was replaced or "
+            "cut since",
+            path.string(), file, size, bytes);
+      }
+    }
   }
   return out;
 }
