@@ -120,7 +120,7 @@ void check_collectives(ProcessGroup& g) {
   EXPECT_THAT([&] { g.reduce_scatter_sum(at::zeros({w * 3 + 1}, f32)); },
               ::testing::ThrowsMessage<Error>(AllOf(HasSubstr("reduce_scatter_sum"), HasSubstr("multiple of"))));
 
-  // GradientAverager: two parameters whose gradients are (r + 1) * g0, a
+  // GradientReducer: two parameters whose gradients are (r + 1) * g0, a
   // third with no gradient; a 1-element bucket size forces one bucket each.
   at::Tensor p1 = at::zeros({3, 2}, f32).requires_grad_();
   at::Tensor p2 = at::zeros({5}, f32).to(at::kBFloat16).requires_grad_();
@@ -129,23 +129,23 @@ void check_collectives(ProcessGroup& g) {
   p2.mutable_grad() = (at::arange(5, f32) * (r + 1)).to(at::kBFloat16);
   for (int64_t bucket_bytes : {int64_t{4}, kDefaultBucketBytes}) {
     at::Tensor g1 = p1.grad().clone(), g2 = p2.grad().clone();
-    GradientAverager averager(g, {p1, p2, p3}, bucket_bytes);
-    EXPECT_EQ(averager.bucket_count(), bucket_bytes == 4 ? 3u : 1u);
-    averager.all_reduce_gradients();
-    const double mean_factor = (w + 1) / 2.0;  // mean of 1 .. w
-    EXPECT_TRUE(p1.grad().allclose(at::arange(6, f32).reshape({3, 2}) * mean_factor, 0, 1e-6)) << p1.grad();
+    GradientReducer reducer(g, {p1, p2, p3}, bucket_bytes);
+    EXPECT_EQ(reducer.bucket_count(), bucket_bytes == 4 ? 3u : 1u);
+    reducer.all_reduce_gradients();
+    const double sum_factor = w * (w + 1) / 2.0;  // 1 + .. + w
+    EXPECT_TRUE(p1.grad().allclose(at::arange(6, f32).reshape({3, 2}) * sum_factor, 0, 1e-6)) << p1.grad();
     EXPECT_TRUE(
-        same_bits(p2.grad(), (at::arange(5, f32).to(at::kBFloat16).to(at::kFloat) * mean_factor).to(at::kBFloat16)));
+        same_bits(p2.grad(), (at::arange(5, f32).to(at::kBFloat16).to(at::kFloat) * sum_factor).to(at::kBFloat16)));
     EXPECT_FALSE(p3.grad().defined());
     p1.mutable_grad() = g1;
     p2.mutable_grad() = g2;
   }
 
-  // GradientAverager overlapping backward: post-accumulate-grad hooks tell
+  // GradientReducer overlapping backward: post-accumulate-grad hooks tell
   // it each gradient's arrival. The first armed backward only counts; from
   // the second on, every bucket (one per tensor here) starts during
-  // backward, and the averaged gradients are the plain call's: the loss is
-  // linear in the rank's input (r + 1) * x, so each mean is (w + 1) / 2
+  // backward, and the summed gradients are the plain call's: the loss is
+  // linear in the rank's input (r + 1) * x, so each sum is w (w + 1) / 2
   // times the gradient at x (torch::autograd::grad, which fires no hook).
   {
     at::Tensor a = (at::arange(16, f32).reshape({4, 4}) / 16).requires_grad_();
@@ -164,33 +164,33 @@ void check_collectives(ProcessGroup& g) {
     };
     for (const bool c_twice : {false, true}) {
       const std::vector<at::Tensor> at_x = torch::autograd::grad({loss_of(x, c_twice)}, {a, b, c});
-      GradientAverager averager(g, {a, b, c}, 4);
+      GradientReducer reducer(g, {a, b, c}, 4);
       PostAccumulateGradHooks hooks;
-      hooks.install({a, b, c}, [&](size_t i, at::Tensor&) { averager.gradient_ready(i); });
+      hooks.install({a, b, c}, [&](size_t i, at::Tensor&) { reducer.gradient_ready(i); });
       for (int step = 0; step < 3; ++step) {
         for (at::Tensor* p : {&a, &b, &c}) p->mutable_grad().reset();
-        averager.start_overlap();
+        reducer.start_overlap();
         backward(x * (r + 1), c_twice);
         // A tensor reached twice before the reduction keeps the overlap off.
-        EXPECT_EQ(averager.buckets_started_in_backward(), step == 0 || c_twice ? 0u : averager.bucket_count())
+        EXPECT_EQ(reducer.buckets_started_in_backward(), step == 0 || c_twice ? 0u : reducer.bucket_count())
             << "step " << step << (c_twice ? ", c used twice" : "");
-        averager.all_reduce_gradients();
-        const double mean_factor = (w + 1) / 2.0;
+        reducer.all_reduce_gradients();
+        const double sum_factor = w * (w + 1) / 2.0;
         const std::vector<at::Tensor> got = {a.grad(), b.grad(), c.grad()};
         for (size_t i = 0; i < got.size(); ++i)
-          EXPECT_TRUE(got[i].allclose(at_x[i] * mean_factor, 1e-6, 0)) << "tensor " << i << ": " << got[i];
+          EXPECT_TRUE(got[i].allclose(at_x[i] * sum_factor, 1e-6, 0)) << "tensor " << i << ": " << got[i];
       }
     }
     // With the overlap on, a second gradient into one tensor (the graph changed) is an error naming it.
-    GradientAverager averager(g, {a, b, c}, 4);
+    GradientReducer reducer(g, {a, b, c}, 4);
     PostAccumulateGradHooks hooks;
-    hooks.install({a, b, c}, [&](size_t i, at::Tensor&) { averager.gradient_ready(i); });
+    hooks.install({a, b, c}, [&](size_t i, at::Tensor&) { reducer.gradient_ready(i); });
     for (int step = 0; step < 2; ++step) {
-      averager.start_overlap();
+      reducer.start_overlap();
       backward(x, false);
-      averager.all_reduce_gradients();
+      reducer.all_reduce_gradients();
     }
-    averager.start_overlap();
+    reducer.start_overlap();
     EXPECT_THAT([&] { backward(x, true); },
                 ::testing::ThrowsMessage<std::exception>(
                     AllOf(HasSubstr("trainable tensor 2 of 3"), HasSubstr("second gradient in one backward"))));

@@ -88,15 +88,17 @@ void set_grads(NamedTensors& params, int rank) {
   }
 }
 
-/// The mean over W ranks of base * (r + 1): base * (W + 1) / 2, in the gradient's dtype.
-at::Tensor expected_mean(const at::Tensor& p, size_t i, int world) {
-  return (base_grad(p, i) * ((world + 1) / 2.0)).to(p.scalar_type());
+/// The sum over W ranks of base * (r + 1): base * W (W + 1) / 2, in the
+/// gradient's dtype (each rank's gradient being its share of the global
+/// batch's, the sum is the global batch's: dist/data_parallel.h).
+at::Tensor expected_sum(const at::Tensor& p, size_t i, int world) {
+  return (base_grad(p, i) * (world * (world + 1) / 2.0)).to(p.scalar_type());
 }
 
 /// Stage 3: streamed groups {a.weight, a.bias, c.bf16} and {b.weight};
 /// d.weight and e.unused stay resident. A released parameter this rank does
 /// not own is empty; fetch gathers its owner's values bit for bit; release
-/// after backward leaves each gradient's mean, summed over two
+/// after backward leaves each gradient's sum over the ranks, summed over two
 /// micro-batches, on its owner only; hold_all_on gathers onto one rank,
 /// hold_on gives it values from elsewhere (files) by name.
 void check_zero_stage3(ProcessGroup& g) {
@@ -157,9 +159,9 @@ void check_zero_stage3(ProcessGroup& g) {
     const at::Tensor& p = params[i].second;
     if (zero.ownership().owner(i) == r) {
       ASSERT_TRUE(p.grad().defined()) << params[i].first;
-      // Two micro-batches, each the mean: 2 x base x (W + 1) / 2, rounded per micro-batch for bf16.
-      const at::Tensor mean = expected_mean(p, i, w);
-      EXPECT_TRUE(p.grad().allclose(mean + mean, 1e-6, 0)) << params[i].first << " on rank " << r;
+      // Two micro-batches, each the sum: 2 x base x W (W + 1) / 2, rounded per micro-batch for bf16.
+      const at::Tensor sum = expected_sum(p, i, w);
+      EXPECT_TRUE(p.grad().allclose(sum + sum, 1e-6, 0)) << params[i].first << " on rank " << r;
     } else {
       EXPECT_FALSE(p.grad().defined()) << params[i].first;
     }
@@ -310,7 +312,7 @@ void check_zero_stage3_prefetch(ProcessGroup& g, bool prefetch) {
 void check_zero(ProcessGroup& g) {
   const int r = g.rank();
   const int w = g.size();
-  // Stage 2: means on the owners only; other ranks' gradients freed.
+  // Stage 2: sums on the owners only; other ranks' gradients freed.
   {
     NamedTensors params = make_params();
     ZeroSharding zero(g, params, 2, /*bucket_bytes=*/64);  // small buckets: several per owner
@@ -326,8 +328,8 @@ void check_zero(ProcessGroup& g) {
       }
       if (zero.ownership().owner(i) == r) {
         ASSERT_TRUE(p.grad().defined()) << params[i].first;
-        EXPECT_TRUE(p.grad().allclose(expected_mean(p, i, w), 1e-6, 0))
-            << params[i].first << " on rank " << r << ": " << p.grad() << " vs " << expected_mean(p, i, w);
+        EXPECT_TRUE(p.grad().allclose(expected_sum(p, i, w), 1e-6, 0))
+            << params[i].first << " on rank " << r << ": " << p.grad() << " vs " << expected_sum(p, i, w);
         held += p.grad().numel() * p.grad().element_size();
       } else {
         EXPECT_FALSE(p.grad().defined()) << params[i].first << ": not this rank's (" << r << "), freed";
@@ -340,7 +342,7 @@ void check_zero(ProcessGroup& g) {
         << "rank " << r;
     EXPECT_EQ(zero.sum_over_ranks(r + 1.0), w * (w + 1) / 2.0);
   }
-  // Stage 1: the mean on every rank.
+  // Stage 1: the sum on every rank.
   {
     NamedTensors params = make_params();
     ZeroSharding zero(g, params, 1);
@@ -348,7 +350,7 @@ void check_zero(ProcessGroup& g) {
     zero.reduce_gradients();
     for (size_t i = 0; i + 1 < params.size(); ++i) {
       const at::Tensor& p = params[i].second;
-      EXPECT_TRUE(p.grad().allclose(expected_mean(p, i, w), 1e-6, 0)) << params[i].first << " on rank " << r;
+      EXPECT_TRUE(p.grad().allclose(expected_sum(p, i, w), 1e-6, 0)) << params[i].first << " on rank " << r;
     }
   }
   // Broadcast: every rank ends with each tensor's owner's values, bit for bit.

@@ -60,6 +60,7 @@ DIST_SCENARIO(zero_train) {
   const std::string run = worker_dir() + "/" + worker_env("SHOESTRING_TEST_RUN");
   TrainConfig c = ddp_config(run, std::stoll(worker_env("SHOESTRING_TEST_BATCH")), worker_env("SHOESTRING_TEST_EXTRA"));
   c.zero_stage = std::stoll(worker_env("SHOESTRING_TEST_STAGE"));
+  if (!worker_env("SHOESTRING_TEST_SEED").empty()) c.seed = std::stoll(worker_env("SHOESTRING_TEST_SEED"));
   const bool resume = worker_env("SHOESTRING_TEST_RESUME") == "1";
   try {
     const Trajectory t = train_and_record(c, 0, resume ? std::optional<std::string>(run) : std::nullopt);
@@ -77,7 +78,8 @@ struct RankRun {
   int stage = 1;
   std::string extra;  ///< TOML lines
   bool resume = false;
-  int crash_at = 0;  ///< > 0: rank 1 dies at its crash_at-th atomic write (io/atomic_file.h's hook)
+  int crash_at = 0;   ///< > 0: rank 1 dies at its crash_at-th atomic write (io/atomic_file.h's hook)
+  int64_t seed = -1;  ///< >= 0: the config's seed instead of the fixture's
 };
 
 /// Runs `r` on r.world processes; returns the exit statuses.
@@ -91,6 +93,7 @@ std::vector<int> launch(const std::string& dir, const RankRun& r) {
         env["SHOESTRING_TEST_STAGE"] = std::to_string(r.stage);
         env["SHOESTRING_TEST_EXTRA"] = r.extra;
         env["SHOESTRING_TEST_RESUME"] = r.resume ? "1" : "0";
+        if (r.seed >= 0) env["SHOESTRING_TEST_SEED"] = std::to_string(r.seed);
         if (rank == 1 && r.crash_at > 0) env["SHOESTRING_TEST_CRASH_AT_WRITE"] = std::to_string(r.crash_at);
         return env;
       },
@@ -845,6 +848,8 @@ TEST(ZeroMixedPrecision, Fp16LossScalingAndFp32MastersAtEveryStage) {
   ASSERT_FALSE(skipped.empty()) << "the loss scale overflows at least once";
   ASSERT_LT(skipped.size(), one.grad_norms.size()) << "and some steps apply";
   for (const auto& w : one.weights) EXPECT_EQ(w.scalar_type(), at::kHalf);
+  // The model file says what its tensors are (it said fp32 for fp16 rules).
+  EXPECT_EQ(SafetensorsFile::open(dir + "/one/model.safetensors").metadata().at("dtype"), "fp16");
 
   std::vector<std::vector<Trajectory>> stages;
   for (int stage = 0; stage <= 3; ++stage) {
@@ -905,6 +910,79 @@ TEST(ZeroMixedPrecision, Fp16LossScalingAndFp32MastersAtEveryStage) {
   for (size_t i = 0; i < one.weights.size(); ++i) {
     EXPECT_TRUE(r1.weights[i].to(at::kFloat).allclose(stages[2][0].weights[i].to(at::kFloat), 4e-3, 2e-3))
         << "resumed in one process, parameter " << i;
+  }
+
+  // A master in rank 1's shard that no longer rounds to the model file's
+  // weight (edited by hand): the owner's master is the weight on every rank
+  // (train_ranks checks the ranks' weights bit for bit); one that is not
+  // finite, or not fp32, is refused naming the shard (helper-23).
+  const std::string shard1 = "/checkpoints/step-000002/" + optimizer_shard_name(1, 2);
+  std::string master_name;
+  {
+    const SafetensorsFile shard = SafetensorsFile::open(dir + "/s2" + shard1);
+    for (const auto& info : shard.tensors()) {
+      if (info.name.rfind("master.", 0) == 0 && master_name.empty()) master_name = info.name;
+    }
+  }
+  ASSERT_FALSE(master_name.empty());
+  auto edit_master = [&](const std::string& run, const std::function<at::Tensor(const at::Tensor&)>& edit) {
+    copy_stopped_at_step_2(dir + "/s2", dir + "/" + run);
+    const std::string path = dir + "/" + run + shard1;
+    std::vector<NamedTensor> tensors;
+    std::map<std::string, std::string> metadata;
+    {
+      const SafetensorsFile file = SafetensorsFile::open(path);
+      metadata = file.metadata();
+      for (const auto& info : file.tensors()) {
+        const at::Tensor t = file.get(info).clone();
+        tensors.push_back({info.name, info.name == master_name ? edit(t) : t, std::nullopt});
+      }
+    }
+    save_safetensors(path, tensors, metadata);
+    // The index's record of the shard's size, as one who edits by hand would fix it.
+    const std::string index_path = dir + "/" + run + "/checkpoints/step-000002/" + kCheckpointIndexFile;
+    nlohmann::json index = nlohmann::json::parse(read_text(index_path));
+    index["files"][optimizer_shard_name(1, 2)]["bytes"] = fs::file_size(path);
+    write_text(index_path, index.dump());
+  };
+  // Resumed at stage 2 (rank 1 owns the edited master) and at stage 0
+  // (every rank keeps every master): the same losses and weights, which
+  // they were not while rank 0 took that weight from the model file.
+  edit_master("scaled", [](const at::Tensor& t) { return t * 1.5; });
+  edit_master("scaled0", [](const at::Tensor& t) { return t * 1.5; });
+  const std::vector<Trajectory> scaled = train_ranks(dir, {"scaled", 2, 2, 2, extra, /*resume=*/true});
+  const std::vector<Trajectory> scaled0 = train_ranks(dir, {"scaled0", 2, 2, 0, extra, /*resume=*/true});
+  ASSERT_EQ(scaled.size(), 2u);
+  ASSERT_EQ(scaled0.size(), 2u);
+  expect_same_weights(scaled[0], scaled0[0], "an edited master, resumed at stage 2 and at stage 0");
+  EXPECT_EQ(scaled[0].losses, scaled0[0].losses) << "an edited master, resumed at stage 2 and at stage 0";
+  edit_master("nan", [](const at::Tensor& t) { return t.index_fill(0, at::zeros({1}, at::kLong), NAN); });
+  EXPECT_EQ(launch(dir, {"nan", 2, 2, 2, extra, /*resume=*/true}), (std::vector<int>{4, 4}));
+  EXPECT_THAT(read_text(dir + "/nan.error0.txt"),
+              AllOf(HasSubstr(optimizer_shard_name(1, 2)), HasSubstr(master_name), HasSubstr("inf or NaN")));
+  edit_master("half", [](const at::Tensor& t) { return t.to(at::kHalf).to(at::kFloat).to(at::kHalf); });
+  EXPECT_EQ(launch(dir, {"half", 2, 2, 2, extra, /*resume=*/true}), (std::vector<int>{4, 4}));
+  EXPECT_THAT(read_text(dir + "/half.error0.txt"),
+              AllOf(HasSubstr(optimizer_shard_name(1, 2)), HasSubstr(master_name), HasSubstr("expected float32")));
+
+  // Another seed at 2 ranks, and 3 ranks: still one process's skips. Each
+  // rank backpropagates its share of the global batch's mean loss (its rows'
+  // mean / W), so every activation gradient is as large as one process's
+  // and overflows at the same loss scale; with each rank's own rows' mean
+  // (W times larger per row), these skipped other steps (helper-23,
+  // 2026-12-06: seed 1 at 2 ranks, 3 ranks at seed 3).
+  for (const auto& [world, seed] : {std::pair<int, int64_t>{2, 1}, std::pair<int, int64_t>{3, 3}}) {
+    const std::string what = fmt::format("{} ranks, seed {}", world, seed);
+    TrainConfig single = ddp_config(fmt::format("{}/one_w{}_s{}", dir, world, seed), 2 * world, extra);
+    single.seed = seed;
+    const Trajectory reference = train_and_record(single);
+    const std::vector<Trajectory> ranks =
+        train_ranks(dir, {fmt::format("w{}_s{}", world, seed), world, 2, 2, extra, false, 0, seed});
+    ASSERT_EQ(ranks.size(), static_cast<size_t>(world)) << what;
+    EXPECT_FALSE(skipped_steps(reference).empty()) << what << ": overflows at least once";
+    EXPECT_EQ(skipped_steps(ranks[0]), skipped_steps(reference)) << what;
+    std::cout << what << ": skipped steps " << fmt::format("{}", fmt::join(skipped_steps(ranks[0]), " "))
+              << ", max |weight diff| vs one process " << max_weight_diff_of(ranks[0], reference) << "\n";
   }
 }
 

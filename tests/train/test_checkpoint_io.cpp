@@ -122,6 +122,19 @@ TEST(TrainingState, OlderFilesLoadAndBrokenOnesAreNamed) {
   wrong_type["images_seen"] = "many";
   write(wrong_type);
   EXPECT_NE(error_of().find("wrong type"), std::string::npos) << error_of();
+  // The loss scale: null (no scaling) or a number; anything else refused,
+  // not taken as a fresh start of the scale (helper-23).
+  for (const nlohmann::json& bad :
+       {nlohmann::json("abc"), nlohmann::json("8192"), nlohmann::json(true), nlohmann::json::array({8192})}) {
+    auto scale = minimal;
+    scale["loss_scale"] = bad;
+    write(scale);
+    EXPECT_NE(error_of().find("wrong type"), std::string::npos) << bad.dump() << ": " << error_of();
+  }
+  auto no_scale = minimal;
+  no_scale["loss_scale"] = nullptr;
+  write(no_scale);
+  EXPECT_FALSE(load_training_state(path).counters.loss_scale.has_value());
   fs::remove_all(dir);
 }
 

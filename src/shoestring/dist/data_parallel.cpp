@@ -10,9 +10,9 @@
 
 namespace shoestring::dist {
 
-GradientAverager::GradientAverager(ProcessGroup& group, std::vector<at::Tensor> params, int64_t bucket_bytes)
+GradientReducer::GradientReducer(ProcessGroup& group, std::vector<at::Tensor> params, int64_t bucket_bytes)
     : group_(group), params_(std::move(params)) {
-  if (bucket_bytes < 1) fail("GradientAverager: bucket size {} bytes, expected >= 1", bucket_bytes);
+  if (bucket_bytes < 1) fail("GradientReducer: bucket size {} bytes, expected >= 1", bucket_bytes);
   const int64_t cap = std::max<int64_t>(1, bucket_bytes / 4);  // fp32 elements
   // Reverse parameter order, as DDP: backward produces the last layers' gradients first.
   bucket_of_.resize(params_.size());
@@ -27,7 +27,7 @@ GradientAverager::GradientAverager(ProcessGroup& group, std::vector<at::Tensor> 
   complete_.assign(buckets_.size(), 0);
 }
 
-void GradientAverager::start_overlap() {
+void GradientReducer::start_overlap() {
   if (group_.size() == 1) return;
   armed_ = true;
   next_bucket_ = 0;
@@ -36,7 +36,7 @@ void GradientAverager::start_overlap() {
   std::fill(complete_.begin(), complete_.end(), 0);
 }
 
-void GradientAverager::gradient_ready(size_t index) {
+void GradientReducer::gradient_ready(size_t index) {
   if (!armed_ || index >= params_.size()) return;
   if (++arrived_[index] > 1) {
     if (!overlap_) return;  // the probing step counts; the plain reduction follows
@@ -54,7 +54,7 @@ void GradientAverager::gradient_ready(size_t index) {
   }
 }
 
-void GradientAverager::start_bucket(size_t b) {
+void GradientReducer::start_bucket(size_t b) {
   if (in_flight_.size() > 1) finish_oldest();  // two in flight: the next fills while this one is summed
   const GradientBucket& bucket = buckets_[b];
   at::Tensor flat = at::zeros({bucket.numel}, params_.front().options().dtype(at::kFloat));
@@ -68,11 +68,10 @@ void GradientAverager::start_bucket(size_t b) {
   in_flight_.push_back({&bucket, flat, group_.all_reduce_sum_async(flat)});
 }
 
-void GradientAverager::finish_oldest() {
+void GradientReducer::finish_oldest() {
   InFlight f = std::move(in_flight_.front());
   in_flight_.pop_front();
   f.pending.wait();
-  f.flat.mul_(1.0 / group_.size());
   int64_t offset = 0;
   for (size_t i : f.bucket->params) {
     at::Tensor p = params_[i];
@@ -82,7 +81,7 @@ void GradientAverager::finish_oldest() {
   }
 }
 
-void GradientAverager::all_reduce_gradients() {
+void GradientReducer::all_reduce_gradients() {
   if (group_.size() == 1) return;
   if (armed_) {
     armed_ = false;
@@ -109,18 +108,16 @@ void GradientAverager::all_reduce_gradients() {
 void reduce_gradient_buckets(ProcessGroup& group, const std::vector<at::Tensor>& params,
                              const std::vector<GradientBucket>& buckets, const StartBucketCollective& start) {
   if (params.empty()) return;
-  const double inverse = 1.0 / group.size();
   const int rank = group.rank();
   struct InFlight {
     const GradientBucket* bucket;
     at::Tensor flat;  // [bucket->numel] fp32
     PendingCollective pending;
   };
-  // The receiving rank(s) copy a summed bucket back into the gradients, averaged.
+  // The receiving rank(s) copy a summed bucket back into the gradients.
   auto finish = [&](InFlight& f) {
     f.pending.wait();
     if (f.bucket->root >= 0 && f.bucket->root != rank) return;  // the flat copy was scratch
-    f.flat.mul_(inverse);
     int64_t offset = 0;
     for (size_t i : f.bucket->params) {
       at::Tensor p = params[i];

@@ -1,15 +1,19 @@
 // Data parallel (zero_stage = 0): every rank holds the whole model, takes
-// its own rows of each global batch, and after backward the gradients are
-// averaged over the ranks, so that every rank applies the same update: the
-// one a single process would apply to the whole global batch (up to fp32
-// summation order). The averaging is bucketed: gradients are flattened into
+// its own rows of each global batch, backpropagates its share of the global
+// batch's mean loss (its rows' mean / world size: GradientPath::
+// backward_loss, so that every activation gradient has the size one process
+// gives it, which matters for fp16's range), and after backward the
+// gradients are summed over the ranks: every rank then holds the global
+// batch's mean gradient and applies the same update, the one a single
+// process would apply to the whole global batch (up to fp32 summation
+// order). The reduction is bucketed: gradients are flattened into
 // fp32 buckets of about 25 MiB, each summed with one all-reduce, two in
 // flight (the next bucket fills while the previous one is summed), as
 // PyTorch DDP's Reducer does (torch/csrc/distributed/c10d/reducer.hpp,
 // bucket_cap_mb = 25). As in DDP, the buckets are filled in reverse
 // parameter order (the order backward produces gradients in) and their
 // all-reduces start during backward: a bucket is sent once every gradient
-// in it has arrived (GradientAverager::gradient_ready, from a
+// in it has arrived (GradientReducer::gradient_ready, from a
 // post-accumulate-grad hook), buckets always in the same order on every
 // rank, so Gloo (which runs collectives on its own threads) sums the early
 // buckets while backward computes the rest.
@@ -26,11 +30,11 @@
 
 namespace shoestring::dist {
 
-/// Default bucket size of GradientAverager: 25 MiB of fp32 (PyTorch DDP's).
+/// Default bucket size of GradientReducer: 25 MiB of fp32 (PyTorch DDP's).
 inline constexpr int64_t kDefaultBucketBytes = int64_t{25} << 20;
 
 /// Whole gradients of some parameters, flattened into one fp32 buffer for
-/// one collective (GradientAverager's all-reduce, ZeroSharding's reduce to
+/// one collective (GradientReducer's all-reduce, ZeroSharding's reduce to
 /// the owner).
 struct GradientBucket {
   std::vector<size_t> params;  ///< indices into the parameter list, in order
@@ -46,7 +50,7 @@ using StartBucketCollective = std::function<PendingCollective(const at::Tensor& 
 /// packs the parameters' .grad into a zeroed fp32 buffer (an undefined
 /// .grad counts as zeros and stays undefined), starts `start` on it, and,
 /// two buckets in flight (the next fills while the previous one is summed),
-/// waits and copies the sum times 1 / group.size() back into the .grad of
+/// waits and copies the sum back into the .grad of
 /// the rank(s) receiving it: every rank when bucket.root is -1, else rank
 /// bucket.root only, and every other rank's .grad of the bucket is reset
 /// (undefined) once packed. Collective (every rank runs the same buckets
@@ -54,20 +58,21 @@ using StartBucketCollective = std::function<PendingCollective(const at::Tensor& 
 void reduce_gradient_buckets(ProcessGroup& group, const std::vector<at::Tensor>& params,
                              const std::vector<GradientBucket>& buckets, const StartBucketCollective& start);
 
-/// Averages the gradients (.grad) of a fixed list of parameters over the
-/// ranks of a group, in place. Every rank must build it from the same
-/// parameters (shapes, order).
-class GradientAverager {
+/// Sums the gradients (.grad) of a fixed list of parameters over the ranks
+/// of a group, in place (each rank's .grad being its share of the global
+/// batch's mean gradient, the sum is that mean). Every rank must build it
+/// from the same parameters (shapes, order).
+class GradientReducer {
  public:
-  /// `params`: leaf tensors whose .grad is averaged (any floating dtype;
+  /// `params`: leaf tensors whose .grad is summed (any floating dtype;
   /// bf16 / fp16 gradients are summed in fp32 and rounded to nearest once).
   /// Buckets hold whole tensors, at most `bucket_bytes` of fp32 each (a
   /// larger tensor gets a bucket of its own). Throws shoestring::Error for
   /// bucket_bytes < 1.
-  GradientAverager(ProcessGroup& group, std::vector<at::Tensor> params, int64_t bucket_bytes = kDefaultBucketBytes);
+  GradientReducer(ProcessGroup& group, std::vector<at::Tensor> params, int64_t bucket_bytes = kDefaultBucketBytes);
 
-  /// Replaces every parameter's .grad by the mean over ranks of its .grad
-  /// (sum / size()). An undefined .grad counts as zeros and stays
+  /// Replaces every parameter's .grad by the sum over ranks of its .grad.
+  /// An undefined .grad counts as zeros and stays
   /// undefined. Collective: every rank calls it at the same point of the
   /// step. Throws shoestring::Error naming the collective and the rank when
   /// a peer failed or timed out.
@@ -85,7 +90,7 @@ class GradientAverager {
   // counts the gradients each parameter receives in one backward; from the
   // next step on, when every parameter received at most one (a static graph,
   // as DDP's static_graph assumes), the buckets whose gradients are all
-  // present start during backward. The sums and the averaged gradients are
+  // present start during backward. The sums and the reduced gradients are
   // those of the plain call, bit for bit.
 
   /// Arms the overlap for the backward that follows (the step's last micro-batch).
@@ -112,7 +117,7 @@ class GradientAverager {
   /// Packs bucket `b`'s gradients and starts its all-reduce; with two in
   /// flight already, first finishes the oldest.
   void start_bucket(size_t b);
-  /// Waits for the oldest bucket in flight and writes its mean into the gradients.
+  /// Waits for the oldest bucket in flight and writes its sum into the gradients.
   void finish_oldest();
 
   ProcessGroup& group_;

@@ -65,7 +65,7 @@ ZeroSharding::ZeroSharding(ProcessGroup& group, NamedTensors params, int stage, 
   }
   group_of_.assign(params_.size(), -1);
   step_gradient_.resize(params_.size());
-  if (stage_ == 1) averager_ = std::make_unique<GradientAverager>(group_, tensors_, bucket_bytes);
+  if (stage_ == 1) reducer_ = std::make_unique<GradientReducer>(group_, tensors_, bucket_bytes);
   make_resident_buckets();
 }
 
@@ -115,7 +115,7 @@ std::vector<ZeroSharding::Bucket> ZeroSharding::make_buckets(const std::vector<s
 void ZeroSharding::reduce_gradients() {
   if (group_.size() == 1) return;
   if (stage_ == 1) {
-    averager_->all_reduce_gradients();
+    reducer_->all_reduce_gradients();
     return;
   }
   reduce_to_owners();
@@ -304,7 +304,7 @@ void ZeroSharding::release(size_t group, bool gradients_complete) {
   StreamGroup& g = groups_.at(group);
   if (!streaming_ || group_.size() == 1 || held_on_ == group_.rank()) return;
   if (gradients_complete) {
-    // The mean over ranks into the owner's .grad (others' reset), then into
+    // The sum over ranks into the owner's .grad (others' reset), then into
     // the owner's sum over this step's micro-batches.
     {
       ScopedMemoryCategory category(MemoryCategory::temporaries);  // the buckets

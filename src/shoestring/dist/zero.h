@@ -14,8 +14,10 @@
 // (a greedy balance by element count, deterministic on every rank).
 //
 // One step, per rank (train/trainer.cpp calls these):
-//   reduce_gradients()  stage 1: every gradient averaged over the ranks on
-//                       every rank (as zero_stage = 0); stage 2: averaged into
+//   reduce_gradients()  stage 1: every gradient summed over the ranks on
+//                       every rank (as zero_stage = 0; each rank's is its
+//                       share of the global batch's mean, so the sum is that
+//                       mean: dist/data_parallel.h); stage 2: summed into
 //                       its owner's .grad only (fp32 buckets of one owner's
 //                       tensors, one Gloo reduce each), other ranks' .grad freed
 //   optimizer step      on the owned tensors only (Optimizer::set_update_subset);
@@ -32,7 +34,7 @@
 // after; after the recompute's backward its gradients are reduced to their
 // owners at once (release with gradients_complete), so no rank ever holds
 // more than its own share plus the blocks in use. The owner sums a tensor's
-// mean gradients over the micro-batches of a step; at reduce_gradients() it
+// gradients over the ranks and the micro-batches of a step; at reduce_gradients() it
 // becomes the owner's .grad. Parameters in no group (the layers between
 // blocks) stay resident and are treated as in stage 2. train/ connects the
 // groups to the model's blocks (nn::BlockParameterStreaming). Saving and
@@ -120,8 +122,8 @@ class ZeroSharding {
   /// One entry per parameter: owned by this rank (what its optimizer updates).
   std::vector<bool> owned() const { return ownership_.owned_by(group_.rank()); }
 
-  /// After backward. Stage 1: every parameter's .grad becomes its mean over
-  /// the ranks, on every rank (GradientAverager). Stage 2: the mean goes into
+  /// After backward. Stage 1: every parameter's .grad becomes its sum over
+  /// the ranks, on every rank (GradientReducer). Stage 2: the sum goes into
   /// the owner's .grad only (summed in fp32, rounded once into the
   /// gradient's dtype) and every other rank's .grad is reset (undefined), so
   /// that a rank holds the gradients of about 1/size() of the elements. An
@@ -162,7 +164,7 @@ class ZeroSharding {
   void fetch(size_t group);
   /// Ends a fetch; the last one frees the parameters this rank does not own.
   /// With `gradients_complete` (the group's backward has just run), first
-  /// reduces the group's gradients to their owners (mean over ranks, in
+  /// reduces the group's gradients to their owners (summed over ranks, in
   /// fp32; the owner adds it to its sum over the step's micro-batches,
   /// others' .grad reset). Collective with `gradients_complete`. Throws as
   /// reduce_gradients.
@@ -259,7 +261,7 @@ class ZeroSharding {
   std::map<std::string, size_t> index_of_;  ///< parameter name -> index into params_
   int stage_;
   TensorOwnership ownership_;
-  std::unique_ptr<GradientAverager> averager_;    ///< stage 1
+  std::unique_ptr<GradientReducer> reducer_;      ///< stage 1
   std::vector<GradientBucket> gradient_buckets_;  ///< stages 2, 3 (resident): fp32, one owner (root) each
   std::vector<Bucket> weight_buckets_;            ///< one owner and dtype each (stage 3: resident only)
   int64_t bucket_bytes_;
@@ -268,7 +270,7 @@ class ZeroSharding {
   std::vector<StreamGroup> groups_;
   std::vector<int> group_of_;                 ///< per parameter: its group, or -1 (resident)
   std::vector<std::vector<int64_t>> shapes_;  ///< per parameter: its full shape
-  std::vector<at::Tensor> step_gradient_;     ///< per owned streamed parameter: the step's summed mean gradient
+  std::vector<at::Tensor> step_gradient_;     ///< per owned streamed parameter: the step's gradient, summed
   bool streaming_ = false;
   int held_on_ = -1;  ///< hold_all_on's root, -1 when none
   // stage 3 prefetch (see the file comment)

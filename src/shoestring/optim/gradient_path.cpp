@@ -13,7 +13,7 @@ namespace shoestring {
 at::Tensor GradientPath::backward_loss(const at::Tensor& loss) const {
   const precision::LossScaler* scaler = loss_scaler();
   const at::Tensor scaled = scaler ? scaler->scale_loss(loss) : loss;
-  return scaled / static_cast<double>(accumulation_steps_);
+  return scaled / static_cast<double>(accumulation_steps_ * world_size_);
 }
 
 namespace {
@@ -37,7 +37,7 @@ double global_norm(const std::vector<at::Tensor>& grads, const std::function<dou
 class StepAfterBackwardPath : public GradientPath {
  public:
   StepAfterBackwardPath(const GradientPathOptions& o, std::unique_ptr<Optimizer> optimizer)
-      : GradientPath(o.accumulation_steps),
+      : GradientPath(o),
         max_grad_norm_(o.max_grad_norm),
         sum_squared_norm_(o.sum_squared_norm),
         optimizer_(std::move(optimizer)) {}
@@ -213,7 +213,7 @@ class MasterWeightsPath final : public StepAfterBackwardPath {
 class FusedBackwardPath final : public GradientPath {
  public:
   FusedBackwardPath(const GradientPathOptions& o, std::unique_ptr<Optimizer> opt)
-      : GradientPath(o.accumulation_steps), optimizer_(std::move(opt)) {
+      : GradientPath(o), optimizer_(std::move(opt)) {
     FusedBackwardOptions fo;
     fo.accumulation_steps = o.accumulation_steps;
     fo.max_grad_norm = o.max_grad_norm;

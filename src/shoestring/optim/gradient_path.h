@@ -68,8 +68,14 @@ struct GradientPathState {
 /// Chooses and configures a path (see the file comment).
 struct GradientPathOptions {
   int64_t accumulation_steps = 1;  ///< micro-batches per optimizer step (>= 1)
-  double max_grad_norm = 1.0;      ///< global-norm clip; 0 disables
-  bool fused_backward = false;     ///< FusedBackwardPath (excludes masters and loss scaling)
+  /// Ranks whose gradients are summed into the step's (data parallel, ZeRO):
+  /// each backpropagates its share of the global batch's mean loss, its
+  /// rows' mean / world_size (backward_loss), so that every activation
+  /// gradient is as large as one process's over the whole global batch
+  /// (fp16's range: the loss scale overflows where one process's would).
+  int64_t world_size = 1;
+  double max_grad_norm = 1.0;   ///< global-norm clip; 0 disables
+  bool fused_backward = false;  ///< FusedBackwardPath (excludes masters and loss scaling)
   FusedClipMethod fused_clip_method = FusedClipMethod::previous_step_norm;
   /// Low-precision (bf16) trainable weights: micro-batch sums then go through
   /// a GradientAccumulator in `accumulation_mode` (fused: its buffers).
@@ -113,8 +119,8 @@ class GradientPath {
   /// Before the first micro-batch of an optimizer step at learning rate `lr`.
   virtual void begin_step(double lr) {}
   /// The scalar to call backward() on for a micro-batch's mean loss (fp32,
-  /// shape []): loss / accumulation_steps, times the loss scale when loss
-  /// scaling is on.
+  /// shape []): loss / (accumulation_steps x world_size), times the loss
+  /// scale when loss scaling is on.
   virtual at::Tensor backward_loss(const at::Tensor& loss) const;
   /// Before micro-batch `micro` (0-based) runs forward and backward.
   virtual void begin_micro_batch(int64_t micro) {}
@@ -156,8 +162,10 @@ class GradientPath {
   virtual void load_state(const GradientPathState& state) {}
 
  protected:
-  explicit GradientPath(int64_t accumulation_steps) : accumulation_steps_(accumulation_steps) {}
+  explicit GradientPath(const GradientPathOptions& o)
+      : accumulation_steps_(o.accumulation_steps), world_size_(o.world_size) {}
   int64_t accumulation_steps_;
+  int64_t world_size_;
 };
 
 /// Builds the optimizer from the tensors it updates (the trainable weights,

@@ -39,12 +39,12 @@
 #include "shoestring/models/cascade.h"
 #include "shoestring/models/cascade_coders.h"
 #include "shoestring/models/clip_text.h"
-#include "shoestring/train/checkpoint_io.h"
 #include "shoestring/train/cascade_components.h"
+#include "shoestring/train/checkpoint_io.h"
 #include "shoestring/train/config.h"
-#include "shoestring/train/ldm_cache.h"
 #include "shoestring/train/diffusion_loss.h"
 #include "shoestring/train/gdf.h"
+#include "shoestring/train/ldm_cache.h"
 #include "shoestring/train/ldm_components.h"
 #include "shoestring/train/sampling.h"
 #include "shoestring/train/training_model_impl.h"
@@ -152,13 +152,13 @@ class CascadeTrainingModel final : public TrainingModel {
   TrainBatch prepare(const std::vector<int64_t>& idx) override {
     const auto b = static_cast<int64_t>(idx.size());
     if (b == 0) fail("internal: empty batch");
-    const auto [latents, mirror] =
-        latent_cache_ ? read_cached_latents(*latent_cache_, latent_key_, idx, has_flip_) : latents_.batch(dataset_, idx);
+    const auto [latents, mirror] = latent_cache_ ? read_cached_latents(*latent_cache_, latent_key_, idx, has_flip_)
+                                                 : latents_.batch(dataset_, idx);
     // flip_aug, caption dropout (the empty caption's row, the last, as Stability
     // replaces the caption by "" in train_c.py) and the noise.
-    const LatentBatchDraws draws = draw_latent_batch(dataset_, config_, idx, latents, mirror,
-                                                     caption_row_.index_select(0, torch::tensor(idx, torch::kInt64)),
-                                                     caption_rows_ - 1);
+    const LatentBatchDraws draws =
+        draw_latent_batch(dataset_, config_, idx, latents, mirror,
+                          caption_row_.index_select(0, torch::tensor(idx, torch::kInt64)), caption_rows_ - 1);
     const at::Tensor x0 = draws.x0, rows = draws.caption_rows, eps = draws.noise;
     const at::Tensor t = gdf_sample_times(b);
     const at::Tensor log_snr = schedule_.log_snr(t);
@@ -188,9 +188,7 @@ class CascadeTrainingModel final : public TrainingModel {
         {"step", std::to_string(step)},
         {"config_hash", config_hash(config_)},
         {"objective", "gdf_epsilon"},
-        {"dtype", config_.full_bf16   ? "bf16"
-                  : config_.full_fp16 ? "fp16"
-                                      : "fp32"},
+        {"dtype", stored_dtype_name(*stage_c_)},
         {"title", fmt::format("{} step {}", std::filesystem::path(config_.output_dir).filename().string(), step)}};
     if (tokenizer_.words) meta["tokenizer"] = tokenizer_.words->to_json().dump();
     return meta;
@@ -295,16 +293,15 @@ class CascadeTrainingModel final : public TrainingModel {
     const std::vector<std::string> samples = sample_prompt_texts(config_.sample_prompts, sample_row_);
     std::vector<std::string> texts = captions.texts;
     texts.insert(texts.end(), samples.begin(), samples.end());
-    const std::string head =
-        fmt::format("{}|cascade-text|bigG {}|{}|ids:", kLdmCacheVersion,
-                    part_identity("text_model_checkpoint_path", config_.text_model_checkpoint_path,
-                                  models::kSdxlClipGPrefix, 101),
-                    cache_dtype_key(cache_dtype_));
+    const std::string head = fmt::format(
+        "{}|cascade-text|bigG {}|{}|ids:", kLdmCacheVersion,
+        part_identity("text_model_checkpoint_path", config_.text_model_checkpoint_path, models::kSdxlClipGPrefix, 101),
+        cache_dtype_key(cache_dtype_));
     std::vector<std::string> keys;
     for (const std::string& text : texts) {
       const at::Tensor ids = tokenizer_.encode({text}, ClipPadding::kEndOfText).to(torch::kInt64).contiguous();
-      keys.push_back(content_key128(head + std::string(static_cast<const char*>(ids.data_ptr()),
-                                                       static_cast<size_t>(ids.nbytes()))));
+      keys.push_back(content_key128(
+          head + std::string(static_cast<const char*>(ids.data_ptr()), static_cast<size_t>(ids.nbytes()))));
     }
     FilledCache filled = fill_disk_cache(
         (std::filesystem::path(cache_stats_.dir) / "text").string(), "text", "text", keys, cache_run_,
@@ -348,7 +345,8 @@ class CascadeTrainingModel final : public TrainingModel {
   // The batch's text rows (int64 [B], caption rows) from the disk cache.
   CascadeText cached_text(const at::Tensor& rows) const {
     std::vector<std::string> keys;
-    for (int64_t i = 0; i < rows.size(0); ++i) keys.push_back(text_key_.at(static_cast<size_t>(rows[i].item<int64_t>())));
+    for (int64_t i = 0; i < rows.size(0); ++i)
+      keys.push_back(text_key_.at(static_cast<size_t>(rows[i].item<int64_t>())));
     return read_text(keys);
   }
 
@@ -356,8 +354,8 @@ class CascadeTrainingModel final : public TrainingModel {
   void cache_images() {
     ScopedMemoryCategory category(MemoryCategory::other);
     const std::string effnet = part_identity("effnet_checkpoint_path", config_.effnet_checkpoint_path, "", 100);
-    latent_key_ = latent_entry_keys(
-        dataset_, fmt::format("{}|cascade-latent|effnet {}|{}", kLdmCacheVersion, effnet, cache_dtype_key(cache_dtype_)));
+    latent_key_ = latent_entry_keys(dataset_, fmt::format("{}|cascade-latent|effnet {}|{}", kLdmCacheVersion, effnet,
+                                                          cache_dtype_key(cache_dtype_)));
     FilledCache filled = fill_disk_cache(
         (std::filesystem::path(cache_stats_.dir) / "latents").string(), "latents", "latent", latent_key_, cache_run_,
         cache_stats_.problems, [&](const std::vector<size_t>& missing, ShardWriter& shards) {
@@ -456,7 +454,6 @@ at::Tensor CascadeTrainingModel::sample(const SampleRequest& request) {
 }
 
 }  // namespace
-
 
 std::unique_ptr<TrainingModel> make_cascade_training_model(const TrainConfig& config,
                                                            const ImageCaptionDataset& dataset,

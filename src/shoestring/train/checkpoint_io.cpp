@@ -161,7 +161,9 @@ TrainingCounters counters_from_json(const nlohmann::json& j, const std::string& 
     c.skipped_steps = j.value("skipped_steps", int64_t{0});
     c.consecutive_nonfinite = j.value("consecutive_nonfinite", int64_t{0});
     c.elapsed_seconds = j.value("elapsed_seconds", 0.0);
-    if (j.contains("loss_scale") && j["loss_scale"].is_number()) c.loss_scale = j["loss_scale"].get<double>();
+    // null (no loss scaling) or a number; anything else is refused (the
+    // .get below throws), not taken as "start the scale afresh".
+    if (j.contains("loss_scale") && !j["loss_scale"].is_null()) c.loss_scale = j["loss_scale"].get<double>();
     c.loss_scale_growth_tracker = j.value("loss_scale_growth_tracker", int64_t{0});
     c.world_size = j.value("world_size", int64_t{0});
     c.train_batch_size = j.value("train_batch_size", int64_t{0});
@@ -171,7 +173,7 @@ TrainingCounters counters_from_json(const nlohmann::json& j, const std::string& 
     c.run_last = j.value("run_last", false);
     c.run_id = j.value("run_id", std::string());
     if (j.contains("precision_upcast")) c.precision_upcast = j["precision_upcast"].get<std::vector<std::string>>();
-    if (j.contains("fused_previous_grad_norm") && j["fused_previous_grad_norm"].is_number()) {
+    if (j.contains("fused_previous_grad_norm") && !j["fused_previous_grad_norm"].is_null()) {
       c.fused_previous_grad_norm = j["fused_previous_grad_norm"].get<double>();
     }
   } catch (const nlohmann::json::exception& e) {

@@ -50,7 +50,6 @@ constexpr const char* kUNetPrefix = "model.diffusion_model.";
 constexpr const char* kVaePrefix = "first_stage_model.";
 constexpr int64_t kTextLength = 77;
 
-
 class LdmTrainingModel final : public TrainingModel {
  public:
   LdmTrainingModel(const TrainConfig& config, const ImageCaptionDataset& dataset, const ModelSource& source)
@@ -115,9 +114,8 @@ class LdmTrainingModel final : public TrainingModel {
     }
     if (!source.quiet && !latent_cache_ && !text_cache_) {
       const int64_t bytes = latents_.bytes() + context_.nbytes() + (pooled_.defined() ? pooled_.nbytes() : 0);
-      spdlog::info("cached latents {} and {} text embeddings {} ({}); VAE and text encoders freed",
-                   latents_.describe(), context_.size(0), format_shape(context_.sizes().slice(1)),
-                   format_bytes(bytes));
+      spdlog::info("cached latents {} and {} text embeddings {} ({}); VAE and text encoders freed", latents_.describe(),
+                   context_.size(0), format_shape(context_.sizes().slice(1)), format_bytes(bytes));
     } else if (!source.quiet) {
       spdlog::info("{} read from disk a batch at a time ({}); VAE and text encoders freed",
                    latent_cache_ && text_cache_ ? "latents and text embeddings"
@@ -234,9 +232,7 @@ class LdmTrainingModel final : public TrainingModel {
         {"step", std::to_string(step)},
         {"config_hash", config_hash(config_)},
         {"objective", config_.v_parameterization ? "v_prediction" : "epsilon"},
-        {"dtype", config_.full_bf16   ? "bf16"
-                  : config_.full_fp16 ? "fp16"
-                                      : "fp32"},
+        {"dtype", stored_dtype_name(*root_)},
         // Stability's model-spec fields, as kohya writes them.
         {"modelspec.sai_model_spec", "1.0.0"},
         {"modelspec.architecture", spec},
@@ -492,7 +488,6 @@ void LdmTrainingModel::encode_images() {
   });
 }
 
-
 std::string LdmTrainingModel::vae_identity() {
   const std::string scale = sdxl_ ? "0.13025" : "0.18215";
   if (!config_.vae.empty()) {
@@ -546,32 +541,31 @@ void LdmTrainingModel::cache_captions(bool quiet) {
   all.insert(all.end(), sample_keys.begin(), sample_keys.end());
   std::vector<std::string> texts = unique;
   texts.insert(texts.end(), prompts.begin(), prompts.end());
-  FilledCache filled = fill_disk_cache(
-      dir, "text", "text", all, cache_run_, cache_stats_.problems,
-      [&](const std::vector<size_t>& missing, ShardWriter& shards) {
-        load_text_encoders();
-        for (auto& te : text_encoders_) te->to(device_);
-        // Captions first, then sample prompts, in chunks as encode_captions makes
-        // them (the same rows encoded together: the same bits as in memory).
-        std::vector<size_t> phases[2];
-        for (const size_t i : missing) phases[i < unique.size() ? 0 : 1].push_back(i);
-        const size_t chunk = 16;  // as encode_captions
-        for (const std::vector<size_t>& phase : phases) {
-          for (size_t i = 0; i < phase.size(); i += chunk) {
-            const size_t end = std::min(phase.size(), i + chunk);
-            std::vector<std::string> part;
-            for (size_t j = i; j < end; ++j) part.push_back(texts[phase[j]]);
-            auto [context, pooled] = encode_text(part);
-            for (size_t j = i; j < end; ++j) {
-              const auto r = static_cast<int64_t>(j - i);
-              CacheEntry e{all[phase[j]], {{"context", context[r]}}};
-              if (pooled.defined()) e.tensors.emplace_back("pooled", pooled[r]);
-              shards.add(std::move(e));
-            }
-          }
-        }
-        text_encoders_.clear();
-      });
+  FilledCache filled = fill_disk_cache(dir, "text", "text", all, cache_run_, cache_stats_.problems,
+                                       [&](const std::vector<size_t>& missing, ShardWriter& shards) {
+                                         load_text_encoders();
+                                         for (auto& te : text_encoders_) te->to(device_);
+                                         // Captions first, then sample prompts, in chunks as encode_captions makes
+                                         // them (the same rows encoded together: the same bits as in memory).
+                                         std::vector<size_t> phases[2];
+                                         for (const size_t i : missing) phases[i < unique.size() ? 0 : 1].push_back(i);
+                                         const size_t chunk = 16;  // as encode_captions
+                                         for (const std::vector<size_t>& phase : phases) {
+                                           for (size_t i = 0; i < phase.size(); i += chunk) {
+                                             const size_t end = std::min(phase.size(), i + chunk);
+                                             std::vector<std::string> part;
+                                             for (size_t j = i; j < end; ++j) part.push_back(texts[phase[j]]);
+                                             auto [context, pooled] = encode_text(part);
+                                             for (size_t j = i; j < end; ++j) {
+                                               const auto r = static_cast<int64_t>(j - i);
+                                               CacheEntry e{all[phase[j]], {{"context", context[r]}}};
+                                               if (pooled.defined()) e.tensors.emplace_back("pooled", pooled[r]);
+                                               shards.add(std::move(e));
+                                             }
+                                           }
+                                         }
+                                         text_encoders_.clear();
+                                       });
   text_cache_.emplace(std::move(filled.cache));
   cache_stats_.text_entries = filled.entries;
   cache_stats_.text_encoded = filled.encoded;

@@ -381,13 +381,14 @@ std::unique_ptr<GradientPath> make_run_gradient_path(const Run& run, const std::
   go.loss_scaling.init_scale = c.loss_scale_init;
   go.loss_scaling.growth_interval = c.loss_scale_growth_interval;
   go.reduced_across_ranks = run.group != nullptr;
+  go.world_size = run.world_size();
   if (run.zero && (run.zero->stage() >= 2 || c.fused_backward_pass)) {
     // Each rank holds its own tensors' gradients: the global norm sums every rank's part.
     dist::ZeroSharding* zero = run.zero.get();
     go.sum_squared_norm = [zero](double squared) { return zero->sum_over_ranks(squared); };
   }
   if (run.group && c.fused_backward_pass) {
-    // Each parameter's step gradient is averaged inside backward, as its
+    // Each parameter's step gradient is reduced inside backward, as its
     // hook fires: all-reduced at stage 0, reduced to its owner at stages 1-2
     // (which alone steps it; dist::ZeroSharding's owners).
     dist::ProcessGroup* group = run.group.get();
@@ -399,15 +400,14 @@ std::unique_ptr<GradientPath> make_run_gradient_path(const Run& run, const std::
       return owners;
     }();
     go.fused_reduce = [group, owner_of](size_t index, at::Tensor& grad) {
+      // Each rank's is its share of the global batch's mean: the sum is that mean.
       const int owner = owner_of.at(index);
       if (owner < 0) {
         group->all_reduce_sum(grad);
-      } else {
-        group->reduce_sum_async(grad, owner).wait();
-        if (owner != group->rank()) return false;
+        return true;
       }
-      grad.mul_(1.0 / group->size());
-      return true;
+      group->reduce_sum_async(grad, owner).wait();
+      return owner == group->rank();
     };
   }
   // ZeRO: an fp32 master is optimizer state (the ZeRO paper's K = 12 bytes
@@ -426,6 +426,28 @@ std::unique_ptr<GradientPath> make_run_gradient_path(const Run& run, const std::
       go);
 }
 
+/// The trainable weights' storage for the setup log: "fp32"; "bf16
+/// (stochastic rounding)" or "(round-to-nearest)" where the optimizer
+/// writes them, "(from fp32 masters)" where masters do; or, when precision
+/// rules mix dtypes, each with its tensor count ("fp16 x 12, fp32 x 215").
+std::string trainable_weights_summary(const Run& run) {
+  std::map<std::string, int64_t> tensors;  // dtype -> trainable tensors
+  for (const auto& [n, p] : run.trainable) {
+    const at::ScalarType t = p.scalar_type();
+    tensors[t == at::kFloat ? "fp32" : t == at::kBFloat16 ? "bf16" : t == at::kHalf ? "fp16" : c10::toString(t)] += 1;
+  }
+  if (tensors.size() > 1) {
+    std::vector<std::string> parts;
+    for (const auto& [dtype, count] : tensors) parts.push_back(fmt::format("{} x {}", dtype, count));
+    return fmt::format("{}", fmt::join(parts, ", "));
+  }
+  if (tensors.empty() || tensors.begin()->first == "fp32") return "fp32";
+  const char* how = run.gradients->master_count() > 0 ? "from fp32 masters"
+                    : run.config.stochastic_rounding  ? "stochastic rounding"
+                                                      : "round-to-nearest";
+  return fmt::format("{} ({})", tensors.begin()->first, how);
+}
+
 void log_setup(const Run& run) {
   const TrainConfig& c = run.config;
   spdlog::info("{} | BLAS {}", describe(cpu_features()), blas_kernels());
@@ -433,13 +455,8 @@ void log_setup(const Run& run) {
                run.device.is_cpu() ? "" : "; dataset and caches in host memory, sent a batch at a time");
   if (!run.device_note.empty()) spdlog::info("{}", run.device_note);
   spdlog::info("model: {:.2f}M trainable parameters, weights {}, {}, {} threads (OpenMP wait {}); optimizer {}{}",
-               run.trainable_parameters / 1e6,
-               c.full_bf16 || c.full_fp16
-                   ? fmt::format("{} ({})", c.full_bf16 ? "bf16" : "fp16",
-                                 c.stochastic_rounding ? "stochastic rounding" : "round-to-nearest")
-                   : std::string("fp32"),
-               "compute " + run.compute_summary, run.threads, omp_wait_policy(), c.optimizer_type,
-               c.fused_backward_pass ? " (fused backward)" : "");
+               run.trainable_parameters / 1e6, trainable_weights_summary(run), "compute " + run.compute_summary,
+               run.threads, omp_wait_policy(), c.optimizer_type, c.fused_backward_pass ? " (fused backward)" : "");
   const precision::LossScaler* scaler = run.gradients->loss_scaler();
   spdlog::info("precision: {} rule(s) (docs/precision.md){}{}{}", run.precision_rules,
                scaler ? fmt::format(", fp16 with dynamic loss scaling (init {})", scaler->scale()) : std::string(),
@@ -524,7 +541,7 @@ void check_data_parallel(const Run& run) {
   // .grad, and an overflowing step's skip follows the global norm, which
   // every rank agrees on; the accumulator path (full_bf16 with accumulation)
   // sums the micro-batches in its buffers, then into .grad in fp32 before
-  // the reduction (GradientPath::sum_into_grad); the fused path averages
+  // the reduction (GradientPath::sum_into_grad); the fused path reduces
   // each parameter's step gradient inside backward (fused_reduce). At stage
   // 3 the streaming hooks reduce each block's gradients to their owners
   // inside every backward, in the weights' dtype, which the last two cannot
@@ -602,8 +619,29 @@ RestoredState restored_state(const Run& run, const std::string& dir, const Train
     return run.zero->ownership().owner(*param) == run.rank();
   };
   RestoredState out;
+  std::map<std::string, const at::Tensor*> trainable;
+  for (const auto& [name, p] : run.trainable) trainable.emplace(name, &p);
+  // An fp32 master becomes its weight (rounded) on every rank: one that is
+  // not fp32, not finite or misshapen is refused, naming its file.
+  auto take_master = [&](const std::string& name, const at::Tensor& t, const std::string& file) {
+    const auto it = trainable.find(name);
+    if (it != trainable.end()) {
+      if (t.scalar_type() != at::kFloat) {
+        fail("{}: the fp32 master weight 'master.{}' is {}, expected float32", file, name,
+             c10::toString(t.scalar_type()));
+      }
+      if (t.sizes() != it->second->sizes()) {
+        fail("{}: the fp32 master weight 'master.{}' has shape {}, its parameter {}", file, name,
+             format_shape(t.sizes()), format_shape(it->second->sizes()));
+      }
+      if (!at::isfinite(t).all().item<bool>())
+        fail("{}: the fp32 master weight 'master.{}' holds inf or NaN", file, name);
+    }
+    out.master.emplace(name, t);
+  };
+  const std::string state_file = (fs::path(dir) / "state.safetensors").string();
   out.ema.insert(state.ema.begin(), state.ema.end());
-  out.master.insert(state.master.begin(), state.master.end());
+  for (const auto& [name, t] : state.master) take_master(name, t, state_file);
   const std::optional<CheckpointIndex> index = read_checkpoint_index(dir);
   if (!index) {
     const std::string file = (fs::path(dir) / "state.safetensors").string();
@@ -621,7 +659,7 @@ RestoredState restored_state(const Run& run, const std::string& dir, const Train
     } else if (name.rfind(ema_prefix, 0) == 0) {
       out.ema.emplace(name.substr(ema_prefix.size()), files.get(name));
     } else if (name.rfind(master_prefix, 0) == 0) {
-      out.master.emplace(name.substr(master_prefix.size()), files.get(name));
+      take_master(name.substr(master_prefix.size()), files.get(name), (fs::path(dir) / files.file_of(name)).string());
     }
   }
   return out;
@@ -890,9 +928,9 @@ std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions&
     if (run.zero) {
       run.gradients->optimizer().set_update_subset(run.zero->owned());
     } else {
-      run.gradient_averager = std::make_unique<dist::GradientAverager>(*run.group, params);
-      dist::GradientAverager* averager = run.gradient_averager.get();
-      run.averager_hooks.install(params, [averager](size_t i, at::Tensor&) { averager->gradient_ready(i); });
+      run.gradient_reducer = std::make_unique<dist::GradientReducer>(*run.group, params);
+      dist::GradientReducer* reducer = run.gradient_reducer.get();
+      run.reducer_hooks.install(params, [reducer](size_t i, at::Tensor&) { reducer->gradient_ready(i); });
     }
   }
   if (c.offload_params && !run.group) {
@@ -1251,6 +1289,19 @@ int64_t restore_checkpoint(Run& run, const std::string& dir) {
   path_state.previous_grad_norm = state.counters.fused_previous_grad_norm;
   path_state.masters = {restored.master.begin(), restored.master.end()};
   run.gradients->load_state(path_state);
+  if (run.zero && !restored.master.empty()) {
+    // Each owner's master, rounded into its weight, is the weight on every
+    // rank (the others read it from the model file, which the master wins).
+    run.zero->broadcast_updated_parameters();
+  }
+  double masters_kept = static_cast<double>(run.gradients->master_count());
+  if (!restored.master.empty() && run.group) masters_kept = run.group->all_reduce_sum(masters_kept);
+  if (!restored.master.empty() && masters_kept == 0 && run.writes_files()) {
+    spdlog::warn(
+        "{}: the checkpoint keeps fp32 master weights for {} tensors, which this config's precision rules do not "
+        "(master = \"fp32\"): the weights go on from the model file, rounded",
+        dir, restored.master.size());
+  }
   if (run.ema) {
     if (restored.ema.empty()) {
       spdlog::warn("{}: no EMA state saved; EMA restarts from the current weights", state_path);

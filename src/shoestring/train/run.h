@@ -88,9 +88,9 @@ struct Run {
   /// Rank 0 alone writes the run folder.
   std::unique_ptr<dist::ProcessGroup> group;
   /// With `group` at zero_stage = 0: averages the step's gradients on every rank.
-  std::unique_ptr<dist::GradientAverager> gradient_averager;
-  /// Tell `gradient_averager` each gradient's arrival, so its all-reduces overlap backward.
-  PostAccumulateGradHooks averager_hooks;
+  std::unique_ptr<dist::GradientReducer> gradient_reducer;
+  /// Tell `gradient_reducer` each gradient's arrival, so its all-reduces overlap backward.
+  PostAccumulateGradHooks reducer_hooks;
   /// With `group` at zero_stage = 1, 2 or 3 (dist/zero.h): which rank owns each
   /// trainable tensor (its optimizer updates and keeps state for those
   /// only), the reduction of the gradients, the broadcast of the updated weights.

@@ -49,8 +49,8 @@
 #include "shoestring/train/flow_matching.h"
 #include "shoestring/train/ldm_cache.h"
 #include "shoestring/train/ldm_components.h"
-#include "shoestring/train/sd3_components.h"
 #include "shoestring/train/sampling.h"
+#include "shoestring/train/sd3_components.h"
 #include "shoestring/train/training_model_impl.h"
 
 namespace shoestring {
@@ -149,12 +149,12 @@ class Sd3TrainingModel final : public TrainingModel {
   TrainBatch prepare(const std::vector<int64_t>& idx) override {
     const auto b = static_cast<int64_t>(idx.size());
     if (b == 0) fail("internal: empty batch");
-    const auto [latents, mirror] =
-        latent_cache_ ? read_cached_latents(*latent_cache_, latent_key_, idx, has_flip_) : latents_.batch(dataset_, idx);
+    const auto [latents, mirror] = latent_cache_ ? read_cached_latents(*latent_cache_, latent_key_, idx, has_flip_)
+                                                 : latents_.batch(dataset_, idx);
     // flip_aug, caption dropout (the empty caption's conditioning, the last row) and the noise.
-    const LatentBatchDraws draws = draw_latent_batch(dataset_, config_, idx, latents, mirror,
-                                                     caption_row_.index_select(0, torch::tensor(idx, torch::kInt64)),
-                                                     caption_rows_ - 1);
+    const LatentBatchDraws draws =
+        draw_latent_batch(dataset_, config_, idx, latents, mirror,
+                          caption_row_.index_select(0, torch::tensor(idx, torch::kInt64)), caption_rows_ - 1);
     const at::Tensor x0 = draws.x0, rows = draws.caption_rows, eps = draws.noise;
     const at::Tensor t = sample_flow_times(b, config_.timestep_sampling, config_.logit_mean, config_.logit_std,
                                            config_.mode_scale, config_.training_shift);
@@ -190,9 +190,7 @@ class Sd3TrainingModel final : public TrainingModel {
         {"step", std::to_string(step)},
         {"config_hash", config_hash(config_)},
         {"objective", "flow_matching_velocity"},
-        {"dtype", config_.full_bf16   ? "bf16"
-                  : config_.full_fp16 ? "fp16"
-                                      : "fp32"},
+        {"dtype", stored_dtype_name(*root_)},
         {"title", fmt::format("{} step {}", std::filesystem::path(config_.output_dir).filename().string(), step)}};
     if (tokenizer_.words) meta["tokenizer"] = tokenizer_.words->to_json().dump();
     return meta;
@@ -262,7 +260,8 @@ class Sd3TrainingModel final : public TrainingModel {
   }
 
   void check_size(int64_t height, int64_t width, const std::string& what) const {
-    check_sd3_size(options_, height, width, what, config_.tiny ? config_.architecture + " (tiny)" : config_.architecture);
+    check_sd3_size(options_, height, width, what,
+                   config_.tiny ? config_.architecture + " (tiny)" : config_.architecture);
   }
 
   // The VAE's file: vae (a file of the VAE alone or under first_stage_model.), else the base file.
@@ -362,12 +361,12 @@ class Sd3TrainingModel final : public TrainingModel {
     texts.insert(texts.end(), samples.begin(), samples.end());
     std::optional<T5Tokenizer> t5_tokenizer;
     if (t5_files_) t5_tokenizer.emplace(T5Tokenizer::load(t5_spiece_));
-    const std::string head = fmt::format(
-        "{}|sd3-text|clip_l {}|clip_g {}|t5 {}|t5 length {}|{}|ids:", kLdmCacheVersion,
-        text_identity(clip_l_files_, config_.clip_l, models::kSd3ClipLPrefix, 101),
-        text_identity(clip_g_files_, config_.clip_g, models::kSd3ClipGPrefix, 102),
-        t5_files_ ? "file:" + weights_identity(*t5_files_, "", cache_stats_.dir) : std::string("none"),
-        config_.t5xxl_max_token_length, cache_dtype_key(cache_dtype_));
+    const std::string head =
+        fmt::format("{}|sd3-text|clip_l {}|clip_g {}|t5 {}|t5 length {}|{}|ids:", kLdmCacheVersion,
+                    text_identity(clip_l_files_, config_.clip_l, models::kSd3ClipLPrefix, 101),
+                    text_identity(clip_g_files_, config_.clip_g, models::kSd3ClipGPrefix, 102),
+                    t5_files_ ? "file:" + weights_identity(*t5_files_, "", cache_stats_.dir) : std::string("none"),
+                    config_.t5xxl_max_token_length, cache_dtype_key(cache_dtype_));
     std::vector<std::string> keys;
     for (const std::string& text : texts) {
       std::string canonical = head;
@@ -381,26 +380,26 @@ class Sd3TrainingModel final : public TrainingModel {
       }
       keys.push_back(content_key128(canonical));
     }
-    FilledCache filled = fill_disk_cache(
-        (std::filesystem::path(cache_stats_.dir) / "text").string(), "text", "text", keys, cache_run_,
-        cache_stats_.problems, [&](const std::vector<size_t>& missing, ShardWriter& shards) {
-          Sd3TextEncoders encoders = build_text_encoders();
-          // Captions, then sample texts, each encoded as encode_captions batches them.
-          std::vector<size_t> phases[2];
-          for (const size_t i : missing) phases[i < captions.texts.size() ? 0 : 1].push_back(i);
-          for (const std::vector<size_t>& phase : phases) {
-            if (phase.empty()) continue;
-            std::vector<std::string> part;
-            for (const size_t i : phase) part.push_back(texts[i]);
-            const Sd3Text encoded = encoders.encode(part, cache_dtype_, options_);
-            for (size_t j = 0; j < phase.size(); ++j) {
-              const auto r = static_cast<int64_t>(j);
-              CacheEntry e{keys[phase[j]], {{"clip", encoded.clip[r]}, {"pooled", encoded.pooled[r]}}};
-              if (encoded.t5.defined()) e.tensors.emplace_back("t5", encoded.t5[r]);
-              shards.add(std::move(e));
-            }
-          }
-        });
+    FilledCache filled =
+        fill_disk_cache((std::filesystem::path(cache_stats_.dir) / "text").string(), "text", "text", keys, cache_run_,
+                        cache_stats_.problems, [&](const std::vector<size_t>& missing, ShardWriter& shards) {
+                          Sd3TextEncoders encoders = build_text_encoders();
+                          // Captions, then sample texts, each encoded as encode_captions batches them.
+                          std::vector<size_t> phases[2];
+                          for (const size_t i : missing) phases[i < captions.texts.size() ? 0 : 1].push_back(i);
+                          for (const std::vector<size_t>& phase : phases) {
+                            if (phase.empty()) continue;
+                            std::vector<std::string> part;
+                            for (const size_t i : phase) part.push_back(texts[i]);
+                            const Sd3Text encoded = encoders.encode(part, cache_dtype_, options_);
+                            for (size_t j = 0; j < phase.size(); ++j) {
+                              const auto r = static_cast<int64_t>(j);
+                              CacheEntry e{keys[phase[j]], {{"clip", encoded.clip[r]}, {"pooled", encoded.pooled[r]}}};
+                              if (encoded.t5.defined()) e.tensors.emplace_back("t5", encoded.t5[r]);
+                              shards.add(std::move(e));
+                            }
+                          }
+                        });
     text_cache_.emplace(std::move(filled.cache));
     cache_stats_.text_entries = filled.entries;
     cache_stats_.text_encoded = filled.encoded;
@@ -408,7 +407,8 @@ class Sd3TrainingModel final : public TrainingModel {
     text_key_.assign(keys.begin(), keys.begin() + static_cast<std::ptrdiff_t>(captions.texts.size()));
     // Sample texts stay in memory (a few rows, in sample_row_'s order).
     if (!samples.empty()) {
-      std::vector<std::string> sample_keys(keys.begin() + static_cast<std::ptrdiff_t>(captions.texts.size()), keys.end());
+      std::vector<std::string> sample_keys(keys.begin() + static_cast<std::ptrdiff_t>(captions.texts.size()),
+                                           keys.end());
       sample_text_ = read_text(sample_keys);
     }
   }
@@ -432,7 +432,8 @@ class Sd3TrainingModel final : public TrainingModel {
   // The batch's text rows (int64 [B], caption rows) from the disk cache.
   Sd3Text cached_text(const at::Tensor& rows) const {
     std::vector<std::string> keys;
-    for (int64_t i = 0; i < rows.size(0); ++i) keys.push_back(text_key_.at(static_cast<size_t>(rows[i].item<int64_t>())));
+    for (int64_t i = 0; i < rows.size(0); ++i)
+      keys.push_back(text_key_.at(static_cast<size_t>(rows[i].item<int64_t>())));
     return read_text(keys);
   }
 
@@ -510,9 +511,9 @@ at::Tensor Sd3TrainingModel::sample(const SampleRequest& request) {
     const Sd3Text u = sample_text_.select(torch::tensor({negative->second}, torch::kInt64));
     const int64_t w = options_.context_dim();
     for (const uint64_t seed : row_seeds(p, request)) {
-      latents.push_back(sample_sd3_latent(*mmdit_, sd3_context(c.clip, c.t5, w), c.pooled,
-                                          sd3_context(u.clip, u.t5, w), u.pooled, seed, height, width,
-                                          p.steps > 0 ? p.steps : request.steps, guidance));
+      latents.push_back(sample_sd3_latent(*mmdit_, sd3_context(c.clip, c.t5, w), c.pooled, sd3_context(u.clip, u.t5, w),
+                                          u.pooled, seed, height, width, p.steps > 0 ? p.steps : request.steps,
+                                          guidance));
     }
   }
   const at::Device device = module_device(*root_);

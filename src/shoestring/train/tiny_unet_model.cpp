@@ -241,9 +241,7 @@ class TinyUNetTrainingModel final : public TrainingModel {
             {"step", std::to_string(step)},
             {"config_hash", config_hash(config_)},
             {"objective", "flow_matching"},
-            {"dtype", config_.full_bf16   ? "bf16"
-                      : config_.full_fp16 ? "fp16"
-                                          : "fp32"}};
+            {"dtype", stored_dtype_name(*model_)}};
   }
 
   void save_final(const std::string& path, int64_t step, bool storage_dtype) override {

@@ -69,19 +69,21 @@ TrainBatch this_ranks_rows(const Run& run, TrainBatch global) {
   return global;
 }
 
-/// Several ranks: averages the gradients over them (bucketed fp32
-/// reductions), so that the update is the one of the whole global batch.
+/// Several ranks: sums the gradients over them (bucketed fp32 reductions);
+/// each rank's backward was its share of the global batch's mean loss
+/// (GradientPath::backward_loss), so the sum is the whole global batch's
+/// mean gradient and the update the one of the whole global batch.
 /// zero_stage 0 and 1 (dist/data_parallel.h, dist/zero.h): every rank then
-/// holds every mean gradient; stage 2: each tensor's owner alone holds it.
+/// holds every gradient; stage 2: each tensor's owner alone holds it.
 void reduce_gradients(Run& run, bool quiet) {
   ScopedMemoryCategory category(MemoryCategory::temporaries);  // the buckets
-  if (run.gradient_averager) {
-    dist::GradientAverager& averager = *run.gradient_averager;
-    const bool was_overlapping = averager.overlapping();
-    averager.all_reduce_gradients();
-    if (!was_overlapping && averager.overlapping() && !quiet && run.writes_files()) {
+  if (run.gradient_reducer) {
+    dist::GradientReducer& reducer = *run.gradient_reducer;
+    const bool was_overlapping = reducer.overlapping();
+    reducer.all_reduce_gradients();
+    if (!was_overlapping && reducer.overlapping() && !quiet && run.writes_files()) {
       spdlog::info("from the next step on, the gradient all-reduce ({} bucket{}) overlaps backward",
-                   averager.bucket_count(), averager.bucket_count() == 1 ? "" : "s");
+                   reducer.bucket_count(), reducer.bucket_count() == 1 ? "" : "s");
     }
   }
   if (run.zero) run.zero->reduce_gradients();
@@ -228,8 +230,8 @@ StepRecord train_step(Run& run, int64_t step, bool quiet) {
     const at::Tensor rng = cpu_rng_state();  // a repeated pass replays the same dropout
     gradients.begin_micro_batch(micro);
     // zero_stage 0: the last micro-batch's backward starts the gradient all-reduces as buckets fill.
-    if (run.gradient_averager && micro + 1 == c.gradient_accumulation_steps && gradients.sums_in_grad())
-      run.gradient_averager->start_overlap();
+    if (run.gradient_reducer && micro + 1 == c.gradient_accumulation_steps && gradients.sums_in_grad())
+      run.gradient_reducer->start_overlap();
     loss_sum += forward_backward(run, batch);
     while (gradients.repeat_micro_batch()) {
       set_cpu_rng_state(rng);

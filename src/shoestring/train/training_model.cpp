@@ -1,6 +1,7 @@
 #include "shoestring/train/training_model.h"
 
 #include <cstdio>
+#include <set>
 
 #include <spdlog/spdlog.h>
 
@@ -104,13 +105,12 @@ void check_training_config(const TrainConfig& config) {
                            : huber && config.huber_schedule != "constant" ? "huber_schedule"
                                                                           : nullptr;
     if (ldm_only)
-      fail(
-          "{}: model.architecture = \"{}\" trains on {}; that key follows the DDPM timesteps of the LDM UNets{}",
-          ldm_only, config.architecture,
-          a.family == models::Family::mmdit
-              ? "rectified flow (train/flow_matching.h; weighting_scheme sets the loss weight)"
-              : "GDF's epsilon objective with the P2 loss weight (train/gdf.h)",
-          std::string(ldm_only) == "huber_schedule" ? "; use huber_schedule = \"constant\"" : "");
+      fail("{}: model.architecture = \"{}\" trains on {}; that key follows the DDPM timesteps of the LDM UNets{}",
+           ldm_only, config.architecture,
+           a.family == models::Family::mmdit
+               ? "rectified flow (train/flow_matching.h; weighting_scheme sets the loss weight)"
+               : "GDF's epsilon objective with the P2 loss weight (train/gdf.h)",
+           std::string(ldm_only) == "huber_schedule" ? "; use huber_schedule = \"constant\"" : "");
   } else if (!a.trainable_from_config) {
     fail(
         "model.architecture = \"{}\": training it from a config is not supported; supported: {}. `shoestring "
@@ -130,8 +130,7 @@ void check_training_config(const TrainConfig& config) {
 void check_training_datasets(const TrainConfig& config, const std::vector<DatasetSpec>& specs) {
   const models::Architecture& a = models::find_architecture(config.architecture);
   // tiny-unet refuses kohya datasets in check_training_config.
-  if (a.family != models::Family::ldm_unet && a.family != models::Family::stage_c &&
-      a.family != models::Family::mmdit)
+  if (a.family != models::Family::ldm_unet && a.family != models::Family::stage_c && a.family != models::Family::mmdit)
     return;
   int64_t multiple = 0;
   std::string why;
@@ -214,6 +213,16 @@ std::string config_hash(const TrainConfig& config) {
   char buf[17];
   std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(h));
   return buf;
+}
+
+std::string stored_dtype_name(const torch::nn::Module& module) {
+  std::set<std::string> names;
+  for (const auto& p : module.parameters(/*recurse=*/true)) {
+    const at::ScalarType t = p.scalar_type();
+    names.insert(t == at::kFloat ? "fp32" : t == at::kBFloat16 ? "bf16" : t == at::kHalf ? "fp16" : "other");
+  }
+  if (names.size() == 1 && *names.begin() != "other") return *names.begin();
+  return names.empty() ? "fp32" : "mixed";
 }
 
 void save_module_tensors(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,

@@ -37,6 +37,13 @@ torch::Dtype build_dtype(const TrainConfig& config, torch::Dtype storage);
 /// run folder's config.toml records it (the "training config hash" metadata).
 std::string config_hash(const TrainConfig& config);
 
+/// The "dtype" metadata of a model file: the storage dtype of `module`'s
+/// floating-point parameters ("fp32", "bf16", "fp16") when they all share
+/// it, else "mixed" (precision rules that keep some modules in another
+/// dtype, fp8-packed frozen weights). save_precision overrides it with the
+/// dtype a final file is cast to (precision/save_guard.h).
+std::string stored_dtype_name(const torch::nn::Module& module);
+
 /// Writes `tensors` (+ `extra`, written as they are but cast alike) to `path`
 /// in config.save_precision ("auto": each tensor's own dtype) through the
 /// save-time range guard (precision/save_guard.h; save_precision_force skips
