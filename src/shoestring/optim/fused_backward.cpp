@@ -32,7 +32,7 @@ FusedBackward::FusedBackward(Optimizer& optimizer, FusedBackwardOptions options)
   if (options_.accumulation_steps < 1) {
     fail("fused backward: accumulation_steps must be >= 1 (got {})", options_.accumulation_steps);
   }
-  if (options_.reduce && options_.clip_method == FusedClipMethod::two_pass) {
+  if (options_.reduction && options_.clip_method == FusedClipMethod::two_pass) {
     fail(
         "fused backward: two_pass clipping measures the step's norm before any update, which with several "
         "processes would need every gradient averaged twice; use fused_clip_method = \"previous_step_norm\"");
@@ -176,11 +176,50 @@ void FusedBackward::on_gradient(size_t index, at::Tensor& param) {
 }
 
 void FusedBackward::reduce_and_apply(size_t index, at::Tensor grad_fp32) {
-  if (options_.reduce) {
-    if (!grad_fp32.is_contiguous()) grad_fp32 = grad_fp32.contiguous();
-    if (!options_.reduce(index, grad_fp32)) return;  // another rank's tensor
+  if (!options_.reduction) {
+    apply(index, grad_fp32);
+    return;
   }
-  apply(index, grad_fp32);
+  const FusedReduction& r = *options_.reduction;
+  const int root = r.root_of.at(index);
+  const int64_t bytes = grad_fp32.numel() * static_cast<int64_t>(sizeof(float));
+  if (!filling_.grads.empty() && (root != filling_.root || filling_.bytes + bytes > r.bucket_bytes)) send_bucket();
+  filling_.root = root;
+  filling_.bytes += bytes;
+  filling_.grads.emplace_back(index, grad_fp32);
+}
+
+void FusedBackward::send_bucket() {
+  if (filling_.grads.empty()) return;
+  Bucket b = std::move(filling_);
+  filling_ = Bucket{};
+  {
+    ScopedMemoryCategory category(MemoryCategory::gradients);
+    std::vector<at::Tensor> flat_parts;
+    for (const auto& [index, g] : b.grads) {
+      flat_parts.push_back(g.reshape({-1}));
+      b.params.push_back(index);
+    }
+    b.flat = at::cat(flat_parts).to(torch::kFloat32).contiguous();
+  }
+  b.grads.clear();  // the flat copy holds them now
+  b.wait = options_.reduction->start(b.flat, b.root);
+  in_flight_.push_back(std::move(b));
+  while (in_flight_.size() > 2) finish_oldest_bucket();
+}
+
+void FusedBackward::finish_oldest_bucket() {
+  Bucket b = std::move(in_flight_.front());
+  in_flight_.pop_front();
+  b.wait();
+  if (b.root >= 0 && b.root != options_.reduction->rank) return;  // another rank's tensors
+  int64_t offset = 0;
+  for (size_t index : b.params) {
+    const at::Tensor& p = optimizer_.params()[index].param;
+    const int64_t n = p.numel();
+    apply(index, b.flat.narrow(0, offset, n).view(p.sizes()));
+    offset += n;
+  }
 }
 
 void FusedBackward::apply(size_t index, const at::Tensor& grad_fp32) {
@@ -214,6 +253,10 @@ FusedStepResult FusedBackward::end_step() {
       GradientAccumulator* acc = accumulator_of_[i];
       if (acc->has(i)) reduce_and_apply(i, acc->finish(i, at::Tensor()));
     }
+  }
+  if (options_.reduction) {
+    send_bucket();
+    while (!in_flight_.empty()) finish_oldest_bucket();
   }
   for (auto& acc : accumulators_) acc->reset();
   if (options_.sum_over_ranks) {

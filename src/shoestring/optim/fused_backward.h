@@ -22,6 +22,7 @@
 // Details, costs and the non-finite policy: docs/fused_backward.md.
 #pragma once
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -55,6 +56,29 @@ enum class FusedClipMethod {
 const char* to_string(FusedClipMethod method);
 FusedClipMethod parse_fused_clip_method(const std::string& name);
 
+/// Several ranks: each parameter's step gradient (fp32, its micro-batches
+/// summed; each rank's its share of the global batch's mean) is summed over
+/// the ranks before the parameter is updated. The hooks pack the step
+/// gradients, in hook order (the same on every rank, which runs the same
+/// graph), into fp32 buckets of at most `bucket_bytes` (or one larger
+/// tensor) whose parameters share a root; each full bucket's collective
+/// starts at once, at most two are in flight while backward goes on, and a
+/// bucket's parameters are updated when its sum has arrived, where this rank
+/// receives it (as PyTorch DDP's Reducer buckets gradients, with the
+/// optimizer step after each bucket instead of after backward).
+struct FusedReduction {
+  /// Per parameter (the optimizer's order): the rank that receives its sum
+  /// and alone updates it (ZeRO: its owner), or -1 for every rank.
+  std::vector<int> root_of;
+  int rank = 0;  ///< this process's rank
+  /// Starts the sum over the ranks of `flat` (contiguous fp32) onto `root`
+  /// (-1: every rank) and returns what waits for it, after which `flat`
+  /// holds the sum where this rank receives it. Called in the same order on
+  /// every rank; the wait throws what the collective throws.
+  std::function<std::function<void()>(const at::Tensor& flat, int root)> start;
+  int64_t bucket_bytes = int64_t{25} << 20;  ///< PyTorch DDP's bucket_cap_mb = 25
+};
+
 struct FusedBackwardOptions {
   int64_t accumulation_steps = 1;  ///< micro-batches per optimizer step (>= 1)
   double max_grad_norm = 0.0;      ///< global L2 norm bound; <= 0 disables clipping
@@ -63,16 +87,13 @@ struct FusedBackwardOptions {
   /// for bf16/fp16 weights (chosen per parameter).
   std::optional<GradAccumulationMode> accumulation_mode;
   uint64_t seed = 0;  ///< stochastic-rounding seed of the accumulation buffers
-  /// Several ranks (data parallel, ZeRO stages 1-2): called for each
-  /// parameter's step gradient (fp32, the micro-batches summed) right before
-  /// its update, in hook order, which is the same on every rank (so one
-  /// collective per parameter lines up); it must leave in `grad` the mean
-  /// over ranks and return whether this rank applies the update (ZeRO: the
-  /// tensor's owner only; the others drop the gradient). Unset: one process.
-  /// Not with two_pass clipping (its measuring pass would need the mean too).
-  std::function<bool(size_t index, at::Tensor& grad)> reduce;
+  /// Several ranks (data parallel, ZeRO stages 1-2): how the step
+  /// gradients are summed over the ranks before their updates (see
+  /// FusedReduction). Unset: one process. Not with two_pass clipping (its
+  /// measuring pass would need every gradient reduced twice).
+  std::optional<FusedReduction> reduction;
   /// Set when each rank measures only part of the step's norm (with
-  /// `reduce`, at ZeRO stages 1-2: its own tensors'): end_step sums the
+  /// `reduction`, at ZeRO stages 1-2: its own tensors'): end_step sums the
   /// squared norm and the count of stepped parameters over every rank
   /// through it, so that the norm, the non-finite verdict, the step count
   /// and the next step's clipping agree everywhere.
@@ -146,8 +167,24 @@ class FusedBackward {
  private:
   enum class Pass { idle, accumulate, measure, apply };
   void on_gradient(size_t index, at::Tensor& param);
-  /// options_.reduce (several ranks), then apply() where this rank updates.
+  /// One process: apply(). Several ranks: into the filling bucket
+  /// (FusedReduction), which is sent when full; a bucket's parameters are
+  /// applied when its sum has arrived.
   void reduce_and_apply(size_t index, at::Tensor grad_fp32);
+  /// Starts the filling bucket's collective (nothing when empty); waits for
+  /// the oldest in flight while more than two are.
+  void send_bucket();
+  /// Waits for the oldest bucket in flight and applies its parameters where
+  /// this rank receives the sum.
+  void finish_oldest_bucket();
+  struct Bucket {
+    std::vector<std::pair<size_t, at::Tensor>> grads;  ///< (index, fp32 step gradient) while filling
+    std::vector<size_t> params;                        ///< once sent
+    at::Tensor flat;
+    int root = -1;
+    int64_t bytes = 0;
+    std::function<void()> wait;
+  };
   void apply(size_t index, const at::Tensor& grad);
   double clip_scale_for(double norm) const;
 
@@ -170,7 +207,9 @@ class FusedBackward {
   bool skip_step_ = false;  // two_pass found a non-finite gradient
   double previous_norm_;
   int64_t stepped_ = 0, skipped_ = 0;
-  std::vector<uint8_t> done_;  // per parameter: hook fired in the current measure/apply pass
+  std::vector<uint8_t> done_;     // per parameter: hook fired in the current measure/apply pass
+  Bucket filling_;                // several ranks: the bucket being packed
+  std::deque<Bucket> in_flight_;  // several ranks: sent, oldest first
 };
 
 }  // namespace shoestring

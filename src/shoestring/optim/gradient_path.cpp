@@ -220,13 +220,13 @@ class FusedBackwardPath final : public GradientPath {
     fo.clip_method = o.fused_clip_method;
     if (o.low_precision_weights) fo.accumulation_mode = o.accumulation_mode;
     fo.seed = o.seed;
-    fo.reduce = o.fused_reduce;
+    fo.reduction = o.fused_reduction;
     fo.sum_over_ranks = o.sum_squared_norm;
     fused_ = std::make_unique<FusedBackward>(*optimizer_, fo);
   }
   std::string name() const override { return "fused backward"; }
-  bool sums_in_grad() const override { return !fused_->options().reduce; }
-  bool reduced_in_backward() const override { return static_cast<bool>(fused_->options().reduce); }
+  bool sums_in_grad() const override { return !fused_->options().reduction; }
+  bool reduced_in_backward() const override { return fused_->options().reduction.has_value(); }
   Optimizer& optimizer() override { return *optimizer_; }
 
   void begin_step(double lr) override { fused_->begin_step(lr); }

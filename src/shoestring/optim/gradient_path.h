@@ -89,7 +89,7 @@ struct GradientPathOptions {
   /// it and takes the square root of the answer, the sum over every part, as
   /// the global norm, so that clipping and the skip of non-finite steps agree
   /// on every process. Called once per end_step. Unset: the gradients here
-  /// are the whole step's. The fused path (with fused_reduce, each rank
+  /// are the whole step's. The fused path (with fused_reduction, each rank
   /// stepping its own tensors) sums its norm and stepped count through it
   /// (FusedBackwardOptions::sum_over_ranks).
   std::function<double(double)> sum_squared_norm;
@@ -99,10 +99,9 @@ struct GradientPathOptions {
   /// the earlier ones to it in fp32, so that the reduction averages fp32
   /// sums (never a bf16-rounded one) and the optimizer reads its result.
   bool reduced_across_ranks = false;
-  /// Several ranks, the fused backward path: FusedBackwardOptions::reduce
-  /// (the mean over ranks of each parameter's step gradient, inside
-  /// backward; true where this rank applies the update).
-  std::function<bool(size_t index, at::Tensor& grad)> fused_reduce;
+  /// Several ranks, the fused backward path: how each parameter's step
+  /// gradient is summed over the ranks inside backward (FusedReduction).
+  std::optional<FusedReduction> fused_reduction;
 };
 
 /// The interface the training step talks to (see the file comment for the

@@ -388,27 +388,22 @@ std::unique_ptr<GradientPath> make_run_gradient_path(const Run& run, const std::
     go.sum_squared_norm = [zero](double squared) { return zero->sum_over_ranks(squared); };
   }
   if (run.group && c.fused_backward_pass) {
-    // Each parameter's step gradient is reduced inside backward, as its
-    // hook fires: all-reduced at stage 0, reduced to its owner at stages 1-2
-    // (which alone steps it; dist::ZeroSharding's owners).
+    // Each parameter's step gradient is summed over the ranks inside
+    // backward, in buckets: all-reduced at stage 0, reduced to its owner at
+    // stages 1-2 (which alone steps it; dist::ZeroSharding's owners).
+    FusedReduction reduction;
+    reduction.rank = run.rank();
+    reduction.root_of.assign(run.trainable.size(), -1);
+    if (run.zero) {
+      for (size_t i = 0; i < run.trainable.size(); ++i) reduction.root_of[i] = run.zero->ownership().owner(i);
+    }
     dist::ProcessGroup* group = run.group.get();
-    const std::vector<int> owner_of = [&] {
-      std::vector<int> owners(run.trainable.size(), -1);
-      if (run.zero) {
-        for (size_t i = 0; i < owners.size(); ++i) owners[i] = run.zero->ownership().owner(i);
-      }
-      return owners;
-    }();
-    go.fused_reduce = [group, owner_of](size_t index, at::Tensor& grad) {
-      // Each rank's is its share of the global batch's mean: the sum is that mean.
-      const int owner = owner_of.at(index);
-      if (owner < 0) {
-        group->all_reduce_sum(grad);
-        return true;
-      }
-      group->reduce_sum_async(grad, owner).wait();
-      return owner == group->rank();
+    reduction.start = [group](const at::Tensor& flat, int root) -> std::function<void()> {
+      auto pending = std::make_shared<dist::PendingCollective>(root < 0 ? group->all_reduce_sum_async(flat)
+                                                                        : group->reduce_sum_async(flat, root));
+      return [pending] { pending->wait(); };
     };
+    go.fused_reduction = std::move(reduction);
   }
   // ZeRO: an fp32 master is optimizer state (the ZeRO paper's K = 12 bytes
   // per parameter with Adam count it), kept by the tensor's owner only.
@@ -542,7 +537,7 @@ void check_data_parallel(const Run& run) {
   // every rank agrees on; the accumulator path (full_bf16 with accumulation)
   // sums the micro-batches in its buffers, then into .grad in fp32 before
   // the reduction (GradientPath::sum_into_grad); the fused path reduces
-  // each parameter's step gradient inside backward (fused_reduce). At stage
+  // each parameter's step gradient inside backward (fused_reduction). At stage
   // 3 the streaming hooks reduce each block's gradients to their owners
   // inside every backward, in the weights' dtype, which the last two cannot
   // follow.
