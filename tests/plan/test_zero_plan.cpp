@@ -139,6 +139,43 @@ TEST(ZeroPlan, Fp16WithFp32MastersShardsTheMastersWithTheState) {
   }
 }
 
+// fused_backward_pass on several ranks (optim/fused_backward.h,
+// FusedReduction): the step gradients wait in fp32 buckets of at most 25
+// MiB, in reverse parameter order, closed where the receiving rank changes;
+// the bucket being packed, its flat copy and two in flight: 4 buckets, or
+// the whole model's fp32 gradients twice when they fill less. One process:
+// none.
+TEST(ZeroPlan, FusedBackwardOnSeveralRanksHoldsItsGradientBuckets) {
+  auto model = models::build_architecture("sdxl", nn::LayerInit{torch::kMeta}, /*tiny=*/true);
+  std::vector<int64_t> numels;
+  int64_t psi = 0;
+  for (const auto& p : model->parameters()) {
+    numels.push_back(p.numel());
+    psi += p.numel();
+  }
+  const int64_t cap = int64_t{25} << 20;
+  for (const int64_t stage : {0, 1, 2}) {
+    TrainConfig c = zero_config(stage);
+    c.fused_backward_pass = true;
+    EXPECT_EQ(plan::plan_memory(c, plan::kDefaultVocabSize, 1).communication_bytes, 0);
+    // The largest bucket: runs of one owner (stage 0: one run), in reverse order, cut at the cap.
+    const dist::TensorOwnership owners(numels, 2);
+    int64_t largest = 0, filling = 0;
+    int root = -2;
+    for (size_t k = numels.size(); k-- > 0;) {
+      const int r = stage == 0 ? -1 : owners.owner(k);
+      if (filling > 0 && (r != root || filling + numels[k] * 4 > cap)) filling = 0;
+      root = r;
+      filling += numels[k] * 4;
+      largest = std::max(largest, filling);
+    }
+    const plan::MemoryPlan p = plan::plan_memory(c, plan::kDefaultVocabSize, 2);
+    EXPECT_EQ(p.communication_bytes, std::min(2 * 4 * psi, 4 * largest)) << "stage " << stage;
+    EXPECT_GE(p.predicted_peak_bytes, p.weights_bytes + p.optimizer_state_bytes + p.communication_bytes)
+        << "stage " << stage;
+  }
+}
+
 // Stage 3 (dist/zero.h) shards the weights of checkpointed blocks: a rank's
 // planned weights are its share of them (the ZeRO paper's 2 Psi / N for bf16
 // weights) plus what stays whole (the layers outside blocks, the block in

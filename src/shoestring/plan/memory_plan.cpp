@@ -662,6 +662,41 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
                  persistent[kW] + persistent[kS] + persistent[kG] + tr.at_peak[kA] / 8);  // rough tail of backward
     p.first_step_peak_bytes = std::min(p.first_step_peak_bytes, peak_a);
   }
+  if (c.fused_backward_pass && world_size > 1) {
+    // Several ranks (optim/fused_backward.h, FusedReduction): the step
+    // gradients wait for their sums in fp32 buckets of 25 MiB: the one being
+    // packed and its flat copy, two more in flight; a model whose gradients
+    // fit one bucket holds all of them twice at the end of backward, when
+    // the updates (and on step 1 the optimizer state, the EMA after them)
+    // come. Errs high by the part of the state created after.
+    // A bucket closes at 25 MiB or where the receiver changes (ZeRO: the
+    // owner), in hook order, taken here as reverse parameter order.
+    const int64_t cap = int64_t{25} << 20;
+    std::optional<dist::TensorOwnership> owners;
+    if (p.zero_stage >= 1) owners.emplace(numel_of_trained, world_size);
+    int64_t largest_bucket = 0, filling = 0;
+    int root = -2;
+    for (size_t k = numel_of_trained.size(); k-- > 0;) {
+      const int64_t bytes = numel_of_trained[k] * 4;
+      const int r = owners ? owners->owner(k) : -1;
+      if (filling > 0 && (r != root || filling + bytes > cap)) filling = 0;
+      root = r;
+      filling += bytes;
+      largest_bucket = std::max(largest_bucket, filling);
+    }
+    const int64_t buckets = std::min(2 * p.parameters * 4, 4 * largest_bucket);
+    p.communication_bytes = buckets;
+    Bytes e = persistent;  // the activations are freed by then
+    e[kG] += buckets;
+    int64_t peak_e = 0;
+    for (int64_t v : e) peak_e += v;
+    if (peak_e > p.predicted_peak_bytes) {
+      p.predicted_peak_bytes = peak_e;
+      p.at_peak = e;
+      p.peak_phase = "end of backward (fused gradient buckets of several ranks)";
+    }
+    p.first_step_peak_bytes = std::max(p.first_step_peak_bytes, peak_e - p.ema_bytes);
+  }
   // A run on CUDA (named, or "auto" on a machine with a CUDA device) pays
   // the caching allocator's rounding and the cuBLAS workspaces too.
   const CudaAvailability cuda = cuda_availability();
