@@ -308,18 +308,15 @@ class CascadeTrainingModel final : public TrainingModel {
         cache_stats_.problems, [&](const std::vector<size_t>& missing, ShardWriter& shards) {
           models::ClipTextModel te = build_text_encoder();
           // Captions, then sample texts, each encoded as encode_captions batches them.
-          std::vector<size_t> phases[2];
-          for (const size_t i : missing) phases[i < captions.texts.size() ? 0 : 1].push_back(i);
-          for (const std::vector<size_t>& phase : phases) {
-            if (phase.empty()) continue;
-            std::vector<std::string> part;
-            for (const size_t i : phase) part.push_back(texts[i]);
-            const CascadeText encoded = encode_cascade_text(te, tokenizer_, part, cache_dtype_);
-            for (size_t j = 0; j < phase.size(); ++j) {
-              const auto r = static_cast<int64_t>(j);
-              shards.add(CacheEntry{keys[phase[j]], {{"text", encoded.text[r]}, {"pooled", encoded.pooled[r]}}});
-            }
-          }
+          for_each_text_batch(
+              missing, captions.texts.size(), texts, 0,
+              [&](const std::vector<size_t>& rows, const std::vector<std::string>& part) {
+                const CascadeText encoded = encode_cascade_text(te, tokenizer_, part, cache_dtype_);
+                for (size_t j = 0; j < rows.size(); ++j) {
+                  const auto r = static_cast<int64_t>(j);
+                  shards.add(CacheEntry{keys[rows[j]], {{"text", encoded.text[r]}, {"pooled", encoded.pooled[r]}}});
+                }
+              });
         });
     text_cache_.emplace(std::move(filled.cache));
     cache_stats_.text_entries = filled.entries;

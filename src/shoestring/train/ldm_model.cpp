@@ -541,31 +541,24 @@ void LdmTrainingModel::cache_captions(bool quiet) {
   all.insert(all.end(), sample_keys.begin(), sample_keys.end());
   std::vector<std::string> texts = unique;
   texts.insert(texts.end(), prompts.begin(), prompts.end());
-  FilledCache filled = fill_disk_cache(dir, "text", "text", all, cache_run_, cache_stats_.problems,
-                                       [&](const std::vector<size_t>& missing, ShardWriter& shards) {
-                                         load_text_encoders();
-                                         for (auto& te : text_encoders_) te->to(device_);
-                                         // Captions first, then sample prompts, in chunks as encode_captions makes
-                                         // them (the same rows encoded together: the same bits as in memory).
-                                         std::vector<size_t> phases[2];
-                                         for (const size_t i : missing) phases[i < unique.size() ? 0 : 1].push_back(i);
-                                         const size_t chunk = 16;  // as encode_captions
-                                         for (const std::vector<size_t>& phase : phases) {
-                                           for (size_t i = 0; i < phase.size(); i += chunk) {
-                                             const size_t end = std::min(phase.size(), i + chunk);
-                                             std::vector<std::string> part;
-                                             for (size_t j = i; j < end; ++j) part.push_back(texts[phase[j]]);
-                                             auto [context, pooled] = encode_text(part);
-                                             for (size_t j = i; j < end; ++j) {
-                                               const auto r = static_cast<int64_t>(j - i);
-                                               CacheEntry e{all[phase[j]], {{"context", context[r]}}};
-                                               if (pooled.defined()) e.tensors.emplace_back("pooled", pooled[r]);
-                                               shards.add(std::move(e));
-                                             }
-                                           }
-                                         }
-                                         text_encoders_.clear();
-                                       });
+  FilledCache filled =
+      fill_disk_cache(dir, "text", "text", all, cache_run_, cache_stats_.problems,
+                      [&](const std::vector<size_t>& missing, ShardWriter& shards) {
+                        load_text_encoders();
+                        for (auto& te : text_encoders_) te->to(device_);
+                        // In the chunks encode_captions makes (16 rows).
+                        for_each_text_batch(missing, unique.size(), texts, 16,
+                                            [&](const std::vector<size_t>& rows, const std::vector<std::string>& part) {
+                                              auto [context, pooled] = encode_text(part);
+                                              for (size_t j = 0; j < rows.size(); ++j) {
+                                                const auto r = static_cast<int64_t>(j);
+                                                CacheEntry e{all[rows[j]], {{"context", context[r]}}};
+                                                if (pooled.defined()) e.tensors.emplace_back("pooled", pooled[r]);
+                                                shards.add(std::move(e));
+                                              }
+                                            });
+                        text_encoders_.clear();
+                      });
   text_cache_.emplace(std::move(filled.cache));
   cache_stats_.text_entries = filled.entries;
   cache_stats_.text_encoded = filled.encoded;

@@ -380,26 +380,23 @@ class Sd3TrainingModel final : public TrainingModel {
       }
       keys.push_back(content_key128(canonical));
     }
-    FilledCache filled =
-        fill_disk_cache((std::filesystem::path(cache_stats_.dir) / "text").string(), "text", "text", keys, cache_run_,
-                        cache_stats_.problems, [&](const std::vector<size_t>& missing, ShardWriter& shards) {
-                          Sd3TextEncoders encoders = build_text_encoders();
-                          // Captions, then sample texts, each encoded as encode_captions batches them.
-                          std::vector<size_t> phases[2];
-                          for (const size_t i : missing) phases[i < captions.texts.size() ? 0 : 1].push_back(i);
-                          for (const std::vector<size_t>& phase : phases) {
-                            if (phase.empty()) continue;
-                            std::vector<std::string> part;
-                            for (const size_t i : phase) part.push_back(texts[i]);
-                            const Sd3Text encoded = encoders.encode(part, cache_dtype_, options_);
-                            for (size_t j = 0; j < phase.size(); ++j) {
-                              const auto r = static_cast<int64_t>(j);
-                              CacheEntry e{keys[phase[j]], {{"clip", encoded.clip[r]}, {"pooled", encoded.pooled[r]}}};
-                              if (encoded.t5.defined()) e.tensors.emplace_back("t5", encoded.t5[r]);
-                              shards.add(std::move(e));
-                            }
-                          }
-                        });
+    FilledCache filled = fill_disk_cache(
+        (std::filesystem::path(cache_stats_.dir) / "text").string(), "text", "text", keys, cache_run_,
+        cache_stats_.problems, [&](const std::vector<size_t>& missing, ShardWriter& shards) {
+          Sd3TextEncoders encoders = build_text_encoders();
+          // Captions, then sample texts, each encoded as encode_captions batches them.
+          for_each_text_batch(
+              missing, captions.texts.size(), texts, 0,
+              [&](const std::vector<size_t>& rows, const std::vector<std::string>& part) {
+                const Sd3Text encoded = encoders.encode(part, cache_dtype_, options_);
+                for (size_t j = 0; j < rows.size(); ++j) {
+                  const auto r = static_cast<int64_t>(j);
+                  CacheEntry e{keys[rows[j]], {{"clip", encoded.clip[r]}, {"pooled", encoded.pooled[r]}}};
+                  if (encoded.t5.defined()) e.tensors.emplace_back("t5", encoded.t5[r]);
+                  shards.add(std::move(e));
+                }
+              });
+        });
     text_cache_.emplace(std::move(filled.cache));
     cache_stats_.text_entries = filled.entries;
     cache_stats_.text_encoded = filled.encoded;

@@ -215,6 +215,24 @@ std::string config_hash(const TrainConfig& config) {
   return buf;
 }
 
+void for_each_text_batch(
+    const std::vector<size_t>& missing, size_t caption_count, const std::vector<std::string>& texts, size_t chunk,
+    const std::function<void(const std::vector<size_t>& indices, const std::vector<std::string>& part)>& encode) {
+  std::vector<size_t> phases[2];  // captions, sample prompts
+  for (const size_t i : missing) phases[i < caption_count ? 0 : 1].push_back(i);
+  for (const std::vector<size_t>& phase : phases) {
+    const size_t step = chunk == 0 ? std::max<size_t>(phase.size(), 1) : chunk;
+    for (size_t begin = 0; begin < phase.size(); begin += step) {
+      const size_t end = std::min(phase.size(), begin + step);
+      const std::vector<size_t> indices(phase.begin() + static_cast<std::ptrdiff_t>(begin),
+                                        phase.begin() + static_cast<std::ptrdiff_t>(end));
+      std::vector<std::string> part;
+      for (const size_t i : indices) part.push_back(texts.at(i));
+      encode(indices, part);
+    }
+  }
+}
+
 std::string stored_dtype_name(const torch::nn::Module& module) {
   std::set<std::string> names;
   for (const auto& p : module.parameters(/*recurse=*/true)) {

@@ -1,6 +1,7 @@
 // Internal to train/: the TrainingModel families' constructors and the
 // helpers they share. Not part of the public API.
 #pragma once
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -36,6 +37,17 @@ torch::Dtype build_dtype(const TrainConfig& config, torch::Dtype storage);
 /// 16 hex digits: 64-bit FNV-1a of to_toml(config), the resolved config as the
 /// run folder's config.toml records it (the "training config hash" metadata).
 std::string config_hash(const TrainConfig& config);
+
+/// The missing entries of a text-encoder disk cache (`missing`: indices
+/// into `texts`, whose first `caption_count` are the dataset's captions and
+/// the rest sample prompts), in the batches the in-memory encoding makes,
+/// so that the same rows are encoded together and give the same bits:
+/// captions first, then sample prompts, each in runs of at most `chunk`
+/// (0: one run each), `encode(indices, their texts)` per run; no call for
+/// an empty run.
+void for_each_text_batch(
+    const std::vector<size_t>& missing, size_t caption_count, const std::vector<std::string>& texts, size_t chunk,
+    const std::function<void(const std::vector<size_t>& indices, const std::vector<std::string>& part)>& encode);
 
 /// The "dtype" metadata of a model file: the storage dtype of `module`'s
 /// floating-point parameters ("fp32", "bf16", "fp16") when they all share
