@@ -162,5 +162,22 @@ TEST(DataParallelTraining, ADeadRankStopsTheOtherNamingTheCollective) {
               AllOf(HasSubstr("on rank 0 of 2 failed"), HasSubstr("another rank exited")));
 }
 
+// fused_backward_pass: the survivor fails inside backward, waiting for a
+// gradient bucket, and still exits with the error (helper-24 saw it die of
+// SIGSEGV: the buckets' collectives outlived the process group).
+TEST(DataParallelTraining, ADeadRankStopsTheOtherInsideAFusedBackward) {
+  const std::string dir = fresh_dist_dir("ddpdeadfused");
+  const int port = shoestring::testing::free_tcp_port();
+  EXPECT_EQ(run_workers("ddp_train", 2, dir,
+                        [&](int r) {
+                          auto env = rank_env(r, 2, port, 2, /*die_at=*/1);
+                          env["SHOESTRING_TEST_FUSED"] = "1";
+                          return env;
+                        }),
+            (std::vector<int>{4, 3}));
+  EXPECT_THAT(read_text(dir + "/error0.txt"),
+              AllOf(HasSubstr("on rank 0 of 2 failed"), HasSubstr("another rank exited")));
+}
+
 }  // namespace
 }  // namespace shoestring

@@ -171,9 +171,29 @@ TEST(ZeroPlan, FusedBackwardOnSeveralRanksHoldsItsGradientBuckets) {
     }
     const plan::MemoryPlan p = plan::plan_memory(c, plan::kDefaultVocabSize, 2);
     EXPECT_EQ(p.communication_bytes, std::min(2 * 4 * psi, 4 * largest)) << "stage " << stage;
+    EXPECT_TRUE(std::none_of(p.notes.begin(), p.notes.end(),
+                             [](const std::string& n) { return n.find("refuses") != std::string::npos; }))
+        << "stage " << stage;
     EXPECT_GE(p.predicted_peak_bytes, p.weights_bytes + p.optimizer_state_bytes + p.communication_bytes)
         << "stage " << stage;
   }
+  // What `train` refuses with several ranks is planned with a note saying so.
+  auto noted = [](const TrainConfig& c, const std::string& what) {
+    const plan::MemoryPlan p = plan::plan_memory(c, plan::kDefaultVocabSize, 2);
+    return std::any_of(p.notes.begin(), p.notes.end(), [&](const std::string& n) {
+      return n.find(what) != std::string::npos && n.find("refuses") != std::string::npos;
+    });
+  };
+  TrainConfig stage3 = zero_config(3);
+  stage3.fused_backward_pass = true;
+  EXPECT_TRUE(noted(stage3, "fused_backward_pass at ZeRO stage 3"));
+  TrainConfig accumulate = zero_config(3);
+  accumulate.gradient_accumulation_steps = 2;
+  EXPECT_TRUE(noted(accumulate, "gradient accumulation at ZeRO stage 3"));
+  TrainConfig two_pass = zero_config(1);
+  two_pass.fused_backward_pass = true;
+  two_pass.fused_clip_method = "two_pass";
+  EXPECT_TRUE(noted(two_pass, "two_pass"));
 }
 
 // Stage 3 (dist/zero.h) shards the weights of checkpointed blocks: a rank's

@@ -35,7 +35,7 @@ FusedBackward::FusedBackward(Optimizer& optimizer, FusedBackwardOptions options)
   if (options_.reduction && options_.clip_method == FusedClipMethod::two_pass) {
     fail(
         "fused backward: two_pass clipping measures the step's norm before any update, which with several "
-        "processes would need every gradient averaged twice; use fused_clip_method = \"previous_step_norm\"");
+        "processes would need every gradient reduced twice; use fused_clip_method = \"previous_step_norm\"");
   }
   std::vector<at::Tensor> params;
   for (const auto& p : optimizer_.params()) params.push_back(p.param);
@@ -211,7 +211,15 @@ void FusedBackward::send_bucket() {
 void FusedBackward::finish_oldest_bucket() {
   Bucket b = std::move(in_flight_.front());
   in_flight_.pop_front();
-  b.wait();
+  try {
+    b.wait();
+  } catch (...) {
+    // A peer failed: the other buckets' collectives are dropped now, while
+    // the group they wait on still exists (their waits end in errors too).
+    in_flight_.clear();
+    filling_ = Bucket{};
+    throw;
+  }
   if (b.root >= 0 && b.root != options_.reduction->rank) return;  // another rank's tensors
   int64_t offset = 0;
   for (size_t index : b.params) {

@@ -514,6 +514,19 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
         "offload_params with fused_backward_pass: `train` refuses the pair (the fused backward steps each "
         "gradient where it is made); planned as offloaded");
   }
+  if (world_size > 1 && p.zero_stage == 3 && c.fused_backward_pass) {
+    p.notes.push_back(
+        "fused_backward_pass at ZeRO stage 3: `train` refuses it (stage 3 reduces the streamed blocks' gradients "
+        "itself); use zero_stage = 2");
+  } else if (world_size > 1 && p.zero_stage == 3 && c.full_bf16 && c.gradient_accumulation_steps > 1) {
+    p.notes.push_back(
+        "full_bf16 with gradient accumulation at ZeRO stage 3: `train` refuses it (stage 3 reduces each block's "
+        "gradients inside every backward, in bf16); use zero_stage = 2 or gradient_accumulation_steps = 1");
+  }
+  if (world_size > 1 && c.fused_backward_pass && c.fused_clip_method == "two_pass") {
+    p.notes.push_back(
+        "fused_clip_method = \"two_pass\" with several processes: `train` refuses it; use \"previous_step_norm\"");
+  }
   int64_t offload_device_grads = -1, offload_step_grads = -1;
   if (offload) {
     int64_t block_weights = 0, block_grads = 0;

@@ -442,8 +442,9 @@ const std::vector<Field>& schema() {
        "CPU), \"cpu\", \"cuda\" or \"cuda:N\"; the dataset and caches stay in host memory (`--device` on the "
        "command line)"},
       {"zero_stage", &TrainConfig::zero_stage,
-       "with several processes (torchrun, `shoestring launch`): 0 = data parallel (gradients averaged over the "
-       "ranks); 1 = ZeRO stage 1 (each rank updates, and keeps optimizer state for, its share of the trainable "
+       "with several processes (torchrun, `shoestring launch`): 0 = data parallel (each rank's share of the global "
+       "batch's mean gradient summed over the ranks); 1 = ZeRO stage 1 (each rank updates, and keeps optimizer state "
+       "for, its share of the trainable "
        "tensors, whole tensors balanced by element count); 2 = stage 1 and each gradient reduced to its owner only; "
        "3 = stage 2 and the weights of each checkpointed block kept by their owner only, gathered for the block's "
        "forward and its recompute in backward (needs gradient_checkpointing); one process ignores it",

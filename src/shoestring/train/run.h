@@ -57,6 +57,13 @@ struct Run {
   RemoveIfEmpty created_dir;         ///< first member: checked after everything else is gone
   std::unique_ptr<FolderLock> lock;  ///< on run_dir/kRunLockFile, held while the run is set up and trains
   TrainConfig config;
+  /// The other processes of a data-parallel run (launched by torchrun or
+  /// `shoestring launch`, dist/launch_env.h); null for a single process.
+  /// Rank 0 alone writes the run folder. Declared before everything that
+  /// may hold a collective in flight (the gradient path's fused buckets,
+  /// the reducer's, ZeRO's), so that it is destroyed after them: a pending
+  /// collective's destructor waits on the group.
+  std::unique_ptr<dist::ProcessGroup> group;
   std::string run_dir;
   std::string resume_from;  ///< checkpoint folder resumed from ("" for a fresh run)
   ImageCaptionDataset dataset;
@@ -83,11 +90,7 @@ struct Run {
   /// (config `device`, resolved); the dataset and caches stay in host memory.
   c10::Device device{c10::kCPU};
   std::string device_note;  ///< why the compute dtype was changed for the device ("" when it was not)
-  /// The other processes of a data-parallel run (launched by torchrun or
-  /// `shoestring launch`, dist/launch_env.h); null for a single process.
-  /// Rank 0 alone writes the run folder.
-  std::unique_ptr<dist::ProcessGroup> group;
-  /// With `group` at zero_stage = 0: averages the step's gradients on every rank.
+  /// With `group` at zero_stage = 0: sums the step's gradients (each rank's share of the mean) on every rank.
   std::unique_ptr<dist::GradientReducer> gradient_reducer;
   /// Tell `gradient_reducer` each gradient's arrival, so its all-reduces overlap backward.
   PostAccumulateGradHooks reducer_hooks;
