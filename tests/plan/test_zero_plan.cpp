@@ -15,6 +15,7 @@
 #include "shoestring/dist/zero.h"
 #include "shoestring/models/architecture.h"
 #include "shoestring/nn/layers.h"
+#include "shoestring/optim/fused_backward.h"
 #include "shoestring/plan/memory_plan.h"
 #include "shoestring/train/config.h"
 
@@ -140,8 +141,8 @@ TEST(ZeroPlan, Fp16WithFp32MastersShardsTheMastersWithTheState) {
 }
 
 // fused_backward_pass on several ranks (optim/fused_backward.h,
-// FusedReduction): the step gradients wait in fp32 buckets of at most 25
-// MiB, in reverse parameter order, closed where the receiving rank changes;
+// FusedReduction): the step gradients wait in fp32 buckets of a quarter of
+// the model's (1 to 25 MiB), in reverse parameter order, closed where the receiving rank changes;
 // the bucket being packed, its flat copy and two in flight: 4 buckets, or
 // the whole model's fp32 gradients twice when they fill less. One process:
 // none.
@@ -153,7 +154,9 @@ TEST(ZeroPlan, FusedBackwardOnSeveralRanksHoldsItsGradientBuckets) {
     numels.push_back(p.numel());
     psi += p.numel();
   }
-  const int64_t cap = int64_t{25} << 20;
+  // A quarter of the fp32 gradients, between 1 and 25 MiB (fused_bucket_bytes).
+  const int64_t cap = std::clamp<int64_t>(psi, int64_t{1} << 20, int64_t{25} << 20);
+  EXPECT_EQ(fused_bucket_bytes(psi), cap);
   for (const int64_t stage : {0, 1, 2}) {
     TrainConfig c = zero_config(stage);
     c.fused_backward_pass = true;

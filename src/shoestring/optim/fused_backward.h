@@ -21,6 +21,7 @@
 // shoestring::Error (on the second call) rather than step on a partial gradient.
 // Details, costs and the non-finite policy: docs/fused_backward.md.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -76,8 +77,17 @@ struct FusedReduction {
   /// holds the sum where this rank receives it. Called in the same order on
   /// every rank; the wait throws what the collective throws.
   std::function<std::function<void()>(const at::Tensor& flat, int root)> start;
-  int64_t bucket_bytes = int64_t{25} << 20;  ///< PyTorch DDP's bucket_cap_mb = 25
+  int64_t bucket_bytes = int64_t{25} << 20;  ///< fused_bucket_bytes() (PyTorch DDP's bucket_cap_mb = 25 at most)
 };
+
+/// The bucket size for `parameters` trainable elements: a quarter of their
+/// fp32 gradients, at least 1 MiB and at most 25 MiB (PyTorch DDP's
+/// bucket_cap_mb), so that a small model's gradients are not all held, twice,
+/// until the end of backward.
+inline int64_t fused_bucket_bytes(int64_t parameters) {
+  const int64_t quarter = parameters * static_cast<int64_t>(sizeof(float)) / 4;
+  return std::clamp<int64_t>(quarter, int64_t{1} << 20, int64_t{25} << 20);
+}
 
 struct FusedBackwardOptions {
   int64_t accumulation_steps = 1;  ///< micro-batches per optimizer step (>= 1)

@@ -16,6 +16,7 @@
 #include "shoestring/nn/lora.h"
 #include "shoestring/nn/memory_trace.h"
 #include "shoestring/optim/factory.h"
+#include "shoestring/optim/fused_backward.h"
 #include "shoestring/plan/device_costs.h"
 #include "shoestring/precision/policy.h"
 #include "shoestring/train/tiny_unet_model.h"
@@ -677,14 +678,14 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
   }
   if (c.fused_backward_pass && world_size > 1) {
     // Several ranks (optim/fused_backward.h, FusedReduction): the step
-    // gradients wait for their sums in fp32 buckets of 25 MiB: the one being
+    // gradients wait for their sums in fp32 buckets (fused_bucket_bytes): the one being
     // packed and its flat copy, two more in flight; a model whose gradients
     // fit one bucket holds all of them twice at the end of backward, when
     // the updates (and on step 1 the optimizer state, the EMA after them)
     // come. Errs high by the part of the state created after.
-    // A bucket closes at 25 MiB or where the receiver changes (ZeRO: the
+    // A bucket closes at its size or where the receiver changes (ZeRO: the
     // owner), in hook order, taken here as reverse parameter order.
-    const int64_t cap = int64_t{25} << 20;
+    const int64_t cap = fused_bucket_bytes(p.parameters);
     std::optional<dist::TensorOwnership> owners;
     if (p.zero_stage >= 1) owners.emplace(numel_of_trained, world_size);
     int64_t largest_bucket = 0, filling = 0;

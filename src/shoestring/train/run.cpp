@@ -393,6 +393,7 @@ std::unique_ptr<GradientPath> make_run_gradient_path(const Run& run, const std::
     // stages 1-2 (which alone steps it; dist::ZeroSharding's owners).
     FusedReduction reduction;
     reduction.rank = run.rank();
+    reduction.bucket_bytes = fused_bucket_bytes(run.trainable_parameters);
     reduction.root_of.assign(run.trainable.size(), -1);
     if (run.zero) {
       for (size_t i = 0; i < run.trainable.size(); ++i) reduction.root_of[i] = run.zero->ownership().owner(i);
