@@ -709,7 +709,13 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
       p.at_peak = e;
       p.peak_phase = "end of backward (fused gradient buckets of several ranks)";
     }
-    p.first_step_peak_bytes = std::max(p.first_step_peak_bytes, peak_e - p.ema_bytes);
+    // Step 1: the optimizer state is created bucket by bucket as the sums
+    // arrive; its peak comes with the last bucket, the state (but the EMA,
+    // made after the updates) nearly whole.
+    int64_t persistent_sum = 0;
+    for (int64_t v : persistent) persistent_sum += v;
+    p.first_step_peak_bytes =
+        std::max(p.first_step_peak_bytes, persistent_sum - p.ema_bytes + std::min(largest_bucket, buckets));
   }
   // A run on CUDA (named, or "auto" on a machine with a CUDA device) pays
   // the caching allocator's rounding and the cuBLAS workspaces too.
