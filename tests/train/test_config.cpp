@@ -88,6 +88,30 @@ TEST(Config, SetOverrides) {
   EXPECT_NE(error_of("", {"seed=abc"}).find("'seed'"), std::string::npos);
 }
 
+// What a resume changes is listed, [[precision.rule]] entries included
+// (helper-23: a rule changed from master = "fp32" to "none" went unsaid).
+TEST(Config, ChangedKeysListsKeysAndPrecisionRules) {
+  const std::string rule = "[[precision.rule]]\nmatch = \"*\"\nstorage = \"fp16\"\nmaster = \"fp32\"\n";
+  const shoestring::TrainConfig was = parse_config("learning_rate = 1e-4\n" + rule, "run.toml");
+  EXPECT_TRUE(shoestring::changed_keys(was, was).empty());
+  const shoestring::TrainConfig lr = parse_config("learning_rate = 2e-4\n" + rule, "run.toml");
+  const std::vector<std::string> one = shoestring::changed_keys(was, lr);
+  ASSERT_EQ(one.size(), 1u);
+  EXPECT_NE(one[0].find("learning_rate"), std::string::npos) << one[0];
+  std::string no_master = rule;
+  no_master.replace(no_master.find("\"fp32\""), 6, "\"none\"");
+  const std::vector<std::string> rules =
+      shoestring::changed_keys(was, parse_config("learning_rate = 1e-4\n" + no_master, "run.toml"));
+  ASSERT_EQ(rules.size(), 1u);
+  EXPECT_EQ(rules[0],
+            "precision.rule (run: {match = \"*\", storage = \"fp16\", master = \"fp32\"}, now: {match = \"*\", "
+            "storage = \"fp16\", master = \"none\"})");
+  const std::vector<std::string> none =
+      shoestring::changed_keys(was, parse_config("learning_rate = 1e-4\n", "run.toml"));
+  ASSERT_EQ(none.size(), 1u);
+  EXPECT_NE(none[0].find("now: none)"), std::string::npos) << none[0];
+}
+
 TEST(Config, ResolvedTomlRoundTrips) {
   auto c = parse_config("learning_rate = 3e-4\nsample_prompts = [\"a\", \"b c\"]\nfull_bf16 = true\n", "run.toml");
   std::string text = shoestring::to_toml(c);

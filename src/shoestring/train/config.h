@@ -240,8 +240,10 @@ precision::ComputeHardware compute_hardware(const TrainConfig& config);
 std::vector<std::string> resume_differences(const TrainConfig& was, const TrainConfig& now);
 
 /// Every key (but output_dir) whose value differs between `was` and `now`,
-/// rendered as resume_differences renders them, in schema order: what a
-/// resumed run changes (learning rate, loss options, ...) and logs.
+/// rendered as resume_differences renders them, in schema order, then the
+/// [[precision.rule]] entries when they differ ("precision.rule (run: ...,
+/// now: ...)", each rule as {match = "...", storage = "...", ...}): what a
+/// resumed run changes (learning rate, loss options, precision, ...) and logs.
 std::vector<std::string> changed_keys(const TrainConfig& was, const TrainConfig& now);
 
 /// Keys set away from their defaults that the model family of `config` does

@@ -614,6 +614,26 @@ std::vector<std::string> resume_differences(const TrainConfig& was, const TrainC
   return diffs;
 }
 
+namespace {
+
+/// The [[precision.rule]] entries on one line: {match = "*", storage = "fp16", ...}, ...
+std::string rules_text(const TrainConfig& c) {
+  std::vector<std::string> rules;
+  for (const precision::RuleSpec& r : c.precision_rules) {
+    std::vector<std::string> parts{fmt::format("match = \"{}\"", r.match)};
+    if (r.kind) parts.push_back(fmt::format("kind = \"{}\"", *r.kind));
+    if (r.storage) parts.push_back(fmt::format("storage = \"{}\"", *r.storage));
+    if (r.compute) parts.push_back(fmt::format("compute = \"{}\"", *r.compute));
+    if (r.master) parts.push_back(fmt::format("master = \"{}\"", *r.master));
+    if (r.trainable) parts.push_back(fmt::format("trainable = {}", *r.trainable));
+    if (r.checkpoint) parts.push_back(fmt::format("checkpoint = {}", *r.checkpoint));
+    rules.push_back(fmt::format("{{{}}}", fmt::join(parts, ", ")));
+  }
+  return rules.empty() ? "none" : fmt::format("{}", fmt::join(rules, ", "));
+}
+
+}  // namespace
+
 std::vector<std::string> changed_keys(const TrainConfig& was, const TrainConfig& now) {
   std::vector<std::string> diffs;
   for (const auto& f : schema()) {
@@ -621,6 +641,9 @@ std::vector<std::string> changed_keys(const TrainConfig& was, const TrainConfig&
     if (key == "output_dir") continue;  // a resume names the run folder itself
     const std::string a = render_value(was, f), b = render_value(now, f);
     if (a != b) diffs.push_back(fmt::format("{} (run: \"{}\", now: \"{}\")", key, a, b));
+  }
+  if (!(was.precision_rules == now.precision_rules)) {
+    diffs.push_back(fmt::format("precision.rule (run: {}, now: {})", rules_text(was), rules_text(now)));
   }
   return diffs;
 }
