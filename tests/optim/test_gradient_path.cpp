@@ -75,6 +75,17 @@ Expected sgd_reference(const Named& params, int64_t micro_batches, double lr, do
   return e;
 }
 
+/// The accumulator path's options: bf16 weights, `micro_batches` summed in
+/// `mode` buffers, no clipping.
+GradientPathOptions bf16_accumulation(int64_t micro_batches, GradAccumulationMode mode) {
+  GradientPathOptions o;
+  o.accumulation_steps = micro_batches;
+  o.max_grad_norm = 0;
+  o.low_precision_weights = true;
+  o.accumulation_mode = mode;
+  return o;
+}
+
 /// Runs one optimizer step of `micro_batches` through `path`.
 GradientStepResult run_step(GradientPath& path, const Named& params, int64_t micro_batches, double lr) {
   path.begin_step(lr);
@@ -136,11 +147,7 @@ TEST(GradientPath, AutogradPathIsClippedSgdOverTheMeanMicroBatchGradient) {
 
 TEST(GradientPath, AccumulatorPathSumsBf16MicroBatchesInFp32) {
   Named params = make_params(torch::kBFloat16);
-  GradientPathOptions o;
-  o.accumulation_steps = 4;
-  o.max_grad_norm = 0;
-  o.low_precision_weights = true;
-  o.accumulation_mode = GradAccumulationMode::fp32;
+  const GradientPathOptions o = bf16_accumulation(4, GradAccumulationMode::fp32);
   const Expected e = sgd_reference(params, 4, 0.05, 0);
   auto path = make_gradient_path(params, {false, false}, sgd_factory(), o);
   ASSERT_EQ(path->name(), "accumulator");
@@ -167,11 +174,7 @@ TEST(GradientPath, AccumulatorPathSumsBf16MicroBatchesInFp32) {
 // before 2026-12-06), every step rounded alike.
 TEST(GradientPath, AccumulatorPathDrawsFreshRoundingBitsEachStep) {
   Named params = make_params(torch::kBFloat16);
-  GradientPathOptions o;
-  o.accumulation_steps = 2;
-  o.max_grad_norm = 0;
-  o.low_precision_weights = true;
-  o.accumulation_mode = GradAccumulationMode::bf16_sr;
+  GradientPathOptions o = bf16_accumulation(2, GradAccumulationMode::bf16_sr);
   o.seed = 11;
   const Expected e = sgd_reference(params, 2, 0.0, 0);
   auto path = make_gradient_path(params, {false, false}, sgd_factory(), o);

@@ -200,7 +200,7 @@ void FusedBackward::send_bucket() {
       flat_parts.push_back(g.reshape({-1}));
       b.params.push_back(index);
     }
-    b.flat = at::cat(flat_parts).to(torch::kFloat32).contiguous();
+    b.flat = at::cat(flat_parts);  // fp32 step gradients: contiguous fp32
   }
   b.grads.clear();  // the flat copy holds them now
   b.wait = options_.reduction->start(b.flat, b.root);

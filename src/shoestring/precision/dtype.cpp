@@ -23,6 +23,15 @@ const char* to_string(Dtype d) {
   return "?";
 }
 
+const char* name_of(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "fp32";
+    case at::kBFloat16: return "bf16";
+    case at::kHalf: return "fp16";
+    default: return c10::toString(t);
+  }
+}
+
 bool parse_dtype(const std::string& s, Dtype& out) {
   for (Dtype d : {Dtype::fp32, Dtype::bf16, Dtype::fp16, Dtype::fp8_e4m3, Dtype::fp8_e5m2}) {
     if (s == to_string(d)) {

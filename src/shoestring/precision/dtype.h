@@ -24,6 +24,10 @@ enum class Dtype { fp32, bf16, fp16, fp8_e4m3, fp8_e5m2 };
 /// "fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2".
 const char* to_string(Dtype d);
 
+/// The short name of a tensor dtype: "fp32", "bf16", "fp16" for kFloat,
+/// kBFloat16, kHalf (the rules' names), else libtorch's ("Byte", ...).
+const char* name_of(at::ScalarType t);
+
 /// Parses a rule dtype name (exact: fp32 | bf16 | fp16 | fp8_e4m3 | fp8_e5m2).
 /// Returns false for anything else.
 bool parse_dtype(const std::string& s, Dtype& out);

@@ -67,7 +67,7 @@ CheckpointSamples sample_cascade_checkpoint(const std::string& path, const Casca
 
   // ---- 2. stage C (LoRA merged): draw every latent, then free it ----
   const at::ScalarType dtype = sample_compute_dtype(request.device, file, found->prefix);
-  out.denoiser_dtype = sample_dtype_name(dtype);
+  out.denoiser_dtype = precision::name_of(dtype);
   std::vector<at::Tensor> latents;
   {
     nn::LayerInit init{torch::TensorOptions().dtype(dtype)};

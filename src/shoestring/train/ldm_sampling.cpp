@@ -58,7 +58,9 @@ at::Tensor sample_ldm_latents(models::LdmUNetImpl& unet, const at::Tensor& conte
   return torch::cat(out, 0);
 }
 
-bool is_ldm_checkpoint(const std::string& path) { return find_denoiser(WeightFiles::open(path), models::Family::ldm_unet).has_value(); }
+bool is_ldm_checkpoint(const std::string& path) {
+  return find_denoiser(WeightFiles::open(path), models::Family::ldm_unet).has_value();
+}
 
 LdmSamples sample_ldm_checkpoint(const std::string& path, const LdmSampleRequest& request) {
   const SampleRequest& req = request.images;
@@ -103,7 +105,8 @@ LdmSamples sample_ldm_checkpoint(const std::string& path, const LdmSampleRequest
          out.height, found->architecture, multiple, levels - 1);
   }
   const int64_t clip_skip = request.clip_skip > 0 ? request.clip_skip : run ? run->clip_skip : 1;
-  const LdmTokenizer tokenizer = sampling_tokenizer(file, request.tokenizer_dir, run ? &*run : nullptr, found->architecture);
+  const LdmTokenizer tokenizer =
+      sampling_tokenizer(file, request.tokenizer_dir, run ? &*run : nullptr, found->architecture);
   for (const auto& [lora, scale] : request.loras) check_denoiser_lora(lora, "lora_unet");
   const uint64_t seed = run ? static_cast<uint64_t>(run->seed) : 0;
 
@@ -157,7 +160,7 @@ LdmSamples sample_ldm_checkpoint(const std::string& path, const LdmSampleRequest
 
   // ---- 2. the UNet (LoRA merged): denoise every image, then free it ----
   const at::ScalarType dtype = sample_compute_dtype(request.device, file, found->prefix);
-  out.unet_dtype = sample_dtype_name(dtype);
+  out.unet_dtype = precision::name_of(dtype);
   std::vector<at::Tensor> latents;
   {
     nn::LayerInit init{torch::TensorOptions().dtype(dtype)};

@@ -26,6 +26,7 @@
 #include "shoestring/nn/chunked_attention.h"
 #include "shoestring/optim/factory.h"
 #include "shoestring/precision/compute_choice.h"
+#include "shoestring/precision/dtype.h"
 #include "shoestring/precision/policy.h"
 #include "shoestring/train/dataset_config.h"
 #include "shoestring/train/device_precision.h"
@@ -428,10 +429,7 @@ std::unique_ptr<GradientPath> make_run_gradient_path(const Run& run, const std::
 /// rules mix dtypes, each with its tensor count ("fp16 x 12, fp32 x 215").
 std::string trainable_weights_summary(const Run& run) {
   std::map<std::string, int64_t> tensors;  // dtype -> trainable tensors
-  for (const auto& [n, p] : run.trainable) {
-    const at::ScalarType t = p.scalar_type();
-    tensors[t == at::kFloat ? "fp32" : t == at::kBFloat16 ? "bf16" : t == at::kHalf ? "fp16" : c10::toString(t)] += 1;
-  }
+  for (const auto& [n, p] : run.trainable) tensors[precision::name_of(p.scalar_type())] += 1;
   if (tensors.size() > 1) {
     std::vector<std::string> parts;
     for (const auto& [dtype, count] : tensors) parts.push_back(fmt::format("{} x {}", dtype, count));
@@ -640,9 +638,8 @@ RestoredState restored_state(const Run& run, const std::string& dir, const Train
   for (const auto& [name, t] : state.master) take_master(name, t, state_file);
   const std::optional<CheckpointIndex> index = read_checkpoint_index(dir);
   if (!index) {
-    const std::string file = (fs::path(dir) / "state.safetensors").string();
     for (const auto& [key, t] : state.optimizer) {
-      if (keeps(key, file)) out.optimizer.emplace(key, t);
+      if (keeps(key, state_file)) out.optimizer.emplace(key, t);
     }
     return out;
   }

@@ -259,9 +259,10 @@ WeightFiles open_named_weights(const std::string& what, const std::string& path)
 void fail_tiny_part_without_run(const std::string& path, const std::string& architecture, const std::string& part) {
   const std::string config = run_config_path_beside(path);
   if (!config.empty())
-    fail("{}: its run's {} cannot be read (see the warning above), and a tiny {} file's {} is made at random from "
-         "the run's seed: fix the config",
-         path, config, architecture, part);
+    fail(
+        "{}: its run's {} cannot be read (see the warning above), and a tiny {} file's {} is made at random from "
+        "the run's seed: fix the config",
+        path, config, architecture, part);
   fail(
       "{}: a tiny {} file outside its run folder: its {} was made at random from the run's seed; sample it where "
       "RUN_DIR/config.toml is",
@@ -284,10 +285,6 @@ at::ScalarType sample_compute_dtype(const at::Device& device, const WeightFiles&
       !precision::choose_bf16_compute(precision::Bf16Compute::automatic, precision::cpu_hardware(cpu_features()))
            .has_value();
   return stored == torch::kBFloat16 && fast_bf16 ? torch::kBFloat16 : torch::kFloat32;
-}
-
-const char* sample_dtype_name(at::ScalarType dtype) {
-  return dtype == torch::kBFloat16 ? "bf16" : dtype == torch::kHalf ? "fp16" : "fp32";
 }
 
 SampleTexts sample_texts(const SampleRequest& request, const std::string& negative) {
@@ -315,7 +312,12 @@ SampleTexts sample_texts(const SampleRequest& request, const std::string& negati
 
 std::pair<int64_t, int64_t> SampleTexts::size(int64_t width, int64_t height, int64_t fallback) const {
   const SamplePrompt& p = prompts.at(0);
-  return {p.width > 0 ? p.width : width > 0 ? width : fallback, p.height > 0 ? p.height : height > 0 ? height : fallback};
+  return {p.width > 0 ? p.width
+          : width > 0 ? width
+                      : fallback,
+          p.height > 0 ? p.height
+          : height > 0 ? height
+                       : fallback};
 }
 
 void check_denoiser_lora(const std::string& path, const std::string& prefix) {

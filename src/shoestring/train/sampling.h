@@ -4,8 +4,8 @@
 #pragma once
 #include <map>
 #include <optional>
-#include <utility>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -58,8 +58,8 @@ void require_utf8_prompt(const std::string& text, const std::string& what);
 /// The prompts of a grid drawn from a checkpoint, parsed, and every text to
 /// encode once (the prompts, then their negatives).
 struct SampleTexts {
-  std::vector<SamplePrompt> prompts;  ///< one per grid row; --n defaults to the request's negative prompt
-  std::vector<std::string> texts;     ///< each distinct text once
+  std::vector<SamplePrompt> prompts;   ///< one per grid row; --n defaults to the request's negative prompt
+  std::vector<std::string> texts;      ///< each distinct text once
   std::map<std::string, int64_t> row;  ///< text -> its index in texts
   /// The grid's image size: the prompts' --w / --h (all rows share one), else
   /// `width` / `height`, else `fallback` (pixels).
@@ -142,9 +142,6 @@ WeightFiles open_named_weights(const std::string& what, const std::string& path)
 /// denoiser (its first tensor under `prefix`) in bf16 and the CPU has fast
 /// bf16 units, else float32.
 at::ScalarType sample_compute_dtype(const at::Device& device, const WeightFiles& file, const std::string& prefix);
-
-/// "fp32", "bf16", "fp16".
-const char* sample_dtype_name(at::ScalarType dtype);
 
 /// Puts `module` in eval mode and back in its previous mode however the
 /// scope ends (a failed sample grid is a warning and training goes on).

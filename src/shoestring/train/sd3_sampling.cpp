@@ -24,7 +24,6 @@ bool holds(const WeightFiles& f, const std::string& prefix) {
   return false;
 }
 
-
 }  // namespace
 
 bool is_sd3_checkpoint(const std::string& path) {
@@ -43,8 +42,10 @@ CheckpointSamples sample_sd3_checkpoint(const std::string& path, const Sd3Sample
   CheckpointSamples out;
   out.architecture = found->architecture;
   out.tiny = found->tiny;
-  std::tie(out.width, out.height) =
-      table.size(request.width, request.height, run ? run->resolution : found->tiny ? 64 : 1024);
+  std::tie(out.width, out.height) = table.size(request.width, request.height,
+                                               run           ? run->resolution
+                                               : found->tiny ? 64
+                                                             : 1024);
   check_sd3_size(options, out.height, out.width, "--width / --height:", arch);
   for (const auto& [lora, scale] : request.loras) check_denoiser_lora(lora, "lora_unet");
   const uint64_t seed = run ? static_cast<uint64_t>(run->seed) : 0;
@@ -53,7 +54,8 @@ CheckpointSamples sample_sd3_checkpoint(const std::string& path, const Sd3Sample
   // run's key, else the run's base file; a tiny run's random parts by its seed.
   std::optional<WeightFiles> base;
   if (run && !run->pretrained_model_name_or_path.empty())
-    base.emplace(open_named_weights("the run's pretrained_model_name_or_path", expand_path(run->pretrained_model_name_or_path)));
+    base.emplace(
+        open_named_weights("the run's pretrained_model_name_or_path", expand_path(run->pretrained_model_name_or_path)));
   const bool random_parts = found->tiny && run && !base;
   std::deque<WeightFiles> opened;  // the files the options and the run name (stable addresses)
   auto source = [&](const std::string& option, const std::string& given, const char* prefix, const std::string& key,
@@ -79,10 +81,12 @@ CheckpointSamples sample_sd3_checkpoint(const std::string& path, const Sd3Sample
   const std::string t5_file = !request.t5xxl.empty() ? request.t5xxl : run ? expand_path(run->t5xxl) : "";
   const LdmTokenizer tokenizer = sampling_tokenizer(file, request.tokenizer_dir, run ? &*run : nullptr, arch);
   if (!t5_file.empty()) {
-    sources.t5 = &opened.emplace_back(open_named_weights(request.t5xxl.empty() ? "the run's t5xxl" : "--t5xxl", t5_file));
+    sources.t5 =
+        &opened.emplace_back(open_named_weights(request.t5xxl.empty() ? "the run's t5xxl" : "--t5xxl", t5_file));
     const std::string dir = !request.tokenizer_dir.empty() ? request.tokenizer_dir : run ? run->tokenizer_dir : "";
-    sources.t5_spiece = sd3_t5_spiece(dir, request.t5xxl.empty() ? "the run's t5xxl" : "--t5xxl",
-                                      !request.tokenizer_dir.empty() || !run ? "--tokenizer-dir" : "the run's tokenizer_dir");
+    sources.t5_spiece =
+        sd3_t5_spiece(dir, request.t5xxl.empty() ? "the run's t5xxl" : "--t5xxl",
+                      !request.tokenizer_dir.empty() || !run ? "--tokenizer-dir" : "the run's tokenizer_dir");
   }
   const WeightFiles* vae_file = source("--vae", request.vae, kSd3VaePrefix, "vae", run ? run->vae : "", "SD3 VAE");
   out.notes = sources.t5 ? "CLIP-L + bigG + T5-XXL" : "CLIP-L + bigG, T5 as zeros";
@@ -110,7 +114,7 @@ CheckpointSamples sample_sd3_checkpoint(const std::string& path, const Sd3Sample
 
   // ---- 2. the MMDiT (LoRA merged): draw every latent, then free it ----
   const at::ScalarType dtype = sample_compute_dtype(request.device, file, found->prefix);
-  out.denoiser_dtype = sample_dtype_name(dtype);
+  out.denoiser_dtype = precision::name_of(dtype);
   std::vector<at::Tensor> latents;
   {
     nn::LayerInit init{torch::TensorOptions().dtype(dtype)};

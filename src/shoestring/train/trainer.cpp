@@ -146,11 +146,13 @@ std::vector<std::string> check_fp16_overflow(Run& run, int64_t step) {
   if (run.group) {
     // Every rank takes the blocks any rank flagged (each ran its own rows of
     // the batch), so that all upcast alike and keep computing the same model.
-    at::Tensor flags = at::zeros({static_cast<int64_t>(watched.size()) + 1}, at::kInt);
-    for (size_t i = 0; i < watched.size(); ++i) flags[static_cast<int64_t>(i)] = described.count(watched[i]) ? 1 : 0;
+    std::vector<int32_t> seen(watched.size() + 1, 0);  // + 1: never an empty tensor
+    for (size_t i = 0; i < watched.size(); ++i) seen[i] = described.count(watched[i]) ? 1 : 0;
+    at::Tensor flags = at::tensor(seen, at::kInt);
     run.group->all_reduce_sum(flags);
+    const int32_t* any = flags.data_ptr<int32_t>();
     for (size_t i = 0; i < watched.size(); ++i) {
-      if (flags[static_cast<int64_t>(i)].item<int>() == 0 || described.count(watched[i])) continue;
+      if (any[i] == 0 || described.count(watched[i])) continue;
       described[watched[i]] = watched[i] + " (on another rank)";
       flagged.push_back(watched[i]);
     }

@@ -11,6 +11,7 @@
 #include "shoestring/models/architecture.h"
 #include "shoestring/models/cascade.h"
 #include "shoestring/models/unet_ldm.h"
+#include "shoestring/precision/dtype.h"
 #include "shoestring/precision/save_guard.h"
 #include "shoestring/train/cascade_components.h"
 #include "shoestring/train/config.h"
@@ -234,13 +235,12 @@ void for_each_text_batch(
 }
 
 std::string stored_dtype_name(const torch::nn::Module& module) {
-  std::set<std::string> names;
-  for (const auto& p : module.parameters(/*recurse=*/true)) {
-    const at::ScalarType t = p.scalar_type();
-    names.insert(t == at::kFloat ? "fp32" : t == at::kBFloat16 ? "bf16" : t == at::kHalf ? "fp16" : "other");
-  }
-  if (names.size() == 1 && *names.begin() != "other") return *names.begin();
-  return names.empty() ? "fp32" : "mixed";
+  std::set<at::ScalarType> dtypes;
+  for (const auto& p : module.parameters(/*recurse=*/true)) dtypes.insert(p.scalar_type());
+  if (dtypes.empty()) return "fp32";
+  const at::ScalarType t = *dtypes.begin();
+  return dtypes.size() == 1 && (t == at::kFloat || t == at::kBFloat16 || t == at::kHalf) ? precision::name_of(t)
+                                                                                         : "mixed";
 }
 
 void save_module_tensors(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
