@@ -45,6 +45,7 @@ struct Trajectory {
   double activation_peak = 0;       ///< the first step's peak activation bytes (proportional to the rows trained)
   double optimizer_state_peak = 0;  ///< the last step's peak optimizer_state bytes (the ledger's)
   double weights_peak = 0;          ///< the last step's peak weights bytes (the ledger's)
+  double gradients_peak = 0;        ///< the last step's peak gradients bytes (the ledger's)
   /// The ledger's peak weights bytes of the last step with what follows it
   /// (its checkpoint, samples and final files).
   double last_step_with_saves_weights_peak = 0;
@@ -73,6 +74,7 @@ inline Trajectory train_and_record(const TrainConfig& c, int64_t die_at_step = 0
     if (t.losses.size() == 1) t.activation_peak = rec["peak_activations_bytes"].get<double>();
     t.optimizer_state_peak = rec["peak_optimizer_state_bytes"].get<double>();
     t.weights_peak = rec["peak_weights_bytes"].get<double>();
+    t.gradients_peak = rec["peak_gradients_bytes"].get<double>();
     if (step == die_at_step) ::_exit(3);
     if (step == c.max_train_steps) {
       for (const auto& p : model->parameters()) t.weights.push_back(p.detach().clone());
@@ -128,7 +130,7 @@ inline void save_trajectory(const Trajectory& t, const std::string& path) {
   all.push_back(at::tensor(t.grad_norms, at::TensorOptions().dtype(at::kDouble)));
   all.push_back(at::tensor(t.losses, at::TensorOptions().dtype(at::kDouble)));
   all.push_back(at::tensor({t.activation_peak, t.optimizer_state_peak, t.summary_images_per_step, t.weights_peak,
-                            t.last_step_with_saves_weights_peak},
+                            t.last_step_with_saves_weights_peak, t.gradients_peak},
                            at::TensorOptions().dtype(at::kDouble)));
   torch::save(all, path);
 }
@@ -142,6 +144,7 @@ inline Trajectory load_trajectory(const std::string& path) {
   t.summary_images_per_step = all.back()[2].item<double>();
   t.weights_peak = all.back()[3].item<double>();
   t.last_step_with_saves_weights_peak = all.back()[4].item<double>();
+  t.gradients_peak = all.back()[5].item<double>();
   all.pop_back();
   at::Tensor losses = all.back();
   all.pop_back();

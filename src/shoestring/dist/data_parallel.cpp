@@ -106,7 +106,8 @@ void GradientReducer::all_reduce_gradients() {
 }
 
 void reduce_gradient_buckets(ProcessGroup& group, const std::vector<at::Tensor>& params,
-                             const std::vector<GradientBucket>& buckets, const StartBucketCollective& start) {
+                             const std::vector<GradientBucket>& buckets, const StartBucketCollective& start,
+                             const std::function<void(size_t, const at::Tensor&)>& receive) {
   if (params.empty()) return;
   const int rank = group.rank();
   struct InFlight {
@@ -122,7 +123,11 @@ void reduce_gradient_buckets(ProcessGroup& group, const std::vector<at::Tensor>&
     for (size_t i : f.bucket->params) {
       at::Tensor p = params[i];
       const int64_t n = p.numel();
-      if (p.grad().defined()) p.mutable_grad().copy_(f.flat.narrow(0, offset, n).view(p.grad().sizes()));
+      if (receive) {
+        if (p.grad().defined()) receive(i, f.flat.narrow(0, offset, n).view(p.grad().sizes()));
+      } else if (p.grad().defined()) {
+        p.mutable_grad().copy_(f.flat.narrow(0, offset, n).view(p.grad().sizes()));
+      }
       offset += n;
     }
   };

@@ -55,8 +55,13 @@ using StartBucketCollective = std::function<PendingCollective(const at::Tensor& 
 /// bucket.root only, and every other rank's .grad of the bucket is reset
 /// (undefined) once packed. Collective (every rank runs the same buckets
 /// in the same order). Throws what PendingCollective::wait throws.
+/// With `receive` set, a receiving rank hands each parameter's fp32 sum
+/// (index, a [numel]-shaped view of the parameter's shape into the bucket,
+/// valid during the call) to it instead of copying it into .grad, and its
+/// .grad is left as it was packed.
 void reduce_gradient_buckets(ProcessGroup& group, const std::vector<at::Tensor>& params,
-                             const std::vector<GradientBucket>& buckets, const StartBucketCollective& start);
+                             const std::vector<GradientBucket>& buckets, const StartBucketCollective& start,
+                             const std::function<void(size_t, const at::Tensor&)>& receive = {});
 
 /// Sums the gradients (.grad) of a fixed list of parameters over the ranks
 /// of a group, in place (each rank's .grad being its share of the global

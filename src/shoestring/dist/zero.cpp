@@ -303,17 +303,23 @@ void ZeroSharding::end_step_fetches() {
 void ZeroSharding::release(size_t group, bool gradients_complete) {
   StreamGroup& g = groups_.at(group);
   if (!streaming_ || group_.size() == 1 || held_on_ == group_.rank()) return;
-  if (gradients_complete) {
+  if (gradients_complete && !streamed_reduced_in_backward_) {
     // The sum over ranks into the owner's .grad (others' reset), then into
-    // the owner's sum over this step's micro-batches.
+    // the owner's sum over this step's micro-batches (or its sink's).
     {
       ScopedMemoryCategory category(MemoryCategory::temporaries);  // the buckets
-      reduce_gradient_buckets(group_, tensors_, g.gradient_buckets,
-                              [this](const at::Tensor& flat, const GradientBucket& bucket) {
-                                return group_.reduce_sum_async(flat, bucket.root);
-                              });
+      reduce_gradient_buckets(
+          group_, tensors_, g.gradient_buckets,
+          [this](const at::Tensor& flat, const GradientBucket& bucket) {
+            return group_.reduce_sum_async(flat, bucket.root);
+          },
+          streamed_gradient_sink_);
     }
     for (size_t i : g.params) {
+      if (streamed_gradient_sink_) {
+        tensors_[i].mutable_grad().reset();  // the sink has this backward's sum
+        continue;
+      }
       at::Tensor p = tensors_[i];
       if (!owns(i) || !p.grad().defined()) continue;
       if (step_gradient_[i].defined()) {
@@ -326,6 +332,16 @@ void ZeroSharding::release(size_t group, bool gradients_complete) {
   }
   if (g.fetched > 0 && --g.fetched > 0) return;
   free_unowned(g);
+}
+
+void ZeroSharding::set_streamed_gradient_sink(StreamedGradientSink sink) {
+  if (stage_ < 3) fail("ZeroSharding: a streamed gradient sink needs zero_stage = 3 (this is stage {})", stage_);
+  streamed_gradient_sink_ = std::move(sink);
+}
+
+void ZeroSharding::set_streamed_gradients_reduced_in_backward() {
+  if (stage_ < 3) fail("ZeroSharding: streamed gradients need zero_stage = 3 (this is stage {})", stage_);
+  streamed_reduced_in_backward_ = true;
 }
 
 void ZeroSharding::hold_all_on(int root) {

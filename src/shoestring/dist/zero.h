@@ -61,6 +61,7 @@
 // steps.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -165,10 +166,27 @@ class ZeroSharding {
   /// Ends a fetch; the last one frees the parameters this rank does not own.
   /// With `gradients_complete` (the group's backward has just run), first
   /// reduces the group's gradients to their owners (summed over ranks, in
-  /// fp32; the owner adds it to its sum over the step's micro-batches,
-  /// others' .grad reset). Collective with `gradients_complete`. Throws as
-  /// reduce_gradients.
+  /// fp32; the owner adds it to its sum over the step's micro-batches, or
+  /// hands it to the StreamedGradientSink; others' .grad reset), unless the
+  /// gradient path reduces them itself (set_streamed_gradients_reduced_in_backward).
+  /// Collective with `gradients_complete`. Throws as reduce_gradients.
   void release(size_t group, bool gradients_complete);
+  /// Where an owner's streamed gradients go after release's reduction:
+  /// (parameter index into the constructor's list, that backward's gradient
+  /// summed over the ranks: fp32, the parameter's shape, valid during the
+  /// call). The gradient path's accumulator sums the micro-batches there
+  /// (full_bf16 with accumulation: an fp32 or bf16 stochastically rounded
+  /// buffer, never a bf16 sum rounded to nearest).
+  using StreamedGradientSink = std::function<void(size_t, const at::Tensor&)>;
+  /// Stage 3, before the first release: owners hand their streamed
+  /// gradients to `sink` instead of summing them into their .grad (which
+  /// stays undefined for them). Throws shoestring::Error below stage 3.
+  void set_streamed_gradient_sink(StreamedGradientSink sink);
+  /// Stage 3, before the first release: the gradient path sums the
+  /// streamed gradients over the ranks itself, inside backward (the fused
+  /// backward's buckets), so release never reduces. Throws shoestring::Error
+  /// below stage 3.
+  void set_streamed_gradients_reduced_in_backward();
   /// Gathers every streamed parameter onto rank `root` (per group, one
   /// broadcast per owner and dtype; other ranks only pass the buckets
   /// through), for saving or sampling there; until release_held(), fetch
@@ -268,9 +286,11 @@ class ZeroSharding {
   std::vector<at::Tensor> tensors_;  ///< params_' tensors
   // stage 3
   std::vector<StreamGroup> groups_;
-  std::vector<int> group_of_;                 ///< per parameter: its group, or -1 (resident)
-  std::vector<std::vector<int64_t>> shapes_;  ///< per parameter: its full shape
-  std::vector<at::Tensor> step_gradient_;     ///< per owned streamed parameter: the step's gradient, summed
+  std::vector<int> group_of_;                    ///< per parameter: its group, or -1 (resident)
+  std::vector<std::vector<int64_t>> shapes_;     ///< per parameter: its full shape
+  std::vector<at::Tensor> step_gradient_;        ///< per owned streamed parameter: the step's gradient, summed
+  StreamedGradientSink streamed_gradient_sink_;  ///< set: owners' streamed gradients go there instead
+  bool streamed_reduced_in_backward_ = false;    ///< release never reduces
   bool streaming_ = false;
   int held_on_ = -1;  ///< hold_all_on's root, -1 when none
   // stage 3 prefetch (see the file comment)

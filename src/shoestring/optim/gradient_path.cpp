@@ -16,6 +16,10 @@ at::Tensor GradientPath::backward_loss(const at::Tensor& loss) const {
   return scaled / static_cast<double>(accumulation_steps_ * world_size_);
 }
 
+void GradientPath::add_reduced_gradient(size_t index, const at::Tensor&) {
+  fail("the '{}' gradient path takes no gradients reduced outside .grad (parameter {})", name(), index);
+}
+
 namespace {
 
 using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
@@ -115,18 +119,21 @@ class AccumulatorPath final : public StepAfterBackwardPath {
   }
   std::string name() const override { return "accumulator"; }
 
+  void begin_micro_batch(int64_t micro) override { micro_ = micro; }
   void end_micro_batch(int64_t micro) override {
     if (reduced_across_ranks_ && micro + 1 == accumulation_steps_) return;  // sum_into_grad()
     torch::NoGradGuard no_grad;
-    // A counter unique over the run keys the stochastic rounding of bf16
-    // buffers (as the fused backward's), so that no two steps round alike;
-    // step_count() is restored on resume.
-    const int64_t micro_step = optimizer_->step_count() * accumulation_steps_ + micro;
     for (size_t i = 0; i < params_.size(); ++i) {
       at::Tensor& g = params_[i].mutable_grad();
-      if (g.defined()) accumulator_->add(i, g, micro_step);
+      if (g.defined()) accumulator_->add(i, g, micro_step(micro));
       g.reset();
     }
+  }
+  bool takes_reduced_gradients() const override { return reduced_across_ranks_; }
+  void add_reduced_gradient(size_t index, const at::Tensor& sum) override {
+    if (!reduced_across_ranks_) GradientPath::add_reduced_gradient(index, sum);
+    torch::NoGradGuard no_grad;
+    accumulator_->add(index, sum, micro_step(micro_));
   }
   bool sums_in_grad() const override { return !reduced_across_ranks_; }
   void sum_into_grad() override {
@@ -159,7 +166,13 @@ class AccumulatorPath final : public StepAfterBackwardPath {
   }
 
  private:
+  /// A counter unique over the run keys the stochastic rounding of bf16
+  /// buffers (as the fused backward's), so that no two steps round alike;
+  /// step_count() is restored on resume.
+  int64_t micro_step(int64_t micro) const { return optimizer_->step_count() * accumulation_steps_ + micro; }
+
   bool reduced_across_ranks_;
+  int64_t micro_ = 0;
   std::vector<at::Tensor> params_;
   std::unique_ptr<GradientAccumulator> accumulator_;
 };

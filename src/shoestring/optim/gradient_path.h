@@ -143,6 +143,17 @@ class GradientPath {
   /// .grad (undefined where none), which the reduction reads and overwrites
   /// with the mean over ranks. Nothing to do where autograd summed into .grad.
   virtual void sum_into_grad() {}
+  /// True when gradients summed over the ranks outside .grad may be handed
+  /// to add_reduced_gradient() (ZeRO stage 3's streamed blocks, reduced
+  /// after each backward, dist::ZeroSharding::set_streamed_gradient_sink):
+  /// the accumulator path, whose buffers then sum the micro-batches.
+  virtual bool takes_reduced_gradients() const { return false; }
+  /// The current micro-batch's gradient of trainable weight `index` (in the
+  /// order of make_gradient_path's `trainable`), summed over the ranks:
+  /// fp32, the weight's shape; copied, not kept. Added to the step's sum,
+  /// which sum_into_grad() leaves in .grad. Throws shoestring::Error where
+  /// takes_reduced_gradients() is false.
+  virtual void add_reduced_gradient(size_t index, const at::Tensor& sum);
   /// Ends the optimizer step: global norm, clipping, the optimizer update
   /// (skipped when `loss_finite` is false or a gradient is non-finite), and
   /// freeing of every gradient. Throws what the optimizer throws.

@@ -463,23 +463,31 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
   // resident ones, and the block in use gathered; its gradients likewise
   // (each block's are reduced to their owners right after its backward).
   int64_t stage3_weights_saved = 0, stage3_gradients = -1;
+  // Stage 3: the trained elements whose micro-batch sums this rank keeps
+  // (full_bf16 with accumulation: the resident ones and its own streamed ones).
+  int64_t stage3_accumulated_elements = -1;
   if (p.zero_stage == 3 && !lora) {
     const dist::TensorOwnership owners(numel_of_trained, world_size);
     std::vector<int64_t> owned_weights(static_cast<size_t>(world_size), 0);
     std::map<int, int64_t> group_weights;
     int64_t streamed_weights = 0, resident_grads = 0;
     std::vector<int64_t> owned_grads(static_cast<size_t>(world_size), 0);
+    std::vector<int64_t> owned_elements(static_cast<size_t>(world_size), 0);
+    int64_t resident_elements = 0;
     for (size_t i = 0; i < group_of_trained.size(); ++i) {
       const int64_t grad_bytes = numel_of_trained[i] * c10::elementSize(trained[i].second);
       if (group_of_trained[i] < 0) {
         resident_grads += grad_bytes;
+        resident_elements += numel_of_trained[i];
         continue;
       }
       streamed_weights += weight_of_trained[i];
       group_weights[group_of_trained[i]] += weight_of_trained[i];
       owned_weights[static_cast<size_t>(owners.owner(i))] += weight_of_trained[i];
       owned_grads[static_cast<size_t>(owners.owner(i))] += grad_bytes;
+      owned_elements[static_cast<size_t>(owners.owner(i))] += numel_of_trained[i];
     }
+    stage3_accumulated_elements = resident_elements + *std::max_element(owned_elements.begin(), owned_elements.end());
     int64_t largest_group = 0;
     for (const auto& [g, bytes] : group_weights) largest_group = std::max(largest_group, bytes);
     const int64_t most_owned = *std::max_element(owned_weights.begin(), owned_weights.end());
@@ -514,15 +522,6 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
     p.notes.push_back(
         "offload_params with fused_backward_pass: `train` refuses the pair (the fused backward steps each "
         "gradient where it is made); planned as offloaded");
-  }
-  if (world_size > 1 && p.zero_stage == 3 && c.fused_backward_pass) {
-    p.notes.push_back(
-        "fused_backward_pass at ZeRO stage 3: `train` refuses it (stage 3 reduces the streamed blocks' gradients "
-        "itself); use zero_stage = 2");
-  } else if (world_size > 1 && p.zero_stage == 3 && c.full_bf16 && c.gradient_accumulation_steps > 1) {
-    p.notes.push_back(
-        "full_bf16 with gradient accumulation at ZeRO stage 3: `train` refuses it (stage 3 reduces each block's "
-        "gradients inside every backward, in bf16); use zero_stage = 2 or gradient_accumulation_steps = 1");
   }
   if (world_size > 1 && c.fused_backward_pass && c.fused_clip_method == "two_pass") {
     p.notes.push_back(
@@ -583,10 +582,16 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
   }
 
   // Gradient-accumulation buffers alive through the step (gradients).
+  // Several ranks: the fused backward buffers every gradient on every rank
+  // (no communication before the last micro-batch); the accumulator at
+  // stage 3 only what its rank keeps (the streamed gradients are summed
+  // over the ranks after each backward).
   int64_t accum_buffers = 0;
+  const int64_t accumulated_elements =
+      !c.fused_backward_pass && stage3_accumulated_elements >= 0 ? stage3_accumulated_elements : p.parameters;
   if (accum > 1 && !bridge) {
     const bool sr16 = c.gradient_accumulation_dtype == "bf16_sr" && weight_elem == 2;
-    if (c.fused_backward_pass || weight_elem == 2) accum_buffers = p.parameters * (sr16 ? 2 : 4);
+    if (c.fused_backward_pass || weight_elem == 2) accum_buffers = accumulated_elements * (sr16 ? 2 : 4);
   }
 
   Bytes persistent{};
@@ -620,7 +625,7 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
     if (accumulator) {
       // .grad is folded into the accumulation buffers after every
       // micro-batch; the step reads the buffers (bf16_sr: as fp32 copies).
-      if (c.gradient_accumulation_dtype == "bf16_sr") b[kT] += p.parameters * 4;
+      if (c.gradient_accumulation_dtype == "bf16_sr") b[kT] += accumulated_elements * 4;
     } else if (bridge) {
       b[kG] += fp32_grads;
     } else {

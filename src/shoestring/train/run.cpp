@@ -535,27 +535,11 @@ void check_data_parallel(const Run& run) {
   // .grad, and an overflowing step's skip follows the global norm, which
   // every rank agrees on; the accumulator path (full_bf16 with accumulation)
   // sums the micro-batches in its buffers, then into .grad in fp32 before
-  // the reduction (GradientPath::sum_into_grad); the fused path reduces
-  // each parameter's step gradient inside backward (fused_reduction). At stage
-  // 3 the streaming hooks reduce each block's gradients to their owners
-  // inside every backward, in the weights' dtype, which the last two cannot
-  // follow.
-  const std::string path = run.gradients->name();
-  if (c.zero_stage == 3 && path == "fused backward") {
-    fail(
-        "WORLD_SIZE = {}{}: fused_backward_pass = true steps each parameter inside backward, where stage 3 reduces "
-        "the streamed blocks' gradients to their owners; use zero_stage = 2 (which shards the optimizer state and "
-        "gradients too) or fused_backward_pass = false",
-        run.world_size(), stage);
-  }
-  if (c.zero_stage == 3 && path == "accumulator") {
-    fail(
-        "WORLD_SIZE = {}{}: full_bf16 = true with gradient_accumulation_steps = {} sums the micro-batches in fp32 "
-        "(or bf16 with stochastic rounding) buffers, but stage 3 reduces each block's gradients to their owners "
-        "inside every backward, in the weights' dtype; use zero_stage = 2 (which shards the optimizer state and "
-        "gradients too) or gradient_accumulation_steps = 1",
-        run.world_size(), stage, c.gradient_accumulation_steps);
-  }
+  // the reduction (GradientPath::sum_into_grad); at stage 3 its buffers
+  // take the streamed blocks' gradients summed over the ranks after each
+  // backward (ZeroSharding::set_streamed_gradient_sink); the fused path
+  // reduces each parameter's step gradient inside backward (fused_reduction),
+  // at stage 3 the streamed ones too.
   if (c.max_train_minutes > 0) {
     fail(
         "WORLD_SIZE = {}{}: max_train_minutes is not supported with several processes yet (each rank would size "
@@ -920,6 +904,13 @@ std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions&
     check_data_parallel(run);
     if (run.zero) {
       run.gradients->optimizer().set_update_subset(run.zero->owned());
+      if (run.zero->stage() == 3 && run.gradients->reduced_in_backward()) {
+        run.zero->set_streamed_gradients_reduced_in_backward();
+      } else if (run.zero->stage() == 3 && run.gradients->takes_reduced_gradients()) {
+        GradientPath* path = run.gradients.get();
+        run.zero->set_streamed_gradient_sink(
+            [path](size_t i, const at::Tensor& sum) { path->add_reduced_gradient(i, sum); });
+      }
     } else {
       run.gradient_reducer = std::make_unique<dist::GradientReducer>(*run.group, params);
       dist::GradientReducer* reducer = run.gradient_reducer.get();
