@@ -2,6 +2,9 @@
 // the emoji example's tiny UNet to the same losses and weights as one
 // process with batch 2b; rank 0 alone writes the run folder; a rank that
 // dies mid-run stops the other with an error naming the collective.
+#include <chrono>
+#include <thread>
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -38,7 +41,16 @@ constexpr int64_t kSteps = shoestring::testing::kDistSteps;
 DIST_SCENARIO(ddp_train) {
   TrainConfig c = ddp_config(worker_dir() + "/run", std::stoll(worker_env("SHOESTRING_TEST_BATCH")));
   c.fused_backward_pass = worker_env("SHOESTRING_TEST_FUSED") == "1";
-  if (worker_env("SHOESTRING_TEST_MINUTES") == "1") c.max_train_minutes = 1;
+  c.offload_params = worker_env("SHOESTRING_TEST_OFFLOAD") == "1";
+  if (!worker_env("SHOESTRING_TEST_MINUTES").empty()) {
+    c.max_train_minutes = std::stod(worker_env("SHOESTRING_TEST_MINUTES"));
+    c.max_train_steps = 100000;  // the budget is the limit
+    c.save_every_n_steps = 0;    // the last step only
+  }
+  if (!worker_env("SHOESTRING_TEST_START_LATE").empty() && worker_rank() == 1) {
+    // rank 0 waits for this rank to join: its clock runs longer before the first step
+    std::this_thread::sleep_for(std::chrono::duration<double>(std::stod(worker_env("SHOESTRING_TEST_START_LATE"))));
+  }
   if (!worker_env("SHOESTRING_TEST_ACCUM").empty())
     c.gradient_accumulation_steps = std::stoll(worker_env("SHOESTRING_TEST_ACCUM"));
   const std::string die_at = worker_env("SHOESTRING_TEST_DIE_AT");  // rank 1 exits after this step
@@ -136,21 +148,45 @@ TEST(DataParallelTraining, GradientAccumulationMatchesOneProcess) {
 }
 
 TEST(DataParallelTraining, UnsupportedSettingIsRefusedOnEveryRank) {
-  // max_train_minutes sizes max_train_steps from each rank's own timing.
-  const std::string dir = fresh_dist_dir("ddpminutes");
+  // offload_params streams one process's weights from host memory.
+  const std::string dir = fresh_dist_dir("ddpoffload");
   const int port = shoestring::testing::free_tcp_port();
   EXPECT_EQ(run_workers("ddp_train", 2, dir,
                         [&](int r) {
                           auto env = rank_env(r, 2, port, 2);
-                          env["SHOESTRING_TEST_MINUTES"] = "1";
+                          env["SHOESTRING_TEST_OFFLOAD"] = "1";
                           return env;
                         }),
             (std::vector<int>{4, 4}));
   for (int r : {0, 1}) {
     EXPECT_THAT(read_text(dir + "/error" + std::to_string(r) + ".txt"),
-                AllOf(HasSubstr("WORLD_SIZE = 2"), HasSubstr("max_train_minutes is not supported"),
-                      HasSubstr("set max_train_steps instead")));
+                AllOf(HasSubstr("WORLD_SIZE = 2"), HasSubstr("offload_params is for one process")));
   }
+}
+
+// max_train_minutes: each rank times the same steps, but their clocks start
+// apart (rank 1 joins 3 s late, so rank 0 has spent 3 s more of the budget
+// when it sizes the run: about 60 steps of this model fewer); rank 0's
+// sizing holds for both, so both stop at the same step, the one rank 0
+// records in the run's config.toml.
+TEST(DataParallelTraining, MaxTrainMinutesSizesEveryRankAlike) {
+  const std::string dir = fresh_dist_dir("ddpminutes");
+  const int port = shoestring::testing::free_tcp_port();
+  ASSERT_EQ(run_workers("ddp_train", 2, dir,
+                        [&](int r) {
+                          auto env = rank_env(r, 2, port, 2);
+                          env["SHOESTRING_TEST_MINUTES"] = "0.2";
+                          env["SHOESTRING_TEST_START_LATE"] = "3";
+                          return env;
+                        }),
+            (std::vector<int>{0, 0}));
+  const Trajectory r0 = load_trajectory(dir + "/rank0.pt");
+  const Trajectory r1 = load_trajectory(dir + "/rank1.pt");
+  EXPECT_EQ(r0.losses.size(), r1.losses.size());
+  EXPECT_LT(r0.losses.size(), 100000u);
+  const TrainConfig recorded = load_config(dir + "/run/config.toml");
+  EXPECT_EQ(recorded.max_train_steps, static_cast<int64_t>(r0.losses.size()));
+  std::cout << "max_train_minutes = 0.2 at 2 ranks: " << r0.losses.size() << " steps\n";
 }
 
 TEST(DataParallelTraining, ADeadRankStopsTheOtherNamingTheCollective) {

@@ -8,7 +8,8 @@ set_tests_properties("DataParallelTraining.TwoRanksMatchOneProcessWithDoubleBatc
   "DataParallelTraining.ADeadRankStopsTheOtherNamingTheCollective"
   "DataParallelTraining.ThreeRanksMatchOneProcessWithTripleBatch"
   "DataParallelTraining.GradientAccumulationMatchesOneProcess"
-  "DataParallelTraining.UnsupportedGradientPathIsRefusedOnEveryRank" PROPERTIES TIMEOUT 300)
+  "DataParallelTraining.UnsupportedSettingIsRefusedOnEveryRank"
+  "DataParallelTraining.MaxTrainMinutesSizesEveryRankAlike" PROPERTIES TIMEOUT 300)
 set_tests_properties("Launch.TwoRanksTrainOneRun" "Launch.AFailingRankFailsTheLaunchNamingIt"
   "Launch.AKilledRankStopsTheRunAndLeavesNoProcess" "Launch.TwoRanksEncodeDisjointSharesOfTheDiskCache"
   "Launch.AnIgnoredHangupStaysIgnored"

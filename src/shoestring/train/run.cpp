@@ -540,12 +540,6 @@ void check_data_parallel(const Run& run) {
   // backward (ZeroSharding::set_streamed_gradient_sink); the fused path
   // reduces each parameter's step gradient inside backward (fused_reduction),
   // at stage 3 the streamed ones too.
-  if (c.max_train_minutes > 0) {
-    fail(
-        "WORLD_SIZE = {}{}: max_train_minutes is not supported with several processes yet (each rank would size "
-        "max_train_steps from its own timing); set max_train_steps instead",
-        run.world_size(), stage);
-  }
   if (c.offload_params) {
     fail(
         "WORLD_SIZE = {}{}: offload_params is for one process for now (zero_stage = 3 shards the weights over the "
@@ -1002,6 +996,7 @@ std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions&
 void set_max_train_steps(Run& run, int64_t steps, const std::string& why) {
   run.config.max_train_steps = steps;
   run.config.max_train_epochs = 0;  // the sized count is the run's now, on resume too
+  if (!run.writes_files()) return;
   write_bytes_atomic((fs::path(run.run_dir) / "config.toml").string(), to_toml(run.config));
   spdlog::info("{}", why);
 }

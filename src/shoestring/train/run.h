@@ -129,9 +129,11 @@ struct Run {
 std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions& options);
 
 /// Sets the run's max_train_steps to `steps` (the time budget's sizing,
-/// train/time_budget.h), logs `why` and rewrites the run's config.toml, so
-/// that `--resume` goes on to the same last step (max_train_epochs, which
-/// would size it again, is cleared). Throws shoestring::Error on I/O failure.
+/// train/time_budget.h; with several ranks rank 0's, which every rank
+/// passes), and on the rank that writes files logs `why` and rewrites the
+/// run's config.toml, so that `--resume` goes on to the same last step
+/// (max_train_epochs, which would size it again, is cleared). Throws
+/// shoestring::Error on I/O failure.
 void set_max_train_steps(Run& run, int64_t steps, const std::string& why);
 
 /// When `run` saves checkpoints (train/epochs.h): its save_every_n_steps,

@@ -426,8 +426,12 @@ TrainSummary train(const TrainConfig& config, const TrainRunOptions& options) {
           "Diffusion's does: train the base first or set pretrained_model_name_or_path)",
           step - kZeroGradientSteps + 1, step);
     }
-    if (const auto sized = budget.observe(step, record.seconds, seconds_now())) {
-      set_max_train_steps(*run, *sized, budget.explanation());  // max_train_minutes
+    if (auto sized = budget.observe(step, record.seconds, seconds_now())) {  // max_train_minutes
+      // Several ranks observe the same steps; rank 0's timing sizes the run for all.
+      if (run->group)
+        *sized =
+            static_cast<int64_t>(run->group->all_reduce_sum(run->writes_files() ? static_cast<double>(*sized) : 0.0));
+      set_max_train_steps(*run, *sized, budget.explanation());
     }
     const bool last = step == c.max_train_steps;
     const bool saves = save_schedule(*run).due(step);  // save_every_n_steps / _epochs, the last step
