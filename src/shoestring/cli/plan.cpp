@@ -95,7 +95,7 @@ void register_plan(CLI::App& app) {
       fail("--budget: expected a memory size such as 8GiB, got ''");
     if (!args->budget.empty()) {
       const int64_t budget = plan::parse_byte_size(args->budget);
-      advice = plan::advise(config, args->vocab_size, budget);
+      advice = plan::advise(config, args->vocab_size, budget, world);
       nlohmann::json a = {{"budget_bytes", budget}, {"fits", advice->fits_already}, {"found", advice->found}};
       a["config_lines"] = advice->best.config_lines;
       a["cost"] = advice->best.cost;

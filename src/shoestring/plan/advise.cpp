@@ -53,9 +53,9 @@ int64_t parse_byte_size(const std::string& text) {
   return static_cast<int64_t>(v * mult);
 }
 
-Advice advise(const TrainConfig& config, int64_t vocab_size, int64_t budget) {
+Advice advise(const TrainConfig& config, int64_t vocab_size, int64_t budget, int world_size) {
   Advice advice;
-  MemoryPlan base = plan_memory(config, vocab_size);
+  MemoryPlan base = plan_memory(config, vocab_size, world_size);
   if (base.predicted_peak_bytes <= budget) {
     advice.fits_already = true;
     advice.found = true;
@@ -166,7 +166,7 @@ Advice advise(const TrainConfig& config, int64_t vocab_size, int64_t budget) {
           return s;
         }()));
       }
-      prop.plan = plan_memory(c, vocab_size);
+      prop.plan = plan_memory(c, vocab_size, world_size);
       if (prop.plan.predicted_peak_bytes < smallest_peak) {
         smallest_peak = prop.plan.predicted_peak_bytes;
         smallest = prop;

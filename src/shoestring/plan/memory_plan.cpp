@@ -283,6 +283,25 @@ int64_t reduction_buffer_bytes(const std::vector<int64_t>& numels, const dist::T
   return most * 4;
 }
 
+/// The largest bucket of the owners' broadcast of updated weights after a
+/// ZeRO step (dist::ZeroSharding::broadcast_updated_parameters: whole
+/// tensors of one owner and dtype, at most dist::kDefaultBucketBytes each, a
+/// larger one alone, one bucket at a time). `bytes`, `dtypes`: each trained
+/// tensor's stored bytes and dtype; `resident` as in reduction_buffer_bytes.
+int64_t weight_broadcast_bucket_bytes(const std::vector<int64_t>& bytes, const std::vector<at::ScalarType>& dtypes,
+                                      const dist::TensorOwnership& owners, const std::vector<bool>& resident) {
+  std::map<std::pair<int, int>, int64_t> filling;  // per (owner, dtype)
+  int64_t largest = 0;
+  for (size_t i = 0; i < bytes.size(); ++i) {
+    if (!resident.empty() && !resident[i]) continue;
+    int64_t& b = filling[{owners.owner(i), static_cast<int>(dtypes[i])}];
+    if (b > 0 && b + bytes[i] > dist::kDefaultBucketBytes) b = 0;
+    b += bytes[i];
+    largest = std::max(largest, b);
+  }
+  return largest;
+}
+
 }  // namespace
 
 MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size) {
@@ -463,6 +482,7 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
   // resident ones, and the block in use gathered; its gradients likewise
   // (each block's are reduced to their owners right after its backward).
   int64_t stage3_weights_saved = 0, stage3_gradients = -1;
+  int64_t stage3_owned_gradients = 0;  // of the rank owning the most: in stage3_gradients
   // Stage 3: the trained elements whose micro-batch sums this rank keeps
   // (full_bf16 with accumulation: the resident ones and its own streamed ones).
   int64_t stage3_accumulated_elements = -1;
@@ -494,7 +514,8 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
     // The block running and, with zero3_prefetch, the next one gathered in flight.
     const int64_t in_use = largest_group * (c.zero3_prefetch ? 2 : 1);
     stage3_weights_saved = streamed_weights - most_owned - in_use;
-    stage3_gradients = resident_grads + *std::max_element(owned_grads.begin(), owned_grads.end()) + largest_group;
+    stage3_owned_gradients = *std::max_element(owned_grads.begin(), owned_grads.end());
+    stage3_gradients = resident_grads + stage3_owned_gradients + largest_group;
     p.notes.push_back(fmt::format(
         "ZeRO stage 3: {} of the trained weights in {} checkpointed blocks are sharded (this rank keeps {} of "
         "them, plus the largest block, {}, while it runs{}); the rest stays on every rank",
@@ -602,9 +623,11 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
   // base layers are frozen), counted from the start of backward (errs high).
   if (lora && !c.fused_backward_pass) persistent[kG] += p.parameters * lora_elem;
 
-  // Phase A: forward + backward of a micro-batch.
+  // Phase A: forward + backward of a micro-batch. At stage 3 the
+  // accumulator path's owned gradients are in its buffers (persistent).
+  const bool accumulator = !c.fused_backward_pass && accum > 1 && weight_elem == 2 && !bridge;
   Bytes a = tr.at_peak;
-  if (stage3_gradients >= 0) a[kG] = std::min(a[kG], stage3_gradients);
+  if (stage3_gradients >= 0) a[kG] = std::min(a[kG], stage3_gradients - (accumulator ? stage3_owned_gradients : 0));
   if (offload_device_grads >= 0) a[kG] = std::min(a[kG], offload_device_grads);
   for (int k = 0; k < kNumMemoryCategories; ++k) a[k] += persistent[k];
   int64_t peak_a = 0;
@@ -620,12 +643,17 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
   // has no optimizer state yet) exceeds the update's own temporaries in peak_b.
   int64_t reduction_excess = 0;
   if (!c.fused_backward_pass) {
-    const bool accumulator = accum > 1 && weight_elem == 2 && !bridge;
     const int64_t fp32_grads = p.parameters * 4;
     if (accumulator) {
       // .grad is folded into the accumulation buffers after every
       // micro-batch; the step reads the buffers (bf16_sr: as fp32 copies).
-      if (c.gradient_accumulation_dtype == "bf16_sr") b[kT] += accumulated_elements * 4;
+      // Several ranks: each buffer becomes its fp32 sum before the
+      // reduction (GradientPath::sum_into_grad), freed as it is converted.
+      if (c.gradient_accumulation_dtype == "bf16_sr" && world_size > 1) {
+        b[kG] += accumulated_elements * 4 - accum_buffers;
+      } else if (c.gradient_accumulation_dtype == "bf16_sr") {
+        b[kT] += accumulated_elements * 4;
+      }
     } else if (bridge) {
       b[kG] += fp32_grads;
     } else {
@@ -675,10 +703,13 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
   // end of the step's updates. Several ranks: the gradient reduction comes
   // before the update, so step 1 holds its buckets without the state.
   p.first_step_peak_bytes = std::max(peak_a - device_state, peak_b - std::min(reduction_excess, device_state));
+  // Fused step 1: the state is made as the updates come, while the
+  // accumulation buffers (last micro-batch) are freed as their parameters
+  // are stepped: at most the larger of the two is whole.
+  const int64_t fused_state_or_buffers = std::max(persistent[kG], persistent[kS] - p.ema_bytes);
   if (c.fused_backward_pass) {
-    p.first_step_peak_bytes =
-        std::max(peak_a - device_state,
-                 persistent[kW] + persistent[kS] + persistent[kG] + tr.at_peak[kA] / 8);  // rough tail of backward
+    p.first_step_peak_bytes = std::max(peak_a - device_state, persistent[kW] + fused_state_or_buffers + p.ema_bytes +
+                                                                  tr.at_peak[kA] / 8);  // rough tail of backward
     p.first_step_peak_bytes = std::min(p.first_step_peak_bytes, peak_a);
   }
   if (c.fused_backward_pass && world_size > 1) {
@@ -706,7 +737,9 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
     const int64_t buckets = std::min(2 * p.parameters * 4, 4 * largest_bucket);
     p.communication_bytes = buckets;
     Bytes e = persistent;  // the activations are freed by then
-    e[kG] += buckets;
+    // With accumulation the buckets are made of the buffers, each freed
+    // once packed: one bucket's copy beyond them at a time.
+    e[kG] += accum_buffers > 0 ? std::min(largest_bucket, buckets) : buckets;
     int64_t peak_e = 0;
     for (int64_t v : e) peak_e += v;
     if (peak_e > p.predicted_peak_bytes) {
@@ -717,10 +750,33 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
     // Step 1: the optimizer state is created bucket by bucket as the sums
     // arrive; its peak comes with the last bucket, the state (but the EMA,
     // made after the updates) nearly whole.
-    int64_t persistent_sum = 0;
-    for (int64_t v : persistent) persistent_sum += v;
-    p.first_step_peak_bytes =
-        std::max(p.first_step_peak_bytes, persistent_sum - p.ema_bytes + std::min(largest_bucket, buckets));
+    int64_t others = 0;  // activations and temporaries that outlive backward
+    for (int k = 0; k < kNumMemoryCategories; ++k) {
+      if (k != kW && k != kS && k != kG) others += persistent[k];
+    }
+    p.first_step_peak_bytes = std::max(p.first_step_peak_bytes, persistent[kW] + fused_state_or_buffers + p.ema_bytes +
+                                                                    others + std::min(largest_bucket, buckets));
+    if (owners && !lora && weight_of_trained.size() == trained.size()) {
+      // Then (ZeRO) the owners send their updated weights, a bucket at a
+      // time, the step's gradients and buffers gone and the state whole.
+      std::vector<at::ScalarType> dtypes;
+      for (const auto& t : trained) dtypes.push_back(t.second);
+      std::vector<bool> resident;
+      if (p.zero_stage == 3 && !lora) {
+        for (int g : group_of_trained) resident.push_back(g < 0);
+      }
+      Bytes f = persistent;
+      f[kG] = 0;
+      f[kT] += weight_broadcast_bucket_bytes(weight_of_trained, dtypes, *owners, resident);
+      int64_t peak_f = 0;
+      for (int64_t v : f) peak_f += v;
+      p.first_step_peak_bytes = std::max(p.first_step_peak_bytes, peak_f);
+      if (peak_f > p.predicted_peak_bytes) {
+        p.predicted_peak_bytes = peak_f;
+        p.at_peak = f;
+        p.peak_phase = "broadcast of the updated weights (ZeRO owners)";
+      }
+    }
   }
   // A run on CUDA (named, or "auto" on a machine with a CUDA device) pays
   // the caching allocator's rounding and the cuBLAS workspaces too.

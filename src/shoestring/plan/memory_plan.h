@@ -130,8 +130,9 @@ struct Advice {
 /// gradient_checkpointing, offload_optimizer_state, attention_chunk_mib and
 /// smaller train_batch_size with gradient_accumulation_steps keeping the
 /// images per step, and returns the fitting one with the lowest expected
-/// slowdown (ties: fewest changes). Switches already on stay on.
-Advice advise(const TrainConfig& config, int64_t vocab_size, int64_t budget_bytes);
+/// slowdown (ties: fewest changes). Switches already on stay on. Every
+/// proposal is planned for one rank of `world_size` (plan_memory's).
+Advice advise(const TrainConfig& config, int64_t vocab_size, int64_t budget_bytes, int world_size = 1);
 
 /// Parses "8GiB", "512MiB", "1.5G", "2e9" (bytes) into bytes. Throws
 /// shoestring::Error naming the text when it is not a size.
