@@ -97,6 +97,7 @@ void FusedBackward::begin_micro_batch(int64_t micro) {
     fail("fused backward: micro-batch {} out of order (expected {} of 0..{})", micro, micro_ + 1,
          options_.accumulation_steps - 1);
   }
+  if (options_.reduction && options_.reduction->every_micro_batch) flush_buckets();  // the last micro-batch's sums
   micro_ = micro;
   std::fill(done_.begin(), done_.end(), 0);
   const bool last = micro == options_.accumulation_steps - 1;
@@ -145,6 +146,10 @@ void FusedBackward::on_gradient(size_t index, at::Tensor& param) {
   switch (pass_) {
     case Pass::idle: return;
     case Pass::accumulate:
+      if (options_.reduction && options_.reduction->every_micro_batch) {
+        reduce_and_apply(index, grad.to(torch::kFloat32), micro_);  // summed over the ranks into the receiver's buffer
+        return;
+      }
       acc->add(index, grad, (step_ - 1) * options_.accumulation_steps + micro_, /*may_alias=*/true);
       return;
     case Pass::measure: {
@@ -169,13 +174,18 @@ void FusedBackward::on_gradient(size_t index, at::Tensor& param) {
             name);
       }
       done_[index] = 1;
+      if (options_.reduction && options_.reduction->every_micro_batch) {
+        // The buffer (the earlier micro-batches' sums) is the receiver's, added on arrival.
+        reduce_and_apply(index, grad.to(torch::kFloat32));
+        return;
+      }
       reduce_and_apply(index, acc->finish(index, grad));
       return;
     }
   }
 }
 
-void FusedBackward::reduce_and_apply(size_t index, at::Tensor grad_fp32) {
+void FusedBackward::reduce_and_apply(size_t index, at::Tensor grad_fp32, int64_t accumulate_micro) {
   if (!options_.reduction) {
     apply(index, grad_fp32);
     return;
@@ -185,6 +195,7 @@ void FusedBackward::reduce_and_apply(size_t index, at::Tensor grad_fp32) {
   const int64_t bytes = grad_fp32.numel() * static_cast<int64_t>(sizeof(float));
   if (!filling_.grads.empty() && (root != filling_.root || filling_.bytes + bytes > r.bucket_bytes)) send_bucket();
   filling_.root = root;
+  filling_.micro = accumulate_micro;
   filling_.bytes += bytes;
   filling_.grads.emplace_back(index, grad_fp32);
 }
@@ -225,7 +236,15 @@ void FusedBackward::finish_oldest_bucket() {
   for (size_t index : b.params) {
     const at::Tensor& p = optimizer_.params()[index].param;
     const int64_t n = p.numel();
-    apply(index, b.flat.narrow(0, offset, n).view(p.sizes()));
+    const at::Tensor sum = b.flat.narrow(0, offset, n).view(p.sizes());
+    GradientAccumulator* acc = accumulator_of_[index];
+    if (b.micro >= 0) {
+      acc->add(index, sum, (step_ - 1) * options_.accumulation_steps + b.micro);  // copied
+    } else if (options_.reduction->every_micro_batch && acc->has(index)) {
+      apply(index, acc->finish(index, sum));  // the earlier micro-batches' sums + this one, in fp32
+    } else {
+      apply(index, sum);
+    }
     offset += n;
   }
 }
@@ -248,6 +267,11 @@ void FusedBackward::apply(size_t index, const at::Tensor& grad_fp32) {
   ++stepped_;
 }
 
+void FusedBackward::flush_buckets() {
+  send_bucket();
+  while (!in_flight_.empty()) finish_oldest_bucket();
+}
+
 FusedStepResult FusedBackward::end_step() {
   if (!step_open_) fail("fused backward: end_step without begin_step");
   if (micro_ != options_.accumulation_steps - 1) {
@@ -255,17 +279,22 @@ FusedStepResult FusedBackward::end_step() {
   }
   if (pass_ == Pass::measure) fail("fused backward: end_step before the second pass of two_pass clipping");
   torch::NoGradGuard no_grad;
+  const bool every_micro_batch = options_.reduction && options_.reduction->every_micro_batch;
+  if (every_micro_batch) flush_buckets();  // every sum has arrived: the buffers left are complete
   if (!skip_step_) {
-    // Buffers whose parameter got no gradient in the last micro-batch.
+    // Buffers whose parameter got no gradient in the last micro-batch
+    // (every_micro_batch: on their receiver, already summed over the ranks).
     for (size_t i = 0; i < done_.size(); ++i) {
       GradientAccumulator* acc = accumulator_of_[i];
-      if (acc->has(i)) reduce_and_apply(i, acc->finish(i, at::Tensor()));
+      if (!acc->has(i)) continue;
+      if (every_micro_batch) {
+        apply(i, acc->finish(i, at::Tensor()));
+      } else {
+        reduce_and_apply(i, acc->finish(i, at::Tensor()));
+      }
     }
   }
-  if (options_.reduction) {
-    send_bucket();
-    while (!in_flight_.empty()) finish_oldest_bucket();
-  }
+  if (options_.reduction) flush_buckets();
   for (auto& acc : accumulators_) acc->reset();
   if (options_.sum_over_ranks) {
     sumsq_ = options_.sum_over_ranks(sumsq_);

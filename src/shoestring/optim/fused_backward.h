@@ -78,6 +78,14 @@ struct FusedReduction {
   /// every rank; the wait throws what the collective throws.
   std::function<std::function<void()>(const at::Tensor& flat, int root)> start;
   int64_t bucket_bytes = int64_t{25} << 20;  ///< fused_bucket_bytes() (PyTorch DDP's bucket_cap_mb = 25 at most)
+  /// With gradient accumulation: false (default): no communication before
+  /// the last micro-batch, every rank buffers every parameter's gradients;
+  /// true (ZeRO stage 3, where a rank keeps only its own tensors): each
+  /// micro-batch's gradients are summed over the ranks the same way, and
+  /// only the receiving rank adds the sum to its buffer, so a rank's buffers
+  /// hold its own tensors' sums. Every rank must call begin_micro_batch and
+  /// end_step in step (the buckets of a micro-batch end at the next call).
+  bool every_micro_batch = false;
 };
 
 /// The bucket size for `parameters` trainable elements: a quarter of their
@@ -180,19 +188,23 @@ class FusedBackward {
   /// One process: apply(). Several ranks: into the filling bucket
   /// (FusedReduction), which is sent when full; a bucket's parameters are
   /// applied when its sum has arrived.
-  void reduce_and_apply(size_t index, at::Tensor grad_fp32);
+  void reduce_and_apply(size_t index, at::Tensor grad_fp32, int64_t accumulate_micro = -1);
   /// Starts the filling bucket's collective (nothing when empty); waits for
   /// the oldest in flight while more than two are.
   void send_bucket();
   /// Waits for the oldest bucket in flight and applies its parameters where
-  /// this rank receives the sum.
+  /// this rank receives the sum (or adds it to their buffers: `micro` of an
+  /// accumulating bucket).
   void finish_oldest_bucket();
+  /// Sends the filling bucket and waits for every one in flight.
+  void flush_buckets();
   struct Bucket {
     std::vector<std::pair<size_t, at::Tensor>> grads;  ///< (index, fp32 step gradient) while filling
     std::vector<size_t> params;                        ///< once sent
     at::Tensor flat;
     int root = -1;
     int64_t bytes = 0;
+    int64_t micro = -1;  ///< every_micro_batch: the micro-batch whose sums it carries into the buffers; -1: applied
     std::function<void()> wait;
   };
   void apply(size_t index, const at::Tensor& grad);

@@ -486,6 +486,9 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
   // Stage 3: the trained elements whose micro-batch sums this rank keeps
   // (full_bf16 with accumulation: the resident ones and its own streamed ones).
   int64_t stage3_accumulated_elements = -1;
+  // Fused at stage 3 (FusedReduction::every_micro_batch): every micro-batch's
+  // gradients go to their owners, which alone buffer them.
+  int64_t stage3_fused_accumulated_elements = -1;
   if (p.zero_stage == 3 && !lora) {
     const dist::TensorOwnership owners(numel_of_trained, world_size);
     std::vector<int64_t> owned_weights(static_cast<size_t>(world_size), 0);
@@ -508,6 +511,8 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
       owned_elements[static_cast<size_t>(owners.owner(i))] += numel_of_trained[i];
     }
     stage3_accumulated_elements = resident_elements + *std::max_element(owned_elements.begin(), owned_elements.end());
+    for (int r = 0; r < world_size; ++r)
+      stage3_fused_accumulated_elements = std::max(stage3_fused_accumulated_elements, owners.elements_of(r));
     int64_t largest_group = 0;
     for (const auto& [g, bytes] : group_weights) largest_group = std::max(largest_group, bytes);
     const int64_t most_owned = *std::max_element(owned_weights.begin(), owned_weights.end());
@@ -603,13 +608,15 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
   }
 
   // Gradient-accumulation buffers alive through the step (gradients).
-  // Several ranks: the fused backward buffers every gradient on every rank
-  // (no communication before the last micro-batch); the accumulator at
-  // stage 3 only what its rank keeps (the streamed gradients are summed
-  // over the ranks after each backward).
+  // Several ranks: at stages 0-2 every rank buffers every gradient (no
+  // communication before the last micro-batch); at stage 3 only what it
+  // keeps: the accumulator its own streamed tensors' sums over the ranks
+  // and the resident ones, the fused backward its own tensors' sums.
   int64_t accum_buffers = 0;
   const int64_t accumulated_elements =
-      !c.fused_backward_pass && stage3_accumulated_elements >= 0 ? stage3_accumulated_elements : p.parameters;
+      c.fused_backward_pass && stage3_fused_accumulated_elements >= 0 ? stage3_fused_accumulated_elements
+      : !c.fused_backward_pass && stage3_accumulated_elements >= 0    ? stage3_accumulated_elements
+                                                                      : p.parameters;
   if (accum > 1 && !bridge) {
     const bool sr16 = c.gradient_accumulation_dtype == "bf16_sr" && weight_elem == 2;
     if (c.fused_backward_pass || weight_elem == 2) accum_buffers = accumulated_elements * (sr16 ? 2 : 4);
@@ -738,8 +745,9 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
     p.communication_bytes = buckets;
     Bytes e = persistent;  // the activations are freed by then
     // With accumulation the buckets are made of the buffers, each freed
-    // once packed: one bucket's copy beyond them at a time.
-    e[kG] += accum_buffers > 0 ? std::min(largest_bucket, buckets) : buckets;
+    // once packed: one bucket's copy beyond them at a time (not at stage 3,
+    // whose buckets carry the last micro-batch's own gradients).
+    e[kG] += accum_buffers > 0 && stage3_fused_accumulated_elements < 0 ? std::min(largest_bucket, buckets) : buckets;
     int64_t peak_e = 0;
     for (int64_t v : e) peak_e += v;
     if (peak_e > p.predicted_peak_bytes) {

@@ -396,6 +396,9 @@ std::unique_ptr<GradientPath> make_run_gradient_path(const Run& run, const std::
     reduction.rank = run.rank();
     reduction.bucket_bytes = fused_bucket_bytes(run.trainable_parameters);
     reduction.root_of.assign(run.trainable.size(), -1);
+    // Stage 3: a rank keeps its own tensors' accumulation buffers only, so
+    // every micro-batch's gradients are summed over the ranks.
+    reduction.every_micro_batch = run.zero && run.zero->stage() == 3;
     if (run.zero) {
       for (size_t i = 0; i < run.trainable.size(); ++i) reduction.root_of[i] = run.zero->ownership().owner(i);
     }
