@@ -483,6 +483,7 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
   // (each block's are reduced to their owners right after its backward).
   int64_t stage3_weights_saved = 0, stage3_gradients = -1;
   int64_t stage3_owned_gradients = 0;  // of the rank owning the most: in stage3_gradients
+  int64_t stage3_in_use = 0;           // the blocks gathered in backward (none after it)
   // Stage 3: the trained elements whose micro-batch sums this rank keeps
   // (full_bf16 with accumulation: the resident ones and its own streamed ones).
   int64_t stage3_accumulated_elements = -1;
@@ -518,6 +519,7 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
     const int64_t most_owned = *std::max_element(owned_weights.begin(), owned_weights.end());
     // The block running and, with zero3_prefetch, the next one gathered in flight.
     const int64_t in_use = largest_group * (c.zero3_prefetch ? 2 : 1);
+    stage3_in_use = std::min(in_use, streamed_weights - most_owned);
     stage3_weights_saved = streamed_weights - most_owned - in_use;
     stage3_owned_gradients = *std::max_element(owned_grads.begin(), owned_grads.end());
     stage3_gradients = resident_grads + stage3_owned_gradients + largest_group;
@@ -645,6 +647,7 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
   // fp32 copy of a bf16 weight. Through the fp32 bridge, every gradient is
   // first copied to fp32 (both alive until the copies replace them).
   Bytes b = persistent;
+  b[kW] -= stage3_in_use;  // no block is gathered for the update
   int64_t peak_b = 0;
   // Bytes by which the gradient reduction (before the update, when step 1
   // has no optimizer state yet) exceeds the update's own temporaries in peak_b.
@@ -744,6 +747,7 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
     const int64_t buckets = std::min(2 * p.parameters * 4, 4 * largest_bucket);
     p.communication_bytes = buckets;
     Bytes e = persistent;  // the activations are freed by then
+    e[kW] -= stage3_in_use;
     // With accumulation the buckets are made of the buffers, each freed
     // once packed: one bucket's copy beyond them at a time (not at stage 3,
     // whose buckets carry the last micro-batch's own gradients).
@@ -774,6 +778,7 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
         for (int g : group_of_trained) resident.push_back(g < 0);
       }
       Bytes f = persistent;
+      f[kW] -= stage3_in_use;
       f[kG] = 0;
       f[kT] += weight_broadcast_bucket_bytes(weight_of_trained, dtypes, *owners, resident);
       int64_t peak_f = 0;
