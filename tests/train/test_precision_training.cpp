@@ -260,3 +260,41 @@ TEST(PrecisionTraining, SavePrecisionGuardRefusesOverflowUnlessForced) {
   EXPECT_EQ(SafetensorsFile::open(s2.run_dir + "/model.safetensors").find("unet.conv_in.weight")->dtype, StDtype::BF16);
   fs::remove_all(s2.run_dir);
 }
+
+// save_precision = "fp32" with weights stored narrower: the final file is
+// cast once from their fp32 sources, not from the weights rounded into
+// fp16 / bf16: the fp32 master weights (full_fp16 with master = "fp32"), and
+// with EMA the EMA's shadows; both as the last checkpoint's state keeps
+// them, bit for bit. "auto" keeps the storage dtype.
+TEST(PrecisionTraining, Fp32FinalFileTakesTheMastersAndTheEmaShadows) {
+  struct Case {
+    std::string name, extra, prefix;
+  };
+  const std::vector<Case> cases = {
+      {"masters", "full_fp16 = true\n[[precision.rule]]\nmatch = \"unet.*\"\nmaster = \"fp32\"\n", "master."},
+      {"ema", "full_bf16 = true\nmixed_precision = \"bf16\"\nema_decay = 0.9\n", "ema."}};
+  for (const Case& k : cases) {
+    auto cfg = tiny_config(temp_dir("final_fp32_" + k.name), "save_precision = \"fp32\"\n" + k.extra);
+    cfg.max_train_steps = 2;
+    cfg.save_every_n_steps = 2;
+    const auto s = train(cfg, quiet());
+    const auto model = load_safetensors(s.run_dir + "/model.safetensors");
+    const auto state = load_safetensors(s.run_dir + "/checkpoints/step-000002/state.safetensors");
+    const auto stored = load_safetensors(s.run_dir + "/checkpoints/step-000002/model.safetensors");
+    int64_t compared = 0, narrower = 0;
+    for (const auto& [name, t] : model) {
+      ASSERT_EQ(t.scalar_type(), at::kFloat) << k.name << ": " << name;
+      const auto source = state.find(k.prefix + name);
+      if (source == state.end()) continue;
+      ++compared;
+      EXPECT_TRUE(torch::equal(t, source->second)) << k.name << ": " << name << " is not its fp32 source";
+      // The stored weight is the source rounded: they differ somewhere.
+      if (!torch::equal(t, stored.at(name).to(at::kFloat))) ++narrower;
+    }
+    EXPECT_GT(compared, 10) << k.name;
+    EXPECT_GT(narrower, 0) << k.name << ": the sources are not finer than the stored weights";
+    std::cout << k.name << ": " << compared << " tensors written from their fp32 source, " << narrower
+              << " of them finer than the stored weight\n";
+    fs::remove_all(s.run_dir);
+  }
+}

@@ -31,6 +31,7 @@
 #include "shoestring/train/dataset_config.h"
 #include "shoestring/train/device_precision.h"
 #include "shoestring/train/sampling.h"
+#include "shoestring/train/training_model_impl.h"
 
 namespace shoestring {
 namespace fs = std::filesystem;
@@ -1302,12 +1303,36 @@ int64_t restore_checkpoint(Run& run, const std::string& dir) {
   return run.counters.step;
 }
 
+/// The fp32 sources this process holds of trained weights stored
+/// narrower, by the weight's TensorImpl: the fp32 master weights (when no
+/// rank holds only its own), overridden by the EMA's shadows (when kept
+/// here whole). What FinalTensorsInstead writes in a final file.
+std::map<const c10::TensorImpl*, at::Tensor> fp32_sources(Run& run) {
+  std::map<std::string, const at::Tensor*> param_of;
+  for (const auto& [name, p] : run.trainable) param_of.emplace(name, &p);
+  std::map<const c10::TensorImpl*, at::Tensor> out;
+  auto take = [&](const std::vector<std::pair<std::string, at::Tensor>>& sources) {
+    for (const auto& [name, t] : sources) {
+      const auto it = param_of.find(name);
+      if (it != param_of.end() && it->second->scalar_type() != at::kFloat) out[it->second->unsafeGetTensorImpl()] = t;
+    }
+  };
+  if (!shards_checkpoints(run)) take(run.gradients->state().masters);
+  if (EMA* ema = local_ema(run)) take(ema->tensors());
+  return out;
+}
+
 void save_final_files(Run& run, int64_t step) {
   const TrainConfig& c = run.config;
   EmaWeightsIn ema_weights(local_ema(run));
+  // A save_precision other than "auto" casts the final file once from the
+  // fp32 sources kept here (EMA shadows, fp32 masters), not from the
+  // weights they were rounded into.
   const std::string final_path = (fs::path(run.run_dir) / "model.safetensors").string();
   if (!run.lora_only()) {
     try {
+      FinalTensorsInstead fp32_weights(c.save_precision == "auto" ? std::map<const c10::TensorImpl*, at::Tensor>()
+                                                                  : fp32_sources(run));
       run.model->save_final(final_path, step);
     } catch (const Error& e) {
       // The range guard refused save_precision: keep the trained weights

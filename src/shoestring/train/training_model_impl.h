@@ -56,6 +56,25 @@ void for_each_text_batch(
 /// dtype a final file is cast to (precision/save_guard.h).
 std::string stored_dtype_name(const torch::nn::Module& module);
 
+/// For its lifetime, save_module_tensors (this thread) writes `instead[impl]`
+/// in place of each tensor whose TensorImpl is `impl`: the fp32 sources of
+/// weights stored narrower (EMA shadows, fp32 master weights), which
+/// save_precision then casts once, instead of the stored weights upcast.
+/// Same shape required (checked when writing). Not nested.
+class FinalTensorsInstead {
+ public:
+  explicit FinalTensorsInstead(std::map<const c10::TensorImpl*, at::Tensor> instead);
+  ~FinalTensorsInstead();
+  FinalTensorsInstead(const FinalTensorsInstead&) = delete;
+  FinalTensorsInstead& operator=(const FinalTensorsInstead&) = delete;
+  /// The substitute of `t` while one is in force, else `t`. Throws
+  /// shoestring::Error naming `name` for a substitute of another shape.
+  static const at::Tensor& of(const std::string& name, const at::Tensor& t);
+
+ private:
+  std::map<const c10::TensorImpl*, at::Tensor> instead_;
+};
+
 /// Writes `tensors` (+ `extra`, written as they are but cast alike) to `path`
 /// in config.save_precision ("auto": each tensor's own dtype) through the
 /// save-time range guard (precision/save_guard.h; save_precision_force skips
