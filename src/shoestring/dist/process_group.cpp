@@ -133,10 +133,19 @@ PendingCollective::PendingCollective(PendingCollective&&) noexcept = default;
 PendingCollective& PendingCollective::operator=(PendingCollective&&) noexcept = default;
 PendingCollective::~PendingCollective() {
   if (!state_ || state_->done) return;
+  // Dropped while an error unwinds or is being handled (a peer failed:
+  // every collective in flight fails alike): that error is the one
+  // reported; this one only in the debug log, so a rank does not print the
+  // same failure twice.
+  const bool unwinding = std::uncaught_exceptions() > 0 || std::current_exception() != nullptr;
   try {
     wait();
   } catch (const std::exception& e) {
-    spdlog::error("{}", e.what());
+    if (unwinding) {
+      spdlog::debug("{}", e.what());
+    } else {
+      spdlog::error("{}", e.what());
+    }
   }
 }
 
