@@ -121,7 +121,7 @@ Advice advise(const TrainConfig& config, int64_t vocab_size, int64_t budget, int
   }
   bool have = false;
   Proposal best, smallest;
-  int64_t smallest_peak = INT64_MAX;
+  int64_t smallest_peak = INT64_MAX, smallest_batch = config.train_batch_size;
   const size_t n = usable.size();
   for (size_t mask = 0; mask < (size_t{1} << n); ++mask) {
     bool both_opt = false;
@@ -170,6 +170,7 @@ Advice advise(const TrainConfig& config, int64_t vocab_size, int64_t budget, int
       if (prop.plan.predicted_peak_bytes < smallest_peak) {
         smallest_peak = prop.plan.predicted_peak_bytes;
         smallest = prop;
+        smallest_batch = c.train_batch_size;
       }
       if (prop.plan.predicted_peak_bytes <= budget) {
         const bool better = !have || prop.slowdown < best.slowdown - 1e-9 ||
@@ -191,11 +192,11 @@ Advice advise(const TrainConfig& config, int64_t vocab_size, int64_t budget, int
     advice.best = smallest;
     const MemoryPlan& f = smallest.plan;
     advice.floor_reason = fmt::format(
-        "the smallest configuration found needs {} (weights {}, optimizer state + EMA {}, activations of one "
-        "image {} at batch {}, gradients {}, temporaries {}); lower the resolution or the model size, or drop EMA "
+        "the smallest configuration found needs {} (weights {}, optimizer state + EMA {}, activations {} at "
+        "train_batch_size {}, gradients {}, temporaries {}); lower the resolution or the model size, or drop EMA "
         "(ema_decay = 0, {})",
         fmt_bytes(f.predicted_peak_bytes), fmt_bytes(f.at_peak[kW]), fmt_bytes(f.at_peak[kS]), fmt_bytes(f.at_peak[kA]),
-        1, fmt_bytes(f.at_peak[kG]), fmt_bytes(f.at_peak[kT]), fmt_bytes(f.ema_bytes));
+        smallest_batch, fmt_bytes(f.at_peak[kG]), fmt_bytes(f.at_peak[kT]), fmt_bytes(f.ema_bytes));
   }
   return advice;
 }
