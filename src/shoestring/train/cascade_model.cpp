@@ -194,10 +194,10 @@ class CascadeTrainingModel final : public TrainingModel {
     return meta;
   }
 
-  void save_final(const std::string& path, int64_t step, bool storage_dtype) override {
+  void save_final(const std::string& path, int64_t step, bool storage_dtype, const TensorsByImpl& instead) override {
     TrainConfig c = config_;
     if (storage_dtype) c.save_precision = "auto";
-    save_module_tensors(path, module_tensors(*stage_c_), metadata(step), c);
+    save_module_tensors(path, module_tensors(*stage_c_), metadata(step), c, instead);
   }
   bool base_reloadable() const override { return base_.has_value(); }
 

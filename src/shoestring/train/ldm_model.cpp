@@ -244,7 +244,7 @@ class LdmTrainingModel final : public TrainingModel {
     return meta;
   }
 
-  void save_final(const std::string& path, int64_t step, bool storage_dtype) override;
+  void save_final(const std::string& path, int64_t step, bool storage_dtype, const TensorsByImpl& instead) override;
   bool base_reloadable() const override { return base_.has_value(); }
 
  private:
@@ -688,14 +688,15 @@ std::vector<std::pair<std::string, at::Tensor>> LdmTrainingModel::companion_tens
   return out;
 }
 
-void LdmTrainingModel::save_final(const std::string& path, int64_t step, bool storage_dtype) {
+void LdmTrainingModel::save_final(const std::string& path, int64_t step, bool storage_dtype,
+                                  const TensorsByImpl& instead) {
   // The trained UNet under model.diffusion_model. plus the base checkpoint's
   // VAE and text encoders: a single file ComfyUI / A1111 / kohya load as is.
   std::vector<std::pair<std::string, at::Tensor>> tensors = module_tensors(*root_);
   for (auto& item : companion_tensors()) tensors.push_back(std::move(item));
   TrainConfig c = config_;
   if (storage_dtype) c.save_precision = "auto";
-  save_module_tensors(path, tensors, metadata(step), c);
+  save_module_tensors(path, tensors, metadata(step), c, instead);
 }
 
 }  // namespace

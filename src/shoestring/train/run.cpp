@@ -31,7 +31,6 @@
 #include "shoestring/train/dataset_config.h"
 #include "shoestring/train/device_precision.h"
 #include "shoestring/train/sampling.h"
-#include "shoestring/train/training_model_impl.h"
 
 namespace shoestring {
 namespace fs = std::filesystem;
@@ -1304,13 +1303,13 @@ int64_t restore_checkpoint(Run& run, const std::string& dir) {
 }
 
 /// The fp32 sources this process holds of trained weights stored
-/// narrower, by the weight's TensorImpl: the fp32 master weights (when no
-/// rank holds only its own), overridden by the EMA's shadows (when kept
-/// here whole). What FinalTensorsInstead writes in a final file.
-std::map<const c10::TensorImpl*, at::Tensor> fp32_sources(Run& run) {
+/// narrower, by the weight's TensorImpl: the fp32 master weights (unless
+/// ZeRO shards them over the ranks), overridden by the EMA's shadows (when
+/// kept here whole). What a final file in save_precision is cast from.
+TensorsByImpl fp32_sources(Run& run) {
   std::map<std::string, const at::Tensor*> param_of;
   for (const auto& [name, p] : run.trainable) param_of.emplace(name, &p);
-  std::map<const c10::TensorImpl*, at::Tensor> out;
+  TensorsByImpl out;
   auto take = [&](const std::vector<std::pair<std::string, at::Tensor>>& sources) {
     for (const auto& [name, t] : sources) {
       const auto it = param_of.find(name);
@@ -1325,15 +1324,14 @@ std::map<const c10::TensorImpl*, at::Tensor> fp32_sources(Run& run) {
 void save_final_files(Run& run, int64_t step) {
   const TrainConfig& c = run.config;
   EmaWeightsIn ema_weights(local_ema(run));
-  // A save_precision other than "auto" casts the final file once from the
-  // fp32 sources kept here (EMA shadows, fp32 masters), not from the
-  // weights they were rounded into.
   const std::string final_path = (fs::path(run.run_dir) / "model.safetensors").string();
   if (!run.lora_only()) {
     try {
-      FinalTensorsInstead fp32_weights(c.save_precision == "auto" ? std::map<const c10::TensorImpl*, at::Tensor>()
-                                                                  : fp32_sources(run));
-      run.model->save_final(final_path, step);
+      // A save_precision other than "auto" casts the final file once from
+      // the fp32 sources kept here (EMA shadows, fp32 masters), not from the
+      // weights they were rounded into.
+      run.model->save_final(final_path, step, /*storage_dtype=*/false,
+                            c.save_precision == "auto" ? TensorsByImpl() : fp32_sources(run));
     } catch (const Error& e) {
       // The range guard refused save_precision: keep the trained weights
       // anyway, in their storage dtype, and say how to narrow them.

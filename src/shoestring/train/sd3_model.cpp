@@ -196,7 +196,7 @@ class Sd3TrainingModel final : public TrainingModel {
     return meta;
   }
 
-  void save_final(const std::string& path, int64_t step, bool storage_dtype) override {
+  void save_final(const std::string& path, int64_t step, bool storage_dtype, const TensorsByImpl& instead) override {
     // The trained MMDiT plus the base file's other tensors (VAE, text encoders)
     // as they are, or, without a base file (tiny), the VAE in use.
     std::vector<std::pair<std::string, at::Tensor>> tensors = module_tensors(*root_);
@@ -209,7 +209,7 @@ class Sd3TrainingModel final : public TrainingModel {
     }
     TrainConfig c = config_;
     if (storage_dtype) c.save_precision = "auto";
-    save_module_tensors(path, tensors, metadata(step), c);
+    save_module_tensors(path, tensors, metadata(step), c, instead);
   }
   bool base_reloadable() const override { return base_.has_value(); }
 

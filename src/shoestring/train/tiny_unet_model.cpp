@@ -244,10 +244,10 @@ class TinyUNetTrainingModel final : public TrainingModel {
             {"dtype", stored_dtype_name(*model_)}};
   }
 
-  void save_final(const std::string& path, int64_t step, bool storage_dtype) override {
+  void save_final(const std::string& path, int64_t step, bool storage_dtype, const TensorsByImpl& instead) override {
     TrainConfig c = config_;
     if (storage_dtype) c.save_precision = "auto";
-    save_module_tensors(path, module_tensors(*model_), metadata(step), c);
+    save_module_tensors(path, module_tensors(*model_), metadata(step), c, instead);
   }
 
   int64_t plan_vocab_size() const override { return tokenizer_.vocab_size(); }

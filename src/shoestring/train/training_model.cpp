@@ -244,34 +244,23 @@ std::string stored_dtype_name(const torch::nn::Module& module) {
                                                                                          : "mixed";
 }
 
-namespace {
-thread_local const std::map<const c10::TensorImpl*, at::Tensor>* final_tensors_instead = nullptr;
-}  // namespace
-
-FinalTensorsInstead::FinalTensorsInstead(std::map<const c10::TensorImpl*, at::Tensor> instead)
-    : instead_(std::move(instead)) {
-  if (final_tensors_instead) fail("FinalTensorsInstead: already in force on this thread");
-  final_tensors_instead = &instead_;
-}
-
-FinalTensorsInstead::~FinalTensorsInstead() { final_tensors_instead = nullptr; }
-
-const at::Tensor& FinalTensorsInstead::of(const std::string& name, const at::Tensor& t) {
-  if (!final_tensors_instead || !t.defined()) return t;
-  const auto it = final_tensors_instead->find(t.unsafeGetTensorImpl());
-  if (it == final_tensors_instead->end()) return t;
-  if (it->second.sizes() != t.sizes()) {
-    fail("final model file: the fp32 source of '{}' has shape {}, the weight {}", name,
-         format_shape(it->second.sizes()), format_shape(t.sizes()));
-  }
-  return it->second;
-}
-
 void save_module_tensors(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors_in,
-                         std::map<std::string, std::string> metadata, const TrainConfig& config) {
+                         std::map<std::string, std::string> metadata, const TrainConfig& config,
+                         const TensorsByImpl& instead) {
   std::vector<std::pair<std::string, at::Tensor>> tensors;
   tensors.reserve(tensors_in.size());
-  for (const auto& [name, t] : tensors_in) tensors.emplace_back(name, FinalTensorsInstead::of(name, t));
+  for (const auto& [name, t] : tensors_in) {
+    const auto it = t.defined() ? instead.find(t.unsafeGetTensorImpl()) : instead.end();
+    if (it == instead.end()) {
+      tensors.emplace_back(name, t);
+      continue;
+    }
+    if (it->second.sizes() != t.sizes()) {
+      fail("final model file: the fp32 source of '{}' has shape {}, the weight {}", name,
+           format_shape(it->second.sizes()), format_shape(t.sizes()));
+    }
+    tensors.emplace_back(name, it->second);
+  }
   // kohya's save_precision ("auto": as trained), behind the save-time range guard (docs/precision.md).
   std::optional<precision::Dtype> target;
   if (config.save_precision != "auto") target = precision::parse_save_precision(config.save_precision);

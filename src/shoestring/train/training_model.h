@@ -83,6 +83,9 @@ struct ModelSource {
   std::function<void(torch::nn::Module& module, const std::vector<nn::LoraComponent>& lora_components)> check_module;
 };
 
+/// Tensors keyed by the TensorImpl of the module tensor they stand for.
+using TensorsByImpl = std::map<const c10::TensorImpl*, at::Tensor>;
+
 class TrainingModel {
  public:
   virtual ~TrainingModel() = default;
@@ -113,9 +116,13 @@ class TrainingModel {
   /// save_precision (or, with `storage_dtype`, each in its own dtype) through
   /// the save-time range guard, plus whatever the family ships beside them
   /// (the LDM families copy the base checkpoint's VAE and text encoders so the
-  /// file loads in ComfyUI / A1111).
-  /// Throws shoestring::Error from the range guard or on I/O failure.
-  virtual void save_final(const std::string& path, int64_t step, bool storage_dtype = false) = 0;
+  /// file loads in ComfyUI / A1111). `instead`: tensors written in place of
+  /// module parameters, by the parameter's TensorImpl (the fp32 sources of
+  /// weights stored narrower: EMA shadows, fp32 masters; same shapes).
+  /// Throws shoestring::Error from the range guard, for a substitute of
+  /// another shape, or on I/O failure.
+  virtual void save_final(const std::string& path, int64_t step, bool storage_dtype = false,
+                          const TensorsByImpl& instead = {}) = 0;
 
   /// True when the frozen base weights can be rebuilt exactly from the
   /// pretrained file (a resumed LoRA run reloads them), so a LoRA run saves

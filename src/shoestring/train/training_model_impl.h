@@ -56,32 +56,16 @@ void for_each_text_batch(
 /// dtype a final file is cast to (precision/save_guard.h).
 std::string stored_dtype_name(const torch::nn::Module& module);
 
-/// For its lifetime, save_module_tensors (this thread) writes `instead[impl]`
-/// in place of each tensor whose TensorImpl is `impl`: the fp32 sources of
-/// weights stored narrower (EMA shadows, fp32 master weights), which
-/// save_precision then casts once, instead of the stored weights upcast.
-/// Same shape required (checked when writing). Not nested.
-class FinalTensorsInstead {
- public:
-  explicit FinalTensorsInstead(std::map<const c10::TensorImpl*, at::Tensor> instead);
-  ~FinalTensorsInstead();
-  FinalTensorsInstead(const FinalTensorsInstead&) = delete;
-  FinalTensorsInstead& operator=(const FinalTensorsInstead&) = delete;
-  /// The substitute of `t` while one is in force, else `t`. Throws
-  /// shoestring::Error naming `name` for a substitute of another shape.
-  static const at::Tensor& of(const std::string& name, const at::Tensor& t);
-
- private:
-  std::map<const c10::TensorImpl*, at::Tensor> instead_;
-};
-
 /// Writes `tensors` (+ `extra`, written as they are but cast alike) to `path`
 /// in config.save_precision ("auto": each tensor's own dtype) through the
 /// save-time range guard (precision/save_guard.h; save_precision_force skips
-/// the refusal). Throws shoestring::Error naming the tensors the guard
-/// refuses, or on I/O failure.
+/// the refusal); a tensor whose TensorImpl is a key of `instead` is written
+/// from that value (TrainingModel::save_final). Throws shoestring::Error
+/// naming the tensors the guard refuses, a substitute of another shape, or
+/// on I/O failure.
 void save_module_tensors(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
-                         std::map<std::string, std::string> metadata, const TrainConfig& config);
+                         std::map<std::string, std::string> metadata, const TrainConfig& config,
+                         const TensorsByImpl& instead = {});
 
 /// How a family fills its disk caches for `source`: its rank's share, writer
 /// "r<rank>", tidy for `shoestring cache` (encode_only), quiet as the source.
