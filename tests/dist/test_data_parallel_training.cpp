@@ -3,6 +3,7 @@
 // process with batch 2b; rank 0 alone writes the run folder; a rank that
 // dies mid-run stops the other with an error naming the collective.
 #include <chrono>
+#include <map>
 #include <thread>
 
 #include <gmock/gmock.h>
@@ -64,10 +65,22 @@ DIST_SCENARIO(ddp_train) {
   }
 }
 
+/// Runs ddp_train on 2 ranks x batch 2 in `dir` with the scenario's
+/// variables `extra` (rank 1 dies after step `die_at` when > 0); returns the
+/// exit statuses.
+std::vector<int> two_ranks(const std::string& dir, const std::map<std::string, std::string>& extra,
+                           int64_t die_at = 0) {
+  const int port = shoestring::testing::free_tcp_port();
+  return run_workers("ddp_train", 2, dir, [&](int r) {
+    auto env = rank_env(r, 2, port, 2, die_at);
+    for (const auto& [key, value] : extra) env[key] = value;
+    return env;
+  });
+}
+
 TEST(DataParallelTraining, TwoRanksMatchOneProcessWithDoubleBatch) {
   const std::string dir = fresh_dist_dir("ddp2");
-  const int port = shoestring::testing::free_tcp_port();
-  ASSERT_EQ(run_workers("ddp_train", 2, dir, [&](int r) { return rank_env(r, 2, port, 2); }), (std::vector<int>{0, 0}));
+  ASSERT_EQ(two_ranks(dir, {}), (std::vector<int>{0, 0}));
   const Trajectory r0 = load_trajectory(dir + "/rank0.pt");
   const Trajectory r1 = load_trajectory(dir + "/rank1.pt");
 
@@ -132,14 +145,7 @@ TEST(DataParallelTraining, GradientAccumulationMatchesOneProcess) {
   // 2 ranks x batch 2 x 2 micro-batches (one all-reduce per step, after the
   // last micro-batch) against one process with batch 4 x 2 micro-batches.
   const std::string dir = fresh_dist_dir("ddpaccum");
-  const int port = shoestring::testing::free_tcp_port();
-  ASSERT_EQ(run_workers("ddp_train", 2, dir,
-                        [&](int r) {
-                          auto env = rank_env(r, 2, port, 2);
-                          env["SHOESTRING_TEST_ACCUM"] = "2";
-                          return env;
-                        }),
-            (std::vector<int>{0, 0}));
+  ASSERT_EQ(two_ranks(dir, {{"SHOESTRING_TEST_ACCUM", "2"}}), (std::vector<int>{0, 0}));
   const Trajectory r0 = load_trajectory(dir + "/rank0.pt");
   TrainConfig single = ddp_config(dir + "/single", 4);
   single.gradient_accumulation_steps = 2;
@@ -150,14 +156,7 @@ TEST(DataParallelTraining, GradientAccumulationMatchesOneProcess) {
 TEST(DataParallelTraining, UnsupportedSettingIsRefusedOnEveryRank) {
   // offload_params streams one process's weights from host memory.
   const std::string dir = fresh_dist_dir("ddpoffload");
-  const int port = shoestring::testing::free_tcp_port();
-  EXPECT_EQ(run_workers("ddp_train", 2, dir,
-                        [&](int r) {
-                          auto env = rank_env(r, 2, port, 2);
-                          env["SHOESTRING_TEST_OFFLOAD"] = "1";
-                          return env;
-                        }),
-            (std::vector<int>{4, 4}));
+  EXPECT_EQ(two_ranks(dir, {{"SHOESTRING_TEST_OFFLOAD", "1"}}), (std::vector<int>{4, 4}));
   for (int r : {0, 1}) {
     EXPECT_THAT(read_text(dir + "/error" + std::to_string(r) + ".txt"),
                 AllOf(HasSubstr("WORLD_SIZE = 2"), HasSubstr("offload_params is for one process")));
@@ -171,14 +170,7 @@ TEST(DataParallelTraining, UnsupportedSettingIsRefusedOnEveryRank) {
 // records in the run's config.toml.
 TEST(DataParallelTraining, MaxTrainMinutesSizesEveryRankAlike) {
   const std::string dir = fresh_dist_dir("ddpminutes");
-  const int port = shoestring::testing::free_tcp_port();
-  ASSERT_EQ(run_workers("ddp_train", 2, dir,
-                        [&](int r) {
-                          auto env = rank_env(r, 2, port, 2);
-                          env["SHOESTRING_TEST_MINUTES"] = "0.2";
-                          env["SHOESTRING_TEST_START_LATE"] = "3";
-                          return env;
-                        }),
+  ASSERT_EQ(two_ranks(dir, {{"SHOESTRING_TEST_MINUTES", "0.2"}, {"SHOESTRING_TEST_START_LATE", "3"}}),
             (std::vector<int>{0, 0}));
   const Trajectory r0 = load_trajectory(dir + "/rank0.pt");
   const Trajectory r1 = load_trajectory(dir + "/rank1.pt");
@@ -191,9 +183,7 @@ TEST(DataParallelTraining, MaxTrainMinutesSizesEveryRankAlike) {
 
 TEST(DataParallelTraining, ADeadRankStopsTheOtherNamingTheCollective) {
   const std::string dir = fresh_dist_dir("ddpdead");
-  const int port = shoestring::testing::free_tcp_port();
-  EXPECT_EQ(run_workers("ddp_train", 2, dir, [&](int r) { return rank_env(r, 2, port, 2, /*die_at=*/1); }),
-            (std::vector<int>{4, 3}));
+  EXPECT_EQ(two_ranks(dir, {}, /*die_at=*/1), (std::vector<int>{4, 3}));
   EXPECT_THAT(read_text(dir + "/error0.txt"),
               AllOf(HasSubstr("on rank 0 of 2 failed"), HasSubstr("another rank exited")));
 }
@@ -203,14 +193,7 @@ TEST(DataParallelTraining, ADeadRankStopsTheOtherNamingTheCollective) {
 // SIGSEGV: the buckets' collectives outlived the process group).
 TEST(DataParallelTraining, ADeadRankStopsTheOtherInsideAFusedBackward) {
   const std::string dir = fresh_dist_dir("ddpdeadfused");
-  const int port = shoestring::testing::free_tcp_port();
-  EXPECT_EQ(run_workers("ddp_train", 2, dir,
-                        [&](int r) {
-                          auto env = rank_env(r, 2, port, 2, /*die_at=*/1);
-                          env["SHOESTRING_TEST_FUSED"] = "1";
-                          return env;
-                        }),
-            (std::vector<int>{4, 3}));
+  EXPECT_EQ(two_ranks(dir, {{"SHOESTRING_TEST_FUSED", "1"}}, /*die_at=*/1), (std::vector<int>{4, 3}));
   EXPECT_THAT(read_text(dir + "/error0.txt"),
               AllOf(HasSubstr("on rank 0 of 2 failed"), HasSubstr("another rank exited")));
 }

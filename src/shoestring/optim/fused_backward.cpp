@@ -97,7 +97,7 @@ void FusedBackward::begin_micro_batch(int64_t micro) {
     fail("fused backward: micro-batch {} out of order (expected {} of 0..{})", micro, micro_ + 1,
          options_.accumulation_steps - 1);
   }
-  if (options_.reduction && options_.reduction->every_micro_batch) flush_buckets();  // the last micro-batch's sums
+  if (every_micro_batch()) flush_buckets();  // the last micro-batch's sums
   micro_ = micro;
   std::fill(done_.begin(), done_.end(), 0);
   const bool last = micro == options_.accumulation_steps - 1;
@@ -146,7 +146,7 @@ void FusedBackward::on_gradient(size_t index, at::Tensor& param) {
   switch (pass_) {
     case Pass::idle: return;
     case Pass::accumulate:
-      if (options_.reduction && options_.reduction->every_micro_batch) {
+      if (every_micro_batch()) {
         reduce_and_apply(index, grad.to(torch::kFloat32), micro_);  // summed over the ranks into the receiver's buffer
         return;
       }
@@ -174,7 +174,7 @@ void FusedBackward::on_gradient(size_t index, at::Tensor& param) {
             name);
       }
       done_[index] = 1;
-      if (options_.reduction && options_.reduction->every_micro_batch) {
+      if (every_micro_batch()) {
         // The buffer (the earlier micro-batches' sums) is the receiver's, added on arrival.
         reduce_and_apply(index, grad.to(torch::kFloat32));
         return;
@@ -240,8 +240,10 @@ void FusedBackward::finish_oldest_bucket() {
     GradientAccumulator* acc = accumulator_of_[index];
     if (b.micro >= 0) {
       acc->add(index, sum, (step_ - 1) * options_.accumulation_steps + b.micro);  // copied
-    } else if (options_.reduction->every_micro_batch && acc->has(index)) {
-      apply(index, acc->finish(index, sum));  // the earlier micro-batches' sums + this one, in fp32
+    } else if (acc->has(index)) {
+      // every_micro_batch: the earlier micro-batches' sums + this one, in fp32
+      // (otherwise finish() freed the buffer before packing)
+      apply(index, acc->finish(index, sum));
     } else {
       apply(index, sum);
     }
@@ -279,15 +281,14 @@ FusedStepResult FusedBackward::end_step() {
   }
   if (pass_ == Pass::measure) fail("fused backward: end_step before the second pass of two_pass clipping");
   torch::NoGradGuard no_grad;
-  const bool every_micro_batch = options_.reduction && options_.reduction->every_micro_batch;
-  if (every_micro_batch) flush_buckets();  // every sum has arrived: the buffers left are complete
+  if (every_micro_batch()) flush_buckets();  // every sum has arrived: the buffers left are complete
   if (!skip_step_) {
     // Buffers whose parameter got no gradient in the last micro-batch
     // (every_micro_batch: on their receiver, already summed over the ranks).
     for (size_t i = 0; i < done_.size(); ++i) {
       GradientAccumulator* acc = accumulator_of_[i];
       if (!acc->has(i)) continue;
-      if (every_micro_batch) {
+      if (every_micro_batch()) {
         apply(i, acc->finish(i, at::Tensor()));
       } else {
         reduce_and_apply(i, acc->finish(i, at::Tensor()));

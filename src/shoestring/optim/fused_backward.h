@@ -208,6 +208,8 @@ class FusedBackward {
     std::function<void()> wait;
   };
   void apply(size_t index, const at::Tensor& grad);
+  /// Several ranks sum every micro-batch (FusedReduction::every_micro_batch).
+  bool every_micro_batch() const { return options_.reduction && options_.reduction->every_micro_batch; }
   double clip_scale_for(double norm) const;
 
   Optimizer& optimizer_;
