@@ -49,6 +49,27 @@ if(NOT SHOESTRING_CUDA STREQUAL "OFF" AND SHOESTRING_CUDA_KERNELS)
     # CUDA::cudart and the toolkit's include folder (cuda_runtime.h, which
     # libtorch's c10/cuda headers include).
     find_package(CUDAToolkit REQUIRED)
+    # nccl.h, for c10d's ProcessGroupNCCL (dist/nccl_collectives_cuda.cpp):
+    # the toolkit's include folder, NCCL_INCLUDE_DIR, or the folder given as
+    # SHOESTRING_NCCL_INCLUDE_DIR (gpu_check.sh passes pip's nvidia-nccl
+    # one). Without it that file builds its fallback, which refuses several
+    # processes on CUDA naming the missing header; the compile check also
+    # defines USE_C10D_NCCL (the torch_cuda target does in a CUDA build) so
+    # that the NCCL code itself is compiled.
+    find_path(SHOESTRING_NCCL_INCLUDE_DIR nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS} ENV NCCL_INCLUDE_DIR)
+    if(SHOESTRING_NCCL_INCLUDE_DIR)
+      set(nccl_defs SHOESTRING_HAVE_NCCL_H=1)
+      if(NOT SHOESTRING_TORCH_HAS_CUDA)
+        list(APPEND nccl_defs USE_C10D_NCCL)
+      endif()
+      set_source_files_properties(${CMAKE_SOURCE_DIR}/src/shoestring/dist/nccl_collectives_cuda.cpp PROPERTIES
+        COMPILE_DEFINITIONS "${nccl_defs}" INCLUDE_DIRECTORIES "${SHOESTRING_NCCL_INCLUDE_DIR}"
+        SKIP_PRECOMPILE_HEADERS ON)
+      message(STATUS "shoestring: nccl.h in ${SHOESTRING_NCCL_INCLUDE_DIR}")
+    else()
+      message(STATUS "shoestring: nccl.h not found: several processes on CUDA will be refused "
+                     "(set SHOESTRING_NCCL_INCLUDE_DIR)")
+    endif()
     file(GLOB shoestring_cuda_srcs CONFIGURE_DEPENDS ${CMAKE_SOURCE_DIR}/kernels/cuda/*.cu)
     add_library(shoestring_cuda_kernels STATIC ${shoestring_cuda_srcs})
     target_include_directories(shoestring_cuda_kernels PUBLIC ${CMAKE_SOURCE_DIR} ${CMAKE_SOURCE_DIR}/src)

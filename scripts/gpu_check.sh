@@ -126,6 +126,12 @@ check() {
     local cap
     cap="$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d '. ')"
     cuda_args=(-DSHOESTRING_CUDA=ON ${cap:+-DCMAKE_CUDA_ARCHITECTURES="$cap"})
+    gpu="$gpu; $(nvidia-smi -L | wc -l) GPU(s) (two or more: tests/cuda also runs NCCL with two ranks)"
+    # nccl.h for c10d's NCCL group (dist/nccl_collectives_cuda.cpp): pip's
+    # PyTorch ships it in the nvidia-nccl package, not in its own headers.
+    local nccl_include
+    nccl_include="$(python3 -c 'import os, nvidia.nccl as n; print(os.path.join(list(n.__path__)[0], "include"))' 2>/dev/null || true)"
+    [ -n "$nccl_include" ] && [ -f "$nccl_include/nccl.h" ] && cuda_args+=(-DSHOESTRING_NCCL_INCLUDE_DIR="$nccl_include")
   fi
   row "machine" "info" "gpu: $gpu; libtorch: $prefix (C++11 ABI $abi); $(nproc) cores"
 

@@ -135,5 +135,52 @@ TEST(LaunchEnvironment, ErrorsNameTheVariableAndTheExpectation) {
   EXPECT_EQ(error_of({{"RANK", "0"}, {"WORLD_SIZE", "1"}}), "(no error)");
 }
 
+/// Rank `rank` of `world`, `local` processes on its machine.
+LaunchEnvironment ranks(int rank, int world, int local_rank, int local_world) {
+  LaunchEnvironment env;
+  env.rank = rank;
+  env.world_size = world;
+  env.local_rank = local_rank;
+  env.local_world_size = local_world;
+  return env;
+}
+
+std::string rank_device_error(const LaunchEnvironment& env, const c10::Device& resolved, bool index_given,
+                              int visible) {
+  try {
+    rank_device(env, resolved, index_given, visible);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+TEST(RankDevice, EachRankTakesTheGpuOfItsLocalRank) {
+  const c10::Device cpu(c10::kCPU), cuda0(c10::kCUDA, 0);
+  // One process, or the CPU: the device as resolved.
+  EXPECT_EQ(rank_device(ranks(0, 1, 0, 1), c10::Device(c10::kCUDA, 3), true, 4), c10::Device(c10::kCUDA, 3));
+  EXPECT_EQ(rank_device(ranks(5, 8, 1, 4), cpu, false, 4), cpu);
+  // torchrun on a machine with 4 GPUs, the second machine of two: cuda:LOCAL_RANK.
+  for (int local = 0; local < 4; ++local)
+    EXPECT_EQ(rank_device(ranks(4 + local, 8, local, 4), cuda0, false, 4), c10::Device(c10::kCUDA, local));
+  // Fewer processes than GPUs is fine; "cuda:N" naming this rank's GPU too.
+  EXPECT_EQ(rank_device(ranks(1, 2, 1, 2), cuda0, false, 8), c10::Device(c10::kCUDA, 1));
+  EXPECT_EQ(rank_device(ranks(1, 2, 1, 2), c10::Device(c10::kCUDA, 1), true, 2), c10::Device(c10::kCUDA, 1));
+  // Each process sees one GPU (CUDA_VISIBLE_DEVICES per task, as SLURM sets it): cuda:0.
+  EXPECT_EQ(rank_device(ranks(3, 4, 3, 4), cuda0, false, 1), cuda0);
+  EXPECT_EQ(rank_device(ranks(3, 4, 3, 4), cuda0, true, 1), cuda0);
+}
+
+TEST(RankDevice, RefusesMoreProcessesThanGpusAndAnotherRanksGpu) {
+  const c10::Device cuda0(c10::kCUDA, 0);
+  EXPECT_THAT(rank_device_error(ranks(0, 4, 0, 4), cuda0, false, 2),
+              AllOf(HasSubstr("LOCAL_WORLD_SIZE = 4"), HasSubstr("2 CUDA devices visible"), HasSubstr("--nproc 2")));
+  EXPECT_THAT(
+      rank_device_error(ranks(1, 2, 1, 2), cuda0, true, 2),
+      AllOf(HasSubstr("device = \"cuda:0\""), HasSubstr("this one: cuda:1"), HasSubstr("CUDA_VISIBLE_DEVICES")));
+  EXPECT_THAT(rank_device_error(ranks(1, 2, 1, 2), c10::Device(c10::kCUDA, 1), true, 1),
+              AllOf(HasSubstr("device = \"cuda:1\""), HasSubstr("sees one CUDA device")));
+}
+
 }  // namespace
 }  // namespace shoestring::dist

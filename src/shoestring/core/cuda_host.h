@@ -25,6 +25,11 @@ struct DeviceProperties {
 /// at::cuda::getDeviceProperties(index) (core/device_cuda.cpp).
 DeviceProperties device_properties(int index);
 
+/// Makes CUDA device `index` this thread's current device
+/// (c10::cuda::set_device; core/device_cuda.cpp): kernels and streams that
+/// take the current device then use the rank's own GPU.
+void set_device(int index);
+
 /// Stochastic rounding of the fp32 CUDA tensor `src` into the bf16 / fp16
 /// CUDA tensor `dst` (both contiguous, same numel) by kernels/cuda on the
 /// current stream, with the bits of the CPU path (core/stochastic_rounding_bits.h).

@@ -1,5 +1,6 @@
 // CUDA build only (see core/cuda_host.h).
 #include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAFunctions.h>
 
 #include "shoestring/core/cuda_host.h"
 
@@ -14,5 +15,7 @@ DeviceProperties device_properties(int index) {
   d.total_bytes = static_cast<int64_t>(p->totalGlobalMem);
   return d;
 }
+
+void set_device(int index) { c10::cuda::set_device(static_cast<c10::DeviceIndex>(index)); }
 
 }  // namespace shoestring::cuda_host

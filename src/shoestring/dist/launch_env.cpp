@@ -93,6 +93,32 @@ LaunchEnvironment launch_environment() {
   });
 }
 
+c10::Device rank_device(const LaunchEnvironment& env, const c10::Device& resolved, bool index_given,
+                        int visible_cuda_devices) {
+  if (!env.distributed() || !resolved.is_cuda()) return resolved;
+  if (visible_cuda_devices == 1) {
+    if (index_given && resolved.index() != 0) {
+      fail("device = \"{}\" with WORLD_SIZE = {}: this process sees one CUDA device, cuda:0", resolved.str(),
+           env.world_size);
+    }
+    return c10::Device(c10::kCUDA, 0);
+  }
+  if (env.local_world_size > visible_cuda_devices) {
+    fail(
+        "LOCAL_WORLD_SIZE = {}: {} processes on this machine but {} CUDA devices visible; each rank needs a GPU "
+        "of its own: start at most {} processes per machine (--nproc {}), or train on the CPU (device = \"cpu\")",
+        env.local_world_size, env.local_world_size, visible_cuda_devices, visible_cuda_devices, visible_cuda_devices);
+  }
+  const c10::Device mine(c10::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank));
+  if (index_given && resolved != mine) {
+    fail(
+        "device = \"{}\" with WORLD_SIZE = {}: each rank takes the GPU of its LOCAL_RANK (this one: {}); set "
+        "device = \"cuda\" (or \"auto\"), or choose the GPUs with CUDA_VISIBLE_DEVICES",
+        resolved.str(), env.world_size, mine.str());
+  }
+  return mine;
+}
+
 std::string describe(const LaunchEnvironment& env) {
   if (!env.distributed()) return "single process";
   return fmt::format("rank {} of {} (local {} of {}), store {}:{} hosted by {}{}", env.rank, env.world_size,

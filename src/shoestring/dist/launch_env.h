@@ -12,6 +12,8 @@
 #include <optional>
 #include <string>
 
+#include <c10/core/Device.h>
+
 namespace shoestring::dist {
 
 /// Where this process sits in a run. Ranks are 0-based; rank 0 writes the
@@ -48,6 +50,19 @@ LaunchEnvironment parse_launch_environment(const EnvironmentLookup& lookup);
 
 /// parse_launch_environment over this process's environment (getenv).
 LaunchEnvironment launch_environment();
+
+/// The device this process computes on. `resolved` is what the run's device
+/// setting resolved to (core/device.h); `index_given` whether the setting
+/// named an index ("cuda:N"); `visible_cuda_devices` how many this process
+/// sees. One process or the CPU: `resolved`. Several processes on CUDA, one
+/// GPU each, as torchrun's users expect: cuda:LOCAL_RANK; cuda:0 when the
+/// process sees a single device (a launcher that hands each process its own
+/// GPU through CUDA_VISIBLE_DEVICES, as SLURM does). Throws
+/// shoestring::Error naming the variables when this machine's processes
+/// outnumber its visible devices, and when the setting names an index that
+/// is not this rank's.
+c10::Device rank_device(const LaunchEnvironment& env, const c10::Device& resolved, bool index_given,
+                        int visible_cuda_devices);
 
 /// "rank 1 of 2 (local 1 of 2), store 127.0.0.1:29500 hosted by rank 0" for
 /// logs and errors; "single process" when world_size == 1.

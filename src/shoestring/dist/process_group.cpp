@@ -1,6 +1,8 @@
-// ProcessGroup over c10d::ProcessGroupGloo (libtorch 1.13; the class is
-// behind USE_C10D_GLOO, which libtorch's CMake target defines). Only this
-// file sees c10d and gloo headers.
+// ProcessGroup over c10d::ProcessGroupGloo for host tensors (libtorch 1.13;
+// the class is behind USE_C10D_GLOO, which libtorch's CMake target defines)
+// and, in a group joined on a CUDA device, c10d::ProcessGroupNCCL for CUDA
+// tensors (dist/nccl_collectives_cuda.cpp). Only these two files see c10d
+// headers, and only this one gloo's.
 #include "shoestring/dist/process_group.h"
 
 #include <signal.h>
@@ -22,6 +24,7 @@
 
 #include "shoestring/core/error.h"
 #include "shoestring/core/units.h"
+#include "shoestring/dist/c10d_collectives.h"
 
 namespace shoestring::dist {
 
@@ -46,12 +49,49 @@ std::vector<std::shared_ptr<::gloo::transport::Device>> gloo_devices(const std::
   return devices;
 }
 
+/// Gloo's collectives (host tensors).
+class GlooCollectives final : public C10dCollectives {
+ public:
+  explicit GlooCollectives(c10::intrusive_ptr<c10d::ProcessGroupGloo> group) : group_(std::move(group)) {}
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors) override {
+    return group_->allreduce(tensors);
+  }
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors, int root) override {
+    c10d::ReduceOptions o;
+    o.rootRank = root;
+    return group_->reduce(tensors, o);
+  }
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors, int root) override {
+    c10d::BroadcastOptions o;
+    o.rootRank = root;
+    return group_->broadcast(tensors, o);
+  }
+  c10::intrusive_ptr<c10d::Work> barrier() { return group_->barrier(); }
+  std::string describe() const override { return "Gloo"; }
+
+ private:
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> group_;
+};
+
 }  // namespace
 
 struct ProcessGroup::Impl {
   c10::intrusive_ptr<c10d::Store> store;
-  c10::intrusive_ptr<c10d::ProcessGroupGloo> group;
+  std::unique_ptr<GlooCollectives> host;    ///< host tensors, barriers
+  std::unique_ptr<C10dCollectives> device;  ///< CUDA tensors (NCCL); null in a group joined on the CPU
+  c10::Device device_of_group = c10::kCPU;  ///< the device `device` serves
   int rank = 0, size = 1;
+
+  /// The backend for `tensor`'s device: Gloo for host tensors, NCCL for
+  /// those on the group's CUDA device. Throws shoestring::Error naming
+  /// `what` for a tensor on another device.
+  C10dCollectives& backend_for(const at::Tensor& tensor, const std::string& what) {
+    if (tensor.device().is_cpu()) return *host;
+    if (device && tensor.device() == device_of_group) return *device;
+    fail("{}: the tensor is on {}, and this group reduces {} tensors only{}", what, tensor.device().str(),
+         device ? "host and " + device_of_group.str() : std::string("host"),
+         device ? std::string() : " (it was joined on the CPU)");
+  }
   std::optional<std::string> diagnosis;  ///< the first failure's (unresponsive_ranks)
 
   /// After a collective failed: which ranks do not answer. Every rank that
@@ -218,9 +258,28 @@ void ignore_sigpipe() {
   if (::sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) ::signal(SIGPIPE, SIG_IGN);
 }
 
+/// Gives `impl` its NCCL backend for CUDA tensors on `device` (nothing for
+/// the CPU), through the group's store under a prefix of its own.
+void join_device(ProcessGroup::Impl& impl, int rank, int size, std::chrono::milliseconds timeout,
+                 const c10::Device& device) {
+  if (device.is_cpu()) return;
+  if (!device.is_cuda() || !device.has_index())
+    fail("rank {} of {}: a process group reduces host tensors and those of one CUDA device (cuda:N), not '{}'", rank,
+         size, device.str());
+#if defined(SHOESTRING_WITH_CUDA)
+  auto store = c10::make_intrusive<c10d::PrefixStore>("shoestring/nccl", impl.store);
+  impl.device = make_nccl_collectives(store, rank, size, timeout, device.index());
+  impl.device_of_group = device;
+#else
+  (void)timeout;
+  fail("rank {} of {} on {}: this build of shoestring has no CUDA (libtorch without CUDA)", rank, size, device.str());
+#endif
+}
+
 }  // namespace
 
-std::unique_ptr<ProcessGroup> ProcessGroup::connect(const LaunchEnvironment& env, std::chrono::milliseconds timeout) {
+std::unique_ptr<ProcessGroup> ProcessGroup::connect(const LaunchEnvironment& env, std::chrono::milliseconds timeout,
+                                                    const c10::Device& device) {
   if (env.world_size < 1 || env.rank < 0 || env.rank >= env.world_size)
     fail("ProcessGroup::connect: rank {} of world size {} is not a valid rank", env.rank, env.world_size);
   ignore_sigpipe();
@@ -238,7 +297,8 @@ std::unique_ptr<ProcessGroup> ProcessGroup::connect(const LaunchEnvironment& env
       store = c10::make_intrusive<c10d::PrefixStore>(fmt::format("/worker/attempt_{}", env.restart_count), store);
     }
     impl->store = store;
-    impl->group = make_gloo(store, env.rank, env.world_size, timeout, env.master_addr);
+    impl->host =
+        std::make_unique<GlooCollectives>(make_gloo(store, env.rank, env.world_size, timeout, env.master_addr));
   } catch (const std::exception& e) {
     fail(
         "cannot join the process group as {} through the store at {}:{} ({}): {}; every rank must start within "
@@ -246,11 +306,12 @@ std::unique_ptr<ProcessGroup> ProcessGroup::connect(const LaunchEnvironment& env
         where, env.master_addr, env.master_port, env.use_agent_store ? "torchrun's agent store" : "hosted by rank 0",
         e.what(), seconds_text(timeout));
   }
+  join_device(*impl, env.rank, env.world_size, timeout, device);
   return std::unique_ptr<ProcessGroup>(new ProcessGroup(std::move(impl), env.rank, env.world_size, timeout));
 }
 
 std::unique_ptr<ProcessGroup> ProcessGroup::connect_file(const std::string& path, int rank, int size,
-                                                         std::chrono::milliseconds timeout) {
+                                                         std::chrono::milliseconds timeout, const c10::Device& device) {
   if (size < 1 || rank < 0 || rank >= size)
     fail("ProcessGroup::connect_file: rank {} of world size {} is not a valid rank", rank, size);
   ignore_sigpipe();
@@ -259,14 +320,20 @@ std::unique_ptr<ProcessGroup> ProcessGroup::connect_file(const std::string& path
     auto store = c10::make_intrusive<c10d::FileStore>(path, size);
     store->setTimeout(timeout);
     impl->store = store;
-    impl->group = make_gloo(store, rank, size, timeout, "127.0.0.1");
+    impl->host = std::make_unique<GlooCollectives>(make_gloo(store, rank, size, timeout, "127.0.0.1"));
   } catch (const std::exception& e) {
     fail("cannot join the process group as rank {} of {} through the file store '{}': {}", rank, size, path, e.what());
   }
+  join_device(*impl, rank, size, timeout, device);
   return std::unique_ptr<ProcessGroup>(new ProcessGroup(std::move(impl), rank, size, timeout));
 }
 
 std::string ProcessGroup::where() const { return fmt::format("rank {} of {}", rank_, size_); }
+
+std::string ProcessGroup::backends() const {
+  if (!impl_->device) return impl_->host->describe();
+  return fmt::format("{} (host tensors), {}", impl_->host->describe(), impl_->device->describe());
+}
 
 namespace {
 std::string hint_for(std::chrono::milliseconds timeout) {
@@ -296,9 +363,10 @@ PendingCollective ProcessGroup::all_reduce_sum_async(const at::Tensor& tensor) {
   if (!tensor.is_contiguous() || !gloo_sums(tensor.scalar_type()))
     fail("{}: all_reduce_sum_async needs a contiguous fp32 / fp64 / integer tensor, got {} {}", what,
          c10::toString(tensor.scalar_type()), format_shape(tensor.sizes()));
+  C10dCollectives& backend = impl_->backend_for(tensor, what);
   return start(impl_.get(), what, hint_for(timeout_), [&] {
     std::vector<at::Tensor> v{tensor};
-    return impl_->group->allreduce(v);
+    return backend.allreduce(v);
   });
 }
 
@@ -308,11 +376,10 @@ PendingCollective ProcessGroup::reduce_sum_async(const at::Tensor& tensor, int r
   if (!tensor.is_contiguous() || !gloo_sums(tensor.scalar_type()))
     fail("{}: reduce_sum_async needs a contiguous fp32 / fp64 / integer tensor, got {} {}", what,
          c10::toString(tensor.scalar_type()), format_shape(tensor.sizes()));
+  C10dCollectives& backend = impl_->backend_for(tensor, what);
   return start(impl_.get(), what, hint_for(timeout_), [&] {
     std::vector<at::Tensor> v{tensor};
-    c10d::ReduceOptions o;
-    o.rootRank = root;
-    return impl_->group->reduce(v, o);
+    return backend.reduce(v, root);
   });
 }
 
@@ -344,11 +411,10 @@ PendingCollective ProcessGroup::broadcast_async(const at::Tensor& tensor, int ro
   at::Tensor wire = tensor;
   if (tensor.scalar_type() == at::kBFloat16) wire = tensor.view(at::kHalf);
   if (tensor.scalar_type() == at::kBool || tensor.scalar_type() == at::kShort) wire = tensor.view(at::kByte);
+  C10dCollectives& backend = impl_->backend_for(tensor, what);
   return start(impl_.get(), what, hint_for(timeout_), [&] {
     std::vector<at::Tensor> v{wire};
-    c10d::BroadcastOptions o;
-    o.rootRank = root;
-    return impl_->group->broadcast(v, o);
+    return backend.broadcast(v, root);
   });
 }
 
@@ -368,11 +434,9 @@ at::Tensor ProcessGroup::reduce_scatter_sum(const at::Tensor& input) {
   // Gloo's reduce may use every rank's buffer as scratch: work on an fp32 copy.
   at::Tensor work = input.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true).contiguous();
   const int64_t n = input.numel() / size_;
-  for_each_root_chunk(impl_.get(), what, hint_for(timeout_), work, n, size_, [&](std::vector<at::Tensor>& v, int root) {
-    c10d::ReduceOptions o;
-    o.rootRank = root;
-    return impl_->group->reduce(v, o);
-  });
+  C10dCollectives& backend = impl_->backend_for(work, what);
+  for_each_root_chunk(impl_.get(), what, hint_for(timeout_), work, n, size_,
+                      [&](std::vector<at::Tensor>& v, int root) { return backend.reduce(v, root); });
   return work.narrow(0, rank_ * n, n).clone();
 }
 
@@ -385,16 +449,14 @@ at::Tensor ProcessGroup::all_gather(const at::Tensor& input) {
   at::Tensor wire = out;
   if (out.scalar_type() == at::kBFloat16) wire = out.view(at::kHalf);
   if (out.scalar_type() == at::kBool || out.scalar_type() == at::kShort) wire = out.view(at::kByte);
-  for_each_root_chunk(impl_.get(), what, hint_for(timeout_), wire, n, size_, [&](std::vector<at::Tensor>& v, int root) {
-    c10d::BroadcastOptions o;
-    o.rootRank = root;
-    return impl_->group->broadcast(v, o);
-  });
+  C10dCollectives& backend = impl_->backend_for(wire, what);
+  for_each_root_chunk(impl_.get(), what, hint_for(timeout_), wire, n, size_,
+                      [&](std::vector<at::Tensor>& v, int root) { return backend.broadcast(v, root); });
   return out;
 }
 
 void ProcessGroup::barrier() {
-  start(impl_.get(), "barrier on " + where(), hint_for(timeout_), [&] { return impl_->group->barrier(); }).wait();
+  start(impl_.get(), "barrier on " + where(), hint_for(timeout_), [&] { return impl_->host->barrier(); }).wait();
 }
 
 void ProcessGroup::signal(const std::string& key, const std::string& message) {

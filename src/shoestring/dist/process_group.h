@@ -1,7 +1,13 @@
 // A group of processes that run collectives together: c10d's
-// ProcessGroupGloo (libtorch's own CPU backend) over a rendezvous store,
-// behind an interface that keeps c10d and gloo headers out of the rest of
-// shoestring and works around what Debian's libtorch 1.13 Gloo lacks.
+// ProcessGroupGloo (libtorch's own CPU backend) over a rendezvous store for
+// host tensors and, in a group joined on a CUDA device, c10d's
+// ProcessGroupNCCL for that device's tensors (each collective goes to the
+// backend of its tensor's device; barriers and store signals are Gloo's and
+// the store's), behind an interface that keeps c10d and gloo headers out of
+// the rest of shoestring and works around what Debian's libtorch 1.13 Gloo
+// lacks. The workarounds apply to NCCL too (bf16 / fp16 summed in fp32,
+// reduce-scatter and all-gather from rooted collectives), so a CUDA run
+// reduces the same fp32 sums in the same order as a CPU run.
 //
 // Facts relied on (probed on libtorch 1.13.1, /work/shared/research/zero.md
 // section 1): Gloo reduces and broadcasts no bf16 (bf16 is reduced in fp32
@@ -21,6 +27,7 @@
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <c10/core/Device.h>
 
 #include "shoestring/dist/launch_env.h"
 
@@ -64,15 +71,25 @@ class ProcessGroup {
   /// address this host's name resolves to. Sets SIGPIPE to be ignored
   /// (unless a handler is installed), as Python does, so that a write to a
   /// dead peer's socket fails the collective instead of killing this process.
+  /// `device` cuda:N: tensors on cuda:N are reduced over NCCL (a group of
+  /// its own under the store prefix "shoestring/nccl"; NCCL joins at the
+  /// first collective on the device), with `timeout` enforced by c10d's
+  /// watchdog, which ends a rank whose collective outlives it
+  /// (NCCL_ASYNC_ERROR_HANDLING = 1 unless set). Host tensors go through
+  /// Gloo either way.
   /// Throws shoestring::Error naming the store and the rank when the
-  /// rendezvous fails or times out.
+  /// rendezvous fails or times out, and naming the device when it is
+  /// neither the CPU nor cuda:N, or this build (libtorch) has no CUDA / NCCL.
   static std::unique_ptr<ProcessGroup> connect(const LaunchEnvironment& env,
-                                               std::chrono::milliseconds timeout = kDefaultTimeout);
+                                               std::chrono::milliseconds timeout = kDefaultTimeout,
+                                               const c10::Device& device = c10::Device(c10::kCPU));
   /// Joins a group of `size` processes on one machine through a FileStore
   /// at `path` (a file every rank can see; remove it before reusing the
-  /// path), on loopback. For tests. Throws shoestring::Error as connect().
+  /// path), on loopback; `device` as connect(). For tests. Throws
+  /// shoestring::Error as connect().
   static std::unique_ptr<ProcessGroup> connect_file(const std::string& path, int rank, int size,
-                                                    std::chrono::milliseconds timeout = kDefaultTimeout);
+                                                    std::chrono::milliseconds timeout = kDefaultTimeout,
+                                                    const c10::Device& device = c10::Device(c10::kCPU));
   ~ProcessGroup();
   ProcessGroup(const ProcessGroup&) = delete;
   ProcessGroup& operator=(const ProcessGroup&) = delete;
@@ -81,6 +98,10 @@ class ProcessGroup {
   int size() const { return size_; }
   std::chrono::milliseconds timeout() const { return timeout_; }
 
+  /// Every collective below takes host tensors, or tensors on the group's
+  /// CUDA device (connect's `device`); another device throws
+  /// shoestring::Error naming the collective and the device.
+  ///
   /// Sums `tensor` over all ranks, in place (every rank gets the same bits).
   /// Any shape; any dtype Gloo sums (fp32, fp64, int32, int64, uint8, int8)
   /// directly; bf16 and fp16 are summed in fp32 and rounded to nearest once.
@@ -136,8 +157,10 @@ class ProcessGroup {
 
   /// "rank 1 of 2" for messages.
   std::string where() const;
+  /// The backends for the log: "Gloo", or "Gloo (host tensors), NCCL on cuda:1".
+  std::string backends() const;
 
-  struct Impl;  ///< defined in process_group.cpp (the store, the Gloo group)
+  struct Impl;  ///< defined in process_group.cpp (the store, the Gloo and NCCL groups)
 
  private:
   ProcessGroup(std::unique_ptr<Impl> impl, int rank, int size, std::chrono::milliseconds timeout);

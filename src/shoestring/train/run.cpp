@@ -13,6 +13,9 @@
 #include <torch/torch.h>
 
 #include "shoestring/core/cpu_features.h"
+#if defined(SHOESTRING_WITH_CUDA)
+#include "shoestring/core/cuda_host.h"
+#endif
 #include "shoestring/core/device.h"
 #include "shoestring/core/error.h"
 #include "shoestring/core/memory_ledger.h"
@@ -495,29 +498,22 @@ void save_lora(const Run& run, const std::string& path, int64_t step, bool final
   run.network->save(path, meta, dtype);
 }
 
-/// Joins the process group when the launch environment (torchrun, `shoestring
-/// launch`; dist/launch_env.h) makes this process one rank of several;
-/// ranks other than 0 then log errors only. Returns the environment.
-dist::LaunchEnvironment join_process_group(Run& run) {
-  const dist::LaunchEnvironment env = dist::launch_environment();
+/// Joins the process group when the launch environment `env` (torchrun,
+/// `shoestring launch`; dist/launch_env.h) makes this process one rank of
+/// several: Gloo for host tensors, and NCCL for the rank's GPU when the run
+/// is on CUDA. Ranks other than 0 then log errors only.
+void join_process_group(Run& run, const dist::LaunchEnvironment& env) {
   if (!env.distributed()) {
     if (run.config.zero_stage > 0)
       spdlog::warn("zero_stage = {} has no effect in one process (WORLD_SIZE unset or 1): nothing is sharded",
                    run.config.zero_stage);
-    return env;
-  }
-  if (!run.device.is_cpu()) {
-    fail(
-        "WORLD_SIZE = {}: several processes train on the CPU only for now (Gloo; NCCL is not wired in), but device "
-        "resolves to {}; set device = \"cpu\"",
-        env.world_size, run.device.str());
+    return;
   }
   if (env.rank != 0) spdlog::set_level(spdlog::level::err);
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(run.config.ddp_timeout * 60'000));
-  run.group = dist::ProcessGroup::connect(env, timeout);
-  spdlog::info("data parallel (zero_stage = {}): {} processes, {}; ddp_timeout = {} min", run.config.zero_stage,
-               env.world_size, dist::describe(env), run.config.ddp_timeout);
-  return env;
+  run.group = dist::ProcessGroup::connect(env, timeout, run.device);
+  spdlog::info("data parallel (zero_stage = {}): {} processes, {}; {}; ddp_timeout = {} min", run.config.zero_stage,
+               env.world_size, dist::describe(env), run.group->backends(), run.config.ddp_timeout);
 }
 
 /// A rank other than 0 reads the run folder rank 0 prepares (and writes):
@@ -735,8 +731,14 @@ std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions&
   auto owned = std::make_unique<Run>();
   Run& run = *owned;
   run.config = config;
-  // The device first: a request the machine cannot meet fails before any work.
-  run.device = resolve_device(config.device, "device");
+  // The device first: a request the machine cannot meet fails before any
+  // work. Each rank of several on CUDA takes its own GPU.
+  const dist::LaunchEnvironment launch = dist::launch_environment();
+  run.device = dist::rank_device(launch, resolve_device(config.device, "device"),
+                                 config.device.find(':') != std::string::npos, cuda_availability().device_count);
+#if defined(SHOESTRING_WITH_CUDA)
+  if (run.device.is_cuda()) cuda_host::set_device(run.device.index());
+#endif
   run.device_note = adapt_precision_to_device(run.config, run.device);
   run.run_dir = options.resume_dir.value_or(expand_path(config.output_dir));
   // Contradictions in the config fail before the run folder is touched.
@@ -746,7 +748,7 @@ std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions&
     dataset_specs_of_run = dataset_specs(run.config);
     check_training_datasets(run.config, dataset_specs_of_run);
   }
-  const dist::LaunchEnvironment launch = join_process_group(run);
+  join_process_group(run, launch);
   if (launch.restart_count > 0 && !options.resume_dir) {
     // torchrun --max_restarts started this group again after a rank failed:
     // the run goes on in its folder from its latest checkpoint (from step 0
