@@ -112,6 +112,22 @@ TEST(Config, ChangedKeysListsKeysAndPrecisionRules) {
   EXPECT_NE(none[0].find("now: none)"), std::string::npos) << none[0];
 }
 
+TEST(Config, ResolvedTomlWritesShortestFloats) {
+  // toml++ prints 17 significant digits (0.29999999999999999); the resolved
+  // file keeps what a user would write, and each value reads back exactly.
+  auto c = parse_config("max_train_minutes = 0.3\nlearning_rate = 1e-4\nmin_snr_gamma = 5.0\n", "run.toml");
+  const std::string text = shoestring::to_toml(c);
+  EXPECT_NE(text.find("\nmax_train_minutes = 0.3\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("\nlearning_rate = 0.0001\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("\nmin_snr_gamma = 5.0\n"), std::string::npos) << text;
+  EXPECT_EQ(text.find("99999999"), std::string::npos) << text;
+  EXPECT_EQ(text.find("00000001"), std::string::npos) << text;
+  const auto d = parse_config(text, "resolved.toml");
+  EXPECT_EQ(d.max_train_minutes, 0.3);
+  EXPECT_EQ(d.learning_rate, 1e-4);
+  EXPECT_EQ(d.min_snr_gamma, 5.0);
+}
+
 TEST(Config, ResolvedTomlRoundTrips) {
   auto c = parse_config("learning_rate = 3e-4\nsample_prompts = [\"a\", \"b c\"]\nfull_bf16 = true\n", "run.toml");
   std::string text = shoestring::to_toml(c);

@@ -30,6 +30,35 @@ std::string where(const std::string& source, const toml::node& node) {
   return fmt::format("{}:{}", source, pos.line);
 }
 
+/// `text` (toml++'s output) with each `key = <float>` line's value in its
+/// shortest form that reads back as the same double (0.3, not toml++'s
+/// 0.29999999999999999), still a TOML float (1.0, not 1). Lines of other
+/// values (strings, arrays, tables) are left alone.
+std::string shortest_floats(const std::string& text) {
+  std::istringstream in(text);
+  std::string line, out;
+  while (std::getline(in, line)) {
+    const size_t eq = line.find(" = ");
+    if (eq != std::string::npos) {
+      const std::string value = line.substr(eq + 3);
+      const bool numeric = !value.empty() && value.find_first_not_of("+-0123456789.eE") == std::string::npos;
+      if (numeric && value.find_first_of(".eE") != std::string::npos) {
+        char* end = nullptr;
+        const double v = std::strtod(value.c_str(), &end);
+        if (end == value.c_str() + value.size()) {
+          std::string shortest = fmt::format("{}", v);
+          if (shortest.find_first_of(".eEn") == std::string::npos) shortest += ".0";  // n: inf / nan stay as they are
+          line = line.substr(0, eq + 3) + shortest;
+        }
+      }
+    }
+    out += line;
+    out += '\n';
+  }
+  if (!out.empty() && (text.empty() || text.back() != '\n')) out.pop_back();
+  return out;
+}
+
 std::string describe(const toml::node& node) {
   std::ostringstream ss;
   if (node.is_string()) {
@@ -378,8 +407,8 @@ std::string to_toml(const TrainConfig& c) {
     root.get_as<toml::table>("precision")->insert("rule", std::move(rules));
   }
   std::ostringstream ss;
-  ss << "# Resolved shoestring configuration (every key, defaults included).\n" << root << "\n";
-  return ss.str();
+  ss << root;
+  return "# Resolved shoestring configuration (every key, defaults included).\n" + shortest_floats(ss.str()) + "\n";
 }
 
 precision::ComputeHardware compute_hardware(const TrainConfig& c) {
