@@ -59,6 +59,22 @@ TEST(MemoryPlan, StateBytesFollowTheOptimizer) {
   EXPECT_LT(off.predicted_peak_bytes, a8.predicted_peak_bytes);
 }
 
+// offload_params with EMA: the streamed weights' fp32 shadows are planned in
+// host memory (EMA::move_shadows_to_host), the others' on the device; 4
+// bytes per trained parameter in all.
+TEST(MemoryPlan, OffloadedWeightsKeepTheirEmaInHostMemory) {
+  TrainConfig c = emoji_config({"gradient_checkpointing=true", "offload_params=true", "ema_decay=0"});
+  const auto without = plan::plan_memory(c, 300);
+  c.ema_decay = 0.9;
+  const auto with = plan::plan_memory(c, 300);
+  const int64_t host_shadows = with.host_bytes - without.host_bytes;
+  EXPECT_EQ(host_shadows + with.ema_bytes, 4 * with.parameters);
+  EXPECT_GT(host_shadows, 4 * with.ema_bytes) << "most trained weights stream";
+  EXPECT_GT(with.ema_bytes, 0) << "the resident weights' shadows stay on the device";
+  c.offload_params = false;
+  EXPECT_EQ(plan::plan_memory(c, 300).ema_bytes, 4 * with.parameters);
+}
+
 // bf16 weights computing in bf16 keep 2-byte activations, computing in fp32
 // 4-byte ones; the planner's resolution cache must not serve one for the other.
 TEST(MemoryPlan, Bf16ComputeChoiceChangesActivationsThroughTheCache) {

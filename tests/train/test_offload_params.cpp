@@ -49,13 +49,14 @@ void expect_same_tensors(const std::string& a_path, const std::string& b_path) {
 }
 
 /// Trains `extra` with and without offload_params (gradient checkpointing
-/// on, both) and compares them.
-void expect_offload_changes_no_bit(const std::string& name, const std::string& extra) {
+/// on, both) and compares them; returns the offloaded run's last step record.
+nlohmann::json expect_offload_changes_no_bit(const std::string& name, const std::string& extra) {
   const std::string root = shoestring::testing::fresh_temp_dir("offload", name);
   const std::string common = "gradient_checkpointing = true\nsave_every_n_steps = 3\n" + extra;
   const TrainSummary plain = train(tiny_emoji_config(root + "/plain", common), quiet());
-  const TrainSummary offloaded = train(tiny_emoji_config(root + "/offload", common + "offload_params = true\n"), quiet());
-  ASSERT_EQ(losses_of(plain.run_dir + "/metrics.jsonl").size(), 6u);
+  const TrainSummary offloaded =
+      train(tiny_emoji_config(root + "/offload", common + "offload_params = true\n"), quiet());
+  EXPECT_EQ(losses_of(plain.run_dir + "/metrics.jsonl").size(), 6u);
   EXPECT_EQ(losses_of(offloaded.run_dir + "/metrics.jsonl"), losses_of(plain.run_dir + "/metrics.jsonl")) << name;
   expect_same_tensors(offloaded.run_dir + "/model.safetensors", plain.run_dir + "/model.safetensors");
   expect_same_tensors(offloaded.run_dir + "/checkpoints/step-000003/model.safetensors",
@@ -71,9 +72,9 @@ void expect_offload_changes_no_bit(const std::string& name, const std::string& e
   EXPECT_EQ(p["peak_host_offload_bytes"].get<double>(), 0.0);
   EXPECT_LT(o["peak_weights_bytes"].get<double>(), 0.5 * weights) << name;
   EXPECT_LT(o["peak_gradients_bytes"].get<double>(), 0.5 * p["peak_gradients_bytes"].get<double>()) << name;
-  EXPECT_LT(o["peak_optimizer_state_bytes"].get<double>(), 0.5 * p["peak_optimizer_state_bytes"].get<double>())
-      << name;
+  EXPECT_LT(o["peak_optimizer_state_bytes"].get<double>(), 0.5 * p["peak_optimizer_state_bytes"].get<double>()) << name;
   EXPECT_GT(host, 0.5 * weights) << name << ": the streamed weights (and more) in host memory";
+  return o;
 }
 
 }  // namespace
@@ -82,7 +83,25 @@ TEST(OffloadParams, TrainsAsWithoutOffloadingBitForBit) { expect_offload_changes
 
 TEST(OffloadParams, WithGradientAccumulationAndBf16StochasticRounding) {
   expect_offload_changes_no_bit("accumulation", "gradient_accumulation_steps = 2\n");
-  expect_offload_changes_no_bit("bf16_sr", "full_bf16 = true\nmixed_precision = \"bf16\"\noptimizer_type = \"Adafactor\"\n");
+  expect_offload_changes_no_bit("bf16_sr",
+                                "full_bf16 = true\nmixed_precision = \"bf16\"\noptimizer_type = \"Adafactor\"\n");
+}
+
+// EMA: the streamed weights' shadows move to host memory beside them (the
+// device's optimizer_state shrinks by them too); the final file, written
+// from the shadows, is the same bit for bit.
+TEST(OffloadParams, WithEmaItsShadowsLiveInHostMemory) {
+  const nlohmann::json without = expect_offload_changes_no_bit("no_ema", "");
+  const nlohmann::json with = expect_offload_changes_no_bit("ema", "ema_decay = 0.9\n");
+  // fp32 weights, all trained: the streamed shadows are as large as the
+  // streamed weights (the device's weights peak keeps one block of them).
+  const double streamed =
+      with["peak_host_offload_bytes"].get<double>() - without["peak_host_offload_bytes"].get<double>();
+  const double device_ema =
+      with["peak_optimizer_state_bytes"].get<double>() - without["peak_optimizer_state_bytes"].get<double>();
+  std::cout << "EMA shadows: " << streamed << " bytes in host memory, " << device_ema << " on the device\n";
+  EXPECT_GT(streamed, 4.0 * device_ema) << "most shadows belong to streamed weights, in host memory";
+  EXPECT_GT(device_ema, 0.0) << "the resident weights' shadows stay on the device";
 }
 
 // A checkpoint written by an offloaded run (its weights gathered from host
@@ -114,9 +133,10 @@ TEST(OffloadParams, WhatItCannotDoIsRefusedNamingTheKey) {
   };
   const std::string none = error_of(tiny_emoji_config(root + "/none", "offload_params = true\n"));
   EXPECT_NE(none.find("gradient_checkpointing = true"), std::string::npos) << none;
-  const std::string fused = error_of(tiny_emoji_config(
-      root + "/fused", "offload_params = true\ngradient_checkpointing = true\nfused_backward_pass = true\n"
-                       "optimizer_type = \"Adafactor\"\n"));
+  const std::string fused =
+      error_of(tiny_emoji_config(root + "/fused",
+                                 "offload_params = true\ngradient_checkpointing = true\nfused_backward_pass = true\n"
+                                 "optimizer_type = \"Adafactor\"\n"));
   EXPECT_NE(fused.find("fused_backward_pass"), std::string::npos) << fused;
   EXPECT_NE(fused.find("offload_params"), std::string::npos) << fused;
 }

@@ -357,7 +357,7 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
   };
   // offload_params (train/block_streaming.h): every parameter of a
   // checkpointed block in host memory, the block in use on the device.
-  int64_t offload_weights = 0, offload_grads = 0;
+  int64_t offload_weights = 0, offload_grads = 0, offload_trained_elements = 0;
   std::map<int, int64_t> offload_group_weights, offload_group_grads;
   std::vector<int> group_of_trained;       // per trained tensor
   std::vector<int64_t> weight_of_trained;  // its stored bytes
@@ -369,6 +369,7 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
       offload_weights += q.numel * precision::storage_bytes(q);
       offload_group_weights[g] += q.numel * precision::storage_bytes(q);
       if (s.trainable) {
+        offload_trained_elements += q.numel;
         offload_grads += q.numel * precision::container_bytes(s.storage);
         offload_group_grads[g] += q.numel * precision::container_bytes(s.storage);
       }
@@ -574,6 +575,11 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
   }
   p.largest_parameter = largest;
   p.ema_bytes = c.ema_decay > 0 ? ema_elements * 4 : 0;
+  if (offload && p.ema_bytes > 0) {
+    // The streamed weights' fp32 shadows beside their host copies (EMA::move_shadows_to_host).
+    p.ema_bytes -= offload_trained_elements * 4;
+    p.host_bytes += offload_trained_elements * 4;
+  }
   const bool state_offloaded = c.offload_optimizer_state || offload;
   const int64_t device_state = state_offloaded ? 0 : state;
   p.host_bytes += state_offloaded ? state : 0;

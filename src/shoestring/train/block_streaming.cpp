@@ -166,6 +166,11 @@ int64_t HostBlockStreaming::streamed_bytes() const {
   return n;
 }
 
+bool HostBlockStreaming::streams_parameter(const at::Tensor& param) const {
+  return std::any_of(params_.begin(), params_.end(),
+                     [&](const at::Tensor& p) { return p.unsafeGetTensorImpl() == param.unsafeGetTensorImpl(); });
+}
+
 void HostBlockStreaming::before_step() {
   if (!started_ || stepping_) return;
   stepping_ = true;

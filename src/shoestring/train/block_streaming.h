@@ -135,6 +135,9 @@ class HostBlockStreaming final : public RunBlockStreaming {
   void release_held() override;
   /// Bytes of the streamed parameters (all of them, trainable or not).
   int64_t streamed_bytes() const;
+  /// Whether `param` (same TensorImpl as a module parameter) is one of the
+  /// streamed weights kept in host memory.
+  bool streams_parameter(const at::Tensor& param) const;
 
  private:
   HostBlockStreaming(c10::Device device) : device_(device) {}

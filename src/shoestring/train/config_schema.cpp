@@ -244,8 +244,8 @@ const std::vector<Field>& schema() {
       {"offload_params", &TrainConfig::offload_params,
        "keep the weights of the checkpointed blocks in host memory and copy each block's to the device for its "
        "forward and its recompute in backward; their gradients and optimizer state stay in host memory and the "
-       "optimizer updates them there (DeepSpeed's offload_param; needs gradient_checkpointing; one process; CPU "
-       "only so far)"},
+       "optimizer updates them there, with their EMA (DeepSpeed's offload_param; needs gradient_checkpointing; "
+       "one process; on CUDA from pinned memory, untested on a GPU so far)"},
       {"mixed_precision",
        &TrainConfig::mixed_precision,
        "compute dtype with fp32 weights (shorthand for a precision rule; fp16 adds loss scaling)",

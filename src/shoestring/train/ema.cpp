@@ -35,7 +35,24 @@ void EMA::update(int64_t step) {
   torch::NoGradGuard no_grad;
   for (size_t i = 0; i < params_.size(); ++i) {
     const at::Tensor& p = params_[i].second;
-    shadow_[i].mul_(d).add_(p.scalar_type() == torch::kFloat32 ? p : p.to(torch::kFloat32), 1.0 - d);
+    // A weight and its shadow on different devices (offload_params keeps a
+    // streamed weight's shadow in host memory; the weight is its host copy
+    // while the optimizer steps, so they meet there): averaged where the shadow is.
+    shadow_[i].mul_(d).add_(p.to(shadow_[i].device(), torch::kFloat32), 1.0 - d);
+  }
+}
+
+void EMA::move_shadows_to_host(const std::function<bool(const at::Tensor& param)>& in_host_memory) {
+  torch::NoGradGuard no_grad;
+  ScopedMemoryCategory category(MemoryCategory::host_offload);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!in_host_memory(params_[i].second)) continue;
+    // A copy on a CPU run too (as HostBlockStreaming's), so that the ledger
+    // shows the device / host split a GPU would see; the bits are the same.
+    const bool pinned = shadow_[i].is_cuda();
+    at::Tensor host = at::empty(shadow_[i].sizes(), shadow_[i].options().device(at::kCPU).pinned_memory(pinned));
+    host.copy_(shadow_[i]);
+    shadow_[i] = host;
   }
 }
 

@@ -7,6 +7,7 @@
 // short runs: with a constant 0.99 a 135-step run's average still holds
 // 0.99^135 = 26% of the random initial weights, and samples from it are noise.
 #pragma once
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -36,6 +37,12 @@ class EMA {
   /// d = decay_at(step); `step` is the optimizer step just applied (1-based,
   /// counted across resumes). Throws shoestring::Error for step < 1.
   void update(int64_t step);
+  /// Moves the shadows of the parameters `in_host_memory` picks to host
+  /// memory (pinned when the parameter's device is CUDA; charged to the
+  /// ledger's host_offload), where offload_params keeps those weights
+  /// (train/block_streaming.h): update() then averages them there. On a
+  /// CPU run a copy too, charged to host_offload (the split a GPU would see).
+  void move_shadows_to_host(const std::function<bool(const at::Tensor& param)>& in_host_memory);
   /// Copies the shadow weights into the live parameters (rounded to their dtype)
   /// and returns the previous live values so restore() can put them back.
   std::vector<at::Tensor> swap_in();

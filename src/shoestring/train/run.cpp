@@ -929,12 +929,6 @@ std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions&
               : "fp16 loss scaling, from mixed_precision = \"fp16\" or full_fp16 = true, or fp32 master weights, from "
                 "precision rules with master = \"fp32\"");
     }
-    if (!run.device.is_cpu()) {
-      fail(
-          "offload_params runs on the CPU only so far (device resolves to {}): its device copies are measured "
-          "through the memory ledger there; on CUDA it is not wired yet",
-          run.device.str());
-    }
     run.block_streaming =
         HostBlockStreaming::attach(run.model->block_tables(), run.model->module(), run.trainable, run.device);
     if (run.block_streaming->blocks() == 0) {
@@ -988,10 +982,16 @@ std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions&
     } else if (!options.quiet) {
       spdlog::info(
           "offload_params: {} of {} trainable weights ({:.1f}%) in {} checkpointed blocks live in host memory ({} "
-          "with the frozen ones), copied to the device block by block; their gradients and optimizer state live "
+          "with the frozen ones), copied to the device block by block; their gradients and optimizer state{} live "
           "there too",
           streamed, total, percent, run.block_streaming->blocks(),
-          format_bytes(static_cast<HostBlockStreaming&>(*run.block_streaming).streamed_bytes()));
+          format_bytes(static_cast<HostBlockStreaming&>(*run.block_streaming).streamed_bytes()),
+          run.ema ? ", EMA" : "");
+    }
+    if (c.offload_params && !run.group && run.ema) {
+      // offload_params: the streamed weights' EMA shadows beside their host copies.
+      const auto& host = static_cast<const HostBlockStreaming&>(*run.block_streaming);
+      run.ema->move_shadows_to_host([&host](const at::Tensor& p) { return host.streams_parameter(p); });
     }
   }
   if (!options.quiet) log_setup(run);
