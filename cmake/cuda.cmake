@@ -56,7 +56,16 @@ if(NOT SHOESTRING_CUDA STREQUAL "OFF" AND SHOESTRING_CUDA_KERNELS)
     # processes on CUDA naming the missing header; the compile check also
     # defines USE_C10D_NCCL (the torch_cuda target does in a CUDA build) so
     # that the NCCL code itself is compiled.
-    find_path(SHOESTRING_NCCL_INCLUDE_DIR nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS} ENV NCCL_INCLUDE_DIR)
+    # pip's PyTorch: its nvidia-nccl package beside torch (Torch_DIR is
+    # site-packages/torch/share/cmake/Torch), searched before the toolkit,
+    # whose NCCL may be another version (make_nccl_collectives refuses a
+    # mismatch at run time).
+    set(nccl_hints "")
+    if(Torch_DIR)
+      get_filename_component(site_packages "${Torch_DIR}/../../../.." ABSOLUTE)
+      list(APPEND nccl_hints "${site_packages}/nvidia/nccl/include")
+    endif()
+    find_path(SHOESTRING_NCCL_INCLUDE_DIR nccl.h HINTS ${nccl_hints} ENV NCCL_INCLUDE_DIR ${CUDAToolkit_INCLUDE_DIRS})
     if(SHOESTRING_NCCL_INCLUDE_DIR)
       set(nccl_defs SHOESTRING_HAVE_NCCL_H=1)
       if(NOT SHOESTRING_TORCH_HAS_CUDA)

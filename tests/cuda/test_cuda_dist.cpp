@@ -158,7 +158,8 @@ void exact_fp32_convolutions() {
 }
 
 /// A worker: the tiny emoji run on its GPU (device = "cuda": cuda:RANK),
-/// batch SHOESTRING_TEST_BATCH per rank, zero_stage SHOESTRING_TEST_STAGE;
+/// batch SHOESTRING_TEST_BATCH per rank, zero_stage SHOESTRING_TEST_STAGE,
+/// fused_backward_pass when SHOESTRING_TEST_FUSED = 1;
 /// its trajectory to <run>.rankR.pt, or its error to <run>.errorR.txt.
 DIST_SCENARIO(cuda_train) {
   const std::string run = worker_dir() + "/" + worker_env("SHOESTRING_TEST_RUN");
@@ -166,6 +167,7 @@ DIST_SCENARIO(cuda_train) {
                                                   "gradient_checkpointing = true\n");
   c.device = "cuda";
   c.zero_stage = std::stoll(worker_env("SHOESTRING_TEST_STAGE"));
+  c.fused_backward_pass = worker_env("SHOESTRING_TEST_FUSED") == "1";
   exact_fp32_convolutions();
   try {
     const auto t = shoestring::testing::train_and_record(c);
@@ -190,8 +192,10 @@ TEST(CudaDataParallel, TwoGpusMatchOneGpuWithDoubleBatch) {
   one_config.device = "cuda";
   exact_fp32_convolutions();
   const auto one = on_cpu(shoestring::testing::train_and_record(one_config));
-  for (const int stage : {0, 2, 3}) {
-    const std::string name = "stage" + std::to_string(stage);
+  // Stage 2 with the fused backward: reductions issued inside autograd's
+  // hooks, on its CUDA device thread.
+  for (const auto& [stage, fused] : {std::pair{0, false}, std::pair{2, true}, std::pair{3, false}}) {
+    const std::string name = "stage" + std::to_string(stage) + (fused ? "_fused" : "");
     const int port = shoestring::testing::free_tcp_port();
     const auto status = run_workers(
         "cuda_train", 2, dir,
@@ -199,6 +203,7 @@ TEST(CudaDataParallel, TwoGpusMatchOneGpuWithDoubleBatch) {
           auto env = shoestring::testing::rank_env(r, 2, port, 2);
           env["SHOESTRING_TEST_RUN"] = name;
           env["SHOESTRING_TEST_STAGE"] = std::to_string(stage);
+          env["SHOESTRING_TEST_FUSED"] = fused ? "1" : "0";
           return env;
         },
         std::chrono::seconds(240));

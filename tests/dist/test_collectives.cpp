@@ -116,6 +116,15 @@ void check_collectives(ProcessGroup& g) {
   at::Tensor bf_gathered = g.all_gather(slices.narrow(0, r * n, n).clone());
   EXPECT_TRUE(same_bits(bf_gathered, slices));
 
+  // int16 all-gather: 2-byte elements counted as such (they once moved as
+  // twice as many bytes, half of each rank's chunk at the wrong offset).
+  auto shorts_of = [](int k) {
+    return (at::arange(3, at::TensorOptions().dtype(at::kInt)) - 20000 + 1000 * k).to(at::kShort);
+  };
+  std::vector<at::Tensor> short_parts;
+  for (int k = 0; k < w; ++k) short_parts.push_back(shorts_of(k));
+  EXPECT_TRUE(g.all_gather(shorts_of(r)).equal(at::cat(short_parts))) << g.all_gather(shorts_of(r));
+
   // Bad input is refused before any communication (on every rank alike).
   EXPECT_THAT([&] { g.reduce_scatter_sum(at::zeros({w * 3 + 1}, f32)); },
               ::testing::ThrowsMessage<Error>(AllOf(HasSubstr("reduce_scatter_sum"), HasSubstr("multiple of"))));

@@ -34,14 +34,23 @@ class C10dCollectives {
   virtual std::string describe() const = 0;
 };
 
+/// Sets what c10d's NCCL backend reads from the environment, before any
+/// thread that might read the environment starts (setenv races getenv):
+/// with libtorch 1.13, NCCL_ASYNC_ERROR_HANDLING = 1 unless set, so that the
+/// watchdog ends a rank whose collective outlives the timeout instead of
+/// hanging; nothing with 2.x, whose default already does. Defined in
+/// dist/nccl_collectives_cuda.cpp (CUDA build).
+void prepare_nccl_environment();
+
 /// The NCCL backend of rank `rank` of `size` on CUDA device `device_index`,
 /// rendezvousing through `store` (a prefix of the group's store of its own).
 /// `timeout` bounds each collective: c10d's watchdog ends the process when a
-/// collective runs longer (NCCL_ASYNC_ERROR_HANDLING / TORCH_NCCL_ASYNC_ERROR_HANDLING
-/// = 1 unless the environment sets either). Defined in
+/// collective runs longer (see prepare_nccl_environment). Defined in
 /// dist/nccl_collectives_cuda.cpp, built only where libtorch has CUDA.
 /// Throws shoestring::Error when this libtorch has no NCCL (USE_C10D_NCCL)
-/// or nccl.h was not found at build time, naming what is missing.
+/// or nccl.h was not found at build time, naming what is missing; when
+/// nccl.h's version is not libtorch's; and when another rank of the group
+/// uses the same physical GPU (by host and PCI address), naming both ranks.
 std::unique_ptr<C10dCollectives> make_nccl_collectives(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                                                        std::chrono::milliseconds timeout, int device_index);
 

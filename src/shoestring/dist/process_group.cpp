@@ -268,11 +268,27 @@ void join_device(ProcessGroup::Impl& impl, int rank, int size, std::chrono::mill
          size, device.str());
 #if defined(SHOESTRING_WITH_CUDA)
   auto store = c10::make_intrusive<c10d::PrefixStore>("shoestring/nccl", impl.store);
-  impl.device = make_nccl_collectives(store, rank, size, timeout, device.index());
+  try {
+    impl.device = make_nccl_collectives(store, rank, size, timeout, device.index());
+  } catch (const Error&) {
+    throw;  // names the rank already
+  } catch (const std::exception& e) {
+    fail("rank {} of {} on {}: cannot create the NCCL group: {}", rank, size, device.str(), e.what());
+  }
   impl.device_of_group = device;
 #else
   (void)timeout;
   fail("rank {} of {} on {}: this build of shoestring has no CUDA (libtorch without CUDA)", rank, size, device.str());
+#endif
+}
+
+/// What the NCCL backend reads from the environment, set before the store
+/// and Gloo start their threads.
+void prepare_environment(const c10::Device& device) {
+#if defined(SHOESTRING_WITH_CUDA)
+  if (device.is_cuda()) prepare_nccl_environment();
+#else
+  (void)device;
 #endif
 }
 
@@ -283,6 +299,7 @@ std::unique_ptr<ProcessGroup> ProcessGroup::connect(const LaunchEnvironment& env
   if (env.world_size < 1 || env.rank < 0 || env.rank >= env.world_size)
     fail("ProcessGroup::connect: rank {} of world size {} is not a valid rank", env.rank, env.world_size);
   ignore_sigpipe();
+  prepare_environment(device);
   auto impl = std::make_unique<Impl>();
   const std::string where = fmt::format("rank {} of {}", env.rank, env.world_size);
   try {
@@ -315,6 +332,7 @@ std::unique_ptr<ProcessGroup> ProcessGroup::connect_file(const std::string& path
   if (size < 1 || rank < 0 || rank >= size)
     fail("ProcessGroup::connect_file: rank {} of world size {} is not a valid rank", rank, size);
   ignore_sigpipe();
+  prepare_environment(device);
   auto impl = std::make_unique<Impl>();
   try {
     auto store = c10::make_intrusive<c10d::FileStore>(path, size);
@@ -446,9 +464,10 @@ at::Tensor ProcessGroup::all_gather(const at::Tensor& input) {
   const int64_t n = input.numel();
   at::Tensor out = at::empty({n * size_}, input.options());
   out.narrow(0, rank_ * n, n).copy_(input);
+  // Same-size views only: the chunks are counted in elements.
   at::Tensor wire = out;
-  if (out.scalar_type() == at::kBFloat16) wire = out.view(at::kHalf);
-  if (out.scalar_type() == at::kBool || out.scalar_type() == at::kShort) wire = out.view(at::kByte);
+  if (out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kShort) wire = out.view(at::kHalf);
+  if (out.scalar_type() == at::kBool) wire = out.view(at::kByte);
   C10dCollectives& backend = impl_->backend_for(wire, what);
   for_each_root_chunk(impl_.get(), what, hint_for(timeout_), wire, n, size_,
                       [&](std::vector<at::Tensor>& v, int root) { return backend.broadcast(v, root); });

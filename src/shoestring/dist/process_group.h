@@ -7,7 +7,12 @@
 // the rest of shoestring and works around what Debian's libtorch 1.13 Gloo
 // lacks. The workarounds apply to NCCL too (bf16 / fp16 summed in fp32,
 // reduce-scatter and all-gather from rooted collectives), so a CUDA run
-// reduces the same fp32 sums in the same order as a CPU run.
+// reduces the same fp32 sums as a CPU run (in the same order at two ranks;
+// NCCL's ring and tree orders differ from Gloo's beyond). Failures differ:
+// a Gloo collective whose peer exited or stopped throws (below); an NCCL
+// one waits, and c10d's watchdog ends the process once it outlives the
+// timeout, with its own message naming the collective. barrier() is
+// Gloo's and orders no GPU work.
 //
 // Facts relied on (probed on libtorch 1.13.1, /work/shared/research/zero.md
 // section 1): Gloo reduces and broadcasts no bf16 (bf16 is reduced in fp32
@@ -40,8 +45,12 @@ inline constexpr std::chrono::seconds kDefaultTimeout{120};
 class ProcessGroup;
 
 /// A collective in flight (ProcessGroup's *_async calls). wait() blocks
-/// until it is done on this rank and copies results back where needed.
-/// Destroying it without wait() waits (errors then are logged, not thrown).
+/// until it is done on this rank (Gloo: host tensors) or, for tensors on
+/// the group's GPU (NCCL), makes the calling thread's current CUDA stream
+/// wait for it, which orders every later use of the tensors on that stream
+/// (the host reads them through .item() / a copy to the CPU, which
+/// synchronise); then it copies results back where needed. Destroying it
+/// without wait() waits (errors then are logged, not thrown).
 class PendingCollective {
  public:
   struct State;  ///< defined in process_group.cpp (holds the c10d work)
