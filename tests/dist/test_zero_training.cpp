@@ -23,6 +23,7 @@
 #include "shoestring/core/error.h"
 #include "shoestring/io/atomic_file.h"
 #include "shoestring/io/safetensors.h"
+#include "shoestring/io/weight_files.h"
 #include "shoestring/train/checkpoint_io.h"
 #include "shoestring/train/config.h"
 #include "shoestring/train/run.h"
@@ -845,6 +846,52 @@ TEST(ZeroEma, ConsolidateEmaOfABf16RunIsItsFinalFile) {
   fs::create_directories(step4 + "/sub");
   EXPECT_NE(std::system((cli + step4 + " " + step4 + "/sub/x.safetensors > " + log + " 2>&1").c_str()), 0);
   EXPECT_THAT(read_text(log), HasSubstr("inside the checkpoint folder"));
+}
+
+// save_precision = "fp32" with weights stored narrower and their fp32
+// sources sharded over the owners: rank 0 writes the final file from the
+// owners' masters (stage 1) and EMA shadows (stage 3, the streamed blocks'
+// weights included), mapped from the last checkpoint's optimizer shards, bit
+// for bit as those shards keep them; without that it wrote the stored
+// weights upcast.
+TEST(ZeroFinalFile, Fp32FromTheOwnersMastersAndEmaShadows) {
+  struct Case {
+    std::string name;
+    int stage;
+    std::string extra, prefix;
+  };
+  const std::vector<Case> cases = {
+      {"masters", 1,
+       "save_precision = \"fp32\"\nfull_fp16 = true\n[[precision.rule]]\nmatch = \"unet.*\"\nmaster = \"fp32\"\n",
+       "master."},
+      {"ema", 3,
+       "save_precision = \"fp32\"\nfull_bf16 = true\nmixed_precision = \"bf16\"\nema_decay = 0.9\n"
+       "gradient_checkpointing = true\n",
+       "ema."}};
+  const std::string dir = fresh_dist_dir("zero_final_fp32");
+  for (const Case& k : cases) {
+    SCOPED_TRACE(k.name);
+    const std::vector<Trajectory> ranks = train_ranks(dir, {k.name, 2, 2, k.stage, k.extra});
+    ASSERT_EQ(ranks.size(), 2u);
+    const std::string step = dir + "/" + k.name + "/checkpoints/step-000004";
+    const WeightFiles sources = WeightFiles::open(step + "/checkpoint.index.json");
+    const SafetensorsFile model = SafetensorsFile::open(dir + "/" + k.name + "/model.safetensors");
+    const WeightFiles stored = WeightFiles::open(step + "/checkpoint.index.json");
+    int64_t compared = 0, narrower = 0;
+    for (const auto& info : model.tensors()) {
+      const at::Tensor t = model.get(info);
+      ASSERT_EQ(t.scalar_type(), at::kFloat) << info.name;
+      if (!sources.find(k.prefix + info.name)) continue;
+      ++compared;
+      EXPECT_TRUE(torch::equal(t, sources.get(k.prefix + info.name))) << info.name << " is not its fp32 source";
+      if (!torch::equal(t, stored.get(info.name).to(at::kFloat))) ++narrower;
+    }
+    EXPECT_GT(compared, 10);
+    EXPECT_GT(narrower, 10) << "the sources are not finer than the stored weights";
+    std::cout << k.name << " (stage " << k.stage << ", 2 ranks): " << compared
+              << " tensors written from their owners' fp32 sources, " << narrower
+              << " of them finer than the stored weight\n";
+  }
 }
 
 TEST(ZeroCheckpoint, ARankKilledWhileWritingItsShardLeavesAResumableRun) {

@@ -25,4 +25,5 @@ set_tests_properties("ZeroTwoRanks.AdamW" "ZeroTwoRanks.AdamW8bit" "ZeroTwoRanks
   "ZeroTraining.ThreeRanksMatchOneProcessWithTripleBatch"
   "ZeroCheckpoint.ShardedResumesAtOneTwoAndThreeRanksAndConsolidates"
   "ZeroCheckpoint.ARankKilledWhileWritingItsShardLeavesAResumableRun"
-  "ZeroTraining.ConfigsItCannotRunAreRefusedNamingTheKey" PROPERTIES TIMEOUT 480)
+  "ZeroTraining.ConfigsItCannotRunAreRefusedNamingTheKey" "ZeroFinalFile.Fp32FromTheOwnersMastersAndEmaShadows"
+  PROPERTIES TIMEOUT 480)

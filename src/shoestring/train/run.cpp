@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <list>
 #include <map>
 #include <optional>
 #include <random>
@@ -1304,22 +1305,38 @@ int64_t restore_checkpoint(Run& run, const std::string& dir) {
   return run.counters.step;
 }
 
-/// The fp32 sources this process holds of trained weights stored
-/// narrower, by the weight's TensorImpl: the fp32 master weights (unless
-/// ZeRO shards them over the ranks), overridden by the EMA's shadows (when
-/// kept here whole). What a final file in save_precision is cast from.
-TensorsByImpl fp32_sources(Run& run) {
+/// The fp32 sources of trained weights stored narrower, by the weight's
+/// TensorImpl: the fp32 master weights, overridden by the EMA's shadows
+/// (the final file holds the EMA weights). What a final file in
+/// save_precision is cast from. Kept here whole: this process's own. Sharded
+/// over the ranks (ZeRO on several processes): rank 0 maps each owner's
+/// "master.<param>" / "ema.<param>" from the optimizer shards of `step`'s
+/// checkpoint (every run saves its last step), through `mapped`, which must
+/// outlive the result; nothing is read into memory until the write casts it.
+TensorsByImpl fp32_sources(Run& run, int64_t step, std::list<WeightFiles>& mapped) {
   std::map<std::string, const at::Tensor*> param_of;
   for (const auto& [name, p] : run.trainable) param_of.emplace(name, &p);
   TensorsByImpl out;
-  auto take = [&](const std::vector<std::pair<std::string, at::Tensor>>& sources) {
-    for (const auto& [name, t] : sources) {
-      const auto it = param_of.find(name);
-      if (it != param_of.end() && it->second->scalar_type() != at::kFloat) out[it->second->unsafeGetTensorImpl()] = t;
-    }
+  auto take = [&](const std::string& name, const at::Tensor& t) {
+    const auto it = param_of.find(name);
+    if (it != param_of.end() && it->second->scalar_type() != at::kFloat) out[it->second->unsafeGetTensorImpl()] = t;
   };
-  if (!shards_checkpoints(run)) take(run.gradients->state().masters);
-  if (EMA* ema = local_ema(run)) take(ema->tensors());
+  if (!shards_checkpoints(run)) {
+    for (const auto& [name, t] : run.gradients->state().masters) take(name, t);
+    if (EMA* ema = local_ema(run)) {
+      for (const auto& [name, t] : ema->tensors()) take(name, t);
+    }
+    return out;
+  }
+  const fs::path index = fs::path(run.run_dir) / "checkpoints" / step_name(step) / "checkpoint.index.json";
+  if (!fs::exists(index)) return out;  // not saved at this step: the stored weights, upcast
+  const WeightFiles& files = mapped.emplace_back(WeightFiles::open(index.string()));
+  for (const std::string prefix : {"master.", "ema."}) {
+    if (prefix == "ema." && !run.ema) continue;
+    for (const auto& [name, p] : param_of) {
+      if (files.find(prefix + name)) take(name, files.get(prefix + name));
+    }
+  }
   return out;
 }
 
@@ -1330,10 +1347,11 @@ void save_final_files(Run& run, int64_t step) {
   if (!run.lora_only()) {
     try {
       // A save_precision other than "auto" casts the final file once from
-      // the fp32 sources kept here (EMA shadows, fp32 masters), not from the
-      // weights they were rounded into.
+      // the fp32 sources (EMA shadows, fp32 masters), not from the weights
+      // they were rounded into.
+      std::list<WeightFiles> mapped;
       run.model->save_final(final_path, step, /*storage_dtype=*/false,
-                            c.save_precision == "auto" ? TensorsByImpl() : fp32_sources(run));
+                            c.save_precision == "auto" ? TensorsByImpl() : fp32_sources(run, step, mapped));
     } catch (const Error& e) {
       // The range guard refused save_precision: keep the trained weights
       // anyway, in their storage dtype, and say how to narrow them.
