@@ -312,7 +312,11 @@ TEST(ZeroStage3, ThreeRanksWithGradientAccumulation) {
 // the other ranks' copies of the block are freed. With accumulation every
 // micro-batch's gradients are summed over the ranks and only the owner
 // buffers the sum (at stages 0-2 every rank buffers every gradient until
-// the last micro-batch): each rank's gradient bytes well under stage 0's.
+// the last micro-batch): each rank's gradient bytes under stage 0's. On
+// this tiny model the fused buckets (one per owner, a quarter of the fp32
+// gradients in all: fused_bucket_bytes) are as large as a rank's buffers,
+// so the margin is that of the buffers: a rank buffering every tensor
+// would hold about 1.15 of stage 0's bytes, its own about 0.8.
 // With and without accumulation it trains as stage 0 (the same sums, in
 // another order with accumulation).
 TEST(ZeroStage3, FusedBackward) {
@@ -326,7 +330,7 @@ TEST(ZeroStage3, FusedBackward) {
     for (const int rank : {0, 1}) {
       const Trajectory s3 = load_trajectory(dir + "/s3.rank" + std::to_string(rank) + ".pt");
       std::cout << " " << s3.gradients_peak;
-      EXPECT_LT(s3.gradients_peak, 0.75 * s0.gradients_peak) << "rank " << rank;
+      EXPECT_LT(s3.gradients_peak, 0.9 * s0.gradients_peak) << "rank " << rank;
     }
     std::cout << "\n";
   }

@@ -8,6 +8,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <deque>
+#include <map>
 
 #include <torch/torch.h>
 
@@ -154,26 +156,44 @@ TEST(ZeroPlan, FusedBackwardOnSeveralRanksHoldsItsGradientBuckets) {
     numels.push_back(p.numel());
     psi += p.numel();
   }
-  // A quarter of the fp32 gradients, between 1 and 25 MiB (fused_bucket_bytes).
-  const int64_t cap = std::clamp<int64_t>(psi, int64_t{1} << 20, int64_t{25} << 20);
+  // A quarter of the fp32 gradients with one receiver, a thirty-second with
+  // several owners, between 256 KiB and 25 MiB (fused_bucket_bytes).
+  const int64_t cap = std::clamp<int64_t>(psi, int64_t{256} << 10, int64_t{25} << 20);
+  const int64_t owners_cap = std::clamp<int64_t>(psi / 8, int64_t{256} << 10, int64_t{25} << 20);
   EXPECT_EQ(fused_bucket_bytes(psi), cap);
+  EXPECT_EQ(fused_bucket_bytes(psi, 2), owners_cap);
   for (const int64_t stage : {0, 1, 2, 3}) {
     TrainConfig c = zero_config(stage);
     c.fused_backward_pass = true;
     EXPECT_EQ(plan::plan_memory(c, plan::kDefaultVocabSize, 1).communication_bytes, 0);
-    // The largest bucket: runs of one owner (stage 0: one run), in reverse order, cut at the cap.
+    // One bucket per owner (stage 0: one for all), filled in reverse order
+    // up to cap / owners each: what is held at most is the filling buckets,
+    // the packed bucket's flat copy and the two in flight.
     const dist::TensorOwnership owners(numels, 2);
-    int64_t largest = 0, filling = 0;
-    int root = -2;
+    const int64_t share = stage == 0 ? cap : owners_cap / 2;
+    std::map<int, int64_t> filling;
+    std::deque<int64_t> in_flight;
+    int64_t held = 0, peak = 0;
+    auto send = [&](int r) {
+      if (filling[r] == 0) return;
+      peak = std::max(peak, held + filling[r]);
+      in_flight.push_back(filling[r]);
+      filling[r] = 0;
+      if (in_flight.size() > 2) {
+        held -= in_flight.front();
+        in_flight.pop_front();
+      }
+    };
     for (size_t k = numels.size(); k-- > 0;) {
       const int r = stage == 0 ? -1 : owners.owner(k);
-      if (filling > 0 && (r != root || filling + numels[k] * 4 > cap)) filling = 0;
-      root = r;
-      filling += numels[k] * 4;
-      largest = std::max(largest, filling);
+      if (filling[r] > 0 && filling[r] + numels[k] * 4 > share) send(r);
+      filling[r] += numels[k] * 4;
+      held += numels[k] * 4;
+      peak = std::max(peak, held);
     }
+    for (int r = -1; r < 2; ++r) send(r);
     const plan::MemoryPlan p = plan::plan_memory(c, plan::kDefaultVocabSize, 2);
-    EXPECT_EQ(p.communication_bytes, std::min(2 * 4 * psi, 4 * largest)) << "stage " << stage;
+    EXPECT_EQ(p.communication_bytes, std::min(2 * 4 * psi, peak)) << "stage " << stage;
     EXPECT_TRUE(std::none_of(p.notes.begin(), p.notes.end(),
                              [](const std::string& n) { return n.find("refuses") != std::string::npos; }))
         << "stage " << stage;

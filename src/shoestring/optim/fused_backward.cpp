@@ -1,7 +1,10 @@
 #include "shoestring/optim/fused_backward.h"
 
 #include <cmath>
+#include <deque>
 #include <limits>
+#include <map>
+#include <set>
 
 #include <torch/torch.h>
 
@@ -37,6 +40,11 @@ FusedBackward::FusedBackward(Optimizer& optimizer, FusedBackwardOptions options)
         "fused backward: two_pass clipping measures the step's norm before any update, which with several "
         "processes would need every gradient reduced twice; use fused_clip_method = \"previous_step_norm\"");
   }
+  if (options_.reduction) {
+    const std::vector<int>& roots = options_.reduction->root_of;
+    const std::set<int> distinct(roots.begin(), roots.end());
+    root_bucket_bytes_ = options_.reduction->bucket_bytes / std::max<int64_t>(1, static_cast<int64_t>(distinct.size()));
+  }
   std::vector<at::Tensor> params;
   for (const auto& p : optimizer_.params()) params.push_back(p.param);
   const size_t n = params.size();
@@ -68,6 +76,38 @@ FusedBackward::FusedBackward(Optimizer& optimizer, FusedBackwardOptions options)
 }
 
 FusedBackward::~FusedBackward() { *self_ = nullptr; }
+
+FusedBucketSizes fused_bucket_sizes(const std::vector<int64_t>& bytes, const std::vector<int>& roots,
+                                    int64_t bucket_bytes) {
+  if (bytes.size() != roots.size())
+    fail("fused_bucket_sizes: {} gradient sizes for {} roots", bytes.size(), roots.size());
+  const std::set<int> distinct(roots.begin(), roots.end());
+  const int64_t cap = bucket_bytes / std::max<int64_t>(1, static_cast<int64_t>(distinct.size()));
+  FusedBucketSizes out;
+  std::map<int, int64_t> filling;
+  std::deque<int64_t> in_flight;
+  int64_t held = 0;  // filling + in flight
+  auto send = [&](int root) {
+    const int64_t size = filling[root];
+    if (size == 0) return;
+    out.largest = std::max(out.largest, size);
+    out.peak = std::max(out.peak, held + size);  // the flat copy beside the gradients it packs
+    filling[root] = 0;
+    in_flight.push_back(size);  // the gradients go, the flat stays: held is unchanged
+    while (in_flight.size() > 2) {
+      held -= in_flight.front();
+      in_flight.pop_front();
+    }
+  };
+  for (size_t i = 0; i < bytes.size(); ++i) {
+    if (filling[roots[i]] > 0 && filling[roots[i]] + bytes[i] > cap) send(roots[i]);
+    filling[roots[i]] += bytes[i];
+    held += bytes[i];
+    out.peak = std::max(out.peak, held);
+  }
+  for (const auto& [root, size] : filling) send(root);
+  return out;
+}
 
 double FusedBackward::clip_scale_for(double norm) const {
   if (options_.max_grad_norm > 0 && std::isfinite(norm) && norm > options_.max_grad_norm) {
@@ -193,17 +233,23 @@ void FusedBackward::reduce_and_apply(size_t index, at::Tensor grad_fp32, int64_t
   const FusedReduction& r = *options_.reduction;
   const int root = r.root_of.at(index);
   const int64_t bytes = grad_fp32.numel() * static_cast<int64_t>(sizeof(float));
-  if (!filling_.grads.empty() && (root != filling_.root || filling_.bytes + bytes > r.bucket_bytes)) send_bucket();
-  filling_.root = root;
-  filling_.micro = accumulate_micro;
-  filling_.bytes += bytes;
-  filling_.grads.emplace_back(index, grad_fp32);
+  {
+    const Bucket& filling = filling_[root];
+    if (!filling.grads.empty() && filling.bytes + bytes > root_bucket_bytes_) send_bucket(root);
+  }
+  Bucket& filling = filling_[root];
+  filling.root = root;
+  filling.micro = accumulate_micro;
+  filling.bytes += bytes;
+  filling.grads.emplace_back(index, grad_fp32);
 }
 
-void FusedBackward::send_bucket() {
-  if (filling_.grads.empty()) return;
-  Bucket b = std::move(filling_);
-  filling_ = Bucket{};
+void FusedBackward::send_bucket(int root) {
+  const auto it = filling_.find(root);
+  if (it == filling_.end()) return;
+  Bucket b = std::move(it->second);
+  filling_.erase(it);
+  if (b.grads.empty()) return;
   {
     ScopedMemoryCategory category(MemoryCategory::gradients);
     std::vector<at::Tensor> flat_parts;
@@ -228,7 +274,7 @@ void FusedBackward::finish_oldest_bucket() {
     // A peer failed: the other buckets' collectives are dropped now, while
     // the group they wait on still exists (their waits end in errors too).
     in_flight_.clear();
-    filling_ = Bucket{};
+    filling_.clear();
     throw;
   }
   if (b.root >= 0 && b.root != options_.reduction->rank) return;  // another rank's tensors
@@ -270,7 +316,8 @@ void FusedBackward::apply(size_t index, const at::Tensor& grad_fp32) {
 }
 
 void FusedBackward::flush_buckets() {
-  send_bucket();
+  // Root by root in order: the same collectives in the same order on every rank.
+  while (!filling_.empty()) send_bucket(filling_.begin()->first);
   while (!in_flight_.empty()) finish_oldest_bucket();
 }
 

@@ -735,22 +735,20 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
     // fit one bucket holds all of them twice at the end of backward, when
     // the updates (and on step 1 the optimizer state, the EMA after them)
     // come. Errs high by the part of the state created after.
-    // A bucket closes at its size or where the receiver changes (ZeRO: the
-    // owner), in hook order, taken here as reverse parameter order.
-    const int64_t cap = fused_bucket_bytes(p.parameters);
+    // One bucket per receiver (ZeRO: the owner), in hook order, taken here
+    // as reverse parameter order (fused_bucket_sizes simulates them).
     std::optional<dist::TensorOwnership> owners;
     if (p.zero_stage >= 1) owners.emplace(numel_of_trained, world_size);
-    int64_t largest_bucket = 0, filling = 0;
-    int root = -2;
+    std::vector<int64_t> hook_bytes;
+    std::vector<int> hook_roots;
     for (size_t k = numel_of_trained.size(); k-- > 0;) {
-      const int64_t bytes = numel_of_trained[k] * 4;
-      const int r = owners ? owners->owner(k) : -1;
-      if (filling > 0 && (r != root || filling + bytes > cap)) filling = 0;
-      root = r;
-      filling += bytes;
-      largest_bucket = std::max(largest_bucket, filling);
+      hook_bytes.push_back(numel_of_trained[k] * 4);
+      hook_roots.push_back(owners ? owners->owner(k) : -1);
     }
-    const int64_t buckets = std::min(2 * p.parameters * 4, 4 * largest_bucket);
+    const FusedBucketSizes sizes = fused_bucket_sizes(
+        hook_bytes, hook_roots, fused_bucket_bytes(p.parameters, p.zero_stage >= 1 ? world_size : 1));
+    const int64_t largest_bucket = sizes.largest;
+    const int64_t buckets = std::min(2 * p.parameters * 4, sizes.peak);
     p.communication_bytes = buckets;
     Bytes e = persistent;  // the activations are freed by then
     e[kW] -= stage3_in_use;

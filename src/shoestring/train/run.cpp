@@ -398,7 +398,7 @@ std::unique_ptr<GradientPath> make_run_gradient_path(const Run& run, const std::
     // stages 1-2 (which alone steps it; dist::ZeroSharding's owners).
     FusedReduction reduction;
     reduction.rank = run.rank();
-    reduction.bucket_bytes = fused_bucket_bytes(run.trainable_parameters);
+    reduction.bucket_bytes = fused_bucket_bytes(run.trainable_parameters, run.zero ? run.world_size() : 1);
     reduction.root_of.assign(run.trainable.size(), -1);
     // Stage 3: a rank keeps its own tensors' accumulation buffers only, so
     // every micro-batch's gradients are summed over the ranks.
