@@ -26,4 +26,5 @@ set_tests_properties("ZeroTwoRanks.AdamW" "ZeroTwoRanks.AdamW8bit" "ZeroTwoRanks
   "ZeroCheckpoint.ShardedResumesAtOneTwoAndThreeRanksAndConsolidates"
   "ZeroCheckpoint.ARankKilledWhileWritingItsShardLeavesAResumableRun"
   "ZeroTraining.ConfigsItCannotRunAreRefusedNamingTheKey" "ZeroFinalFile.Fp32FromTheOwnersMastersAndEmaShadows"
+  "ZeroTwoRanks.FusedTwoPassClipsAsTheUnfusedPath"
   PROPERTIES TIMEOUT 480)

@@ -35,11 +35,6 @@ FusedBackward::FusedBackward(Optimizer& optimizer, FusedBackwardOptions options)
   if (options_.accumulation_steps < 1) {
     fail("fused backward: accumulation_steps must be >= 1 (got {})", options_.accumulation_steps);
   }
-  if (options_.reduction && options_.clip_method == FusedClipMethod::two_pass) {
-    fail(
-        "fused backward: two_pass clipping measures the step's norm before any update, which with several "
-        "processes would need every gradient reduced twice; use fused_clip_method = \"previous_step_norm\"");
-  }
   if (options_.reduction) {
     const std::vector<int>& roots = options_.reduction->root_of;
     const std::set<int> distinct(roots.begin(), roots.end());
@@ -123,7 +118,7 @@ void FusedBackward::begin_step(double lr, double grad_multiplier) {
   micro_ = -1;
   lr_ = lr;
   multiplier_ = grad_multiplier;
-  sumsq_ = 0;
+  sumsq_ = measured_sumsq_ = 0;
   finite_ = true;
   skip_step_ = false;
   stepped_ = skipped_ = 0;
@@ -153,15 +148,27 @@ bool FusedBackward::needs_second_pass() const { return step_open_ && pass_ == Pa
 bool FusedBackward::begin_second_pass() {
   if (!needs_second_pass()) fail("fused backward: begin_second_pass outside the measuring pass of two_pass clipping");
   torch::NoGradGuard no_grad;
-  // Parameters that got no gradient in the last micro-batch but hold a buffer.
+  // Parameters that got no gradient in the last micro-batch but hold a
+  // buffer: this rank's part of their sum (stages 0-2: reduced here; stage
+  // 3: the receiver's buffer is the sum already).
   for (size_t i = 0; i < done_.size(); ++i) {
     GradientAccumulator* acc = accumulator_of_[i];
-    if (!done_[i] && acc->has(i)) {
-      const double n = acc->get(i).to(torch::kFloat32).norm().item<double>() * std::abs(multiplier_);
-      sumsq_ += n * n;
+    if (done_[i] || !acc->has(i)) continue;
+    if (options_.reduction && !every_micro_batch()) {
+      reduce_and_apply(i, acc->get(i).to(torch::kFloat32, /*non_blocking=*/false, /*copy=*/true));
+    } else {
+      add_measured_norm(acc->get(i).to(torch::kFloat32));
     }
   }
-  const double norm = std::sqrt(sumsq_);
+  if (options_.reduction) {
+    flush_buckets();
+    // Every rank the same norm: the owners' parts summed (stage 0: every
+    // rank measured every sum).
+    if (options_.sum_over_ranks) sumsq_ = options_.sum_over_ranks(sumsq_);
+  }
+  measured_sumsq_ = sumsq_;
+  sumsq_ = 0;
+  const double norm = std::sqrt(measured_sumsq_);
   std::fill(done_.begin(), done_.end(), 0);
   if (!std::isfinite(norm)) {
     finite_ = false;
@@ -201,9 +208,18 @@ void FusedBackward::on_gradient(size_t index, at::Tensor& param) {
       }
       done_[index] = 1;
       // Out of place: the buffer must stay as it is for the second pass.
-      at::Tensor total = acc->has(index) ? acc->get(index).to(torch::kFloat32) + grad : grad;
-      const double n = total.norm().item<double>() * std::abs(multiplier_);
-      sumsq_ += n * n;
+      if (every_micro_batch()) {
+        // Stage 3: the step gradient's sum reaches its receiver, which adds its buffer (finish_oldest_bucket).
+        reduce_and_apply(index, grad.to(torch::kFloat32, /*non_blocking=*/false, /*copy=*/true));
+        return;
+      }
+      at::Tensor total = acc->has(index) ? acc->get(index).to(torch::kFloat32) + grad
+                                         : grad.to(torch::kFloat32, /*non_blocking=*/false, /*copy=*/true);
+      if (options_.reduction) {
+        reduce_and_apply(index, total);  // measured where the sum arrives
+      } else {
+        add_measured_norm(total);
+      }
       return;
     }
     case Pass::apply: {
@@ -239,6 +255,7 @@ void FusedBackward::reduce_and_apply(size_t index, at::Tensor grad_fp32, int64_t
   }
   Bucket& filling = filling_[root];
   filling.root = root;
+  filling.measure = pass_ == Pass::measure;
   filling.micro = accumulate_micro;
   filling.bytes += bytes;
   filling.grads.emplace_back(index, grad_fp32);
@@ -284,7 +301,11 @@ void FusedBackward::finish_oldest_bucket() {
     const int64_t n = p.numel();
     const at::Tensor sum = b.flat.narrow(0, offset, n).view(p.sizes());
     GradientAccumulator* acc = accumulator_of_[index];
-    if (b.micro >= 0) {
+    if (b.measure) {
+      // two_pass's measuring pass: the norm of the step gradient, nothing
+      // applied (stage 3: this micro-batch's sum + the receiver's buffer).
+      add_measured_norm(every_micro_batch() && acc->has(index) ? acc->get(index).to(torch::kFloat32) + sum : sum);
+    } else if (b.micro >= 0) {
       acc->add(index, sum, (step_ - 1) * options_.accumulation_steps + b.micro);  // copied
     } else if (acc->has(index)) {
       // every_micro_batch: the earlier micro-batches' sums + this one, in fp32
@@ -295,6 +316,11 @@ void FusedBackward::finish_oldest_bucket() {
     }
     offset += n;
   }
+}
+
+void FusedBackward::add_measured_norm(const at::Tensor& grad_fp32) {
+  const double n = grad_fp32.norm().item<double>() * std::abs(multiplier_);
+  sumsq_ += n * n;
 }
 
 void FusedBackward::apply(size_t index, const at::Tensor& grad_fp32) {
@@ -350,7 +376,10 @@ FusedStepResult FusedBackward::end_step() {
   }
   FusedStepResult r;
   r.step = step_;
-  r.grad_norm = std::sqrt(sumsq_);
+  // two_pass: the norm measured before the updates (summed over the ranks
+  // there); the apply pass adds only non-finite parameters' (inf / NaN).
+  r.grad_norm =
+      options_.clip_method == FusedClipMethod::two_pass ? std::sqrt(measured_sumsq_ + sumsq_) : std::sqrt(sumsq_);
   r.clip_scale = scale_;
   r.finite = finite_ && std::isfinite(r.grad_norm);
   r.params_stepped = stepped_;

@@ -126,10 +126,12 @@ struct FusedBackwardOptions {
   /// for bf16/fp16 weights (chosen per parameter).
   std::optional<GradAccumulationMode> accumulation_mode;
   uint64_t seed = 0;  ///< stochastic-rounding seed of the accumulation buffers
-  /// Several ranks (data parallel, ZeRO stages 1-2): how the step
+  /// Several ranks (data parallel, ZeRO stages 1-3): how the step
   /// gradients are summed over the ranks before their updates (see
-  /// FusedReduction). Unset: one process. Not with two_pass clipping (its
-  /// measuring pass would need every gradient reduced twice).
+  /// FusedReduction). Unset: one process. With two_pass clipping the last
+  /// micro-batch's gradients are summed twice: its measuring pass measures
+  /// each sum where it arrives (the norms then summed through
+  /// sum_over_ranks), its second pass applies them.
   std::optional<FusedReduction> reduction;
   /// Set when each rank measures only part of the step's norm (with
   /// `reduction`, at ZeRO stages 1-2: its own tensors'): end_step sums the
@@ -185,9 +187,11 @@ class FusedBackward {
   void begin_micro_batch(int64_t micro);
   /// True after the measuring backward of the last micro-batch (two_pass).
   bool needs_second_pass() const;
-  /// two_pass: computes the exact global norm and clip scale; returns true
-  /// when the caller must now replay the last micro-batch's backward, false
-  /// when the gradient is non-finite (the step is skipped, nothing moves).
+  /// two_pass: computes the exact global norm and clip scale (with
+  /// `reduction`: after the measuring pass's sums have arrived, the same on
+  /// every rank); returns true when the caller must now replay the last
+  /// micro-batch's backward, false when the gradient is non-finite (the step
+  /// is skipped on every rank, nothing moves). Collective with `reduction`.
   bool begin_second_pass();
   /// Closes the step: applies parameters whose buffer got no gradient in the
   /// last micro-batch, frees every buffer, advances optimizer.step_count()
@@ -225,10 +229,14 @@ class FusedBackward {
     at::Tensor flat;
     int root = -1;
     int64_t bytes = 0;
-    int64_t micro = -1;  ///< every_micro_batch: the micro-batch whose sums it carries into the buffers; -1: applied
+    int64_t micro = -1;    ///< every_micro_batch: the micro-batch whose sums it carries into the buffers; -1: applied
+    bool measure = false;  ///< two_pass's measuring pass: its sums are measured, not applied
     std::function<void()> wait;
   };
   void apply(size_t index, const at::Tensor& grad);
+  /// two_pass's measuring pass: adds a step gradient's squared norm (times
+  /// the gradient multiplier) to the step's.
+  void add_measured_norm(const at::Tensor& grad_fp32);
   /// Several ranks sum every micro-batch (FusedReduction::every_micro_batch).
   bool every_micro_batch() const { return options_.reduction && options_.reduction->every_micro_batch; }
   double clip_scale_for(double norm) const;
@@ -246,8 +254,9 @@ class FusedBackward {
   int64_t micro_ = -1;
   double lr_ = 0;
   double multiplier_ = 1;
-  double scale_ = 1;  // clip scale of the open step
-  double sumsq_ = 0;  // this step's squared norm so far
+  double scale_ = 1;           // clip scale of the open step
+  double sumsq_ = 0;           // this step's squared norm so far
+  double measured_sumsq_ = 0;  // two_pass: the measuring pass's, summed over the ranks
   bool finite_ = true;
   bool skip_step_ = false;  // two_pass found a non-finite gradient
   double previous_norm_;

@@ -552,10 +552,6 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
         "offload_params with fused_backward_pass: `train` refuses the pair (the fused backward steps each "
         "gradient where it is made); planned as offloaded");
   }
-  if (world_size > 1 && c.fused_backward_pass && c.fused_clip_method == "two_pass") {
-    p.notes.push_back(
-        "fused_clip_method = \"two_pass\" with several processes: `train` refuses it; use \"previous_step_norm\"");
-  }
   int64_t offload_device_grads = -1, offload_step_grads = -1;
   if (offload) {
     int64_t block_weights = 0, block_grads = 0;
