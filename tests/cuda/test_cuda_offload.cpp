@@ -22,15 +22,6 @@
 namespace shoestring {
 namespace {
 
-nlohmann::json last_step(const std::string& run_dir) {
-  std::ifstream in(run_dir + "/metrics.jsonl");
-  std::string line, last;
-  while (std::getline(in, line)) {
-    if (!line.empty()) last = line;
-  }
-  return nlohmann::json::parse(last);
-}
-
 TEST(CudaOffloadParams, TrainsAsWithoutOffloadingWithLessDeviceMemory) {
   SHOESTRING_REQUIRE_CUDA();
   at::globalContext().setAllowTF32CuDNN(false);
@@ -60,7 +51,7 @@ TEST(CudaOffloadParams, TrainsAsWithoutOffloadingWithLessDeviceMemory) {
   }
   // The device's weights, gradients and optimizer state (the ledger's CUDA
   // categories) shrink by the streamed part.
-  const nlohmann::json p = last_step(plain.run_dir), o = last_step(offloaded.run_dir);
+  const nlohmann::json p = testing::last_step_record(plain.run_dir), o = testing::last_step_record(offloaded.run_dir);
   for (const char* key : {"peak_weights_bytes", "peak_gradients_bytes", "peak_optimizer_state_bytes"}) {
     std::cout << key << ": " << p[key].get<double>() << " -> " << o[key].get<double>() << "\n";
     EXPECT_LT(o[key].get<double>(), 0.5 * p[key].get<double>()) << key;

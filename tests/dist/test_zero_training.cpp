@@ -911,17 +911,17 @@ TEST(ZeroFinalFile, Fp32FromTheOwnersMastersAndEmaShadows) {
     const std::vector<Trajectory> ranks = train_ranks(dir, {k.name, 2, 2, k.stage, k.extra});
     ASSERT_EQ(ranks.size(), 2u);
     const std::string step = dir + "/" + k.name + "/checkpoints/step-000004";
-    const WeightFiles sources = WeightFiles::open(step + "/checkpoint.index.json");
+    // The checkpoint's index maps the stored weights and the owners' optimizer shards alike.
+    const WeightFiles checkpoint = WeightFiles::open(step + "/checkpoint.index.json");
     const SafetensorsFile model = SafetensorsFile::open(dir + "/" + k.name + "/model.safetensors");
-    const WeightFiles stored = WeightFiles::open(step + "/checkpoint.index.json");
     int64_t compared = 0, narrower = 0;
     for (const auto& info : model.tensors()) {
       const at::Tensor t = model.get(info);
       ASSERT_EQ(t.scalar_type(), at::kFloat) << info.name;
-      if (!sources.find(k.prefix + info.name)) continue;
+      if (!checkpoint.find(k.prefix + info.name)) continue;
       ++compared;
-      EXPECT_TRUE(torch::equal(t, sources.get(k.prefix + info.name))) << info.name << " is not its fp32 source";
-      if (!torch::equal(t, stored.get(info.name).to(at::kFloat))) ++narrower;
+      EXPECT_TRUE(torch::equal(t, checkpoint.get(k.prefix + info.name))) << info.name << " is not its fp32 source";
+      if (!torch::equal(t, checkpoint.get(info.name).to(at::kFloat))) ++narrower;
     }
     EXPECT_GT(compared, 10);
     EXPECT_GT(narrower, 10) << "the sources are not finer than the stored weights";

@@ -21,21 +21,12 @@
 #include "train_testing.h"
 
 using namespace shoestring;
+using shoestring::testing::last_step_record;
 using shoestring::testing::losses_of;
 using shoestring::testing::quiet;
 using shoestring::testing::tiny_emoji_config;
 
 namespace {
-
-/// The last line of a run's metrics.jsonl.
-nlohmann::json last_step(const std::string& run_dir) {
-  std::ifstream in(run_dir + "/metrics.jsonl");
-  std::string line, last;
-  while (std::getline(in, line)) {
-    if (!line.empty()) last = line;
-  }
-  return nlohmann::json::parse(last);
-}
 
 /// Every tensor of two safetensors files bit-equal.
 void expect_same_tensors(const std::string& a_path, const std::string& b_path) {
@@ -62,7 +53,7 @@ nlohmann::json expect_offload_changes_no_bit(const std::string& name, const std:
   expect_same_tensors(offloaded.run_dir + "/checkpoints/step-000003/model.safetensors",
                       plain.run_dir + "/checkpoints/step-000003/model.safetensors");
   // Memory: the streamed weights, their gradients and optimizer state leave the device for host memory.
-  const nlohmann::json p = last_step(plain.run_dir), o = last_step(offloaded.run_dir);
+  const nlohmann::json p = last_step_record(plain.run_dir), o = last_step_record(offloaded.run_dir);
   const double weights = p["peak_weights_bytes"].get<double>(), host = o["peak_host_offload_bytes"].get<double>();
   std::cout << name << ": device weights " << weights << " -> " << o["peak_weights_bytes"].get<double>()
             << ", gradients " << p["peak_gradients_bytes"].get<double>() << " -> "

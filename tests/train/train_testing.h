@@ -59,6 +59,16 @@ inline std::vector<double> losses_of(const std::string& metrics_path) {
 /// The losses of a run folder's metrics.jsonl.
 inline std::vector<double> run_losses(const std::string& run_dir) { return losses_of(run_dir + "/metrics.jsonl"); }
 
+/// The last step's record of a run's metrics.jsonl.
+inline nlohmann::json last_step_record(const std::string& run_dir) {
+  std::ifstream in(run_dir + "/metrics.jsonl");
+  std::string line, last;
+  while (std::getline(in, line)) {
+    if (!line.empty()) last = line;
+  }
+  return nlohmann::json::parse(last);
+}
+
 /// The message of the shoestring::Error training `config` throws ("" when it trains).
 inline std::string train_error(const TrainConfig& config) {
   return error_of([&] { train(config, quiet()); });
