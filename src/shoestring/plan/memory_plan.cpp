@@ -472,7 +472,11 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
     for (size_t i = 0; i < master_of_trained.size(); ++i) {
       if (owners.owner(i) == most_rank) masters += master_of_trained[i];
     }
-    if (p.zero_stage == 2) {
+    if (p.zero_stage == 2 && c.fused_backward_pass) {
+      p.notes.push_back(
+          "stage 2 with fused backward: each step gradient is reduced to its owner inside backward, in buckets "
+          "per owner, and the other ranks drop theirs");
+    } else if (p.zero_stage == 2) {
       p.notes.push_back(
           "stage 2 reduces each gradient to its owner after backward, when every gradient exists on every rank: "
           "the peak (the start of that reduction) is stage 1's; only the optimizer step holds fewer gradients");

@@ -1328,14 +1328,29 @@ TensorsByImpl fp32_sources(Run& run, int64_t step, std::list<WeightFiles>& mappe
     }
     return out;
   }
+  // Every run saves its last step: a folder missing or damaged since is
+  // said, and the file is cast from the stored (rounded) weights instead.
   const fs::path index = fs::path(run.run_dir) / "checkpoints" / step_name(step) / "checkpoint.index.json";
-  if (!fs::exists(index)) return out;  // not saved at this step: the stored weights, upcast
-  const WeightFiles& files = mapped.emplace_back(WeightFiles::open(index.string()));
-  for (const std::string prefix : {"master.", "ema."}) {
-    if (prefix == "ema." && !run.ema) continue;
-    for (const auto& [name, p] : param_of) {
-      if (files.find(prefix + name)) take(name, files.get(prefix + name));
+  const std::string fallback = fmt::format(
+      "; the final file's weights stored narrower are cast to {} from their stored values, not from the owners' "
+      "fp32 {}",
+      run.config.save_precision, run.ema ? "EMA shadows" : "master weights");
+  if (!fs::exists(index)) {
+    spdlog::warn("{} is missing (the last step's checkpoint index, where the ranks' shards keep them){}",
+                 index.string(), fallback);
+    return out;
+  }
+  try {
+    const WeightFiles& files = mapped.emplace_back(WeightFiles::open(index.string()));
+    for (const std::string prefix : {"master.", "ema."}) {
+      if (prefix == "ema." && !run.ema) continue;
+      for (const auto& [name, p] : param_of) {
+        if (files.find(prefix + name)) take(name, files.get(prefix + name));
+      }
     }
+  } catch (const Error& e) {
+    spdlog::warn("cannot read the fp32 sources of the final file: {}{}", e.what(), fallback);
+    return {};
   }
   return out;
 }
@@ -1345,13 +1360,13 @@ void save_final_files(Run& run, int64_t step) {
   EmaWeightsIn ema_weights(local_ema(run));
   const std::string final_path = (fs::path(run.run_dir) / "model.safetensors").string();
   if (!run.lora_only()) {
+    // A save_precision other than "auto" casts the final file once from
+    // the fp32 sources (EMA shadows, fp32 masters), not from the weights
+    // they were rounded into.
+    std::list<WeightFiles> mapped;
+    const TensorsByImpl sources = c.save_precision == "auto" ? TensorsByImpl() : fp32_sources(run, step, mapped);
     try {
-      // A save_precision other than "auto" casts the final file once from
-      // the fp32 sources (EMA shadows, fp32 masters), not from the weights
-      // they were rounded into.
-      std::list<WeightFiles> mapped;
-      run.model->save_final(final_path, step, /*storage_dtype=*/false,
-                            c.save_precision == "auto" ? TensorsByImpl() : fp32_sources(run, step, mapped));
+      run.model->save_final(final_path, step, /*storage_dtype=*/false, sources);
     } catch (const Error& e) {
       // The range guard refused save_precision: keep the trained weights
       // anyway, in their storage dtype, and say how to narrow them.
