@@ -72,6 +72,7 @@ int main(int argc, char** argv) {
     rows.push_back({"AdamW", batches[1], res[1], false, false, "offload_optimizer_state=true"});
     rows.push_back({"AdamW", batches[1], res[1], false, false, "attention_chunk_mib=1"});
     rows.push_back({"AdamW", batches[0], res[1], false, false, "gradient_accumulation_steps=2"});
+    rows.push_back({"AdamW", batches[1], res[1], true, false, "offload_params=true"});
 
     fmt::print("data: {}\n", data);
     fmt::print("{:<58} {:>10} {:>10} {:>7} | {:>9} {:>9} {:>7} | peak at\n", "config", "pred MiB", "meas MiB", "err%",
@@ -97,6 +98,7 @@ int main(int argc, char** argv) {
         c.offload_optimizer_state = e.offload_optimizer_state;
         c.attention_chunk_mib = e.attention_chunk_mib;
         c.gradient_accumulation_steps = e.gradient_accumulation_steps;
+        c.offload_params = e.offload_params;
       }
       plan::Measurement m = plan::measure_training(c, 2);
       const auto& p = m.plan;
@@ -110,7 +112,7 @@ int main(int argc, char** argv) {
                  mib(p.predicted_peak_bytes), mib(meas), err, mib(p.first_step_peak_bytes), mib(meas1), err1,
                  p.peak_phase);
       std::string cats;
-      for (int k = 0; k <= static_cast<int>(MemoryCategory::temporaries); ++k) {
+      for (int k = 0; k <= static_cast<int>(MemoryCategory::other); ++k) {
         cats += fmt::format(" {} {:.1f}/{:.1f}", to_string(static_cast<MemoryCategory>(k)), mib(p.at_peak[k]),
                             mib(m.steps[1].at_peak[k]));
       }

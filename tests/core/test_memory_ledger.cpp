@@ -105,6 +105,40 @@ TEST_F(MemoryLedgerTest, ZeroByteTensorsAreNotCharged) {
   EXPECT_EQ(ledger().current_total(), total0);
 }
 
+// offload runs: host_offload rises and falls apart from the device's
+// categories, so the total's peak and the device's come at different
+// moments; each breakdown is its own peak's (plan/measure.cpp compares the
+// device's with the plan).
+TEST_F(MemoryLedgerTest, DevicePeakBreakdownIsTheSnapshotAtTheDevicePeak) {
+  ledger().reset_peaks();
+  const int64_t device0 = ledger().device_current_total();
+  const int64_t host0 = ledger().current_bytes(Cat::host_offload);
+  torch::Tensor host, w, a;
+  {
+    ScopedMemoryCategory s(Cat::host_offload);
+    host = torch::empty({4096}, torch::kFloat);  // 16384 B: the total's peak
+  }
+  host.reset();
+  {
+    ScopedMemoryCategory s(Cat::weights);
+    w = torch::empty({1024}, torch::kFloat);  // 4096 B
+  }
+  {
+    ScopedMemoryCategory s(Cat::activations);
+    a = torch::empty({1024}, torch::kDouble);  // 8192 B: the device's peak
+  }
+  const auto total_at = ledger().peak_breakdown();
+  EXPECT_EQ(total_at[int(Cat::host_offload)], host0 + 16384);
+  const auto device_at = ledger().device_peak_breakdown();
+  EXPECT_EQ(device_at[int(Cat::host_offload)], host0);
+  EXPECT_EQ(ledger().device_peak_total(), device0 + 4096 + 8192);
+  int64_t device_sum = 0;
+  for (int c = 0; c < kNumMemoryCategories; ++c) {
+    if (c != int(Cat::host_offload)) device_sum += device_at[c];
+  }
+  EXPECT_EQ(device_sum, ledger().device_peak_total());
+}
+
 TEST_F(MemoryLedgerTest, PeakBreakdownIsTheSnapshotAtTheTotalPeak) {
   std::array<int64_t, kNumMemoryCategories> base{};
   for (int c = 0; c < kNumMemoryCategories; ++c) base[c] = ledger().current_bytes(Cat(c));

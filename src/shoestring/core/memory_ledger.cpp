@@ -35,6 +35,7 @@ struct LedgerCounters {
   std::atomic<int64_t> current[kNumMemoryCategories];
   std::atomic<int64_t> peak[kNumMemoryCategories];
   std::atomic<int64_t> peak_breakdown[kNumMemoryCategories];
+  std::atomic<int64_t> device_peak_breakdown[kNumMemoryCategories];
   std::atomic<int64_t> current_total;
   std::atomic<int64_t> peak_total;
   std::atomic<int64_t> current_device;  // every category but host_offload
@@ -57,11 +58,15 @@ bool raise_peak(std::atomic<int64_t>& peak, int64_t value) {
   return false;
 }
 
-void snapshot_breakdown() {
+void snapshot_breakdown(std::atomic<int64_t> (&into)[kNumMemoryCategories]) {
   for (int c = 0; c < kNumMemoryCategories; ++c) {
-    g_counters.peak_breakdown[c].store(g_counters.current[c].load(std::memory_order_relaxed),
-                                       std::memory_order_relaxed);
+    into[c].store(g_counters.current[c].load(std::memory_order_relaxed), std::memory_order_relaxed);
   }
+}
+
+/// Raises the device peak to `value`, and snapshots the categories when it rose.
+void raise_device_peak(int64_t value) {
+  if (raise_peak(g_counters.peak_device, value)) snapshot_breakdown(g_counters.device_peak_breakdown);
 }
 
 constexpr int kHostCategory = static_cast<int>(MemoryCategory::host_offload);
@@ -69,11 +74,9 @@ constexpr int kHostCategory = static_cast<int>(MemoryCategory::host_offload);
 void charge(int category, int64_t bytes) {
   const int64_t now = g_counters.current[category].fetch_add(bytes) + bytes;
   raise_peak(g_counters.peak[category], now);
-  if (category != kHostCategory) {
-    raise_peak(g_counters.peak_device, g_counters.current_device.fetch_add(bytes) + bytes);
-  }
+  if (category != kHostCategory) raise_device_peak(g_counters.current_device.fetch_add(bytes) + bytes);
   const int64_t total = g_counters.current_total.fetch_add(bytes) + bytes;
-  if (raise_peak(g_counters.peak_total, total)) snapshot_breakdown();
+  if (raise_peak(g_counters.peak_total, total)) snapshot_breakdown(g_counters.peak_breakdown);
 }
 
 void discharge(int category, int64_t bytes) {
@@ -205,13 +208,20 @@ std::array<int64_t, kNumMemoryCategories> MemoryLedger::peak_breakdown() const {
   return out;
 }
 
+std::array<int64_t, kNumMemoryCategories> MemoryLedger::device_peak_breakdown() const {
+  std::array<int64_t, kNumMemoryCategories> out{};
+  for (int c = 0; c < kNumMemoryCategories; ++c) out[c] = g_counters.device_peak_breakdown[c].load();
+  return out;
+}
+
 void MemoryLedger::reset_peaks() {
   for (int c = 0; c < kNumMemoryCategories; ++c) {
     g_counters.peak[c].store(g_counters.current[c].load());
   }
   g_counters.peak_total.store(g_counters.current_total.load());
   g_counters.peak_device.store(g_counters.current_device.load());
-  snapshot_breakdown();
+  snapshot_breakdown(g_counters.peak_breakdown);
+  snapshot_breakdown(g_counters.device_peak_breakdown);
 }
 
 void MemoryLedger::recharge(const at::Tensor& t, MemoryCategory to) {
@@ -225,7 +235,7 @@ void MemoryLedger::recharge(const at::Tensor& t, MemoryCategory to) {
   raise_peak(g_counters.peak[target], now);
   g_counters.current[from].fetch_sub(h->size);
   if (from == kHostCategory && target != kHostCategory) {
-    raise_peak(g_counters.peak_device, g_counters.current_device.fetch_add(h->size) + h->size);
+    raise_device_peak(g_counters.current_device.fetch_add(h->size) + h->size);
   } else if (from != kHostCategory && target == kHostCategory) {
     g_counters.current_device.fetch_sub(h->size);
   }

@@ -80,6 +80,10 @@ class MemoryLedger {
   /// (it is not peak_total() minus a host peak).
   int64_t device_current_total() const;
   int64_t device_peak_total() const;
+  /// Per-category bytes at the moment the device peak was reached (as
+  /// peak_breakdown for the total peak; the two differ where host_offload
+  /// rose and fell apart from the device's categories).
+  std::array<int64_t, kNumMemoryCategories> device_peak_breakdown() const;
 
   /// Sets every peak (per category, total and the breakdown) to the current
   /// value, e.g. at the start of a measured phase.

@@ -52,7 +52,7 @@ Measurement measure_training(TrainConfig config, int64_t steps) {
   options.on_step = [&m](const nlohmann::json&) {
     MemoryLedger& ledger = MemoryLedger::global();
     MeasuredStep s;
-    const auto breakdown = ledger.peak_breakdown();
+    const auto breakdown = ledger.device_peak_breakdown();  // the categories at peak_bytes' moment
     const int other = static_cast<int>(MemoryCategory::other);
     s.peak_bytes = ledger.device_peak_total() - ledger.current_bytes(MemoryCategory::other);
     for (int c = 0; c < kNumMemoryCategories; ++c) {
@@ -229,7 +229,7 @@ ModelStepResult measure_model_step(const ModelStepOptions& o) {
     result.seconds_per_step = std::chrono::duration<double>(Clock::now() - t0).count();
     result.step_seconds.push_back(result.seconds_per_step);
   }
-  const auto breakdown = ledger.peak_breakdown();
+  const auto breakdown = ledger.device_peak_breakdown();
   result.step.peak_bytes = ledger.device_peak_total();
   for (int c = 0; c < kNumMemoryCategories; ++c) {
     result.step.at_peak[c] = breakdown[c];
