@@ -39,6 +39,12 @@ inline c10::ScalarType fp8_storage_dtype(bool e4m3) {
 // allocation and free) exists from 2.1 (core/memory_ledger_cuda.cpp).
 #define SHOESTRING_HAS_CUDA_TRACE_TRACKER SHOESTRING_TORCH_AT_LEAST(2, 1)
 
+// c10d's NCCL watchdog ends a rank whose collective outlives the group's
+// timeout only when NCCL_ASYNC_ERROR_HANDLING is set in 1.13 (default 0:
+// hang); 2.x does by default (TORCH_NCCL_ASYNC_ERROR_HANDLING = 3).
+// dist/nccl_collectives_cuda.cpp sets the variable where it must.
+#define SHOESTRING_NCCL_WATCHDOG_NEEDS_ENV !SHOESTRING_TORCH_AT_LEAST(2, 0)
+
 #include <utility>
 
 namespace shoestring {

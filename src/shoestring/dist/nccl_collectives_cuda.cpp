@@ -108,7 +108,7 @@ int torch_nccl_version() {
 }  // namespace
 
 void prepare_nccl_environment() {
-#if !SHOESTRING_TORCH_AT_LEAST(2, 0)
+#if SHOESTRING_NCCL_WATCHDOG_NEEDS_ENV
   // libtorch 1.13's watchdog ends a rank whose collective outlives the
   // timeout only with NCCL_ASYNC_ERROR_HANDLING = 1 (its default, 0, hangs
   // on a dead peer). libtorch 2.x's default (3: end the process without the
