@@ -75,12 +75,24 @@ inline std::vector<int> run_workers(const std::string& scenario, int world, cons
     vars["SHOESTRING_TEST_RANK"] = std::to_string(rank);
     vars["SHOESTRING_TEST_WORLD"] = std::to_string(world);
     vars["SHOESTRING_TEST_DIR"] = dir;
+    // The child's environment is built before fork: between fork and exec a
+    // child of a threaded process (Gloo's, CUDA's threads) may only make
+    // async-signal-safe calls, which setenv (malloc) is not.
+    std::vector<std::string> entries;
+    for (char** e = environ; *e != nullptr; ++e) {
+      const std::string entry = *e;
+      const std::string key = entry.substr(0, entry.find('='));
+      if (vars.count(key) == 0) entries.push_back(entry);
+    }
+    for (const auto& [k, v] : vars) entries.push_back(k + "=" + v);
+    std::vector<char*> envp;
+    for (std::string& entry : entries) envp.push_back(entry.data());
+    envp.push_back(nullptr);
+    const char* argv[] = {"test_dist", "--gtest_filter=DistWorker.Main", "--gtest_brief=1", nullptr};
     const pid_t pid = ::fork();
     if (pid == 0) {
       ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-      for (const auto& [k, v] : vars) ::setenv(k.c_str(), v.c_str(), 1);
-      const char* argv[] = {"test_dist", "--gtest_filter=DistWorker.Main", "--gtest_brief=1", nullptr};
-      ::execv("/proc/self/exe", const_cast<char* const*>(argv));
+      ::execve("/proc/self/exe", const_cast<char* const*>(argv), envp.data());
       ::_exit(127);
     }
     pids.push_back(pid);
