@@ -13,6 +13,17 @@
 
 namespace shoestring {
 
+namespace {
+
+/// Each receiving rank's bucket: bucket_bytes shared between the distinct
+/// roots (-1, every rank, counts as one).
+int64_t root_bucket_bytes(const std::vector<int>& roots, int64_t bucket_bytes) {
+  const std::set<int> distinct(roots.begin(), roots.end());
+  return bucket_bytes / std::max<int64_t>(1, static_cast<int64_t>(distinct.size()));
+}
+
+}  // namespace
+
 const char* to_string(FusedClipMethod method) {
   switch (method) {
     case FusedClipMethod::previous_step_norm: return "previous_step_norm";
@@ -35,11 +46,8 @@ FusedBackward::FusedBackward(Optimizer& optimizer, FusedBackwardOptions options)
   if (options_.accumulation_steps < 1) {
     fail("fused backward: accumulation_steps must be >= 1 (got {})", options_.accumulation_steps);
   }
-  if (options_.reduction) {
-    const std::vector<int>& roots = options_.reduction->root_of;
-    const std::set<int> distinct(roots.begin(), roots.end());
-    root_bucket_bytes_ = options_.reduction->bucket_bytes / std::max<int64_t>(1, static_cast<int64_t>(distinct.size()));
-  }
+  if (options_.reduction)
+    root_bucket_bytes_ = root_bucket_bytes(options_.reduction->root_of, options_.reduction->bucket_bytes);
   std::vector<at::Tensor> params;
   for (const auto& p : optimizer_.params()) params.push_back(p.param);
   const size_t n = params.size();
@@ -76,8 +84,7 @@ FusedBucketSizes fused_bucket_sizes(const std::vector<int64_t>& bytes, const std
                                     int64_t bucket_bytes) {
   if (bytes.size() != roots.size())
     fail("fused_bucket_sizes: {} gradient sizes for {} roots", bytes.size(), roots.size());
-  const std::set<int> distinct(roots.begin(), roots.end());
-  const int64_t cap = bucket_bytes / std::max<int64_t>(1, static_cast<int64_t>(distinct.size()));
+  const int64_t cap = root_bucket_bytes(roots, bucket_bytes);
   FusedBucketSizes out;
   std::map<int, int64_t> filling;
   std::deque<int64_t> in_flight;
