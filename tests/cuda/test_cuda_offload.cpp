@@ -15,8 +15,10 @@
 
 #include "../train/train_testing.h"
 #include "cuda_testing.h"
+#include "shoestring/core/memory_ledger_cuda.h"
 #include "shoestring/io/safetensors.h"
 #include "shoestring/train/config.h"
+#include "shoestring/train/run.h"
 #include "shoestring/train/trainer.h"
 
 namespace shoestring {
@@ -56,6 +58,44 @@ TEST(CudaOffloadParams, TrainsAsWithoutOffloadingWithLessDeviceMemory) {
     std::cout << key << ": " << p[key].get<double>() << " -> " << o[key].get<double>() << "\n";
     EXPECT_LT(o[key].get<double>(), 0.5 * p[key].get<double>()) << key;
   }
+}
+
+// The streamed weights never reach the device at the start: the model is
+// built in host memory and moved to the GPU without them (train/run.cpp's
+// move_model_to_device), so the device's peak while the run is set up is
+// the other weights' bytes, not the whole model's.
+TEST(CudaOffloadParams, TheStreamedWeightsNeverReachTheDeviceAtTheStart) {
+  SHOESTRING_REQUIRE_CUDA();
+  CudaMemoryLedger& ledger = CudaMemoryLedger::global();
+  ledger.install(0);
+  ledger.reset_peaks();
+  const int64_t before = ledger.allocator_stats().allocated_current;
+  const std::string root = testing::fresh_temp_dir("cuda_offload", "start");
+  const std::unique_ptr<shoestring::Run> run = setup_run(
+      testing::tiny_emoji_config(root, "device = \"cuda\"\ngradient_checkpointing = true\noffload_params = true\n"),
+      testing::quiet());
+  ASSERT_NE(run->block_streaming, nullptr);
+  const auto& streaming = static_cast<const HostBlockStreaming&>(*run->block_streaming);
+  int64_t total = 0, streamed = 0, streamed_tensors = 0;
+  for (const at::Tensor& p : run->model->module().parameters(/*recurse=*/true)) {
+    if (streaming.streams_parameter(p)) {
+      EXPECT_EQ(p.numel(), 0) << "a streamed weight is present between uses";
+      EXPECT_TRUE(p.device().is_cuda());
+      ++streamed_tensors;
+    } else {
+      total += p.numel() * p.element_size();
+    }
+  }
+  streamed = streaming.streamed_bytes();
+  total += streamed;
+  ASSERT_GT(streamed_tensors, 0);
+  ASSERT_GT(streamed, total / 4) << "the tiny model streams too little to tell";
+  // Each tensor's block is rounded to 512 bytes: half the streamed bytes is
+  // far above that slack and far below a moment with the whole model there.
+  const int64_t peak = ledger.allocator_stats().allocated_peak - before;
+  std::cout << "setup peak on the device " << peak << " bytes; model " << total << " bytes, " << streamed
+            << " of them streamed\n";
+  EXPECT_LT(peak, total - streamed / 2);
 }
 
 }  // namespace

@@ -346,6 +346,8 @@ std::unique_ptr<ProcessGroup> ProcessGroup::connect_file(const std::string& path
   return std::unique_ptr<ProcessGroup>(new ProcessGroup(std::move(impl), rank, size, timeout));
 }
 
+const c10::Device& ProcessGroup::device() const { return impl_->device_of_group; }
+
 std::string ProcessGroup::where() const { return fmt::format("rank {} of {}", rank_, size_); }
 
 std::string ProcessGroup::backends() const {

@@ -105,6 +105,9 @@ class ProcessGroup {
 
   int rank() const { return rank_; }
   int size() const { return size_; }
+  /// The device whose tensors the group reduces besides host tensors
+  /// (connect's `device`): cuda:N, or the CPU for a group joined on the CPU.
+  const c10::Device& device() const;
   std::chrono::milliseconds timeout() const { return timeout_; }
 
   /// Every collective below takes host tensors, or tensors on the group's

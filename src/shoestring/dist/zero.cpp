@@ -147,7 +147,7 @@ at::Tensor ZeroSharding::pack_bucket(const Bucket& bucket, MemoryCategory catego
   at::Tensor flat;
   {
     ScopedMemoryCategory scope(category);
-    flat = at::empty({bucket.numel}, params_.front().second.options().dtype(bucket.dtype));
+    flat = at::empty({bucket.numel}, at::TensorOptions().dtype(bucket.dtype).device(group_.device()));
   }
   if (bucket.owner != group_.rank()) return flat;
   int64_t offset = 0;
@@ -207,7 +207,9 @@ void ZeroSharding::free_unowned(const StreamGroup& g) {
   for (size_t i : g.params) {
     if (owns(i)) continue;
     at::Tensor p = tensors_[i];
-    if (p.numel() > 0) p.set_data(at::empty({0}, p.options()));
+    // On the group's device: a parameter may still be in host memory here
+    // (the run leaves other ranks' streamed weights there at the start).
+    if (p.numel() > 0 || p.device() != group_.device()) p.set_data(at::empty({0}, p.options().device(group_.device())));
   }
 }
 

@@ -152,7 +152,9 @@ class ZeroSharding {
   /// index out of range or already in a group, or after start_streaming().
   size_t add_streamed_group(const std::vector<size_t>& params);
   /// Every rank frees the streamed parameters it does not own (their data
-  /// becomes an empty tensor of their dtype); from now on a group is present
+  /// becomes an empty tensor of their dtype on the group's device, wherever
+  /// it was: the run keeps them in host memory until here, so that the
+  /// device never holds the whole model); from now on a group is present
   /// only between fetch and release. Call once the weights are final for
   /// the start (loaded, restored from a checkpoint, equal on all ranks). No
   /// collective.

@@ -347,6 +347,68 @@ std::pair<std::map<std::string, bool>, bool> apply_precision(Run& run, const Tra
   return {wants_master, fp16_training};
 }
 
+/// The weights a block streaming keeps off a CUDA device from the start
+/// (train/block_streaming.h): with offload_params every weight inside a
+/// checkpointed block, with zero_stage = 3 on several ranks the trainable
+/// ones (each rank keeps only its own there). Empty on the CPU, where the
+/// model is built: there is nothing to move.
+std::vector<at::Tensor> weights_kept_in_host_memory(const Run& run) {
+  const TrainConfig& c = run.config;
+  if (run.device.is_cpu()) return {};
+  const bool offload = c.offload_params && !run.group;
+  const bool zero3 = run.group && c.zero_stage == 3 && c.network_module.empty();
+  if (!offload && !zero3) return {};
+  const std::vector<at::Tensor> all = run.model->module().parameters(/*recurse=*/true);
+  std::vector<at::Tensor> out;
+  for (const auto& [block, group] : checkpointed_block_groups(run.model->block_tables(), all)) {
+    for (size_t i : group) {
+      if (offload || all[i].requires_grad()) out.push_back(all[i]);
+    }
+  }
+  return out;
+}
+
+/// Moves the model (built in host memory) to the run's device, except the
+/// `kept` weights (weights_kept_in_host_memory), which stay where they are:
+/// the device never holds the whole model, so a model larger than the
+/// device can start (DeepSpeed's zero.Init and ZeRO-Infinity leave the
+/// device out likewise).
+void move_model_to_device(Run& run, const std::vector<at::Tensor>& kept) {
+  if (run.device.is_cpu()) return;
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> values;
+  values.reserve(kept.size());
+  for (at::Tensor p : kept) {
+    values.push_back(p.data());  // the same storage, outside the module's reach
+    p.set_data(at::empty({0}, p.options()));
+  }
+  {
+    // Weights move in their storage dtypes; LoRA adapters, gradients,
+    // optimizer state, EMA and masters are then created beside them.
+    ScopedMemoryCategory category(MemoryCategory::weights);
+    run.model->module().to(run.device);
+  }
+  for (size_t i = 0; i < kept.size(); ++i) {
+    at::Tensor p = kept[i];
+    p.set_data(values[i]);
+  }
+}
+
+/// ZeRO stage 3 on a device: the streamed weights this rank owns join it
+/// (before masters, optimizer state and EMA shadows are made beside them);
+/// the others stay in host memory until ZeroSharding::start_streaming
+/// empties them.
+void move_owned_weights_to_device(Run& run) {
+  if (run.device.is_cpu() || !run.zero) return;
+  at::NoGradGuard no_grad;
+  ScopedMemoryCategory category(MemoryCategory::weights);
+  const std::vector<bool> owned = run.zero->owned();
+  for (size_t i = 0; i < run.trainable.size(); ++i) {
+    at::Tensor p = run.trainable[i].second;
+    if (owned[i] && p.device() != run.device) p.set_data(p.data().to(run.device));
+  }
+}
+
 /// LoRA (docs/lora.md): the base model is frozen; only the adapters train.
 void attach_lora(Run& run, const TrainRunOptions& options) {
   const TrainConfig& c = run.config;
@@ -861,15 +923,14 @@ std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions&
     run.model = make_training_model(c, run.dataset, source);
   }
   const auto [wants_master, fp16_training] = apply_precision(run, options);
-  if (!run.device.is_cpu()) {
-    // Weights move in their storage dtypes; LoRA adapters, gradients,
-    // optimizer state, EMA and masters are then created beside them.
-    ScopedMemoryCategory category(MemoryCategory::weights);
-    run.model->module().to(run.device);
-  }
+  move_model_to_device(run, weights_kept_in_host_memory(run));
   nn::set_attention_chunk_bytes(c.attention_chunk_mib * (int64_t{1} << 20));
   run.model->module().train();
-  if (!c.network_module.empty()) attach_lora(run, options);
+  if (!c.network_module.empty()) {
+    attach_lora(run, options);
+    // Adapters of weights kept in host memory (offload_params) were made there.
+    if (!run.device.is_cpu()) run.network->to(run.device);
+  }
   for (const auto& item :
        (run.network ? run.network->named_parameters(true) : run.model->module().named_parameters(true))) {
     if (item.value().requires_grad()) run.trainable.emplace_back(item.key(), item.value());
@@ -896,8 +957,10 @@ std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions&
   if (run.group && c.zero_stage > 0) {
     run.zero = std::make_unique<dist::ZeroSharding>(*run.group, run.trainable, c.zero_stage);
     run.zero->set_prefetch(c.zero3_prefetch);
-    if (c.zero_stage == 3)
+    if (c.zero_stage == 3) {
       run.block_streaming = ZeroBlockStreaming::attach(*run.zero, run.model->block_tables(), run.trainable);
+      move_owned_weights_to_device(run);
+    }
   }
   run.gradients = make_run_gradient_path(run, wants_master, fp16_training);
   if (run.group) {
