@@ -73,6 +73,8 @@ int main(int argc, char** argv) {
     rows.push_back({"AdamW", batches[1], res[1], false, false, "attention_chunk_mib=1"});
     rows.push_back({"AdamW", batches[0], res[1], false, false, "gradient_accumulation_steps=2"});
     rows.push_back({"AdamW", batches[1], res[1], true, false, "offload_params=true"});
+    rows.push_back({"AdamW", batches[0], res[1], true, false, "offload_params=true"});
+    rows.push_back({"AdamW", 4, res[1], true, false, "offload_params=true"});
 
     fmt::print("data: {}\n", data);
     fmt::print("{:<58} {:>10} {:>10} {:>7} | {:>9} {:>9} {:>7} | peak at\n", "config", "pred MiB", "meas MiB", "err%",

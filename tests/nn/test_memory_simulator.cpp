@@ -80,6 +80,57 @@ TEST(MemorySimulator, FusedBackwardFreesParameterGradients) {
   EXPECT_EQ(r.peak_per_category[kG], 70);
 }
 
+// Two checkpointed blocks, x -> f -> a -> g -> b -> loss, each a segment of
+// its own with a parameter gradient (50, 70 bytes).
+MemorySimulator two_blocks() {
+  MemorySimulator t;
+  const int x = t.tensor(100, true);
+  const int a = t.tensor(200);
+  const int b = t.tensor(300);
+  const int l = t.tensor(4);
+  TraceOp f;
+  f.name = "f";
+  f.inputs = {x};
+  f.outputs = {a};
+  f.saved = {x};
+  f.param_grads = {50};
+  const int f_op = t.op(f);
+  t.segment(f_op, f_op, {x});
+  TraceOp g;
+  g.name = "g";
+  g.inputs = {a};
+  g.outputs = {b};
+  g.saved = {a};
+  g.grad_inputs = {a};
+  g.param_grads = {70};
+  const int g_op = t.op(g);
+  t.segment(g_op, g_op, {a});
+  TraceOp loss;
+  loss.name = "loss";
+  loss.inputs = {b};
+  loss.outputs = {l};
+  loss.saved = {b};
+  loss.grad_inputs = {b};
+  t.op(loss);
+  t.keep(l);
+  return t;
+}
+
+TEST(MemorySimulator, StreamedBlocksGradientsLeaveAfterTheirBackward) {
+  const TraceResult kept = two_blocks().simulate({});
+  EXPECT_EQ(kept.gradients_after, 120);
+  EXPECT_EQ(kept.peak_per_category[kG], 120);
+  TraceOptions streamed;
+  streamed.segment_gradients_leave = true;
+  const TraceResult r = two_blocks().simulate(streamed);
+  // g's 70 bytes leave before f's backward makes its 50: never both.
+  EXPECT_EQ(r.gradients_after, 0);
+  EXPECT_EQ(r.peak_per_category[kG], 70);
+  // Nothing else changes: activations and temporaries follow the same pass.
+  EXPECT_EQ(r.forward_kept, kept.forward_kept);
+  EXPECT_EQ(r.peak_per_category[kT], kept.peak_per_category[kT]);
+}
+
 TEST(MemorySimulator, PassthroughSharesTheGradient) {
   // y = x1 + x2 with both inputs requiring grad: add's backward allocates nothing.
   MemorySimulator t;

@@ -119,12 +119,16 @@ TEST(MemoryPlan, PredictsMeasuredPeakWithin10Percent) {
     grid.push_back({opt, 8, 16, false, true, {}});
     grid.push_back({opt, 2, 32, true, true, {}});
   }
-  // Beyond the emoji defaults: fp32 weights, offloaded state, chunked attention, additive time embedding.
+  // Beyond the emoji defaults: fp32 weights, offloaded state, chunked attention, additive time embedding,
+  // offloaded weights.
   grid.push_back({"AdamW", 4, 32, false, false, {"full_bf16=false"}});
   grid.push_back({"AdamW", 2, 32, true, true, {"full_bf16=false"}});
   grid.push_back({"AdamW", 4, 32, false, false, {"offload_optimizer_state=true"}});
   grid.push_back({"AdamW8bit", 4, 32, false, false, {"attention_chunk_mib=1"}});
   grid.push_back({"AdamW", 4, 32, false, false, {"model.scale_shift_norm=false"}});
+  // Streamed blocks: each block's gradients leave the device after its backward.
+  grid.push_back({"AdamW", 4, 32, true, false, {"offload_params=true"}});
+  grid.push_back({"AdamW", 2, 32, true, false, {"offload_params=true"}});
   for (const Case& k : grid) {
     std::vector<std::string> sets = {"model.base_channels=32", "num_threads=1"};
     sets.insert(sets.end(), k.sets.begin(), k.sets.end());

@@ -157,6 +157,9 @@ TraceResult MemorySimulator::simulate(const TraceOptions& options) const {
       freed_after[saver[b]].push_back(b);
   }
   std::vector<char> extra_live(n_ops, 0);
+  // segment_gradients_leave: per segment, the parameter-gradient bytes its
+  // backward has made so far.
+  std::vector<int64_t> segment_grads(segments_.size(), 0);
 
   for (int k = n_ops - 1; k >= 0; --k) {
     const TraceOp& o = ops_[k];
@@ -219,7 +222,13 @@ TraceResult MemorySimulator::simulate(const TraceOptions& options) const {
           tr.now[kTmp] -= t;
         }
         tr.now[kGrad] -= pg;
+      } else if (options.segment_gradients_leave && s >= 0) {
+        segment_grads[s] += pg;
       }
+    }
+    if (s >= 0 && segments_[s].first == k && segment_grads[s] > 0) {
+      tr.now[kGrad] -= segment_grads[s];  // the block's backward is done: its gradients leave
+      segment_grads[s] = 0;
     }
     for (int id : o.outputs) {
       drop_grad(grad_of[id]);

@@ -59,6 +59,11 @@ struct TraceOptions {
   /// update for a gradient of `bytes` (charged to temporaries).
   bool fused = false;
   double fused_transient_per_grad_byte = 0.0;
+  /// Block streaming (offload_params, train/block_streaming.h): the
+  /// parameter gradients made inside a checkpointed segment leave the device
+  /// once backward has run the segment's first op (moved to host memory), so
+  /// they never pile up over the blocks.
+  bool segment_gradients_leave = false;
 };
 
 /// The simulated pass.
@@ -68,7 +73,7 @@ struct TraceResult {
   Bytes at_peak{};              ///< bytes per category at that moment
   Bytes peak_per_category{};    ///< each category's own highest value
   std::string peak_op;          ///< op (and pass) at which the peak happened
-  int64_t gradients_after = 0;  ///< parameter-gradient bytes alive after backward
+  int64_t gradients_after = 0;  ///< parameter-gradient bytes alive after backward (on the device)
 };
 
 /// The op list of one forward pass and its replay (see the file comment).

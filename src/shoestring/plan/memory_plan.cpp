@@ -595,6 +595,7 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
 
   nn::TraceOptions to;
   to.fused = c.fused_backward_pass;
+  to.segment_gradients_leave = offload;  // each block's gradients go to host memory after its backward
   // Fused update of one parameter: fp32 copy of a bf16 gradient + the
   // optimizer's scratch (per gradient byte, taken at the largest parameter).
   if (to.fused) {
