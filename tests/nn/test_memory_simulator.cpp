@@ -11,21 +11,25 @@ constexpr int kA = static_cast<int>(MemoryCategory::activations);
 constexpr int kT = static_cast<int>(MemoryCategory::temporaries);
 constexpr int kG = static_cast<int>(MemoryCategory::gradients);
 
+// How chain() checkpoints f and g: not at all, as one segment, or each as a
+// segment of its own (two blocks).
+enum class Checkpoint { none, together, each };
+
 // x(100, persistent) -> a = f(x) [saves x] -> b = g(a) [saves a] -> loss(b) [saves b]
-MemorySimulator chain(bool checkpoint) {
+MemorySimulator chain(Checkpoint checkpoint) {
   MemorySimulator t;
   const int x = t.tensor(100, true);
   const int a = t.tensor(200);
   const int b = t.tensor(300);
   const int l = t.tensor(4);
-  const int first = t.next_op_index();
   TraceOp f;
   f.name = "f";
   f.inputs = {x};
   f.outputs = {a};
   f.saved = {x};
   f.param_grads = {50};
-  t.op(f);
+  const int f_op = t.op(f);
+  if (checkpoint == Checkpoint::each) t.segment(f_op, f_op, {x});
   TraceOp g;
   g.name = "g";
   g.inputs = {a};
@@ -34,8 +38,9 @@ MemorySimulator chain(bool checkpoint) {
   g.grad_inputs = {a};
   g.param_grads = {70};
   g.backward_transient = 10;
-  t.op(g);
-  if (checkpoint) t.segment(first, t.next_op_index() - 1, {x});
+  const int g_op = t.op(g);
+  if (checkpoint == Checkpoint::each) t.segment(g_op, g_op, {a});
+  if (checkpoint == Checkpoint::together) t.segment(f_op, g_op, {x});
   TraceOp loss;
   loss.name = "loss";
   loss.inputs = {b};
@@ -49,7 +54,7 @@ MemorySimulator chain(bool checkpoint) {
 }  // namespace
 
 TEST(MemorySimulator, ChainPeakByHand) {
-  TraceResult r = chain(false).simulate({});
+  TraceResult r = chain(Checkpoint::none).simulate({});
   // End of forward: x 100 + a 200 (saved by g) + b 300 (saved by loss) + loss 4.
   EXPECT_EQ(r.forward_kept, 604);
   // Backward of loss: + grad(loss) 4 + grad(b) 300 -> 908. Backward of g: b
@@ -62,8 +67,8 @@ TEST(MemorySimulator, ChainPeakByHand) {
 }
 
 TEST(MemorySimulator, CheckpointKeepsOnlySegmentInputs) {
-  TraceResult plain = chain(false).simulate({});
-  TraceResult ckpt = chain(true).simulate({});
+  TraceResult plain = chain(Checkpoint::none).simulate({});
+  TraceResult ckpt = chain(Checkpoint::together).simulate({});
   // a (200) is not kept; b is the segment output, saved by loss.
   EXPECT_EQ(ckpt.forward_kept, plain.forward_kept - 200);
   // The recompute brings a back as a temporary.
@@ -75,54 +80,19 @@ TEST(MemorySimulator, FusedBackwardFreesParameterGradients) {
   TraceOptions fused;
   fused.fused = true;
   fused.fused_transient_per_grad_byte = 2.0;
-  TraceResult r = chain(false).simulate(fused);
+  TraceResult r = chain(Checkpoint::none).simulate(fused);
   EXPECT_EQ(r.gradients_after, 0);
   EXPECT_EQ(r.peak_per_category[kG], 70);
 }
 
-// Two checkpointed blocks, x -> f -> a -> g -> b -> loss, each a segment of
-// its own with a parameter gradient (50, 70 bytes).
-MemorySimulator two_blocks() {
-  MemorySimulator t;
-  const int x = t.tensor(100, true);
-  const int a = t.tensor(200);
-  const int b = t.tensor(300);
-  const int l = t.tensor(4);
-  TraceOp f;
-  f.name = "f";
-  f.inputs = {x};
-  f.outputs = {a};
-  f.saved = {x};
-  f.param_grads = {50};
-  const int f_op = t.op(f);
-  t.segment(f_op, f_op, {x});
-  TraceOp g;
-  g.name = "g";
-  g.inputs = {a};
-  g.outputs = {b};
-  g.saved = {a};
-  g.grad_inputs = {a};
-  g.param_grads = {70};
-  const int g_op = t.op(g);
-  t.segment(g_op, g_op, {a});
-  TraceOp loss;
-  loss.name = "loss";
-  loss.inputs = {b};
-  loss.outputs = {l};
-  loss.saved = {b};
-  loss.grad_inputs = {b};
-  t.op(loss);
-  t.keep(l);
-  return t;
-}
-
 TEST(MemorySimulator, StreamedBlocksGradientsLeaveAfterTheirBackward) {
-  const TraceResult kept = two_blocks().simulate({});
+  // f and g as two checkpointed blocks.
+  const TraceResult kept = chain(Checkpoint::each).simulate({});
   EXPECT_EQ(kept.gradients_after, 120);
   EXPECT_EQ(kept.peak_per_category[kG], 120);
   TraceOptions streamed;
   streamed.segment_gradients_leave = true;
-  const TraceResult r = two_blocks().simulate(streamed);
+  const TraceResult r = chain(Checkpoint::each).simulate(streamed);
   // g's 70 bytes leave before f's backward makes its 50: never both.
   EXPECT_EQ(r.gradients_after, 0);
   EXPECT_EQ(r.peak_per_category[kG], 70);
