@@ -4,7 +4,9 @@
 //
 //   build/bench/plan_accuracy [--config examples/emoji.toml] [--data DIR] [--quick] [--set k=v]...
 //
-// Each configuration trains 2 steps; step 2 (optimizer state present from
+// --set applies to every row, except the keys each row sets itself
+// (optimizer_type, train_batch_size, resolution, gradient_checkpointing,
+// fused_backward_pass and the row's extras). Each configuration trains 2 steps; step 2 (optimizer state present from
 // the start) is compared with predicted_peak_bytes, step 1 with
 // first_step_peak_bytes. Default data: the Twemoji cache if present, else the
 // small test fixture (batches up to 8; all 11 of its images, whatever
@@ -50,7 +52,7 @@ int main(int argc, char** argv) {
     // The fixture's 11 images, not the 3 of them in the example's category
     // (too few for batch 8); a --set of the user's comes later and wins.
     if (data == fixture) sets.insert(sets.begin() + 1, "twemoji_categories=[]");
-    sets.push_back("ema_decay=0.99");
+    sets.insert(sets.begin(), "ema_decay=0.99");  // EMA on unless the user's --set says otherwise
     TrainConfig base = load_config(config, sets);
     struct Row {
       std::string opt;

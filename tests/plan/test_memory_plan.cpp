@@ -75,6 +75,25 @@ TEST(MemoryPlan, OffloadedWeightsKeepTheirEmaInHostMemory) {
   EXPECT_EQ(plan::plan_memory(c, 300).ema_bytes, 4 * with.parameters);
 }
 
+// Runs `train` refuses with offload_params (gradient paths that keep the
+// gradients elsewhere than .grad) are planned as offloaded, with a note.
+TEST(MemoryPlan, OffloadWithARefusedGradientPathIsNoted) {
+  const auto noted = [](const plan::MemoryPlan& p, const std::string& what) {
+    for (const std::string& n : p.notes) {
+      if (n.find("offload_params with") != std::string::npos && n.find(what) != std::string::npos) return true;
+    }
+    return false;
+  };
+  const std::vector<std::string> offload = {"gradient_checkpointing=true", "offload_params=true"};
+  EXPECT_FALSE(noted(plan::plan_memory(emoji_config(offload), 300), "refuses"));
+  std::vector<std::string> sets = offload;
+  sets.push_back("gradient_accumulation_steps=2");
+  EXPECT_TRUE(noted(plan::plan_memory(emoji_config(sets), 300), "full_bf16 and gradient_accumulation_steps"));
+  sets = offload;
+  sets.insert(sets.end(), {"full_bf16=false", "mixed_precision=\"fp16\""});
+  EXPECT_TRUE(noted(plan::plan_memory(emoji_config(sets), 300), "fp16 loss scaling"));
+}
+
 // bf16 weights computing in bf16 keep 2-byte activations, computing in fp32
 // 4-byte ones; the planner's resolution cache must not serve one for the other.
 TEST(MemoryPlan, Bf16ComputeChoiceChangesActivationsThroughTheCache) {

@@ -104,6 +104,24 @@ TEST(RealArchitecturePlan, CheckpointingLowersActivationsAndResolutionRaisesThem
   }
 }
 
+// LoRA with offload_params: `train` streams the blocks' frozen base weights
+// (the adapters stay on the device); the plan moves them to host memory.
+TEST(RealArchitecturePlan, OffloadedLoraStreamsTheFrozenBaseWeights) {
+  TrainConfig c = plan::model_step_config({});
+  c.architecture = "sdxl";
+  c.resolution = 1024;
+  c.gradient_checkpointing = true;
+  c.fused_backward_pass = false;
+  c.network_module = "networks.lora";
+  const plan::MemoryPlan resident = plan::plan_memory(c, plan::kDefaultVocabSize);
+  c.offload_params = true;
+  const plan::MemoryPlan offloaded = plan::plan_memory(c, plan::kDefaultVocabSize);
+  EXPECT_EQ(offloaded.parameters, resident.parameters);  // the adapters
+  EXPECT_LT(offloaded.weights_bytes, resident.weights_bytes / 10) << "SDXL's blocks hold most of its weights";
+  EXPECT_GE(offloaded.host_bytes, resident.weights_bytes - offloaded.weights_bytes);
+  EXPECT_LT(offloaded.predicted_peak_bytes, resident.predicted_peak_bytes - offloaded.host_bytes / 2);
+}
+
 TEST(RealArchitecturePlan, RefusesWhatItDoesNotModel) {
   TrainConfig c = plan::model_step_config({});
   TrainConfig emoji_lora;  // tiny-unet: LoRA is planned on the released architectures only

@@ -253,11 +253,12 @@ LoraOptions apply_network_args(LoraOptions o, const std::vector<std::string>& ar
 // ---------------------------------------------------------------------------
 // LoraModule
 
-LoraModuleImpl::LoraModuleImpl(LoraLayerRef layer, int64_t rank, double alpha, double mult, torch::Dtype dtype)
+LoraModuleImpl::LoraModuleImpl(LoraLayerRef layer, int64_t rank, double alpha, double mult, torch::Dtype dtype,
+                               std::optional<c10::Device> device)
     : multiplier(mult), layer_(std::move(layer)), rank_(rank) {
   if (!layer_.adaptable()) fail("LoRA: layer '{}' cannot be adapted: {}", layer_.path, layer_.not_adaptable_reason);
   if (rank < 1) fail("LoRA: rank of '{}' must be >= 1, got {}", layer_.path, rank);
-  LayerInit init(torch::TensorOptions().dtype(dtype).device(layer_.weight().device()));
+  LayerInit init(torch::TensorOptions().dtype(dtype).device(device.value_or(layer_.weight().device())));
   if (layer_.kind == LoraLayerKind::kLinear) {
     auto down = register_module("lora_down", Linear(layer_.in, rank, /*bias=*/false, init));
     auto up = register_module("lora_up", Linear(rank, layer_.out, /*bias=*/false, init));
@@ -355,7 +356,7 @@ LoraNetworkImpl::LoraNetworkImpl(torch::nn::Module& root, const std::vector<Lora
       not_adaptable_.push_back(fmt::format("{} ({})", layer.path, layer.not_adaptable_reason));
       continue;
     }
-    add(layer, rank, alpha, options.multiplier, options.dtype);
+    add(layer, rank, alpha, options.multiplier, options.dtype, options.device);
   }
   if (modules_.empty()) {
     fail("LoRA: no layer to adapt: the options select none of the {} Linear/Conv2d layers{}", table_.layers().size(),
@@ -366,9 +367,9 @@ LoraNetworkImpl::LoraNetworkImpl(torch::nn::Module& root, const std::vector<Lora
 }
 
 void LoraNetworkImpl::add(const LoraLayerRef& layer, int64_t rank, double alpha, double multiplier,
-                          torch::Dtype dtype) {
+                          torch::Dtype dtype, std::optional<c10::Device> device) {
   std::shared_ptr<LoraModuleImpl> m =
-      register_module(layer.kohya_name, LoraModule(layer, rank, alpha, multiplier, dtype));
+      register_module(layer.kohya_name, LoraModule(layer, rank, alpha, multiplier, dtype, device));
   m->attach();
   by_name_[layer.kohya_name] = modules_.size();
   modules_.push_back(m);

@@ -161,8 +161,12 @@ struct LoraOptions {
   /// 1x1 convs in this group use `rank` / `alpha`, as kohya.
   int64_t conv_rank = 0;
   double conv_alpha = 1.0;  ///< conv_alpha
-  /// dtype of the adapter weights (the device follows each layer's weight).
+  /// dtype of the adapter weights.
   torch::Dtype dtype = torch::kFloat32;
+  /// Device of the adapter weights (and of their random initialisation);
+  /// unset: each layer's weight's. A run whose block weights stay in host
+  /// memory (offload_params) makes them on its device, as without offloading.
+  std::optional<c10::Device> device;
 };
 
 /// Applies kohya-style `network_args` ("key=value") to `base`: conv_dim,
@@ -175,10 +179,12 @@ LoraOptions apply_network_args(LoraOptions base, const std::vector<std::string>&
 /// lora_up.weight; buffer alpha (0-d fp32). Created by LoraNetwork.
 class LoraModuleImpl : public torch::nn::Module {
  public:
-  /// Builds down (kaiming-uniform as kohya) and up (zeros) for `layer`.
-  /// alpha <= 0 means alpha = rank. Throws shoestring::Error if the layer is
-  /// not adaptable or rank < 1.
-  LoraModuleImpl(LoraLayerRef layer, int64_t rank, double alpha, double multiplier, torch::Dtype dtype);
+  /// Builds down (kaiming-uniform as kohya) and up (zeros) for `layer`, of
+  /// `dtype`, on `device` (unset: the layer's weight's). alpha <= 0 means
+  /// alpha = rank. Throws shoestring::Error if the layer is not adaptable or
+  /// rank < 1.
+  LoraModuleImpl(LoraLayerRef layer, int64_t rank, double alpha, double multiplier, torch::Dtype dtype,
+                 std::optional<c10::Device> device = std::nullopt);
   ~LoraModuleImpl() override;
 
   /// multiplier * (alpha / rank) * up(down(x)), computed in x's dtype (the
@@ -303,7 +309,8 @@ class LoraNetworkImpl : public torch::nn::Module {
 
  private:
   LoraNetworkImpl(torch::nn::Module& root, const std::vector<LoraComponent>& components);
-  void add(const LoraLayerRef& layer, int64_t rank, double alpha, double multiplier, torch::Dtype dtype);
+  void add(const LoraLayerRef& layer, int64_t rank, double alpha, double multiplier, torch::Dtype dtype,
+           std::optional<c10::Device> device = std::nullopt);
 
   KohyaNameTable table_;
   LoraOptions options_;

@@ -546,7 +546,9 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
   // offload_params (one process): the streamed weights and gradients in host
   // memory, the largest block's on the device while it runs; its optimizer
   // state in host memory as with offload_optimizer_state.
-  const bool offload = c.offload_params && world_size == 1 && !lora;
+  // LoRA: the frozen base weights of the blocks stream (the adapters, outside
+  // the blocks, stay on the device with their gradients).
+  const bool offload = c.offload_params && world_size == 1;
   // What `train` refuses is planned as the run it would be, with a note.
   if (c.offload_params && world_size > 1) {
     p.notes.push_back(fmt::format(
@@ -555,6 +557,11 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
     p.notes.push_back(
         "offload_params with fused_backward_pass: `train` refuses the pair (the fused backward steps each "
         "gradient where it is made); planned as offloaded");
+  } else if (c.offload_params && (bridge || (c.full_bf16 && c.gradient_accumulation_steps > 1))) {
+    p.notes.push_back(fmt::format(
+        "offload_params with {}: `train` refuses it (offloading moves each block's gradients to host memory "
+        "through autograd's .grad, and that gradient path keeps them elsewhere); planned as offloaded",
+        bridge ? "fp16 loss scaling or fp32 master weights" : "full_bf16 and gradient_accumulation_steps > 1"));
   }
   int64_t offload_device_grads = -1, offload_step_grads = -1;
   if (offload) {
@@ -563,8 +570,10 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
     for (const auto& [g, bytes] : offload_group_grads) block_grads = std::max(block_grads, bytes);
     p.weights_bytes -= offload_weights - block_weights;
     p.host_bytes += offload_weights + offload_grads;
-    offload_device_grads = grad_bytes_storage - offload_grads + block_grads;
-    offload_step_grads = grad_bytes_storage - offload_grads;
+    if (!lora) {
+      offload_device_grads = grad_bytes_storage - offload_grads + block_grads;
+      offload_step_grads = grad_bytes_storage - offload_grads;
+    }
     p.notes.push_back(fmt::format(
         "offload_params: {} of weights in {} checkpointed blocks and {} of their gradients live in host memory, "
         "with the optimizer state; the largest block, {}, is on the device while it runs",
@@ -595,7 +604,7 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
 
   nn::TraceOptions to;
   to.fused = c.fused_backward_pass;
-  to.segment_gradients_leave = offload;  // each block's gradients go to host memory after its backward
+  to.segment_gradients_leave = offload && !lora;  // each block's gradients go to host memory after its backward
   // Fused update of one parameter: fp32 copy of a bf16 gradient + the
   // optimizer's scratch (per gradient byte, taken at the largest parameter).
   if (to.fused) {

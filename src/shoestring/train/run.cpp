@@ -414,7 +414,9 @@ void attach_lora(Run& run, const TrainRunOptions& options) {
   const TrainConfig& c = run.config;
   torch::nn::Module& model = run.model->module();
   nn::freeze_parameters(model);
-  run.network = nn::LoraNetwork(model, run.model->lora_components(c.network_train_unet_only), lora_options(c));
+  nn::LoraOptions adapters = lora_options(c);
+  adapters.device = run.device;  // also for base weights kept in host memory (offload_params)
+  run.network = nn::LoraNetwork(model, run.model->lora_components(c.network_train_unet_only), adapters);
   if (!c.network_weights.empty()) run.network->load(expand_path(c.network_weights));
   if (c.pretrained_model_name_or_path.empty() && c.network_weights.empty()) {
     spdlog::warn(
@@ -926,11 +928,7 @@ std::unique_ptr<Run> setup_run(const TrainConfig& config, const TrainRunOptions&
   move_model_to_device(run, weights_kept_in_host_memory(run));
   nn::set_attention_chunk_bytes(c.attention_chunk_mib * (int64_t{1} << 20));
   run.model->module().train();
-  if (!c.network_module.empty()) {
-    attach_lora(run, options);
-    // Adapters of weights kept in host memory (offload_params) were made there.
-    if (!run.device.is_cpu()) run.network->to(run.device);
-  }
+  if (!c.network_module.empty()) attach_lora(run, options);
   for (const auto& item :
        (run.network ? run.network->named_parameters(true) : run.model->module().named_parameters(true))) {
     if (item.value().requires_grad()) run.trainable.emplace_back(item.key(), item.value());
