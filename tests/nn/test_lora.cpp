@@ -127,6 +127,24 @@ TEST(Lora, KohyaNamesOfLdmLayout) {
   EXPECT_EQ(keys.size(), 15u);
 }
 
+// LoraOptions::device: the adapters are made there, not beside their layer's
+// weight (an offload_params run keeps base weights in host memory while its
+// adapters belong on the device); unset, they follow the weight.
+TEST(Lora, AdaptersAreMadeOnTheNamedDevice) {
+  const LayerInit meta{torch::TensorOptions().device(torch::kMeta)};
+  auto root_a = ldm_model(meta), root_b = ldm_model(meta);  // a layer carries one adapter
+  LoraNetwork follows(*root_a, ldm_components(), LoraOptions{});
+  LoraOptions on_cpu;
+  on_cpu.device = torch::kCPU;
+  LoraNetwork named(*root_b, ldm_components(), on_cpu);
+  ASSERT_FALSE(named->parameters().empty());
+  for (const auto& p : follows->parameters()) EXPECT_TRUE(p.is_meta());
+  for (const auto& p : named->parameters()) {
+    EXPECT_TRUE(p.device().is_cpu());
+    EXPECT_TRUE(p.isfinite().all().item<bool>());  // initialised there, not just allocated
+  }
+}
+
 TEST(Lora, FeedForwardAndConvTargets) {
   auto root = ldm_model();
   LoraOptions o;

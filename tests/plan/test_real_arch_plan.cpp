@@ -120,6 +120,18 @@ TEST(RealArchitecturePlan, OffloadedLoraStreamsTheFrozenBaseWeights) {
   EXPECT_LT(offloaded.weights_bytes, resident.weights_bytes / 10) << "SDXL's blocks hold most of its weights";
   EXPECT_GE(offloaded.host_bytes, resident.weights_bytes - offloaded.weights_bytes);
   EXPECT_LT(offloaded.predicted_peak_bytes, resident.predicted_peak_bytes - offloaded.host_bytes / 2);
+  // A rule making base weights trainable (with fp32 masters) changes nothing:
+  // `train` freezes the base of a LoRA run whatever the rules say.
+  precision::RuleSpec rule;
+  rule.match = "*";
+  rule.trainable = true;
+  rule.master = "fp32";
+  c.precision_rules.push_back(rule);
+  c.ema_decay = 0.999;
+  const plan::MemoryPlan ruled = plan::plan_memory(c, plan::kDefaultVocabSize);
+  EXPECT_EQ(ruled.parameters, offloaded.parameters);
+  EXPECT_EQ(ruled.ema_bytes, 4 * ruled.parameters);  // the adapters' shadows, on the device
+  for (const std::string& note : ruled.notes) EXPECT_EQ(note.find("refuses"), std::string::npos) << note;
 }
 
 TEST(RealArchitecturePlan, RefusesWhatItDoesNotModel) {

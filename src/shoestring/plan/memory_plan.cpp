@@ -362,19 +362,24 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
   std::vector<int> group_of_trained;       // per trained tensor
   std::vector<int64_t> weight_of_trained;  // its stored bytes
   std::vector<int64_t> master_of_trained;  // its fp32 master's bytes (0: none)
+  const bool lora = !c.network_module.empty();
   for (const auto& q : r.resolution.params) {
     const precision::Settings& s = q.settings;
+    // LoRA: `train` freezes every base weight, whatever the precision rules
+    // say (it still takes fp16 loss scaling from them, as apply_precision).
+    const bool trains = s.trainable && !lora;
+    fp16_training = fp16_training || (s.trainable && s.storage == precision::Dtype::fp16);
     p.weights_bytes += q.numel * precision::storage_bytes(q);
     if (const int g = outermost(all_checkpointed_paths, q.path); g >= 0) {
       offload_weights += q.numel * precision::storage_bytes(q);
       offload_group_weights[g] += q.numel * precision::storage_bytes(q);
-      if (s.trainable) {
+      if (trains) {
         offload_trained_elements += q.numel;
         offload_grads += q.numel * precision::container_bytes(s.storage);
         offload_group_grads[g] += q.numel * precision::container_bytes(s.storage);
       }
     }
-    if (!s.trainable) {
+    if (!trains) {
       frozen_parameters += q.numel;
       continue;
     }
@@ -385,14 +390,12 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
     master_of_trained.push_back(master ? q.numel * 4 : 0);
     grad_bytes_storage += q.numel * precision::container_bytes(s.storage);
     trained.emplace_back(q.shape, master ? at::kFloat : precision::container_dtype(s.storage));
-    fp16_training = fp16_training || s.storage == precision::Dtype::fp16;
   }
   for (const auto& m : r.resolution.modules) {
     fp16_training = fp16_training || (m.block && m.settings.compute == precision::Dtype::fp16);
   }
   // Gradients reach the optimizer through the fp32 bridge (loss scaling or masters).
   const bool bridge = fp16_training || masters > 0;
-  const bool lora = !c.network_module.empty();
   int64_t lora_elem = 0;
   if (lora) {
     // LoRA: the adapters the trainer would attach, on a fresh meta model
