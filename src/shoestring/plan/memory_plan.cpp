@@ -358,7 +358,7 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
   // offload_params (train/block_streaming.h): every parameter of a
   // checkpointed block in host memory, the block in use on the device.
   int64_t offload_weights = 0, offload_grads = 0, offload_trained_elements = 0;
-  std::map<int, int64_t> offload_group_weights, offload_group_grads;
+  std::map<int, int64_t> offload_group_weights;
   std::vector<int> group_of_trained;       // per trained tensor
   std::vector<int64_t> weight_of_trained;  // its stored bytes
   std::vector<int64_t> master_of_trained;  // its fp32 master's bytes (0: none)
@@ -376,7 +376,6 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
       if (trains) {
         offload_trained_elements += q.numel;
         offload_grads += q.numel * precision::container_bytes(s.storage);
-        offload_group_grads[g] += q.numel * precision::container_bytes(s.storage);
       }
     }
     if (!trains) {
@@ -566,17 +565,13 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
         "through autograd's .grad, and that gradient path keeps them elsewhere); planned as offloaded",
         bridge ? "fp16 loss scaling or fp32 master weights" : "full_bf16 and gradient_accumulation_steps > 1"));
   }
-  int64_t offload_device_grads = -1, offload_step_grads = -1;
   if (offload) {
-    int64_t block_weights = 0, block_grads = 0;
+    // Their gradients leave the device block by block: the trace frees them
+    // (TraceOptions::segment_gradients_leave below).
+    int64_t block_weights = 0;
     for (const auto& [g, bytes] : offload_group_weights) block_weights = std::max(block_weights, bytes);
-    for (const auto& [g, bytes] : offload_group_grads) block_grads = std::max(block_grads, bytes);
     p.weights_bytes -= offload_weights - block_weights;
     p.host_bytes += offload_weights + offload_grads;
-    if (!lora) {
-      offload_device_grads = grad_bytes_storage - offload_grads + block_grads;
-      offload_step_grads = grad_bytes_storage - offload_grads;
-    }
     p.notes.push_back(fmt::format(
         "offload_params: {} of weights in {} checkpointed blocks and {} of their gradients live in host memory, "
         "with the optimizer state; the largest block, {}, is on the device while it runs",
@@ -656,7 +651,6 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
   const bool accumulator = !c.fused_backward_pass && accum > 1 && weight_elem == 2 && !bridge;
   Bytes a = tr.at_peak;
   if (stage3_gradients >= 0) a[kG] = std::min(a[kG], stage3_gradients - (accumulator ? stage3_owned_gradients : 0));
-  if (offload_device_grads >= 0) a[kG] = std::min(a[kG], offload_device_grads);
   for (int k = 0; k < kNumMemoryCategories; ++k) a[k] += persistent[k];
   int64_t peak_a = 0;
   for (int64_t v : a) peak_a += v;
@@ -686,9 +680,7 @@ MemoryPlan plan_memory(const TrainConfig& c, int64_t vocab_size, int world_size)
     } else if (bridge) {
       b[kG] += fp32_grads;
     } else {
-      b[kG] += stage3_gradients >= 0     ? std::min(tr.gradients_after, stage3_gradients)
-               : offload_step_grads >= 0 ? std::min(tr.gradients_after, offload_step_grads)
-                                         : tr.gradients_after;
+      b[kG] += stage3_gradients >= 0 ? std::min(tr.gradients_after, stage3_gradients) : tr.gradients_after;
     }
     const int64_t norm_tmp = largest * ((grad_elem == 2 && !bridge) ? 8 : 4);
     const int64_t step_tmp = largest * 4 + scratch + staging;
